@@ -1,0 +1,142 @@
+// Tile-scheduler metadata kernel (get_mla_metadata): splits the KV work of a batch into
+// num_sm_parts nearly equal contiguous chunks, one per persistent decode CTA column.
+//
+// The model (mirrored bit for bit by flashmla_backend/scheduler.py, which the tests compare):
+//   request i costs w_i = nb_i + kFixedOverheadBlocks units, nb_i = ceil(max(len_i, 0) / kPageSize);
+//   requests are laid end to end on a line of T = sum(w_i) units, request i at [C_i, C_i + w_i);
+//   part p starts at unit u_p = p * P with P = max(1, ceil(T / num_sm_parts)) (u_p >= T: empty part).
+//   Unit u = C_i + k maps to a position (request, block): (i, k) when k < nb_i or k == 0 (the first
+//   unit of a request is its start, also for a zero-length request); (i + 1, 0) in the rest of its
+//   overhead. Part p covers positions
+//   [pos(u_p), pos(u_{p+1})), so every block and every zero-length request belongs to exactly one
+//   part, and a part's cost is at most P units plus one overhead (the piece it ends on).
+//   A part starting at (i, k) with 0 < k < nb_i cuts request i: each cut adds one split.
+//
+// Grid: one warp. Lane j of chunk c handles request i = 32c + j: it finds the parts whose start
+// unit falls inside [C_i, C_i + w_i) and writes their begin fields and their predecessors' end
+// fields. Loop trip count ~ batch / 32, so b in the thousands costs a few microseconds.
+#include <cuda_runtime.h>
+
+#include "../common/check.h"
+#include "../launch.h"
+#include "../params.h"
+
+namespace flashmla_backend {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ long long warp_inclusive_scan(long long v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    long long o = __shfl_up_sync(kFullMask, v, d);
+    if (lane >= d) v += o;
+  }
+  return v;
+}
+
+__device__ __forceinline__ long long warp_sum(long long v) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(kFullMask, v, d);
+  return v;
+}
+
+__device__ __forceinline__ long long ceil_div_ll(long long a, long long b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ int clamped_len(const int32_t* seqlens, int i) {
+  int v = seqlens[i];
+  return v > 0 ? v : 0;
+}
+
+// Writes the end fields of a row from the position (req, block) where the next part begins.
+__device__ __forceinline__ void write_end(int32_t* row, const int32_t* seqlens, int req, int block) {
+  if (block > 0) {  // ends inside request `req`, before token block * kPageSize
+    row[2] = req;
+    row[3] = block * kPageSize;
+  } else {  // ends at the end of request req - 1
+    row[2] = req - 1;
+    row[3] = req > 0 ? clamped_len(seqlens, req - 1) : 0;
+  }
+}
+
+__global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
+  const int lane = threadIdx.x;
+  const int batch = p.batch;
+  const int parts = p.num_sm_parts;
+
+  // Pass 1: T, the total cost, and P, the cost per part.
+  long long total = 0;
+  for (int i = lane; i < batch; i += 32) {
+    total += (clamped_len(p.seqlens, i) + kPageSize - 1) / kPageSize + kFixedOverheadBlocks;
+  }
+  total = warp_sum(total);
+  const long long per_part = total > parts ? ceil_div_ll(total, parts) : 1;
+
+  // Pass 2: place the part boundaries, count cuts per request, prefix-sum splits.
+  if (lane == 0) p.num_splits[0] = 0;
+  long long unit_base = 0;  // C of the chunk's first request
+  int split_base = 0;       // num_splits[chunk's first request]
+  for (int chunk = 0; chunk < batch; chunk += 32) {
+    const int i = chunk + lane;
+    const bool valid = i < batch;
+    const int len = valid ? clamped_len(p.seqlens, i) : 0;
+    const int nb = (len + kPageSize - 1) / kPageSize;
+    const long long w = valid ? nb + kFixedOverheadBlocks : 0;
+    const long long incl = warp_inclusive_scan(w, lane);
+    const long long c_begin = unit_base + incl - w;
+    const long long c_end = unit_base + incl;
+
+    int cuts = 0;
+    if (valid) {
+      const long long p_first = ceil_div_ll(c_begin, per_part);
+      long long p_last = ceil_div_ll(c_end, per_part);  // exclusive
+      if (p_last > parts) p_last = parts;
+      for (long long part = p_first; part < p_last; ++part) {
+        const long long off = part * per_part - c_begin;
+        int begin_req, begin_block, begin_split;
+        if (off < nb || off == 0) {
+          begin_req = i;
+          begin_block = static_cast<int>(off);
+          begin_split = off > 0 ? ++cuts : 0;
+        } else {
+          begin_req = i + 1;
+          begin_block = 0;
+          begin_split = 0;
+        }
+        int32_t* row = p.metadata + part * kSchedMetaInts;
+        row[0] = begin_req;
+        row[1] = begin_block * kPageSize;
+        row[4] = begin_split;
+        row[5] = row[6] = row[7] = 0;
+        if (part > 0) write_end(row - kSchedMetaInts, p.seqlens, begin_req, begin_block);
+      }
+    }
+    const long long splits_incl = warp_inclusive_scan(valid ? 1 + cuts : 0, lane);
+    if (valid) p.num_splits[i + 1] = split_base + static_cast<int>(splits_incl);
+    unit_base += __shfl_sync(kFullMask, incl, 31);
+    split_base += static_cast<int>(__shfl_sync(kFullMask, splits_incl, 31));
+  }
+
+  // Parts that start at or past T are empty; the part that contains T ends at the batch's end.
+  for (int part = lane; part < parts; part += 32) {
+    int32_t* row = p.metadata + part * kSchedMetaInts;
+    if (static_cast<long long>(part) * per_part >= total) {
+      row[0] = batch;
+      row[1] = 0;
+      row[4] = 0;
+      row[5] = row[6] = row[7] = 0;
+    }
+    if (static_cast<long long>(part + 1) * per_part >= total) write_end(row, p.seqlens, batch, 0);
+  }
+}
+
+}  // namespace
+
+void run_tile_scheduler(const SchedParams& params) {
+  FMLA_HOST_CHECK(params.batch >= 1, "tile scheduler needs batch >= 1, got " << params.batch);
+  FMLA_HOST_CHECK(params.num_sm_parts >= 1, "tile scheduler needs num_sm_parts >= 1, got " << params.num_sm_parts);
+  tile_scheduler_kernel<<<1, 32, 0, static_cast<cudaStream_t>(params.stream)>>>(params);
+  FMLA_CHECK_LAUNCH("tile_scheduler_kernel");
+}
+
+}  // namespace flashmla_backend

@@ -1,0 +1,26 @@
+"""flashmla_backend: MLA decode kernels (DeepSeek-V3 attention, absorbed form) for NVIDIA GPUs.
+
+Drop-in compatible with FlashMLA's dense decode API:
+
+    from flashmla_backend import get_mla_metadata, flash_mla_with_kvcache
+    meta, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, meta, num_splits,
+                                      softmax_scale=scale, causal=True)
+
+CUDA tensors run the kernels (Hopper: wgmma/TMA; A100: portable mma.sync kernel); CPU tensors run
+the pure-PyTorch reference (flashmla_backend.reference). Engine plugins: flashmla_backend.vllm.
+"""
+from .device import UnsupportedGPUError, is_supported
+from .ops import flash_mla_with_kvcache, get_mla_metadata
+from .reference import mla_decode_reference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "get_mla_metadata",
+    "flash_mla_with_kvcache",
+    "mla_decode_reference",
+    "is_supported",
+    "UnsupportedGPUError",
+    "__version__",
+]

@@ -1,0 +1,34 @@
+"""Loads the compiled module flashmla_backend._C once, with an error that says what to do."""
+from __future__ import annotations
+
+import functools
+
+
+class ExtensionNotBuiltError(ImportError):
+    pass
+
+
+@functools.cache
+def _load():
+    try:
+        from flashmla_backend import _C  # noqa: PLC0415
+    except ImportError as e:  # not built, or built for another Python
+        return None, e
+    return _C, None
+
+
+def ext():
+    """The compiled module; raises ExtensionNotBuiltError when it is missing."""
+    module, error = _load()
+    if module is None:
+        raise ExtensionNotBuiltError(
+            "flashmla_backend: the CUDA extension flashmla_backend._C is not available "
+            f"({error}). GPU tensors need it: install the package with `pip install .` on a machine with "
+            "nvcc (CUDA 12.8+), or `python setup.py build_ext --inplace` for a source checkout. "
+            "CPU tensors work without it (pure-PyTorch reference)."
+        ) from error
+    return module
+
+
+def available() -> bool:
+    return _load()[0] is not None

@@ -1,0 +1,103 @@
+"""Which GPUs the kernels run on, and which kernel a device gets.
+
+Kernels:
+  "sm90"     wgmma + TMA, warp-specialized (Hopper: H100, H200, H20, H800), built for sm_90a;
+  "portable" mma.sync + cp.async, needs ~150 KB of shared memory per block: A100/A800 (sm_80),
+             Hopper, and newer GPUs with as much shared memory (through the compute_80 PTX).
+FLASHMLA_BACKEND_KERNEL=portable|sm90 forces one (tests use it to cover both on Hopper).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from . import _ext
+
+KERNEL_ENV = "FLASHMLA_BACKEND_KERNEL"
+
+
+class UnsupportedGPUError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProps:
+    index: int
+    name: str
+    major: int
+    minor: int
+    sm_count: int
+    smem_per_block_optin: int
+
+    @property
+    def arch(self) -> str:
+        return f"sm_{self.major}{self.minor}"
+
+
+@functools.cache
+def device_props(index: int) -> DeviceProps:
+    info = _ext.ext().device_info(index)
+    return DeviceProps(index=index, **info)
+
+
+def _compiled_archs() -> set[str]:
+    return set(_ext.ext().cuda_archs.split(";"))
+
+
+@functools.cache
+def _kernel_for(index: int, forced: str) -> str:
+    props = device_props(index)
+    C = _ext.ext()
+    archs = _compiled_archs()
+    sm90_ok = props.major == 9 and C.sm90_compiled()
+    # sm_80 machine code serves 8.x; its compute_80 PTX (JIT-compiled by the driver) serves newer GPUs;
+    # the 90a target has native code for Hopper.
+    portable_ok = (
+        props.major >= 8
+        and props.smem_per_block_optin >= C.portable_decode_smem_bytes()
+        and ("80" in archs or (props.major == 9 and "90a" in archs))
+    )
+    if forced not in ("", "auto", "portable", "sm90"):
+        raise ValueError(f"flashmla_backend: {KERNEL_ENV}={forced!r}; expected 'auto', 'portable' or 'sm90'")
+    if forced == "sm90" and not sm90_ok:
+        raise UnsupportedGPUError(
+            f"flashmla_backend: {KERNEL_ENV}=sm90 but GPU {index} '{props.name}' ({props.arch}) cannot run it "
+            f"(needs a Hopper GPU, sm_90, and a build with the 90a target; this build has {sorted(archs)})"
+        )
+    if forced == "sm90" or (forced in ("", "auto") and sm90_ok):
+        return "sm90"
+    if portable_ok:
+        return "portable"
+    raise UnsupportedGPUError(
+        f"flashmla_backend: GPU {index} '{props.name}' ({props.arch}, "
+        f"{props.smem_per_block_optin // 1024} KB shared memory per block) is not supported. Supported: Hopper "
+        f"(sm_90: H100, H200, H20, H800) and GPUs with sm_80-compatible code and at least "
+        f"{C.portable_decode_smem_bytes() // 1024 + 1} KB of shared memory per block (A100/A800, sm_80). "
+        f"This build targets {';'.join(sorted(archs))} (FLASHMLA_BACKEND_CUDA_ARCHS at build time). "
+        "Ada and consumer Ampere GPUs (sm_86, sm_89: 99 KB) are not supported."
+    )
+
+
+def kernel_for(device: torch.device) -> str:
+    """The decode kernel for a CUDA device; raises UnsupportedGPUError naming the GPU if none fits."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _kernel_for(index, os.environ.get(KERNEL_ENV, "").strip().lower())
+
+
+def is_supported(device: torch.device | int | str | None = None) -> tuple[bool, str]:
+    """(True, kernel name) when the decode kernels run on ``device`` (default: current CUDA device),
+    else (False, reason). Never raises."""
+    try:
+        if not torch.cuda.is_available():
+            return False, "no CUDA device (torch.cuda.is_available() is False)"
+        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if isinstance(device, int):
+            dev = torch.device("cuda", device)
+        if dev.type != "cuda":
+            return False, f"{dev} is not a CUDA device"
+        return True, kernel_for(dev)
+    except (UnsupportedGPUError, _ext.ExtensionNotBuiltError, ValueError, RuntimeError) as e:
+        return False, str(e)

@@ -1,0 +1,175 @@
+"""Public API, drop-in compatible with FlashMLA's dense decode API.
+
+    tile_scheduler_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512,
+                                      tile_scheduler_metadata, num_splits, softmax_scale=None, causal=False)
+
+CUDA tensors run the kernels; CPU tensors run the pure-PyTorch reference. Both functions are also
+registered as torch custom ops (torch.ops.flashmla_backend.get_mla_metadata / .mla_decode), which
+is what torch.compile sees; eager calls skip the dispatcher for lower launch overhead.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _ext, device, scheduler, validate
+from .reference import mla_decode_reference
+
+_DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
+
+
+# ---- get_mla_metadata -------------------------------------------------------------------------
+
+def _metadata_impl(cache_seqlens: torch.Tensor, num_sm_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b = cache_seqlens.shape[0]
+    if cache_seqlens.device.type != "cuda":
+        return scheduler.schedule(cache_seqlens, num_sm_parts)
+    meta = torch.empty((num_sm_parts, scheduler.META_INTS), dtype=torch.int32, device=cache_seqlens.device)
+    num_splits = torch.empty((b + 1,), dtype=torch.int32, device=cache_seqlens.device)
+    if b == 0:
+        meta.zero_()
+        meta[:, 2] = -1
+        num_splits.zero_()
+        return meta, num_splits
+    idx = cache_seqlens.device.index
+    _ext.ext().tile_scheduler(cache_seqlens.data_ptr(), b, num_sm_parts, meta.data_ptr(), num_splits.data_ptr(),
+                              idx, torch.cuda.current_stream(cache_seqlens.device).cuda_stream)
+    return meta, num_splits
+
+
+@torch.library.custom_op("flashmla_backend::get_mla_metadata", mutates_args=())
+def _metadata_op(cache_seqlens: torch.Tensor, num_sm_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _metadata_impl(cache_seqlens, num_sm_parts)
+
+
+@_metadata_op.register_fake
+def _(cache_seqlens, num_sm_parts):
+    b = cache_seqlens.shape[0]
+    return (cache_seqlens.new_empty((num_sm_parts, scheduler.META_INTS)), cache_seqlens.new_empty((b + 1,)))
+
+
+# SM count used for the scheduler on CPU tensors (the H100's, so CPU metadata matches an H100's).
+CPU_SM_COUNT = 132
+
+
+def sm_count(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return device.device_props(index).sm_count
+    return CPU_SM_COUNT
+
+
+def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
+                     num_heads_q: int | None = None, is_fp8_kvcache: bool = False, topk: int | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile-scheduler metadata for one decode step, computed on cache_seqlens' device without a host sync.
+
+    cache_seqlens: [batch] int32. num_q_tokens_per_head_k: s_q * h_q // h_kv. num_heads_k: h_kv.
+    Returns (tile_scheduler_metadata [num_sm_parts, 8] int32, num_splits [batch + 1] int32); reuse them
+    in every layer of the step. num_sm_parts = SMs // h_kv // ceil(num_q_tokens_per_head_k / 64).
+    """
+    validate.validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q,
+                                    is_fp8_kvcache, topk)
+    parts = scheduler.num_sm_parts(sm_count(cache_seqlens.device), num_heads_k, num_q_tokens_per_head_k)
+    if torch.compiler.is_compiling():
+        return torch.ops.flashmla_backend.get_mla_metadata(cache_seqlens, parts)
+    return _metadata_impl(cache_seqlens, parts)
+
+
+# ---- flash_mla_with_kvcache -------------------------------------------------------------------
+
+def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes):
+    validate.check_kernel_layout(q, k_cache)
+    kernel = device.kernel_for(q.device)
+    b, s_q, h_q, h_kv = shapes.batch, shapes.seqlen_q, shapes.num_heads_q, shapes.num_heads_kv
+    parts, q_rows = shapes.num_sm_parts, shapes.q_rows
+    out = torch.empty((b, s_q, h_q, validate.HEAD_DIM_V), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+    lse_accum = torch.empty((b + parts, h_kv, q_rows), dtype=torch.float32, device=q.device)
+    o_accum = torch.empty((b + parts, h_kv, q_rows, validate.HEAD_DIM_V), dtype=torch.float32, device=q.device)
+    props = device.device_props(q.device.index)
+
+    C = _ext.ext()
+    a = C.DecodeArgs()
+    a.kernel = kernel
+    a.dtype = _DTYPE_CODE[q.dtype]
+    a.device = q.device.index
+    a.stream = torch.cuda.current_stream(q.device).cuda_stream
+    a.batch, a.seqlen_q, a.num_heads_q, a.num_heads_kv = b, s_q, h_q, h_kv
+    a.num_pages, a.max_pages_per_seq, a.num_sm_parts = shapes.num_pages, shapes.max_pages, parts
+    a.scale = scale
+    a.causal = causal
+    a.pdl = props.major >= 9
+    a.q = q.data_ptr()
+    a.q_stride_b, a.q_stride_s, a.q_stride_h = q.stride(0), q.stride(1), q.stride(2)
+    a.kv = k_cache.data_ptr()
+    a.kv_stride_page, a.kv_stride_token, a.kv_stride_h = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    a.block_table = block_table.data_ptr()
+    a.block_table_stride_b = block_table.stride(0)
+    a.seqlens = cache_seqlens.data_ptr()
+    a.sched_meta = meta.data_ptr()
+    a.num_splits = num_splits.data_ptr()
+    a.out = out.data_ptr()
+    a.out_stride_b, a.out_stride_s, a.out_stride_h = out.stride(0), out.stride(1), out.stride(2)
+    a.lse = lse.data_ptr()
+    a.lse_stride_b, a.lse_stride_h = lse.stride(0), lse.stride(1)
+    a.lse_accum = lse_accum.data_ptr()
+    a.o_accum = o_accum.data_ptr()
+    C.mla_decode(a)
+    return out, lse
+
+
+def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal):
+    shapes = validate.shapes_of(q, k_cache, block_table, meta)
+    on_cuda = q.device.type == "cuda"
+    if not on_cuda or (validate.checked_mode() and not torch.cuda.is_current_stream_capturing()):
+        with_meta = validate.checked_mode()
+        validate.check_values(block_table, cache_seqlens, shapes.num_pages,
+                              meta if with_meta else None, num_splits if with_meta else None)
+    if shapes.batch == 0:
+        return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, validate.HEAD_DIM_V)),
+                q.new_empty((0, shapes.num_heads_q, shapes.seqlen_q), dtype=torch.float32))
+    if not on_cuda:
+        return mla_decode_reference(q, k_cache, block_table, cache_seqlens, validate.HEAD_DIM_V, scale, causal)
+    return _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes)
+
+
+@torch.library.custom_op("flashmla_backend::mla_decode", mutates_args=())
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+               tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor, softmax_scale: float,
+               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _decode_impl(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                        softmax_scale, causal)
+
+
+@_decode_op.register_fake
+def _(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale, causal):
+    b, s_q, h_q, _ = q.shape
+    return (q.new_empty((b, s_q, h_q, validate.HEAD_DIM_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32))
+
+
+def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                           cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
+                           num_splits: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
+                           is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode over a paged KV cache (FlashMLA's dense decode API).
+
+    q [b, s_q, h_q, 576] bf16/fp16; k_cache [num_pages, 64, h_kv, 576] (q's dtype); block_table
+    [b, max_pages] int32; cache_seqlens [b] int32; head_dim_v = 512; metadata from get_mla_metadata
+    for these cache_seqlens. softmax_scale defaults to 576 ** -0.5 (engines pass the model's scale).
+    causal: query token s of a request with n keys sees keys 0 .. n - s_q + s.
+    Returns out [b, s_q, h_q, 512] (q's dtype) and lse [b, h_q, s_q] float32 (natural log); a row that
+    sees no key gets out 0 and lse +inf.
+    """
+    if is_fp8_kvcache:
+        raise NotImplementedError("flashmla_backend: FP8 KV cache is not supported yet (bf16 and fp16 caches are)")
+    if indices is not None:
+        raise NotImplementedError("flashmla_backend: sparse attention (indices) is not supported; only dense decode")
+    validate.validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                  num_splits, softmax_scale, causal)
+    scale = float(softmax_scale) if softmax_scale is not None else validate.HEAD_DIM_K ** -0.5
+    if torch.compiler.is_compiling():
+        return torch.ops.flashmla_backend.mla_decode(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
+                                                     num_splits, scale, causal)
+    return _decode_impl(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, scale, causal)

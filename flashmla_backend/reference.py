@@ -1,0 +1,60 @@
+"""Pure-PyTorch MLA decode: the CPU implementation of the public API and the oracle of every test.
+
+Computes, per request i and query token s (0-based) of s_q:
+    O = softmax(scale * Q K^T) V,  lse = logsumexp(scale * Q K^T)   (natural log, fp32)
+over the keys the token sees: all cache_seqlens[i] keys, or with causal=True keys 0 .. n - s_q + s.
+A query row that sees no key gets out = 0 and lse = +inf (FlashMLA's convention).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+HEAD_DIM_K = 576
+HEAD_DIM_V = 512
+
+
+def mla_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int = HEAD_DIM_V,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference decode with the shapes of ``flash_mla_with_kvcache``.
+
+    q [b, s_q, h_q, d], k_cache [num_pages, page_size, h_kv, d] (any page size), block_table
+    [b, max_pages] int, cache_seqlens [b] int (values >= 0). Returns out [b, s_q, h_q, head_dim_v]
+    in q's dtype and lse [b, h_q, s_q] float32. Arithmetic in ``compute_dtype`` (fp32 by default).
+    """
+    b, s_q, h_q, d = q.shape
+    page_size, h_kv = k_cache.shape[1], k_cache.shape[2]
+    ngroups = h_q // h_kv
+    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=compute_dtype, device=q.device)
+    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float32, device=q.device)
+    lengths = cache_seqlens.tolist()
+    for i, n in enumerate(lengths):
+        if n <= 0:
+            continue
+        pages = block_table[i, : (n + page_size - 1) // page_size].long()
+        kv = k_cache[pages].reshape(-1, h_kv, d)[:n].to(compute_dtype)  # [n, h_kv, d]
+        qg = q[i].to(compute_dtype).reshape(s_q, h_kv, ngroups, d)
+        scores = torch.einsum("sjgd,njd->jgsn", qg, kv) * scale  # [h_kv, ngroups, s_q, n]
+        if causal:
+            last_visible = n - s_q + torch.arange(s_q, device=q.device)  # per query token
+            keys = torch.arange(n, device=q.device)
+            hidden = keys[None, :] > last_visible[:, None]  # [s_q, n]
+            scores = scores.masked_fill(hidden, -math.inf)
+        seen = torch.isfinite(scores).any(dim=-1)  # [h_kv, ngroups, s_q]
+        row_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - row_lse.masked_fill(~seen, 0.0)[..., None])
+        probs = probs.masked_fill(~seen[..., None], 0.0)
+        o = torch.einsum("jgsn,njd->sjgd", probs, kv[..., :head_dim_v])  # [s_q, h_kv, ngroups, dv]
+        out[i] = o.reshape(s_q, h_q, head_dim_v)
+        lse[i] = row_lse.masked_fill(~seen, math.inf).reshape(h_q, s_q).float()
+    return out.to(q.dtype), lse

@@ -1,0 +1,79 @@
+"""Python mirror of the tile-scheduler kernel (csrc/smxx/tile_scheduler.cu).
+
+It produces the same int32 metadata bit for bit (the GPU tests compare them) and serves CPU tensors.
+The model, in short (the kernel's header comment has the full statement):
+  request i costs w_i = ceil(len_i / 64) + FIXED_OVERHEAD_BLOCKS units; requests are laid end to end,
+  request i on [C_i, C_i + w_i); part p starts at unit p * P, P = max(1, ceil(T / num_sm_parts)).
+  Unit C_i + k is the position (i, k) when k < nb_i or k == 0 (a request's first unit is its start, even
+  for a zero-length request); inside the rest of its overhead it is (i + 1, 0).
+  Part p covers the positions from its start to the next part's start.
+Metadata row p: [begin_req, begin_token, end_req (inclusive), end_token (exclusive), begin_split, 0, 0, 0].
+"""
+from __future__ import annotations
+
+import torch
+
+PAGE_SIZE = 64
+BLOCK_M = 64
+FIXED_OVERHEAD_BLOCKS = 5
+META_INTS = 8
+
+
+def num_sm_parts(sm_count: int, num_heads_k: int, num_q_tokens_per_head_k: int) -> int:
+    """Persistent CTA columns: one CTA per (part, m-tile of 64 query rows, kv head) fills the GPU."""
+    m_tiles = -(-num_q_tokens_per_head_k // BLOCK_M)
+    return max(1, sm_count // num_heads_k // m_tiles)
+
+
+def schedule(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (tile_scheduler_metadata [num_parts, 8] int32, num_splits [b + 1] int32) on the CPU."""
+    lengths = [max(int(v), 0) for v in cache_seqlens.tolist()]
+    b = len(lengths)
+    meta = torch.zeros((num_parts, META_INTS), dtype=torch.int32)
+    num_splits = torch.zeros((b + 1,), dtype=torch.int32)
+    if b == 0:
+        meta[:, 2] = -1  # every part empty: begin_req 0 > end_req -1
+        return meta, num_splits
+
+    blocks = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in lengths]
+    starts = []  # C_i
+    total = 0
+    for nb in blocks:
+        starts.append(total)
+        total += nb + FIXED_OVERHEAD_BLOCKS
+    per_part = max(1, -(-total // num_parts))
+
+    def position(unit: int) -> tuple[int, int]:
+        """(request, block) where the part starting at `unit` begins; (b, 0) at or past the end."""
+        if unit >= total:
+            return b, 0
+        # last request whose start is <= unit (binary search over C)
+        lo, hi = 0, b - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if starts[mid] <= unit:
+                lo = mid
+            else:
+                hi = mid - 1
+        off = unit - starts[lo]
+        return (lo, off) if off < blocks[lo] or off == 0 else (lo + 1, 0)
+
+    begins = [position(p * per_part) for p in range(num_parts)] + [(b, 0)]
+    cuts = [0] * b
+    for p in range(num_parts):
+        req, block = begins[p]
+        split = 0
+        if block > 0:
+            cuts[req] += 1
+            split = cuts[req]
+        end_req, end_block = begins[p + 1]
+        if end_block > 0:
+            end = (end_req, end_block * PAGE_SIZE)
+        else:
+            end = (end_req - 1, lengths[end_req - 1] if end_req > 0 else 0)
+        meta[p, :5] = torch.tensor([req, block * PAGE_SIZE, end[0], end[1], split], dtype=torch.int32)
+    running = 0
+    for i in range(b):
+        running += 1 + cuts[i]
+        num_splits[i + 1] = running
+    return meta, num_splits

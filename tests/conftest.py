@@ -1,0 +1,55 @@
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/kit.py
+
+
+def _gpu_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    import flashmla_backend
+
+    ok, reason = flashmla_backend.is_supported()
+    return None if ok else reason
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _gpu_reason() if any("gpu" in item.keywords for item in items) else None
+    if reason:
+        skip = pytest.mark.skip(reason=f"GPU test: {reason}")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+# Worst errors seen by GPU kernel comparisons, printed at the end of the run (and written to
+# $FLASHMLA_BACKEND_ERROR_REPORT as JSON when set): the closing-note evidence of the test matrix.
+ERRORS: dict[str, dict] = {}
+
+
+@pytest.fixture
+def record_errors():
+    def record(kernel: str, figures: dict) -> None:
+        worst = ERRORS.setdefault(kernel, {"cases": 0})
+        worst["cases"] += 1
+        for k, v in figures.items():
+            worst[k] = max(worst.get(k, 0.0), v)
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not ERRORS:
+        return
+    terminalreporter.section("flashmla_backend worst errors vs reference")
+    for kernel, w in sorted(ERRORS.items()):
+        terminalreporter.write_line(
+            f"{kernel}: {w['cases']} comparisons; out rel-norm {w.get('out_rel_norm', 0):.2e}, "
+            f"out max-rel {w.get('out_max_rel', 0):.2e}, lse rel {w.get('lse_rel', 0):.2e}")
+    path = os.environ.get("FLASHMLA_BACKEND_ERROR_REPORT")
+    if path:
+        with open(path, "w") as f:
+            json.dump(ERRORS, f, indent=2)

@@ -1,0 +1,45 @@
+"""Small-shape run of every GPU kernel, for compute-sanitizer (memcheck, racecheck, synccheck):
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_smoke.py
+
+(without the caching allocator every tensor is its own allocation, so memcheck sees any read past
+one). Exits non-zero if a kernel's result differs from the reference.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import flashmla_backend as fb  # noqa: E402
+from flashmla_backend import _ext, device  # noqa: E402
+from flashmla_backend.reference import mla_decode_reference  # noqa: E402
+from kit import Case, compare, make_inputs  # noqa: E402
+
+CASES = [
+    Case(lengths=[0, 1, 65, 140], s_q=1, h_q=16),
+    Case(lengths=[63, 200], s_q=2, h_q=128, h_kv=2),
+    Case(lengths=[3, 64], s_q=4, h_q=20, causal=True),
+    Case(lengths=[130, 9], s_q=1, h_q=64, causal=False, dtype=torch.float16),
+]
+
+
+def main() -> int:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kernels = ["portable"] + (["sm90"] if device.device_props(0).major == 9 and _ext.ext().sm90_compiled() else [])
+    for kernel in kernels:
+        os.environ[device.KERNEL_ENV] = kernel
+        for case in CASES:
+            inp = make_inputs(case, "cuda")
+            meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
+            out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta,
+                                                 ns, softmax_scale=inp.scale, causal=case.causal)
+            ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale,
+                                       case.causal)
+            figures = compare(out, lse, *ref, case.lengths, case.s_q, case.causal)
+            print(f"{kernel:8s} {case}: ok {figures}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Decode kernels against the reference over the matrix of the design brief §7 (GPU only).
+
+Every case: shuffled block table, NaN in every unused cache slot, huge ids in unused block-table
+entries, outputs poisoned with NaN before the call (every element must be written), two runs that
+must agree bitwise. Each available kernel (portable, sm90) is tested on the same matrix.
+"""
+import random
+
+import pytest
+import torch
+
+import flashmla_backend as fb
+from flashmla_backend import device as fdevice
+from flashmla_backend.reference import mla_decode_reference
+from kit import Case, compare, make_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def _kernels() -> list[str]:
+    if not torch.cuda.is_available():
+        return ["portable", "sm90"]  # collected, then skipped by the gpu marker
+    ok, _ = fb.is_supported()
+    if not ok:
+        return ["portable"]
+    from flashmla_backend import _ext
+    props = fdevice.device_props(torch.cuda.current_device())
+    kernels = ["portable"]
+    if props.major == 9 and _ext.ext().sm90_compiled():
+        kernels.append("sm90")
+    return kernels
+
+
+@pytest.fixture(params=_kernels())
+def kernel(request, monkeypatch):
+    monkeypatch.setenv(fdevice.KERNEL_ENV, request.param)
+    assert fdevice.kernel_for(torch.device("cuda")) == request.param
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def poison_allocator() -> None:
+    """Fills free cached blocks with NaN so that an output element the kernels forget stays NaN."""
+    free = torch.cuda.mem_get_info()[0]
+    big = torch.full((min(free // 4, 3 << 30) // 4,), float("nan"), device="cuda")
+    small = [torch.full((1 << 17,), float("nan"), device="cuda") for _ in range(32)]  # small pool (< 1 MB)
+    del big, small
+
+
+def varlen(b: int, mean: int, seed: int, zeros: bool = True) -> list[int]:
+    rng = random.Random(seed)
+    lens = [max(1, int(rng.gauss(mean, mean / 2))) for _ in range(b)]
+    if zeros and b > 2:
+        lens[rng.randrange(b)] = 0
+    return lens
+
+
+def run_case(case: Case, record, kernel: str, check_repeat: bool = True):
+    inp = make_inputs(case, "cuda")
+    meta, num_splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
+
+    def call():
+        poison_allocator()
+        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta,
+                                         num_splits, softmax_scale=inp.scale, causal=case.causal)
+
+    out, lse = call()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale,
+                                            case.causal)
+    figures = compare(out, lse, ref_out, ref_lse, case.lengths, case.s_q, case.causal)
+    record(kernel, figures)
+    if check_repeat:
+        out2, lse2 = call()
+        assert torch.equal(out, out2), "two runs on the same inputs differ (out)"
+        assert torch.equal(lse, lse2), "two runs on the same inputs differ (lse)"
+
+
+LENGTHS = [1, 20, 63, 64, 65, 140, 4096]
+MATRIX = (
+    # key-length sweep, memory-bound (h_q 16) and compute-bound (h_q 128) head counts
+    [Case(lengths=[n, max(1, n // 2 + 1)], h_q=16, seed=n) for n in LENGTHS]
+    + [Case(lengths=[n, n], h_q=128, seed=n) for n in LENGTHS]
+    # query tokens x heads (incl. non-multiples of 64, more than one m-block), causal, varlen with a zero
+    + [Case(lengths=varlen(6, 300, s_q * 1000 + h), s_q=s_q, h_q=h, seed=h + s_q)
+       for s_q in (1, 2, 4) for h in (1, 16, 20, 64, 100, 128)]
+    + [Case(lengths=varlen(3, 200, 7), s_q=16, h_q=h, seed=h) for h in (8, 128)]
+    # causal off, several kv heads
+    + [Case(lengths=varlen(6, 500, 11), s_q=2, h_q=32, causal=False),
+       Case(lengths=varlen(6, 500, 12), s_q=1, h_q=32, h_kv=2),
+       Case(lengths=varlen(6, 500, 13), s_q=2, h_q=128, h_kv=4),
+       Case(lengths=varlen(4, 200, 14), s_q=1, h_q=8, h_kv=8, causal=False)]
+    # causal rows that see nothing (fewer keys than query tokens), all-empty batch
+    + [Case(lengths=[2, 0, 1, 3], s_q=4, h_q=16), Case(lengths=[0, 0, 0], s_q=1, h_q=128)]
+    # batch sizes
+    + [Case(lengths=[8192], h_q=128), Case(lengths=[8192], h_q=16),
+       Case(lengths=varlen(64, 1000, 21), h_q=32), Case(lengths=varlen(133, 700, 22), h_q=128),
+       Case(lengths=varlen(200, 300, 23), s_q=2, h_q=16)]
+    # fp16
+    + [Case(lengths=varlen(6, 900, 31), s_q=s_q, h_q=h, dtype=torch.float16) for s_q, h in ((1, 16), (2, 128), (4, 20))]
+)
+LONG = [Case(lengths=[32768, 32768], h_q=128), Case(lengths=[32768] * 16, h_q=16),
+        Case(lengths=varlen(128, 4096, 41), h_q=128), Case(lengths=[4096] * 128, h_q=16, s_q=2)]
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=str)
+def test_decode_matrix(case, kernel, record_errors):
+    run_case(case, record_errors, kernel)
+
+
+@pytest.mark.parametrize("case", LONG, ids=str)
+def test_decode_long(case, kernel, record_errors):
+    run_case(case, record_errors, kernel, check_repeat=True)
+
+
+def test_strided_q_and_padded_pages(kernel, record_errors):
+    """q as a slice of a wider tensor, cache pages with padding between them (strides, not copies)."""
+    case = Case(lengths=varlen(5, 300, 51), s_q=2, h_q=16)
+    inp = make_inputs(case, "cuda")
+    wide = torch.randn(case.b, case.s_q, case.h_q, 640, device="cuda", dtype=case.dtype)
+    wide[..., :576] = inp.q
+    q = wide[..., :576]
+    pages = inp.k_cache.shape[0]
+    padded = torch.full((pages, 64 * 576 + 64), float("nan"), device="cuda", dtype=case.dtype)
+    padded[:, : 64 * 576] = inp.k_cache.reshape(pages, -1)
+    k_cache = padded[:, : 64 * 576].view(pages, 64, 1, 576)
+    assert q.stride(2) == 640 and k_cache.stride(0) == 64 * 576 + 64
+    meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q, 1)
+    out, lse = fb.flash_mla_with_kvcache(q, k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+                                         softmax_scale=inp.scale, causal=True)
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    record_errors(kernel, compare(out, lse, *ref, case.lengths, case.s_q, True))
+
+
+def test_cuda_graph_replay_with_new_lengths(kernel, record_errors):
+    """Capture metadata + decode once; replays with other lengths (and other q) must be right."""
+    b, s_q, h_q, max_len = 8, 2, 64, 3000
+    case = Case(lengths=[max_len] * b, s_q=s_q, h_q=h_q)
+    inp = make_inputs(case, "cuda")
+    seqlens = inp.cache_seqlens.clone()
+    q = inp.q.clone()
+
+    def step():
+        meta, ns = fb.get_mla_metadata(seqlens, s_q * h_q, 1)
+        return fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, seqlens, 512, meta, ns,
+                                         softmax_scale=inp.scale, causal=True)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    rng = random.Random(5)
+    for trial in range(4):
+        new = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, max_len)]) for _ in range(b)]
+        seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = mla_decode_reference(q, inp.k_cache, inp.block_table, seqlens, 512, inp.scale, True)
+        record_errors(kernel, compare(out, lse, *ref, new, s_q, True))
+
+
+def test_multi_gpu_device_guard(kernel):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    case = Case(lengths=[100, 7], s_q=1, h_q=16)
+    inp = make_inputs(case, "cuda:1")
+    meta, ns = fb.get_mla_metadata(inp.cache_seqlens, 16, 1)
+    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+                                         softmax_scale=inp.scale, causal=True)
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    compare(out, lse, *ref, case.lengths, 1, True)

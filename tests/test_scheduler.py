@@ -1,0 +1,137 @@
+"""Tile scheduler: invariants of the Python mirror (CPU) and bit-identity of the GPU kernel with it."""
+import random
+
+import pytest
+import torch
+
+import flashmla_backend
+from flashmla_backend import scheduler
+from kit import pieces_from_metadata
+
+OVH = scheduler.FIXED_OVERHEAD_BLOCKS
+
+
+def random_lengths(b: int, seed: int, zero_fraction: float = 0.1, max_len: int = 20000) -> list[int]:
+    rng = random.Random(seed)
+    return [0 if rng.random() < zero_fraction else rng.choice([1, 20, 63, 64, 65, rng.randint(1, max_len)])
+            for _ in range(b)]
+
+
+LENGTH_SETS = [
+    [0],
+    [1],
+    [0, 0, 0],
+    [64],
+    [65, 0, 8192],
+    [32768] * 2,
+    [4096] * 128,
+    random_lengths(7, 1),
+    random_lengths(128, 2),
+    random_lengths(1000, 3, zero_fraction=0.3),
+    random_lengths(4096, 4, max_len=4000),
+]
+PARTS = [1, 3, 66, 132]
+
+
+def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_splits: torch.Tensor) -> None:
+    b = len(lengths)
+    assert meta.shape == (parts, 8) and meta.dtype == torch.int32
+    assert num_splits.shape == (b + 1,) and num_splits.dtype == torch.int32
+    blocks = [-(-n // 64) for n in lengths]
+    covered = [[0] * nb for nb in blocks]
+    owners = [[] for _ in range(b)]  # (part, split index) per piece, in part order
+    total = sum(nb + OVH for nb in blocks)
+    per_part = max(1, -(-total // parts))
+    for p, pieces in enumerate(pieces_from_metadata(meta, lengths)):
+        cost = 0
+        for req, start, stop, split in pieces:
+            assert 0 <= start <= stop <= lengths[req], (p, req, start, stop)
+            assert start % 64 == 0, (p, req, start)
+            assert stop == lengths[req] or stop % 64 == 0, (p, req, stop)
+            assert stop > start or lengths[req] == 0, f"part {p} has an empty piece of non-empty request {req}"
+            for blk in range(start // 64, -(-stop // 64)):
+                covered[req][blk] += 1
+            owners[req].append((p, split))
+            cost += -(-stop // 64) - start // 64 + OVH
+        assert cost <= per_part + OVH, f"part {p} costs {cost} > {per_part} + {OVH}"
+    for req in range(b):
+        assert all(c == 1 for c in covered[req]), f"request {req}: block coverage {covered[req]}"
+        assert len(owners[req]) >= 1, f"request {req} is computed by no part"
+        n_splits = int(num_splits[req + 1] - num_splits[req])
+        assert n_splits == len(owners[req]), (req, n_splits, owners[req])
+        assert [s for _, s in owners[req]] == list(range(n_splits)), f"split indices of request {req}: {owners[req]}"
+        if lengths[req] == 0:
+            assert n_splits == 1
+    assert int(num_splits[0]) == 0 and int(num_splits[-1]) <= b + parts
+
+
+@pytest.mark.parametrize("parts", PARTS)
+@pytest.mark.parametrize("lengths", LENGTH_SETS, ids=lambda l: f"b{len(l)}")
+def test_mirror_invariants(lengths, parts):
+    meta, num_splits = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), parts)
+    check_invariants(lengths, parts, meta, num_splits)
+
+
+def test_negative_lengths_count_as_zero():
+    a = scheduler.schedule(torch.tensor([-5, 100, -1], dtype=torch.int32), 8)
+    b = scheduler.schedule(torch.tensor([0, 100, 0], dtype=torch.int32), 8)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_balance_is_tight_for_uniform_batches():
+    lengths = [8192] * 128
+    meta, _ = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), 132)
+    costs = []
+    for pieces in pieces_from_metadata(meta, lengths):
+        costs.append(sum(-(-stop // 64) - start // 64 + OVH for _, start, stop, _ in pieces))
+    total = 128 * (8192 // 64 + OVH)
+    # the makespan is within one block + one overhead of the perfect split
+    assert max(costs) <= total / 132 + OVH + 1, costs
+    assert sum(costs) <= total + OVH * 132
+
+
+def test_num_sm_parts():
+    assert scheduler.num_sm_parts(132, 1, 16) == 132
+    assert scheduler.num_sm_parts(132, 1, 128) == 66
+    assert scheduler.num_sm_parts(132, 1, 256) == 33
+    assert scheduler.num_sm_parts(132, 8, 16) == 16
+    assert scheduler.num_sm_parts(4, 8, 16) == 1
+
+
+def test_public_metadata_on_cpu_uses_the_mirror():
+    lengths = torch.tensor(random_lengths(50, 7), dtype=torch.int32)
+    meta, num_splits = flashmla_backend.get_mla_metadata(lengths, 128, 1)
+    want = scheduler.schedule(lengths, scheduler.num_sm_parts(132, 1, 128))
+    assert torch.equal(meta, want[0]) and torch.equal(num_splits, want[1])
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("parts", PARTS)
+@pytest.mark.parametrize("lengths", LENGTH_SETS + [[-3, 7, 0]], ids=lambda l: f"b{len(l)}")
+def test_gpu_kernel_matches_mirror(lengths, parts):
+    from flashmla_backend import ops
+
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    meta, num_splits = ops._metadata_impl(seqlens.cuda(), parts)
+    want_meta, want_splits = scheduler.schedule(seqlens, parts)
+    assert torch.equal(meta.cpu(), want_meta), (meta.cpu()[:8], want_meta[:8])
+    assert torch.equal(num_splits.cpu(), want_splits)
+
+
+@pytest.mark.gpu
+def test_gpu_metadata_in_cuda_graph_sees_new_lengths():
+    seqlens = torch.tensor([100] * 16, dtype=torch.int32, device="cuda")
+    flashmla_backend.get_mla_metadata(seqlens, 128, 1)  # warm up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        meta, num_splits = flashmla_backend.get_mla_metadata(seqlens, 128, 1)
+    parts = meta.shape[0]
+    for seed in range(3):
+        new = random_lengths(16, 100 + seed, max_len=5000)
+        seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = scheduler.schedule(torch.tensor(new, dtype=torch.int32), parts)
+        assert torch.equal(meta.cpu(), want[0]) and torch.equal(num_splits.cpu(), want[1])
