@@ -7,6 +7,8 @@ Needs nvcc (CUDA 12.8 or newer) but no GPU. Environment variables:
   FLASHMLA_BACKEND_CUDA_ARCHS      ';'-separated targets, default "80;90a". "80" builds the portable kernel
                                    for Ampere (sm_80 machine code plus compute_80 PTX for newer GPUs);
                                    "90a" builds it and the wgmma/TMA kernel for Hopper.
+  FLASHMLA_BACKEND_SM90_KERNEL=0   leave out the Hopper wgmma/TMA kernel (faster build; Hopper then runs the
+                                   portable kernel)
   MAX_JOBS                         parallel nvcc processes (default: number of CPUs)
   FLASHMLA_BACKEND_NVCC_FLAGS      extra nvcc flags
 Each compile prints one progress line; unchanged objects are reused (the build folder keeps them).
@@ -125,7 +127,8 @@ class NvccBuildExt(build_ext):
         import pybind11
 
         portable = sorted(CSRC.glob("portable/**/*.cu")) + sorted(CSRC.glob("smxx/*.cu"))
-        sm90 = sorted(CSRC.glob("sm90/**/*.cu")) if "90a" in archs else []
+        with_sm90 = "90a" in archs and os.environ.get("FLASHMLA_BACKEND_SM90_KERNEL", "1") != "0"
+        sm90 = sorted(CSRC.glob("sm90/**/*.cu")) if with_sm90 else []
         binding = [CSRC / "binding" / "module.cpp"]
         defines = [f'-DFLASHMLA_BACKEND_ARCH_LIST="{";".join(archs)}"']
         if sm90:

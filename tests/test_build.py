@@ -41,7 +41,7 @@ def test_extension_targets():
     assert set(archs) <= {"80", "90a"} and archs
     assert C.cuda_runtime_version >= 12080
     assert C.portable_decode_smem_bytes() > 48 * 1024
-    if "90a" in archs:
+    if REQUIRE and "90a" in archs:  # CI builds everything (FLASHMLA_BACKEND_SM90_KERNEL=0 leaves it out)
         assert C.sm90_compiled()
     if shutil.which("cuobjdump"):
         listing = subprocess.run(["cuobjdump", "--list-elf", str(path)], capture_output=True, text=True).stdout

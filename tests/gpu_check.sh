@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One call on a GPU machine: build in place, run the GPU tests, compute-sanitizer, the demo and
+# (optionally) the benchmark. Logs go to $OUT (or ./gpu-check-out). Stages are chosen by arguments:
+#
+#   bash tests/gpu_check.sh build test sanitize demo bench-quick bench
+#
+# Wheels the machine lacks (e.g. nvidia-cutlass for the headers) are taken from .whl/ if present.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT=${OUT:-$ROOT/gpu-check-out}
+mkdir -p "$OUT"
+cd "$ROOT"
+export PYTHONUNBUFFERED=1
+status=0
+stage() { echo; echo "=== $1 ($(date +%T))"; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+for s in "$@"; do
+  case "$s" in
+    build)
+      stage build
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+      MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace 2>&1 | tee "$OUT/build.log" | grep -E "done in|error|linked|Error" || { status=1; break; }
+      [ -f "$(ls flashmla_backend/_C*.so 2>/dev/null | head -1)" ] || { echo "build failed"; tail -50 "$OUT/build.log"; status=1; break; }
+      ;;
+    test)
+      stage "gpu tests"
+      FLASHMLA_BACKEND_ERROR_REPORT="$OUT/errors.json" timeout ${TEST_TIMEOUT:-420} \
+        python3 -m pytest tests --maxfail=${MAXFAIL:-15} -q -rs -m "${PYTEST_MARK:-gpu or not gpu}" ${PYTEST_ARGS:-} -p no:cacheprovider \
+        --ignore=tests/test_vllm_cpu.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+      [ ${PIPESTATUS[0]} -eq 0 ] || status=1
+      ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck; do
+        stage "compute-sanitizer $tool"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 \
+          python3 tests/sanitize_smoke.py > "$OUT/sanitize-$tool.log" 2>&1
+        rc=$?; tail -4 "$OUT/sanitize-$tool.log"; echo "$tool exit code $rc"; [ $rc -eq 0 ] || status=1
+      done
+      ;;
+    demo)
+      stage demo
+      python3 -m flashmla_backend 2>&1 | tee "$OUT/demo.log" || status=1
+      ;;
+    bench-quick)
+      stage "bench (quick)"
+      timeout 300 python3 -m flashmla_backend.bench --quick --out-dir "$OUT/bench-quick" 2>&1 | tail -30 || status=1
+      ;;
+    bench)
+      stage bench
+      timeout 540 python3 -m flashmla_backend.bench --out-dir "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+      ;;
+    *) echo "unknown stage $s"; status=2 ;;
+  esac
+done
+exit $status
