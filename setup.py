@@ -126,9 +126,12 @@ class NvccBuildExt(build_ext):
         cutlass_inc = find_cutlass_include()
         import pybind11
 
-        portable = sorted(CSRC.glob("portable/**/*.cu")) + sorted(CSRC.glob("smxx/*.cu"))
+        def sources(pattern):  # files under a `checks/` folder are standalone device checks, not the module
+            return sorted(p for p in CSRC.glob(pattern) if "checks" not in p.relative_to(CSRC).parts)
+
+        portable = sources("portable/**/*.cu") + sources("smxx/*.cu")
         with_sm90 = "90a" in archs and os.environ.get("FLASHMLA_BACKEND_SM90_KERNEL", "1") != "0"
-        sm90 = sorted(CSRC.glob("sm90/**/*.cu")) if with_sm90 else []
+        sm90 = sources("sm90/**/*.cu") if with_sm90 else []
         binding = [CSRC / "binding" / "module.cpp"]
         defines = [f'-DFLASHMLA_BACKEND_ARCH_LIST="{";".join(archs)}"']
         if sm90:

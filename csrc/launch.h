@@ -15,6 +15,9 @@ void run_portable_decode(const DecodeParams& params);
 // Dynamic shared memory one CTA of the portable decode kernel needs (bytes).
 int portable_decode_smem_bytes();
 
+// csrc/sm90/decode/ (sm_90a builds only; FLASHMLA_BACKEND_WITH_SM90): run_sm90_decode and
+// sm90_decode_smem_bytes are declared in sm90/decode/decode.h, same contract as run_portable_decode.
+
 // csrc/smxx/combine.cu: merges splits of requests with num_splits[i+1] - num_splits[i] > 1.
 // Must be launched right after the decode kernel on the same stream (PDL when params.pdl).
 void run_combine(const DecodeParams& params);

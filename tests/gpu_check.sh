@@ -2,7 +2,7 @@
 # One call on a GPU machine: build in place, run the GPU tests, compute-sanitizer, the demo and
 # (optionally) the benchmark. Logs go to $OUT (or ./gpu-check-out). Stages are chosen by arguments:
 #
-#   bash tests/gpu_check.sh build test sanitize demo bench-quick bench
+#   bash tests/gpu_check.sh build smoke test sanitize demo bench-quick bench
 #
 # Wheels the machine lacks (e.g. nvidia-cutlass for the headers) are taken from .whl/ if present.
 set -uo pipefail
@@ -33,6 +33,11 @@ for s in "$@"; do
       FLASHMLA_BACKEND_ERROR_REPORT="$OUT/errors.json" timeout ${TEST_TIMEOUT:-420} \
         python3 -m pytest tests --maxfail=${MAXFAIL:-15} -q -rs -m "${PYTEST_MARK:-gpu or not gpu}" ${PYTEST_ARGS:-} -p no:cacheprovider \
         --ignore=tests/test_vllm_cpu.py 2>&1 | tee "$OUT/pytest.log" | tail -40
+      [ ${PIPESTATUS[0]} -eq 0 ] || status=1
+      ;;
+    smoke)
+      stage "smoke (small shapes, every kernel)"
+      timeout 120 python3 tests/sanitize_smoke.py 2>&1 | tee "$OUT/smoke.log" | tail -12
       [ ${PIPESTATUS[0]} -eq 0 ] || status=1
       ;;
     sanitize)

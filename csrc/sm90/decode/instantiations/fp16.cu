@@ -1,0 +1,7 @@
+// sm90 decode kernel, fp16 Q / KV / out.
+#include "sm90/decode/launch.cuh"
+
+namespace flashmla_backend::sm90::decode {
+template void run_decode_kernel<cutlass::half_t>(const DecodeParams& params);
+template int decode_smem_bytes<cutlass::half_t>();
+}  // namespace flashmla_backend::sm90::decode

@@ -1,0 +1,114 @@
+// Host side of the sm90 decode kernel: KV tensor map, shared-memory attribute, launch.
+// Included by the per-dtype instantiation files only.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/check.h"
+#include "params.h"
+#include "sm90/decode/decode.h"
+#include "sm90/decode/kernel.cuh"
+
+namespace flashmla_backend::sm90::decode {
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point: the extension does not link
+// libcuda. Resolved once per process.
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn get_encode_tiled() {
+  static EncodeTiledFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    FMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                                     &status));
+    FMLA_HOST_CHECK(status == cudaDriverEntryPointSuccess && ptr != nullptr,
+                    "cuTensorMapEncodeTiled is not available from the CUDA driver");
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+// KV cache [num_pages, 64, h_kv, 576] as a 4-d tensor map with dims (fastest first)
+// (576 columns, h_kv, 64 tokens, num_pages): strides grow in this order for a contiguous cache.
+// Box = (64 columns, 1 head, 64 tokens, 1 page) = one 8 KB piece, 128B swizzle (the smem piece layout).
+template <typename Element>
+CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
+  constexpr int64_t kE = sizeof(Element);
+  CUtensorMap tmap;
+  const cuuint64_t dims[4] = {cuuint64_t(kHeadDimK), cuuint64_t(p.num_heads_kv), cuuint64_t(kBlockN),
+                              cuuint64_t(p.num_pages)};
+  // With one KV head the head stride is never used (coordinate 0); frameworks report various values for it.
+  const int64_t stride_h = p.num_heads_kv == 1 ? int64_t(kHeadDimK) : p.kv_stride_h;
+  const cuuint64_t strides[3] = {cuuint64_t(stride_h * kE), cuuint64_t(p.kv_stride_token * kE),
+                                 cuuint64_t(p.kv_stride_page * kE)};
+  const cuuint32_t box[4] = {cuuint32_t(kPieceCols), 1u, cuuint32_t(kBlockN), 1u};
+  const cuuint32_t elem_strides[4] = {1u, 1u, 1u, 1u};
+  const CUtensorMapDataType dtype =
+      std::is_same_v<Element, cutlass::bfloat16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult res = get_encode_tiled()(&tmap, dtype, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FMLA_HOST_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the KV cache (CUresult "
+                                           << int(res) << "; strides in elements: page " << p.kv_stride_page
+                                           << ", token " << p.kv_stride_token << ", head " << p.kv_stride_h << ")");
+  return tmap;
+}
+
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+template <typename Element>
+int decode_smem_bytes() {
+  return Traits<Element>::kSmemBytes;
+}
+
+template <typename Element>
+void run_decode_kernel(const DecodeParams& p) {
+  using T = Traits<Element>;
+  FMLA_HOST_CHECK(p.batch >= 1 && p.seqlen_q >= 1 && p.num_heads_kv >= 1 && p.ngroups >= 1, "bad problem size");
+  FMLA_HOST_CHECK(p.q_rows == p.seqlen_q * p.ngroups && p.num_heads_q == p.ngroups * p.num_heads_kv,
+                  "q_rows must be s_q * h_q / h_kv");
+  FMLA_HOST_CHECK(p.num_m_blocks == (p.q_rows + kBlockM - 1) / kBlockM, "num_m_blocks must be ceil(q_rows / 64)");
+  FMLA_HOST_CHECK(p.num_sm_parts >= 1 && p.num_sm_parts <= 65535 && p.num_heads_kv <= 65535,
+                  "grid dimensions out of range");
+  FMLA_HOST_CHECK(p.num_pages >= 1 && p.max_pages_per_seq >= 0, "sm90 decode: empty KV cache");
+  // Strides of size-1 dimensions are never used (index 0) and are not checked.
+  auto stride_ok = [](int64_t stride, int64_t size, int64_t multiple) { return size == 1 || stride % multiple == 0; };
+  // cp.async of Q needs 16-byte aligned rows; TMA needs a 16-byte aligned base and strides.
+  FMLA_HOST_CHECK(aligned16(p.q) && stride_ok(p.q_stride_b, p.batch, 8) && stride_ok(p.q_stride_s, p.seqlen_q, 8) &&
+                      stride_ok(p.q_stride_h, p.num_heads_q, 8),
+                  "sm90 decode: q must be 16-byte aligned with strides that are multiples of 8 elements");
+  FMLA_HOST_CHECK(aligned16(p.kv) && p.kv_stride_page % 8 == 0 && p.kv_stride_token % 8 == 0 &&
+                      stride_ok(p.kv_stride_h, p.num_heads_kv, 8),
+                  "sm90 decode: k_cache must be 16-byte aligned with strides that are multiples of 8 elements");
+  // Outputs are written as element pairs (out) and float pairs (o_accum).
+  FMLA_HOST_CHECK((reinterpret_cast<uintptr_t>(p.out) & 3u) == 0 && stride_ok(p.out_stride_b, p.batch, 2) &&
+                      stride_ok(p.out_stride_s, p.seqlen_q, 2) && stride_ok(p.out_stride_h, p.num_heads_q, 2),
+                  "sm90 decode: out must be 4-byte aligned with even strides");
+  FMLA_HOST_CHECK((reinterpret_cast<uintptr_t>(p.o_accum) & 7u) == 0, "sm90 decode: o_accum must be 8-byte aligned");
+
+  const CUtensorMap tmap = make_kv_tensor_map<Element>(p);
+
+  auto kernel = &sm90_decode_kernel<Element>;
+  constexpr int kSmem = T::kSmemBytes;
+  FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = p.pdl ? 1 : 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.num_m_blocks, p.num_heads_kv, p.num_sm_parts);
+  cfg.blockDim = dim3(kNumThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = static_cast<cudaStream_t>(p.stream);
+  cfg.attrs = attrs;
+  cfg.numAttrs = 1;
+  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap));
+  FMLA_CHECK_LAUNCH("sm90_decode_kernel");
+}
+
+}  // namespace flashmla_backend::sm90::decode
