@@ -1,0 +1,77 @@
+"""vLLM plugin: flashmla_backend's decode kernels as vLLM's MLA decode attention backend.
+
+Installed packages register it through the entry point (pyproject.toml)
+
+    [project.entry-points."vllm.general_plugins"]
+    flashmla_backend = "flashmla_backend.vllm:register"
+
+which vLLM calls in its front end, engine core and every worker. Then select it with
+`vllm serve MODEL --attention-backend CUSTOM` or `LLM(MODEL, attention_backend="CUSTOM")`
+(vLLM releases that accept named backends, 0.32 and later, also take
+`--attention-backend FLASHMLA_BACKEND`). vLLM never picks it on its own.
+
+What runs: decode tokens (query length 1, or a uniform length > 1 for MTP / speculative decoding)
+go to flashmla_backend.flash_mla_with_kvcache on 64-token pages; prefill stays with vLLM's MLA
+prefill backend. Supported vLLM versions: see flashmla_backend.vllm._compat.
+
+Test hook: FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 multiplies the softmax scale by 1.5 in this plugin's
+decode path only (nothing else reads it). It exists so that the end-to-end comparison tests can
+prove they detect wrong attention; never set it otherwise.
+"""
+from __future__ import annotations
+
+import logging
+
+from . import _compat
+
+BACKEND_CLASS_PATH = "flashmla_backend.vllm.backend.FlashMLAPluginBackend"
+UNSUPPORTED_CLASS_PATH = "flashmla_backend.vllm.unsupported.UnsupportedVLLMVersionBackend"
+# Descriptive name registered where vLLM's register_backend accepts new names (0.32+; not 0.26-0.31).
+BACKEND_NAME = "FLASHMLA_BACKEND"
+DEBUG_BREAK_SCALE_ENV = "FLASHMLA_BACKEND_DEBUG_BREAK_SCALE"
+
+# A child of vLLM's logger, so that messages appear with vLLM's own log format and level.
+logger = logging.getLogger("vllm.flashmla_backend")
+
+
+def _supports_named_backends(enum_cls) -> bool:
+    return callable(getattr(enum_cls, "register", None))
+
+
+def register() -> None:
+    """Entry point of the `vllm.general_plugins` group: registers the backend with vLLM's registry.
+
+    Idempotent (vLLM may load plugins more than once per process). Never raises for an unsupported
+    vLLM release: it registers a stand-in whose selection fails with a message naming the supported
+    versions, so that vLLM keeps working with its own backends.
+    """
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    except ImportError as e:
+        logger.error(
+            "flashmla_backend: cannot register the vLLM attention backend: %s. %s",
+            e, _compat.unsupported_reason(_compat.installed_vllm_version()) or "",
+        )
+        return
+
+    version = _compat.installed_vllm_version()
+    reason = _compat.unsupported_reason(version)
+    if reason is not None:
+        register_backend(AttentionBackendEnum.CUSTOM, UNSUPPORTED_CLASS_PATH)
+        logger.warning("%s Selecting CUSTOM will fail with this message.", reason)
+        return
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
+    names = ["CUSTOM"]
+    if _supports_named_backends(AttentionBackendEnum):
+        if BACKEND_NAME not in AttentionBackendEnum.__members__:
+            register_backend(BACKEND_NAME, BACKEND_CLASS_PATH)
+        names.append(BACKEND_NAME)
+    logger.info(
+        "flashmla_backend: registered the MLA decode backend %s as attention backend %s (vLLM %s). "
+        "Select it with --attention-backend %s.",
+        BACKEND_CLASS_PATH, " and ".join(names), version, names[-1],
+    )
+
+
+__all__ = ["register", "BACKEND_CLASS_PATH", "BACKEND_NAME", "DEBUG_BREAK_SCALE_ENV"]

@@ -1,0 +1,61 @@
+"""Which vLLM releases the plugin supports, and the few interface differences between them.
+
+Checked with the CPU conformance tests (tests/test_vllm_cpu.py: registration, refusals, build(),
+forward_mqa against the reference) on every release from 0.26.0 to 0.33.0 (0.26.0, 0.27.1, 0.28.0,
+0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0, the newest when this was written). The GPU end-to-end tests run
+0.26.0 (it pins torch 2.11, which the GPU machines have; 0.27-0.29 pin torch 2.13, 0.33 torch 2.14).
+Interface differences the plugin meets (read from the wheels):
+  - 0.33 passes `max_query_len` to `MLACommonMetadataBuilder._build_decode` (0.26 does not);
+  - 0.33 calls `get_supported_kernel_block_sizes(kv_cache_spec)` with an argument;
+  - 0.33 drops `get_kv_cache_shape`/`get_kv_cache_stride_order` from backends (the plugin defines neither)
+    and moves the kernel-block split of block tables from BlockTable to AttentionGroup;
+  - 0.32+ `register_backend` also accepts a new string name (0.26-0.31 only enum members);
+  - 0.33 reads the MLA dimensions from the layer object in the builder.
+Releases outside [MIN_VERSION, MAX_VERSION_EXCLUSIVE) are refused when the backend is selected, with a
+message naming the supported range (see flashmla_backend.vllm.unsupported).
+"""
+from __future__ import annotations
+
+import re
+
+MIN_VERSION = (0, 26, 0)
+MAX_VERSION_EXCLUSIVE = (0, 34, 0)
+TESTED_VERSIONS = ("0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+
+
+def _fmt(v: tuple[int, ...]) -> str:
+    return ".".join(str(x) for x in v)
+
+
+SUPPORTED_RANGE = f">={_fmt(MIN_VERSION)},<{_fmt(MAX_VERSION_EXCLUSIVE)}"
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a vLLM version string such as '0.26.0', '0.33.0rc1', '0.26.1.dev5+g1234'."""
+    m = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def installed_vllm_version() -> str:
+    """The installed vLLM's version string, read from package metadata (does not import vllm)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def unsupported_reason(version: str) -> str | None:
+    """None when `version` is in the supported range, else a message that names the supported versions."""
+    parsed = parse_version(version)
+    if parsed is not None and MIN_VERSION <= parsed < MAX_VERSION_EXCLUSIVE:
+        return None
+    shown = version if version else "(not installed)"
+    return (
+        f"flashmla_backend's vLLM plugin supports vLLM {SUPPORTED_RANGE} (tested on each minor release from "
+        f"{TESTED_VERSIONS[0]} to {TESTED_VERSIONS[-1]}), but vLLM {shown} is installed. Install a supported vLLM "
+        f"(e.g. `pip install vllm==0.26.0`) or choose another attention backend."
+    )

@@ -1,0 +1,144 @@
+"""Per-step attention metadata for the plugin: vLLM's MLA metadata plus the tile-scheduler plan.
+
+One builder serves all MLA layers of a KV-cache group, and vLLM calls `build()` once per step, so the
+scheduler metadata is computed once per batch (on the batch's device, no host sync) and every layer
+reuses it.
+
+Block tables arrive in kernel blocks: the plugin declares 64-token kernel blocks, and vLLM splits each
+KV-manager block of 64, 128, 256, ... tokens into 64-token kernel blocks (kv_cache_spec.block_size here
+is the kernel block size, the per-layer cache is [num_kernel_blocks, 64, 576]). Block 0 is vLLM's null
+block: padded requests point at it and have length 0.
+
+Full CUDA graphs (AttentionCGSupport.UNIFORM_BATCH): decode batches whose requests all have the same
+query length are captured and replayed. The builder runs eagerly before every replay; it writes the
+fresh metadata into buffers allocated once (`[num_SMs, 8]` and `[max_num_seqs + 1]` int32) so that
+the captured kernels, which hold those addresses, read this step's values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonDecodeMetadata,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionCGSupport
+
+import flashmla_backend
+from flashmla_backend import ops as _ops
+from flashmla_backend import scheduler as _scheduler
+
+KERNEL_PAGE_SIZE = _scheduler.PAGE_SIZE  # 64 tokens per kernel block
+SCHED_META_INTS = _scheduler.META_INTS  # 8 int32 per scheduler part
+
+
+@dataclass
+class FlashMLAPluginDecodeMetadata(MLACommonDecodeMetadata):
+    # block_table [num_decodes, max_kernel_blocks] int32 (64-token blocks), seq_lens [num_decodes] int32
+    # are inherited.
+    tile_scheduler_metadata: torch.Tensor  # [num_sm_parts, 8] int32, from get_mla_metadata
+    num_splits: torch.Tensor  # [num_decodes + 1] int32, from get_mla_metadata
+    query_len: int  # s_q: every decode request has s_q query tokens (padding requests: 0)
+
+
+@dataclass
+class FlashMLAPluginMetadata(MLACommonMetadata[FlashMLAPluginDecodeMetadata]):
+    pass
+
+
+def uniform_query_len(query_start_loc_cpu: torch.Tensor, num_decode_tokens: int) -> int:
+    """s_q of a decode batch whose requests all have s_q tokens, CUDA-graph padding requests 0 tokens.
+
+    query_start_loc_cpu: [num_decodes + 1] (CPU). num_decode_tokens: the decode rows forward_mqa receives
+    (for a padded CUDA-graph batch, num_decodes * s_q, padding rows included).
+    """
+    num_decodes = query_start_loc_cpu.shape[0] - 1
+    if num_decodes <= 0 or num_decode_tokens % num_decodes != 0:
+        raise ValueError(
+            f"flashmla_backend: decode batch of {num_decodes} requests with {num_decode_tokens} tokens is not "
+            "uniform; the decode kernel needs every decode request to have the same query length"
+        )
+    s_q = num_decode_tokens // num_decodes
+    lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+    odd = (lens != s_q) & (lens != 0)
+    if bool(odd.any()):
+        raise ValueError(
+            f"flashmla_backend: decode requests have query lengths {sorted(set(lens.tolist()))}, expected "
+            f"{s_q} for all (0 for padding); vLLM should have split non-uniform batches (QueryLenSupport.UNIFORM)"
+        )
+    return s_q
+
+
+class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    # Decode = query length 1; vLLM raises it to 1 + num_speculative_tokens when speculative decoding
+    # (MTP, EAGLE, n-gram) is configured, so verification batches also run on the decode kernel.
+    reorder_batch_threshold: int = 1
+
+    def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, FlashMLAPluginMetadata)
+        if kv_cache_spec.block_size != KERNEL_PAGE_SIZE:
+            raise ValueError(
+                f"flashmla_backend: kernel block size {kv_cache_spec.block_size}; the decode kernel reads "
+                f"{KERNEL_PAGE_SIZE}-token pages. Use --block-size 64, 128 or 256 (a multiple of 64), or leave it unset."
+            )
+        if self.dcp_world_size > 1:
+            raise NotImplementedError(
+                "flashmla_backend: decode context parallelism (--decode-context-parallel-size > 1) is not supported"
+            )
+        self.num_q_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+
+        # Persistent metadata buffers for full CUDA graphs (see the module docstring).
+        self.cg_tile_scheduler_metadata: torch.Tensor | None = None
+        self.cg_num_splits: torch.Tensor | None = None
+        if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
+            max_parts = _ops.sm_count(torch.device(device))  # num_sm_parts <= number of SMs
+            self.cg_tile_scheduler_metadata = torch.zeros(
+                (max_parts, SCHED_META_INTS), dtype=torch.int32, device=device)
+            self.cg_num_splits = torch.zeros(
+                (vllm_config.scheduler_config.max_num_seqs + 1,), dtype=torch.int32, device=device)
+
+    def _build_decode(
+        self,
+        block_table_tensor: torch.Tensor,
+        seq_lens_device: torch.Tensor,
+        max_seq_len: int,
+        query_start_loc_cpu: torch.Tensor,
+        query_start_loc_device: torch.Tensor,
+        num_decode_tokens: int,
+        dcp_tot_seq_lens_device: torch.Tensor | None,
+        max_query_len: int | None = None,  # passed by vLLM >= 0.33; s_q is derived exactly below instead
+    ) -> FlashMLAPluginDecodeMetadata:
+        s_q = uniform_query_len(query_start_loc_cpu, num_decode_tokens)
+        tile_md, num_splits = flashmla_backend.get_mla_metadata(
+            seq_lens_device, s_q * self.num_q_heads, 1)  # MLA decode: one latent KV head
+
+        if self.cg_tile_scheduler_metadata is not None:
+            assert self.cg_num_splits is not None
+            parts, b1 = tile_md.shape[0], num_splits.shape[0]
+            if parts > self.cg_tile_scheduler_metadata.shape[0] or b1 > self.cg_num_splits.shape[0]:
+                raise RuntimeError(
+                    f"flashmla_backend: scheduler metadata ({parts} parts, {b1 - 1} requests) exceeds the CUDA-graph "
+                    f"buffers ({self.cg_tile_scheduler_metadata.shape[0]} parts, {self.cg_num_splits.shape[0] - 1} "
+                    "requests = max_num_seqs)"
+                )
+            self.cg_tile_scheduler_metadata[:parts].copy_(tile_md)
+            self.cg_num_splits[:b1].copy_(num_splits)
+            tile_md = self.cg_tile_scheduler_metadata[:parts]
+            num_splits = self.cg_num_splits[:b1]
+
+        return FlashMLAPluginDecodeMetadata(
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            tile_scheduler_metadata=tile_md,
+            num_splits=num_splits,
+            query_len=s_q,
+        )
