@@ -1,0 +1,271 @@
+"""Engine-level GPU tests: vLLM 0.26 serving a random-weight DeepSeek-V3-architecture model.
+
+    python -m pytest integration/test_vllm_engine_gpu.py -v -s
+
+Every engine run is its own subprocess (integration/vllm_run.py, or `vllm serve`) with a timeout,
+VLLM_USE_FLASHINFER_SAMPLER=0 and HF_HUB_OFFLINE=1; logs go to $FLASHMLA_BACKEND_RUN_DIR
+(/tmp/flashmla_backend_integration). The checkpoint comes from make_tiny_checkpoint.py (built once,
+checked: entropy well below uniform, logits depend on attention). Runs are cached per session, so
+each configuration starts once even when several tests compare it.
+
+Comparison of two greedy runs (same prompts, 1 to 3000 tokens, MAX_TOKENS generated with ignore_eos):
+  - tokens: the generated sequences agree up to their first difference; at least MATCH_FRACTION_MIN of
+    all generated tokens lie before a difference, and a difference is accepted only at a near tie
+    (the reference's logprobs of the two tokens within TIE_GAP);
+  - logprobs of the chosen tokens where both agree: mean |difference| <= LOGPROB_MEAN_TOL and
+    max <= LOGPROB_MAX_TOL (nats).
+FLASHMLA vs TRITON_MLA is printed as the baseline spread between two correct backends. The broken run
+(FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1: our decode uses scale x 1.5) must fail the same comparison.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness
+
+PROMPT_LENS = [1, 2, 17, 64, 65, 127, 300, 1000, 2047, 3000]
+MAX_TOKENS = 48
+LOGPROBS = 5
+# Agreement criteria (see the module docstring).
+MATCH_FRACTION_MIN = 0.9
+TIE_GAP = 0.3
+LOGPROB_MEAN_TOL = 0.05
+LOGPROB_MAX_TOL = 0.3
+# `vllm serve` load test.
+SERVE_START_TIMEOUT_S = 420
+SERVE_REQUESTS = 64
+SERVE_REQUESTS_TIMEOUT_S = 240
+
+OUR_LOG_LINE = "MLA decode attention runs on flashmla_backend"
+
+
+@pytest.fixture(scope="session")
+def checkpoint() -> Path:
+    return harness.tiny_checkpoint(mtp=True)
+
+
+@pytest.fixture(scope="session")
+def prompts_file() -> Path:
+    rng = random.Random(1234)
+    prompts = [[rng.randrange(2, 1024) for _ in range(n)] for n in PROMPT_LENS]
+    return harness.write_json(harness.RUN_DIR / "prompts.json", prompts)
+
+
+_runs: dict = {}
+
+
+def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False, tp=1, mtp=0, broken=False) -> dict:
+    """One vllm_run.py process per configuration (cached for the session)."""
+    key = (backend, eager, tp, mtp, broken)
+    if key in _runs:
+        return _runs[key]
+    name = f"{backend.lower()}{'-eager' if eager else '-graphs'}{f'-tp{tp}' if tp > 1 else ''}" \
+           f"{f'-mtp{mtp}' if mtp else ''}{'-BROKEN' if broken else ''}"
+    out = harness.RUN_DIR / f"{name}.json"
+    # vLLM's own backends do not depend on this repository's code: their results are kept on disk (next
+    # to the checkpoint's stamp) and reused by later pytest runs on the same machine, e.g. the next
+    # device call. Our backend always runs.
+    if backend != "CUSTOM":
+        stamp = hashlib.sha256(f"{checkpoint.name}|{prompts_file.read_text()}|{MAX_TOKENS}|{LOGPROBS}".encode())
+        out = harness.RUN_DIR / f"{name}-{stamp.hexdigest()[:12]}.json"
+        if out.exists():
+            result = json.loads(out.read_text())
+            result["name"] = name
+            print(f"\n[{name}] reusing {out}", flush=True)
+            _runs[key] = result
+            return result
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(harness.INTEGRATION / "vllm_run.py"), "--model", str(checkpoint), "--backend", backend,
+           "--prompts", str(prompts_file), "--out", str(out), "--max-tokens", str(MAX_TOKENS),
+           "--logprobs", str(LOGPROBS), "--tp", str(tp), "--mtp", str(mtp)]
+    if eager:
+        cmd.append("--enforce-eager")
+    env = harness.engine_env({"FLASHMLA_BACKEND_DEBUG_BREAK_SCALE": "1"} if broken else
+                             {"FLASHMLA_BACKEND_DEBUG_BREAK_SCALE": "0"})
+    log = harness.run_logged(name, cmd, env)
+    if backend == "CUSTOM":
+        assert OUR_LOG_LINE in log, f"{name}: the log does not show flashmla_backend running decode attention"
+        assert ("WRONG softmax scale" in log) == broken
+    result = json.loads(out.read_text())
+    result["name"] = name
+    _runs[key] = result
+    return result
+
+
+def compare(ours: dict, ref: dict) -> dict:
+    """Agreement figures of two runs over the same prompts (see the module docstring)."""
+    total = matched = identical = 0
+    diffs: list[float] = []
+    bad_divergences = []
+    for i, (a, b) in enumerate(zip(ours["outputs"], ref["outputs"])):
+        ta, tb = a["token_ids"], b["token_ids"]
+        total += len(tb)
+        first = next((p for p, (x, y) in enumerate(zip(ta, tb)) if x != y), len(tb))
+        matched += first
+        identical += first == len(tb)
+        for p in range(first):
+            tok = str(tb[p])
+            diffs.append(abs(a["logprobs"][p][tok] - b["logprobs"][p][tok]))
+        if first < len(tb):
+            ref_lp = b["logprobs"][first]
+            gap = ref_lp[str(tb[first])] - ref_lp.get(str(ta[first]), -math.inf)
+            if not gap <= TIE_GAP:
+                bad_divergences.append((i, first, round(gap, 3)))
+    r = {
+        "match_fraction": matched / max(total, 1),
+        "identical_prompts": f"{identical}/{len(ref['outputs'])}",
+        "logprob_mean_abs": sum(diffs) / max(len(diffs), 1),
+        "logprob_max_abs": max(diffs, default=0.0),
+        "bad_divergences": bad_divergences,
+    }
+    r["ok"] = (r["match_fraction"] >= MATCH_FRACTION_MIN and not bad_divergences
+               and r["logprob_mean_abs"] <= LOGPROB_MEAN_TOL and r["logprob_max_abs"] <= LOGPROB_MAX_TOL)
+    print(f"\n[compare] {ours['name']} vs {ref['name']}: tokens before first difference {r['match_fraction']:.1%} "
+          f"(identical prompts {r['identical_prompts']}), |logprob diff| mean {r['logprob_mean_abs']:.4f} "
+          f"max {r['logprob_max_abs']:.4f}, divergences away from ties {bad_divergences} -> "
+          f"{'AGREE' if r['ok'] else 'DISAGREE'}", flush=True)
+    return r
+
+
+def test_cuda_graphs_agree_with_triton_mla_and_flashmla(checkpoint, prompts_file):
+    triton = generate(checkpoint, prompts_file, "TRITON_MLA")
+    flashmla = generate(checkpoint, prompts_file, "FLASHMLA")
+    ours = generate(checkpoint, prompts_file, "CUSTOM")
+    compare(flashmla, triton)  # baseline: two correct backends
+    assert compare(ours, triton)["ok"]
+    assert compare(ours, flashmla)["ok"]
+
+
+def test_enforce_eager_agrees_with_triton_mla(checkpoint, prompts_file):
+    triton = generate(checkpoint, prompts_file, "TRITON_MLA")
+    ours = generate(checkpoint, prompts_file, "CUSTOM", eager=True)
+    assert compare(ours, triton)["ok"]
+
+
+def test_broken_attention_fails_the_comparison(checkpoint, prompts_file):
+    """Proves the comparison can fail: our decode with a wrong softmax scale (x1.5) must disagree."""
+    triton = generate(checkpoint, prompts_file, "TRITON_MLA")
+    broken = generate(checkpoint, prompts_file, "CUSTOM", eager=True, broken=True)
+    r = compare(broken, triton)
+    assert not r["ok"], "a deliberately broken attention passed the comparison: the criteria are too loose"
+
+
+def test_mtp_speculative_decoding_agrees(checkpoint, prompts_file):
+    """MTP drafts 2 tokens per step, so verification batches reach our decode kernel with s_q = 3 (causal);
+    greedy speculative decoding must reproduce the non-speculative reference."""
+    triton = generate(checkpoint, prompts_file, "TRITON_MLA")
+    ours = generate(checkpoint, prompts_file, "CUSTOM", mtp=2)
+    assert compare(ours, triton)["ok"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel 2 needs two GPUs")
+def test_tensor_parallel_2_agrees(checkpoint, prompts_file):
+    triton = generate(checkpoint, prompts_file, "TRITON_MLA", tp=2)
+    ours = generate(checkpoint, prompts_file, "CUSTOM", tp=2)
+    assert compare(ours, triton)["ok"]
+    assert compare(ours, generate(checkpoint, prompts_file, "TRITON_MLA"))["ok"]
+
+
+# ---- vllm serve ---------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def test_serve_64_concurrent_completions(checkpoint):
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    harness.RUN_DIR.mkdir(parents=True, exist_ok=True)
+    log_path = harness.RUN_DIR / "serve-custom.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint), "--attention-backend",
+           "CUSTOM", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+           "--gpu-memory-utilization", "0.5", "--max-num-seqs", "64", "--served-model-name", "tiny"]
+    print(f"\n[serve] start: {' '.join(cmd)} (log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=harness.engine_env(), stdout=log, stderr=subprocess.STDOUT,
+                                cwd=str(harness.REPO), start_new_session=True)
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode} while starting:\n{_tail(log_path)}")
+            if time.time() - t0 > SERVE_START_TIMEOUT_S:
+                pytest.fail(f"vllm serve not healthy after {SERVE_START_TIMEOUT_S} s:\n{_tail(log_path)}")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(2)
+        print(f"[serve] healthy after {time.time() - t0:.0f} s", flush=True)
+
+        rng = random.Random(99)
+        jobs = []
+        for i in range(SERVE_REQUESTS):
+            n = [1, 5, 60, 200, 700, 1500, 2500][i % 7] + rng.randrange(0, 30)
+            m = [1, 8, 32, 64, 128][i % 5]
+            jobs.append(([rng.randrange(2, 1024) for _ in range(n)], m))
+
+        def one(job):
+            prompt, max_tokens = job
+            t = time.time()
+            r = _post(f"{base}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                 "temperature": 0, "ignore_eos": True}, SERVE_REQUESTS_TIMEOUT_S)
+            return r, max_tokens, time.time() - t
+
+        t1 = time.time()
+        with ThreadPoolExecutor(max_workers=SERVE_REQUESTS) as pool:
+            results = list(pool.map(one, jobs, timeout=SERVE_REQUESTS_TIMEOUT_S))
+        wall = time.time() - t1
+        for r, max_tokens, _ in results:
+            assert r["usage"]["completion_tokens"] == max_tokens, r["usage"]
+            assert isinstance(r["choices"][0]["text"], str) and r["choices"][0]["finish_reason"] == "length"
+        slowest = max(dt for *_, dt in results)
+        print(f"[serve] {len(results)} concurrent completions ok in {wall:.1f} s (slowest {slowest:.1f} s)", flush=True)
+        assert wall < SERVE_REQUESTS_TIMEOUT_S
+        assert OUR_LOG_LINE in log_path.read_text(), "the server log does not show flashmla_backend decode"
+    finally:
+        _shutdown(proc)
+        print(f"[serve] server stopped (exit code {proc.returncode})", flush=True)
+    assert proc.returncode is not None
+
+
+def _shutdown(proc: subprocess.Popen) -> None:
+    """SIGINT (vLLM's graceful shutdown), then the harness's SIGTERM/SIGKILL of the process group."""
+    import signal
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+    harness.kill_group(proc)
+
+
+def _tail(path: Path, n: int = 80) -> str:
+    return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-n:])

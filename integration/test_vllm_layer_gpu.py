@@ -1,0 +1,335 @@
+"""Layer-level GPU tests: vLLM's real MLAAttention layer on our backend and on TRITON_MLA, same cache.
+
+    python -m pytest integration/test_vllm_layer_gpu.py -v      (a GPU machine with vLLM 0.26.0)
+
+For each fake batch (vLLM's test style: decode, uniform spec-decode, mixed prefill + decode, KV-manager
+blocks of 64 and 256 tokens with a random block permutation, block 0 the null block, unused slots NaN)
+the layer's forward_impl runs once with attn_backend = our plugin and once with TRITON_MLA, on one
+KV-cache tensor viewed in each backend's kernel block size; outputs must agree (atol = rtol = 1e-2),
+and both must agree with an fp32 reference in MHA form (K/V up-projected with kv_b_proj). On our
+side decode tokens go to flashmla_backend's kernel and prefill tokens to vLLM's prefill backend.
+
+A CUDA-graph test captures the plugin's forward_mqa once and replays it after build() wrote new
+lengths/block tables into the persistent buffers, against eager runs and the reference.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, fields
+
+import pytest
+import torch
+
+import harness
+
+LATENT, ROPE, NOPE, V_DIM = 512, 64, 128, 128
+HEAD = LATENT + ROPE
+ATOL = RTOL = 1e-2
+KERNEL_BLOCK = 64
+
+
+@dataclass
+class Case:
+    seq_lens: list[int]
+    query_lens: list[int]
+    manager_block_size: int = 64
+    spec_tokens: int = 0  # speculative tokens configured (decode threshold = 1 + spec_tokens)
+
+
+CASES = {
+    "decode": Case([1, 33, 64, 65, 400, 1500, 4000], [1] * 7),
+    "decode_bs256": Case([5, 255, 256, 257, 2500], [1] * 5, manager_block_size=256),
+    "spec2": Case([2, 64, 300, 2049], [2] * 4, spec_tokens=1),
+    "spec4_bs256": Case([4, 65, 1000, 3000], [4] * 4, manager_block_size=256, spec_tokens=3),
+    "mixed": Case([50, 700, 2000, 300, 1200, 128], [1, 1, 1, 37, 200, 128]),
+    "mixed_bs256": Case([3000, 9, 640, 513], [1, 1, 100, 513], manager_block_size=256),
+    "mixed_spec2": Case([40, 900, 260, 77], [2, 2, 31, 77], spec_tokens=1),
+}
+
+
+# ---- vLLM setup ---------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_process_state():
+    """One-rank distributed state (vLLM's parallel linear layers and MLA impls read it); plugin registered."""
+    from vllm.distributed import parallel_state as ps
+
+    import flashmla_backend.vllm
+
+    flashmla_backend.vllm.register()
+    torch.cuda.set_device(0)
+    if not ps.model_parallel_is_initialized():
+        cfg = make_config(Case([1], [1]))
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(cfg):
+            ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="nccl",
+                                            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+            ps.ensure_model_parallel_initialized(1, 1)
+    yield
+
+
+def make_config(case: Case, full_cuda_graphs: bool = False):
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
+
+    model = ModelConfig(model=str(harness.MODELS / "tiny-deepseek-v3"), skip_tokenizer_init=True,
+                        dtype="bfloat16", max_model_len=4096)
+    cfg = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=case.manager_block_size),
+                     device_config=DeviceConfig(device="cuda"))
+    if case.spec_tokens:
+        from vllm.config import SpeculativeConfig
+
+        cfg.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=case.spec_tokens)
+    from vllm.config import CUDAGraphMode
+
+    cfg.compilation_config.cudagraph_mode = (CUDAGraphMode.FULL_AND_PIECEWISE if full_cuda_graphs
+                                             else CUDAGraphMode.NONE)
+    return cfg
+
+
+_layer_counter = [0]
+
+
+class LayerUnderTest:
+    """vLLM's MLAAttention with a given backend, its metadata builder, and shared kv_b_proj weights."""
+
+    def __init__(self, cfg, backend_name: str, kv_b_weight: torch.Tensor, scale: float):
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+        from vllm.model_executor.layers.linear import ColumnParallelLinear
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+        from vllm.v1.worker import utils as worker_utils
+
+        self.cfg = cfg
+        self.backend = AttentionBackendEnum[backend_name].get_class()
+        hf = cfg.model_config.hf_text_config
+        self.num_heads = hf.num_attention_heads
+        _layer_counter[0] += 1
+        self.name = f"model.layers.{_layer_counter[0]}.self_attn.attn"
+        with set_current_vllm_config(cfg), torch.device("cuda"):
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                kv_b = ColumnParallelLinear(LATENT, self.num_heads * (NOPE + V_DIM), bias=False, quant_config=None,
+                                            prefix=self.name.replace("attn", "kv_b_proj"))
+                kv_b.weight.data.copy_(kv_b_weight)
+                self.layer = MLAAttention(
+                    num_heads=self.num_heads, scale=scale, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+                    v_head_dim=V_DIM, q_lora_rank=hf.q_lora_rank, kv_lora_rank=LATENT, kv_b_proj=kv_b,
+                    cache_config=cfg.cache_config, quant_config=None, prefix=self.name, attn_backend=self.backend)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            self.layer.process_weights_after_loading(torch.bfloat16)
+            spec = MLAAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=1, head_size=HEAD,
+                                    dtype=torch.bfloat16, cache_dtype_str="auto")
+            self.kernel_block_size = worker_utils.select_common_block_size(cfg.cache_config.block_size, [self.backend])
+            self.builder = self.backend.get_builder_cls()(
+                spec.copy_with_new_block_size(self.kernel_block_size), [self.name], cfg, torch.device("cuda"))
+
+    def kernel_table(self, manager_table: torch.Tensor, manager_block_size: int) -> torch.Tensor:
+        k = manager_block_size // self.kernel_block_size
+        if k == 1:
+            return manager_table
+        offsets = torch.arange(k, dtype=torch.int32, device=manager_table.device)
+        return (manager_table.unsqueeze(-1) * k + offsets).flatten(1)  # vLLM's kernel-block split
+
+    def forward(self, batch: "Batch") -> torch.Tensor:
+        from vllm.config import set_current_vllm_config
+
+        common = batch.common.replace(
+            block_table_tensor=self.kernel_table(batch.manager_table, batch.case.manager_block_size))
+        cache = batch.cache.view(-1, self.kernel_block_size, HEAD)
+        from vllm.forward_context import set_forward_context
+
+        with set_current_vllm_config(self.cfg):
+            md = self.builder.build(common_prefix_len=0, common_attn_metadata=common)
+            out = torch.empty((batch.num_tokens, self.num_heads * V_DIM), dtype=torch.bfloat16, device="cuda")
+            with set_forward_context({self.name: md}, self.cfg, num_tokens=batch.num_tokens):
+                self.layer.forward_impl(batch.q, batch.new_kv_c, batch.new_k_pe, cache, md, output=out)
+        self.last_metadata = md
+        return out
+
+
+# ---- batches ------------------------------------------------------------------------------------
+
+def common_attn_metadata(**kw):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    known = {f.name for f in fields(CommonAttentionMetadata)}
+    return CommonAttentionMetadata(**{k: v for k, v in kw.items() if k in known})
+
+
+class Batch:
+    """Requests whose last query_len tokens are new; all seq_len tokens are already in the paged cache."""
+
+    def __init__(self, case: Case, num_heads: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.case, M = case, case.manager_block_size
+        B = len(case.seq_lens)
+        per_req = [-(-n // M) for n in case.seq_lens]
+        num_blocks = sum(per_req) + 4
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        self.cache = torch.full((num_blocks, M, HEAD), float("nan"), dtype=torch.bfloat16)
+        self.manager_table = torch.zeros((B, -(-4096 // M)), dtype=torch.int32)
+        self.rows = []
+        slots = []
+        for i, (n, s) in enumerate(zip(case.seq_lens, case.query_lens)):
+            blocks = [perm.pop() for _ in range(per_req[i])]
+            self.manager_table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            rows = torch.randn((n, HEAD), generator=gen).to(torch.bfloat16)
+            self.rows.append(rows.cuda())
+            for t in range(n):
+                self.cache[blocks[t // M], t % M] = rows[t]
+            slots += [blocks[t // M] * M + t % M for t in range(n - s, n)]
+        self.cache = self.cache.cuda()
+        self.manager_table = self.manager_table.cuda()
+        self.num_tokens = sum(case.query_lens)
+        q_lens = torch.tensor(case.query_lens, dtype=torch.int32)
+        qsl = torch.zeros(B + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(q_lens, 0)
+        seq = torch.tensor(case.seq_lens, dtype=torch.int32)
+        prefilling = torch.tensor([s > 1 and s > case.spec_tokens + 1 for s in case.query_lens])
+        self.common = common_attn_metadata(
+            query_start_loc=qsl.cuda(), query_start_loc_cpu=qsl.pin_memory(), seq_lens=seq.cuda(),
+            num_reqs=B, num_actual_tokens=self.num_tokens, max_query_len=max(case.query_lens),
+            max_seq_len=max(case.seq_lens), block_table_tensor=self.manager_table,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).cuda(), causal=True,
+            _seq_lens_cpu=seq, seq_lens_cpu_upper_bound=seq, is_prefilling=prefilling)
+        # New tokens in the layer's input form: q [T, H, 192] (nope | rope), kv_c [T, 512], k_pe [T, 1, 64].
+        self.q = (torch.randn((self.num_tokens, num_heads, NOPE + ROPE), generator=gen) * 0.5).to(torch.bfloat16).cuda()
+        new = torch.cat([r[-s:] for r, s in zip(self.rows, case.query_lens)])
+        self.new_kv_c = new[:, :LATENT].contiguous()
+        self.new_k_pe = new[:, LATENT:].unsqueeze(1).contiguous()
+
+    def reference(self, kv_b_weight: torch.Tensor, scale: float, num_heads: int) -> torch.Tensor:
+        """fp32 MHA-form attention: K = [kv_c W_UK, k_pe], V = kv_c W_UV, causal over each request."""
+        w = kv_b_weight.float().view(num_heads, NOPE + V_DIM, LATENT)
+        w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
+        outs, start = [], 0
+        for rows, s in zip(self.rows, self.case.query_lens):
+            n = rows.shape[0]
+            kv_c, k_pe = rows[:, :LATENT].float(), rows[:, LATENT:].float()
+            k_nope = torch.einsum("nl,hdl->nhd", kv_c, w_uk)
+            v = torch.einsum("nl,hdl->nhd", kv_c, w_uv)
+            q = self.q[start:start + s].float()
+            scores = (torch.einsum("shd,nhd->hsn", q[..., :NOPE], k_nope)
+                      + torch.einsum("shr,nr->hsn", q[..., NOPE:], k_pe)) * scale
+            pos = torch.arange(n - s, n, device=q.device)[:, None]
+            scores = scores.masked_fill(torch.arange(n, device=q.device)[None, :] > pos, float("-inf"))
+            outs.append(torch.einsum("hsn,nhd->shd", scores.softmax(-1), v).reshape(s, num_heads * V_DIM))
+            start += s
+        return torch.cat(outs)
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+def _scale() -> float:
+    return (NOPE + ROPE) ** -0.5
+
+
+def _kv_b_weight(num_heads: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn((num_heads * (NOPE + V_DIM), LATENT), generator=gen) / LATENT ** 0.5).to(torch.bfloat16).cuda()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layer_matches_triton_mla(name):
+    case = CASES[name]
+    cfg = make_config(case)
+    heads = cfg.model_config.hf_text_config.num_attention_heads
+    w = _kv_b_weight(heads)
+    ours = LayerUnderTest(cfg, "CUSTOM", w, _scale())
+    triton = LayerUnderTest(cfg, "TRITON_MLA", w, _scale())
+    assert ours.kernel_block_size == KERNEL_BLOCK
+    batch = Batch(case, heads, seed=len(name))
+
+    out_ours = ours.forward(batch)
+    md = ours.last_metadata
+    num_decodes = sum(1 for s in case.query_lens if s <= 1 + case.spec_tokens and s == case.query_lens[0])
+    assert md.num_decodes == num_decodes, (md.num_decodes, md.num_prefills)
+    if num_decodes:
+        from flashmla_backend.vllm.builder import FlashMLAPluginDecodeMetadata
+
+        assert isinstance(md.decode, FlashMLAPluginDecodeMetadata)  # decode tokens go to our kernel
+    out_triton = triton.forward(batch)
+    ref = batch.reference(w, _scale(), heads).to(torch.bfloat16)
+
+    diff = (out_ours.float() - out_triton.float()).abs()
+    print(f"\n[layer {name}] decodes {md.num_decodes}, prefills {md.num_prefills}: |ours - TRITON_MLA| max "
+          f"{diff.max().item():.3e} mean {diff.mean().item():.3e}; |ours - ref| max "
+          f"{(out_ours.float() - ref.float()).abs().max().item():.3e}")
+    assert torch.isfinite(out_ours).all()
+    torch.testing.assert_close(out_ours, out_triton, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out_ours, ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out_triton, ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_forward_mqa_cuda_graph_replay_reads_fresh_metadata(query_len):
+    """Capture the plugin's decode once; replays after build() on new lengths must match eager runs."""
+    import flashmla_backend
+    from vllm.config import set_current_vllm_config
+
+    case0 = Case([700, 64, 3000, 2], [query_len] * 4, spec_tokens=query_len - 1)
+    case1 = Case([3, 2500, 65, 1200], [query_len] * 4, spec_tokens=query_len - 1)
+    cfg = make_config(case0, full_cuda_graphs=True)
+    heads = cfg.model_config.hf_text_config.num_attention_heads
+    ours = LayerUnderTest(cfg, "CUSTOM", _kv_b_weight(heads), _scale())
+    builder, impl = ours.builder, ours.layer.impl
+    assert builder.cg_tile_scheduler_metadata is not None
+
+    b0, b1 = Batch(case0, heads, seed=10), Batch(case1, heads, seed=11)
+    # The model runner's persistent inputs: lengths and block table live at fixed addresses.
+    seq_lens = b0.common.seq_lens.clone()
+    table = b0.manager_table.clone()
+    q_static = torch.randn((b0.num_tokens, heads, HEAD), dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn((max(b0.cache.shape[0], b1.cache.shape[0]), 64, HEAD), dtype=torch.bfloat16, device="cuda")
+
+    def build(batch):
+        cache[: batch.cache.shape[0]].copy_(batch.cache)
+        seq_lens.copy_(batch.common.seq_lens)
+        table.copy_(batch.manager_table)
+        common = batch.common.replace(seq_lens=seq_lens, block_table_tensor=table)
+        with set_current_vllm_config(cfg):
+            return builder.build(common_prefix_len=0, common_attn_metadata=common)
+
+    def reference(batch, q):
+        b = len(batch.case.seq_lens)
+        out, _ = flashmla_backend.mla_decode_reference(
+            q.view(b, query_len, heads, HEAD), cache.unsqueeze(-2), table, seq_lens, LATENT,
+            softmax_scale=_scale(), causal=True)
+        return out.view(-1, heads, LATENT)
+
+    md0 = build(b0)
+    with set_current_vllm_config(cfg):
+        eager0, _ = impl.forward_mqa(q_static, cache, md0, ours.layer)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            impl.forward_mqa(q_static, cache, md0, ours.layer)  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out, _ = impl.forward_mqa(q_static, cache, md0, ours.layer)
+    graph.replay()
+    torch.testing.assert_close(graph_out, eager0, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(graph_out, reference(b0, q_static).to(graph_out.dtype), atol=ATOL, rtol=RTOL)
+
+    md1 = build(b1)  # writes into the buffers the graph reads
+    assert md1.decode.tile_scheduler_metadata.data_ptr() == md0.decode.tile_scheduler_metadata.data_ptr()
+    assert md1.decode.num_splits.data_ptr() == md0.decode.num_splits.data_ptr()
+    want_md, want_splits = flashmla_backend.get_mla_metadata(seq_lens, query_len * heads, 1)
+    assert torch.equal(md0.decode.tile_scheduler_metadata, want_md) and torch.equal(md0.decode.num_splits, want_splits)
+    q_static.copy_(torch.randn_like(q_static))
+    graph.replay()
+    with set_current_vllm_config(cfg):
+        eager1, _ = impl.forward_mqa(q_static, cache, md1, ours.layer)
+    torch.testing.assert_close(graph_out, eager1, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(graph_out, reference(b1, q_static).to(graph_out.dtype), atol=ATOL, rtol=RTOL)
+    print(f"\n[graph s_q={query_len}] replay after new lengths matches eager and the reference")
