@@ -41,11 +41,18 @@ import harness
 PROMPT_LENS = [1, 2, 17, 64, 65, 127, 300, 1000, 2047, 3000]
 MAX_TOKENS = 48
 LOGPROBS = 5
-# Agreement criteria (see the module docstring).
-MATCH_FRACTION_MIN = 0.9
+# Agreement criteria (see the module docstring). Calibrated on the GPU machine (H200, vLLM 0.26.0, this
+# checkpoint, 10 prompts x 48 tokens), where two correct backends, FLASHMLA vs TRITON_MLA, gave: 77 % of
+# tokens before the first difference, every first difference at a near tie, |logprob diff| mean 0.016,
+# max 0.19; ours (CUDA graphs) vs TRITON_MLA: 83 %, all at ties, mean 0.017, max 0.28; ours with a 1.5x
+# softmax scale (the broken run): 4 %, 8 of 10 prompts diverging away from ties, mean 0.18, max 0.72.
+# On a random tiny model near ties are common and a tie-break sends the rest of a sequence elsewhere, so
+# the token criterion is "every divergence at a near tie" plus a majority of tokens before it; the
+# logprob mean is the sharpest separator.
+MATCH_FRACTION_MIN = 0.5
 TIE_GAP = 0.3
 LOGPROB_MEAN_TOL = 0.05
-LOGPROB_MAX_TOL = 0.3
+LOGPROB_MAX_TOL = 0.5
 # `vllm serve` load test.
 SERVE_START_TIMEOUT_S = 420
 SERVE_REQUESTS = 64
@@ -152,7 +159,9 @@ def test_cuda_graphs_agree_with_triton_mla_and_flashmla(checkpoint, prompts_file
 
 
 def test_enforce_eager_agrees_with_triton_mla(checkpoint, prompts_file):
-    triton = generate(checkpoint, prompts_file, "TRITON_MLA")
+    """Eager against eager: without torch.compile the other layers round differently, so an eager run
+    is compared with TRITON_MLA's eager run (like with like)."""
+    triton = generate(checkpoint, prompts_file, "TRITON_MLA", eager=True)
     ours = generate(checkpoint, prompts_file, "CUSTOM", eager=True)
     assert compare(ours, triton)["ok"]
 
@@ -161,6 +170,8 @@ def test_broken_attention_fails_the_comparison(checkpoint, prompts_file):
     """Proves the comparison can fail: our decode with a wrong softmax scale (x1.5) must disagree."""
     triton = generate(checkpoint, prompts_file, "TRITON_MLA")
     broken = generate(checkpoint, prompts_file, "CUSTOM", eager=True, broken=True)
+    assert compare(generate(checkpoint, prompts_file, "CUSTOM", eager=True), triton)["ok"], \
+        "the unbroken run must pass the same comparison"
     r = compare(broken, triton)
     assert not r["ok"], "a deliberately broken attention passed the comparison: the criteria are too loose"
 

@@ -260,14 +260,17 @@ def test_layer_matches_triton_mla(name):
     out_triton = triton.forward(batch)
     ref = batch.reference(w, _scale(), heads).to(torch.bfloat16)
 
-    diff = (out_ours.float() - out_triton.float()).abs()
-    print(f"\n[layer {name}] decodes {md.num_decodes}, prefills {md.num_prefills}: |ours - TRITON_MLA| max "
-          f"{diff.max().item():.3e} mean {diff.mean().item():.3e}; |ours - ref| max "
-          f"{(out_ours.float() - ref.float()).abs().max().item():.3e}")
+    def max_diff(a, b):
+        return (a.float() - b.float()).abs().max().item()
+
+    # All three distances first, so that a failure shows which side is off.
+    print(f"\n[layer {name}] decodes {md.num_decodes}, prefills {md.num_prefills}: max |ours - ref| "
+          f"{max_diff(out_ours, ref):.3e}, max |TRITON_MLA - ref| {max_diff(out_triton, ref):.3e}, "
+          f"max |ours - TRITON_MLA| {max_diff(out_ours, out_triton):.3e}")
     assert torch.isfinite(out_ours).all()
-    torch.testing.assert_close(out_ours, out_triton, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out_ours, ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(out_triton, ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out_ours, out_triton, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("query_len", [1, 2])

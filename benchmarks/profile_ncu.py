@@ -1,0 +1,49 @@
+"""Nsight Compute profile of the decode kernels on the issue-3 shapes (what limits each).
+
+    ncu --target-processes all -k regex:"decode_kernel|combine_kernel" --section SpeedOfLight \
+        --section WarpStateStats --section Occupancy --csv python benchmarks/profile_ncu.py [shapes...]
+
+Runs each shape once per kernel (FLASHMLA_BACKEND_KERNEL=sm90 and portable unless --kernels says
+otherwise) after a warm-up outside the profiled range (ncu profiles every matching launch, so the
+script launches each configuration exactly twice: warm-up, then the profiled run; use
+--launch-skip/--launch-count or look at the second row per shape). Shapes use the benchmark's syntax.
+"""
+import argparse
+import os
+
+import torch
+
+import flashmla_backend as fb
+from flashmla_backend import device
+from flashmla_backend.bench import make_seqlens, parse_shapes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", nargs="*", default=["b128-sk8192-h128-sq1", "b128-sk8192-h16-sq1", "b1-sk8192-h128-sq1"])
+    ap.add_argument("--kernels", default="sm90")
+    args = ap.parse_args()
+    for shape in parse_shapes(",".join(args.shapes)):
+        lens = make_seqlens(shape, 0)
+        pages = [-(-n // 64) for n in lens]
+        table = torch.zeros(shape.b, max(pages), dtype=torch.int32)
+        perm = torch.randperm(sum(pages))
+        k = 0
+        for i, p in enumerate(pages):
+            table[i, :p] = perm[k:k + p]
+            k += p
+        cache = torch.randn(sum(pages), 64, 1, 576, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(shape.b, shape.s_q, shape.h_q, 576, dtype=torch.bfloat16, device="cuda")
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        table = table.cuda()
+        meta, ns = fb.get_mla_metadata(seqlens, shape.s_q * shape.h_q, 1)
+        for kernel in args.kernels.split(","):
+            os.environ[device.KERNEL_ENV] = kernel
+            for _ in range(2):
+                fb.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, ns, causal=True)
+            torch.cuda.synchronize()
+            print(f"profiled {shape} with {kernel}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
