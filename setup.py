@@ -140,8 +140,9 @@ class NvccBuildExt(build_ext):
         common = ["-O3", "-std=c++17", "-DNDEBUG", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
                   f"-I{CSRC}", f"-I{cutlass_inc}"] + defines
         cuda_flags = ["--expt-relaxed-constexpr", "-lineinfo"] + os.environ.get("FLASHMLA_BACKEND_NVCC_FLAGS", "").split()
-        jobs = [(src, common + cuda_flags + gencode_flags(archs)) for src in portable]
-        jobs += [(src, common + cuda_flags + gencode_flags(["90a"])) for src in sm90]
+        # Longest compiles first (the CuTe/wgmma translation units), so that parallel jobs finish together.
+        jobs = [(src, common + cuda_flags + gencode_flags(["90a"])) for src in sm90]
+        jobs += [(src, common + cuda_flags + gencode_flags(archs)) for src in portable]
         py_inc = [f"-I{sysconfig.get_paths()['include']}", f"-I{pybind11.get_include()}"]
         jobs += [(src, common + py_inc) for src in binding]
 

@@ -85,8 +85,11 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     parts, q_rows = shapes.num_sm_parts, shapes.q_rows
     out = torch.empty((b, s_q, h_q, validate.HEAD_DIM_V), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
-    lse_accum = torch.empty((b + parts, h_kv, q_rows), dtype=torch.float32, device=q.device)
-    o_accum = torch.empty((b + parts, h_kv, q_rows, validate.HEAD_DIM_V), dtype=torch.float32, device=q.device)
+    # Split accumulators (params.h), one allocation: o_accum [b + parts, h_kv, q_rows, 512] then
+    # lse_accum [b + parts, h_kv, q_rows]; 512 * 4 bytes keeps lse_accum 16-byte aligned.
+    n_rows = (b + parts) * h_kv * q_rows
+    accum = torch.empty((n_rows * (validate.HEAD_DIM_V + 1),), dtype=torch.float32, device=q.device)
+    o_accum, lse_accum = accum[: n_rows * validate.HEAD_DIM_V], accum[n_rows * validate.HEAD_DIM_V:]
     props = device.device_props(q.device.index)
 
     C = _ext.ext()

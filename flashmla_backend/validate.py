@@ -45,23 +45,25 @@ def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {t.dtype} on {t.device} with strides {t.stride()}"
 
 
-def _require(cond: bool, exc: type[Exception], msg: str) -> None:
+def _require(cond: bool, exc: type[Exception], msg) -> None:
+    """Raises exc("flashmla_backend: " + msg) unless cond. msg may be a callable returning the text, so
+    that the message (tensor descriptions) is only formatted on failure: this runs on every decode call."""
     if not cond:
-        raise exc(f"flashmla_backend: {msg}")
+        raise exc(f"flashmla_backend: {msg() if callable(msg) else msg}")
 
 
 def _tensor(name: str, t, ndim: int, dtypes: tuple, what: str) -> None:
-    _require(isinstance(t, torch.Tensor), TypeError, f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _require(t.dim() == ndim, ValueError, f"{name} must be {what} ({ndim}-D), got {_describe(t)}")
+    _require(isinstance(t, torch.Tensor), TypeError, lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _require(t.dim() == ndim, ValueError, lambda: f"{name} must be {what} ({ndim}-D), got {_describe(t)}")
     _require(t.dtype in dtypes, TypeError,
-             f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {_describe(t)}")
+             lambda: f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {_describe(t)}")
     _require(t.numel() == 0 or t.stride(-1) == 1, ValueError,
-             f"{name} must have a contiguous last dimension (stride 1), got {_describe(t)}")
+             lambda: f"{name} must have a contiguous last dimension (stride 1), got {_describe(t)}")
 
 
 def _same_device(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
     _require(t.device == ref.device, ValueError,
-             f"{name} is on {t.device} but {ref_name} is on {ref.device}: all tensors must be on one device")
+             lambda: f"{name} is on {t.device} but {ref_name} is on {ref.device}: all tensors must be on one device")
 
 
 def validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q=None,
@@ -69,10 +71,10 @@ def validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, 
     _tensor("cache_seqlens", cache_seqlens, 1, (torch.int32,), "[batch] int32")
     for name, v in (("num_q_tokens_per_head_k", num_q_tokens_per_head_k), ("num_heads_k", num_heads_k)):
         _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, ValueError,
-                 f"{name} must be a positive int, got {v!r}")
+                 lambda: f"{name} must be a positive int, got {v!r}")
     if num_heads_q is not None:
         _require(isinstance(num_heads_q, int) and num_heads_q >= 1 and num_heads_q % num_heads_k == 0, ValueError,
-                 f"num_heads_q must be a positive multiple of num_heads_k={num_heads_k}, got {num_heads_q!r}")
+                 lambda: f"num_heads_q must be a positive multiple of num_heads_k={num_heads_k}, got {num_heads_q!r}")
     if is_fp8_kvcache:
         raise NotImplementedError("flashmla_backend: FP8 KV cache is not supported yet (bf16 and fp16 caches are)")
     if topk is not None:
@@ -95,36 +97,36 @@ def validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, til
     for name, t in (("k_cache", k_cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens),
                     ("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)):
         _same_device(name, t, q, "q")
-    _require(q.device.type in ("cuda", "cpu"), ValueError, f"q is on {q.device}; only CUDA and CPU tensors work")
+    _require(q.device.type in ("cuda", "cpu"), ValueError, lambda: f"q is on {q.device}; only CUDA and CPU tensors work")
 
     b, s_q, h_q, d = q.shape
     num_pages, page_size, h_kv, d_k = k_cache.shape
-    _require(d == HEAD_DIM_K, ValueError, f"q's last dimension must be {HEAD_DIM_K} (512 latent + 64 rope), got {_describe(q)}")
-    _require(d_k == HEAD_DIM_K, ValueError, f"k_cache's last dimension must be {HEAD_DIM_K}, got {_describe(k_cache)}")
+    _require(d == HEAD_DIM_K, ValueError, lambda: f"q's last dimension must be {HEAD_DIM_K} (512 latent + 64 rope), got {_describe(q)}")
+    _require(d_k == HEAD_DIM_K, ValueError, lambda: f"k_cache's last dimension must be {HEAD_DIM_K}, got {_describe(k_cache)}")
     _require(k_cache.dtype == q.dtype, TypeError,
-             f"q and k_cache must have the same dtype, got q {q.dtype} and k_cache {k_cache.dtype}")
-    _require(head_dim_v == HEAD_DIM_V, ValueError, f"head_dim_v must be {HEAD_DIM_V}, got {head_dim_v!r}")
+             lambda: f"q and k_cache must have the same dtype, got q {q.dtype} and k_cache {k_cache.dtype}")
+    _require(head_dim_v == HEAD_DIM_V, ValueError, lambda: f"head_dim_v must be {HEAD_DIM_V}, got {head_dim_v!r}")
     _require(page_size == PAGE_SIZE, ValueError,
-             f"k_cache has page size {page_size} (dimension 1 of {_describe(k_cache)}); only {PAGE_SIZE}-token pages "
+             lambda: f"k_cache has page size {page_size} (dimension 1 of {_describe(k_cache)}); only {PAGE_SIZE}-token pages "
              "are supported (engines: use block size 64, or a multiple of it split into 64-token kernel blocks)")
     _require(h_kv >= 1 and h_q >= 1 and h_q % h_kv == 0, ValueError,
-             f"num_heads_q ({h_q}) must be a multiple of num_heads_k ({h_kv})")
-    _require(s_q >= 1, ValueError, f"q must have seqlen_q >= 1, got {_describe(q)}")
-    _require(num_pages >= 1, ValueError, f"k_cache must have at least one page, got {_describe(k_cache)}")
+             lambda: f"num_heads_q ({h_q}) must be a multiple of num_heads_k ({h_kv})")
+    _require(s_q >= 1, ValueError, lambda: f"q must have seqlen_q >= 1, got {_describe(q)}")
+    _require(num_pages >= 1, ValueError, lambda: f"k_cache must have at least one page, got {_describe(k_cache)}")
     _require(block_table.shape[0] == b and block_table.shape[1] >= 1, ValueError,
-             f"block_table must be [batch={b}, max_pages >= 1], got {_describe(block_table)}")
-    _require(cache_seqlens.shape[0] == b, ValueError, f"cache_seqlens must be [batch={b}], got {_describe(cache_seqlens)}")
+             lambda: f"block_table must be [batch={b}, max_pages >= 1], got {_describe(block_table)}")
+    _require(cache_seqlens.shape[0] == b, ValueError, lambda: f"cache_seqlens must be [batch={b}], got {_describe(cache_seqlens)}")
     _require(tile_scheduler_metadata.shape[0] >= 1 and tile_scheduler_metadata.shape[1] == scheduler.META_INTS,
-             ValueError, f"tile_scheduler_metadata must be [num_sm_parts, 8] from get_mla_metadata, got "
+             ValueError, lambda: f"tile_scheduler_metadata must be [num_sm_parts, 8] from get_mla_metadata, got "
              f"{_describe(tile_scheduler_metadata)}")
     _require(num_splits.shape[0] == b + 1, ValueError,
-             f"num_splits must be [batch + 1 = {b + 1}] from get_mla_metadata for this batch, got {_describe(num_splits)}")
+             lambda: f"num_splits must be [batch + 1 = {b + 1}] from get_mla_metadata for this batch, got {_describe(num_splits)}")
     _require(tile_scheduler_metadata.is_contiguous() and num_splits.is_contiguous() and cache_seqlens.is_contiguous(),
              ValueError, "tile_scheduler_metadata, num_splits and cache_seqlens must be contiguous")
     _require(softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
                                        and softmax_scale > 0), ValueError,
-             f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
-    _require(isinstance(causal, bool), TypeError, f"causal must be a bool, got {causal!r}")
+             lambda: f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
+    _require(isinstance(causal, bool), TypeError, lambda: f"causal must be a bool, got {causal!r}")
     return shapes_of(q, k_cache, block_table, tile_scheduler_metadata)
 
 
@@ -137,10 +139,10 @@ def shapes_of(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
 def check_kernel_layout(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Alignment the kernels' 16-byte loads (cp.async, TMA) need. Pointer values: call with real tensors."""
     for name, t in (("q", q), ("k_cache", k_cache)):
-        _require(t.data_ptr() % 16 == 0, ValueError, f"{name}'s data pointer must be 16-byte aligned (got "
+        _require(t.data_ptr() % 16 == 0, ValueError, lambda: f"{name}'s data pointer must be 16-byte aligned (got "
                  f"{t.data_ptr() % 16} bytes past a 16-byte boundary; storage offset {t.storage_offset()})")
         bad = [st for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1 and st % 8 != 0]
-        _require(not bad, ValueError, f"{name}'s strides must be multiples of 8 elements (16 bytes) for the kernels' "
+        _require(not bad, ValueError, lambda: f"{name}'s strides must be multiples of 8 elements (16 bytes) for the kernels' "
                  f"vector loads, got {_describe(t)}")
 
 
@@ -149,11 +151,11 @@ def check_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pag
     """Value checks (host copies of the small index tensors; CPU path always, CUDA path in checked mode)."""
     lens = cache_seqlens.cpu().tolist()
     neg = [(i, n) for i, n in enumerate(lens) if n < 0]
-    _require(not neg, ValueError, f"cache_seqlens must be >= 0, got negative lengths at (index, length) {neg[:8]}")
+    _require(not neg, ValueError, lambda: f"cache_seqlens must be >= 0, got negative lengths at (index, length) {neg[:8]}")
     max_pages = block_table.shape[1]
     short = [(i, n) for i, n in enumerate(lens) if -(-n // PAGE_SIZE) > max_pages]
     _require(not short, ValueError,
-             f"block_table is too short: it has {max_pages} pages ({max_pages * PAGE_SIZE} tokens) per request but "
+             lambda: f"block_table is too short: it has {max_pages} pages ({max_pages * PAGE_SIZE} tokens) per request but "
              f"cache_seqlens needs more at (index, length) {short[:8]}")
     table = block_table.cpu()
     for i, n in enumerate(lens):

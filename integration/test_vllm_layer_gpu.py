@@ -4,7 +4,8 @@
 
 For each fake batch (vLLM's test style: decode, uniform spec-decode, mixed prefill + decode, KV-manager
 blocks of 64 and 256 tokens with a random block permutation, block 0 the null block, unused slots NaN)
-the layer's forward_impl runs once with attn_backend = our plugin and once with TRITON_MLA, on one
+the layer's forward_impl runs once with attn_backend = our plugin and once with TRITON_MLA (FLASHMLA for
+uniform multi-token decode batches, which TRITON_MLA's single-token decode kernel does not handle), on one
 KV-cache tensor viewed in each backend's kernel block size; outputs must agree (atol = rtol = 1e-2),
 and both must agree with an fp32 reference in MHA form (K/V up-projected with kv_b_proj). On our
 side decode tokens go to flashmla_backend's kernel and prefill tokens to vLLM's prefill backend.
@@ -259,18 +260,29 @@ def test_layer_matches_triton_mla(name):
         assert isinstance(md.decode, FlashMLAPluginDecodeMetadata)  # decode tokens go to our kernel
     out_triton = triton.forward(batch)
     ref = batch.reference(w, _scale(), heads).to(torch.bfloat16)
+    if num_decodes == len(case.query_lens) and case.query_lens[0] > 1:
+        # Uniform multi-token decode (spec decode). TRITON_MLA's decode kernel is single-token only
+        # (QueryLenSupport.SINGLE_ONLY); on these batches its output was measured 3.5 away from the fp32
+        # reference (H200, vLLM 0.26.0) while ours was within 1.6e-2, so it is no oracle here.
+        # vLLM's FLASHMLA supports uniform query lengths natively: compare against it instead.
+        tri_err = (out_triton.float() - ref.float()).abs().max().item()
+        print(f"\n[layer {name}] TRITON_MLA vs reference: max {tri_err:.3e} (not asserted, see comment); "
+              "comparing with FLASHMLA")
+        oracle_name, out_oracle = "FLASHMLA", LayerUnderTest(cfg, "FLASHMLA", w, _scale()).forward(batch)
+    else:
+        oracle_name, out_oracle = "TRITON_MLA", out_triton
 
     def max_diff(a, b):
         return (a.float() - b.float()).abs().max().item()
 
     # All three distances first, so that a failure shows which side is off.
     print(f"\n[layer {name}] decodes {md.num_decodes}, prefills {md.num_prefills}: max |ours - ref| "
-          f"{max_diff(out_ours, ref):.3e}, max |TRITON_MLA - ref| {max_diff(out_triton, ref):.3e}, "
-          f"max |ours - TRITON_MLA| {max_diff(out_ours, out_triton):.3e}")
+          f"{max_diff(out_ours, ref):.3e}, max |{oracle_name} - ref| {max_diff(out_oracle, ref):.3e}, "
+          f"max |ours - {oracle_name}| {max_diff(out_ours, out_oracle):.3e}")
     assert torch.isfinite(out_ours).all()
     torch.testing.assert_close(out_ours, ref, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(out_triton, ref, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(out_ours, out_triton, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out_oracle, ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out_ours, out_oracle, atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("query_len", [1, 2])
