@@ -2,11 +2,14 @@
 // outputs with log-sum-exp weights and writes out / lse. Requests with one split were written by
 // the decode kernel directly and are skipped here.
 //
-// Grid: (q_rows, h_kv, batch), 128 threads per query row; thread t owns output columns 4t .. 4t+3
-// (one float4 per split, coalesced across the CTA). The split loop issues kUnroll independent loads
-// before using them: with few requests (b = 1) a row has tens of splits, and a loop that waits on one
-// split at a time was latency-bound (24 us for b=1, h_q=128, 43 splits, measured with ncu on an H200).
+// Grid: (ceil(q_rows / kRowsPerCta), h_kv, batch); one warp per query row, lane j owns the
+// 16 output columns {4j..4j+3} + 128 k, k = 0..3 (float4 loads, coalesced across the warp).
 // The order of the sums is fixed, so results are bitwise reproducible.
+// NOTE (measured, ncu on an H200): with few requests the loop over splits is latency-bound, e.g.
+// b=1, h_q=128, 8192 keys: 43 splits, combine 24 us next to a 32 us decode kernel. A variant with one
+// 128-thread CTA per row and 8 splits' loads in flight took b=1 from 44 to 37 us end to end, but on
+// another H200 host b=128, h_q=128 came out ~5% slower (4x more CTAs, most exiting at once) and it was
+// not run under compute-sanitizer, so it is not shipped. Next: pick the layout by batch size.
 // With PDL the kernel may start while the decode kernel still runs: it reads num_splits (written
 // by the scheduler, which completed before the decode kernel started) and then waits with
 // griddepcontrol.wait before touching the accumulators.
@@ -23,10 +26,11 @@
 namespace flashmla_backend {
 namespace {
 
-constexpr int kThreads = kHeadDimV / 4;  // 128: one float4 of the 512 columns per thread
-constexpr int kWarps = kThreads / 32;
-constexpr int kUnroll = 8;               // splits whose loads are in flight together
-static_assert(kHeadDimV % 128 == 0 && kThreads % 32 == 0, "combine assumes 512 = 128 threads x float4");
+constexpr int kRowsPerCta = 4;
+constexpr int kThreads = 32 * kRowsPerCta;
+constexpr int kColsPerLane = kHeadDimV / 32;  // 16
+constexpr int kVecsPerLane = kColsPerLane / 4;  // float4 loads per lane per split
+static_assert(kHeadDimV % 128 == 0, "combine assumes 512 = 4 x (32 lanes x 4 floats)");
 
 __device__ __forceinline__ void wait_for_primary_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -41,105 +45,83 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-// Reductions over the CTA in a fixed order (deterministic). `scratch` holds one value per warp.
-template <bool kMax>
-__device__ __forceinline__ float block_reduce(float v, float* scratch) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) {
-    const float o = __shfl_xor_sync(0xffffffffu, v, d);
-    v = kMax ? fmaxf(v, o) : v + o;
-  }
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) v = kMax ? fmaxf(v, scratch[w]) : v + scratch[w];
-  return v;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   const int req = blockIdx.z;
   const int hk = blockIdx.y;
-  const int row = blockIdx.x;
-  const int tid = threadIdx.x;
-  __shared__ float scratch[kWarps];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kRowsPerCta + warp;
 
   const int first_split = p.num_splits[req];
   const int n_splits = p.num_splits[req + 1] - first_split;
-  if (n_splits <= 1) return;
+  if (n_splits <= 1 || row >= p.q_rows) return;
 
   wait_for_primary_grid();
 
   // Row r of kv head hk <-> query token s, head h.
   const int s = row / p.ngroups;
   const int h = hk * p.ngroups + row % p.ngroups;
-  const long long row_stride = static_cast<long long>(p.num_heads_kv) * p.q_rows;  // rows per split
+  const long long row_stride = static_cast<long long>(p.num_heads_kv) * p.q_rows;  // per split
   const float* lse_row = p.lse_accum + static_cast<long long>(first_split) * row_stride +
                          static_cast<long long>(hk) * p.q_rows + row;
+
+  // Pass 1: max and sum of exp over the splits' lse (each lane takes splits lane, lane+32, ...).
+  float max_lse = -INFINITY;
+  for (int i = lane; i < n_splits; i += 32) max_lse = fmaxf(max_lse, lse_row[i * row_stride]);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
+
   float* lse_out = p.lse + static_cast<long long>(req) * p.lse_stride_b + static_cast<long long>(h) * p.lse_stride_h + s;
   T* out = static_cast<T*>(p.out) + static_cast<long long>(req) * p.out_stride_b +
-           static_cast<long long>(s) * p.out_stride_s + static_cast<long long>(h) * p.out_stride_h + 4 * tid;
+           static_cast<long long>(s) * p.out_stride_s + static_cast<long long>(h) * p.out_stride_h;
 
-  // Pass 1: max and sum of exp over the splits' lse.
-  float max_lse = -INFINITY;
-  for (int i = tid; i < n_splits; i += kThreads) max_lse = fmaxf(max_lse, lse_row[i * row_stride]);
-  max_lse = block_reduce<true>(max_lse, scratch);
   if (max_lse == -INFINITY) {  // the row saw no key in any split
-#pragma unroll
-    for (int e = 0; e < 4; ++e) out[e] = from_float<T>(0.f);
-    if (tid == 0) *lse_out = INFINITY;
+    for (int c = lane; c < kHeadDimV; c += 32) out[c] = from_float<T>(0.f);
+    if (lane == 0) *lse_out = INFINITY;
     return;
   }
+
   float sum = 0.f;
-  for (int i = tid; i < n_splits; i += kThreads) sum += expf(lse_row[i * row_stride] - max_lse);
-  sum = block_reduce<false>(sum, scratch);
+  for (int i = lane; i < n_splits; i += 32) sum += expf(lse_row[i * row_stride] - max_lse);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
   const float final_lse = max_lse + logf(sum);
 
-  // Pass 2: weighted sum of the partial outputs, kUnroll splits in flight.
-  const float4* o_col = reinterpret_cast<const float4*>(
-      p.o_accum + (static_cast<long long>(first_split) * row_stride + static_cast<long long>(hk) * p.q_rows + row) *
-                      kHeadDimV) + tid;
-  const long long split_step = row_stride * (kHeadDimV / 4);  // float4s between splits
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  int i = 0;
-  for (; i + kUnroll <= n_splits; i += kUnroll) {
-    float4 v[kUnroll];
-    float l[kUnroll];
+  // Pass 2: weighted sum of the partial outputs.
+  float acc[kColsPerLane];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      v[j] = o_col[(i + j) * split_step];
-      l[j] = lse_row[(i + j) * row_stride];
-    }
-    asm volatile("" ::: "memory");  // keep every load of the group ahead of the first use (latency)
+  for (int k = 0; k < kColsPerLane; ++k) acc[k] = 0.f;
+  const float* o_row = p.o_accum + (static_cast<long long>(first_split) * row_stride +
+                                    static_cast<long long>(hk) * p.q_rows + row) * kHeadDimV;
+  for (int base = 0; base < n_splits; base += 32) {
+    const int i_mine = base + lane;
+    const float w_mine = i_mine < n_splits ? expf(lse_row[i_mine * row_stride] - final_lse) : 0.f;
+    const int count = min(32, n_splits - base);
+    for (int j = 0; j < count; ++j) {
+      const float w = __shfl_sync(0xffffffffu, w_mine, j);
+      const float4* src = reinterpret_cast<const float4*>(o_row + (base + j) * row_stride * kHeadDimV);
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const float w = expf(l[j] - final_lse);
-      acc.x += w * v[j].x;
-      acc.y += w * v[j].y;
-      acc.z += w * v[j].z;
-      acc.w += w * v[j].w;
+      for (int k = 0; k < kVecsPerLane; ++k) {
+        const float4 v = src[k * 32 + lane];
+        acc[4 * k + 0] += w * v.x;
+        acc[4 * k + 1] += w * v.y;
+        acc[4 * k + 2] += w * v.z;
+        acc[4 * k + 3] += w * v.w;
+      }
     }
   }
-  for (; i < n_splits; ++i) {
-    const float4 v = o_col[i * split_step];
-    const float w = expf(lse_row[i * row_stride] - final_lse);
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
+#pragma unroll
+  for (int k = 0; k < kVecsPerLane; ++k) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[(k * 32 + lane) * 4 + e] = from_float<T>(acc[4 * k + e]);
   }
-  out[0] = from_float<T>(acc.x);
-  out[1] = from_float<T>(acc.y);
-  out[2] = from_float<T>(acc.z);
-  out[3] = from_float<T>(acc.w);
-  if (tid == 0) *lse_out = final_lse;
+  if (lane == 0) *lse_out = final_lse;
 }
 
 template <typename T>
 void launch_combine(const DecodeParams& p) {
-  dim3 grid(p.q_rows, p.num_heads_kv, p.batch);
+  dim3 grid((p.q_rows + kRowsPerCta - 1) / kRowsPerCta, p.num_heads_kv, p.batch);
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kThreads);
