@@ -186,3 +186,43 @@ def test_checked_mode_on_gpu(monkeypatch):
     monkeypatch.setenv(validate.CHECK_ENV, "1")
     with pytest.raises(ValueError, match=r"block_table is too short"):
         call(**dict(a, cache_seqlens=torch.tensor([1000, 5], dtype=torch.int32, device="cuda")))
+
+
+# ---- unsupported GPUs (the device properties are faked; needs the compiled module for its limits) ----
+
+@pytest.mark.parametrize("major,minor,smem,name", [(8, 9, 101376, "NVIDIA GeForce RTX 4090"),
+                                                   (7, 5, 65536, "Tesla T4")])
+def test_unsupported_gpu_message_names_the_gpu(monkeypatch, major, minor, smem, name):
+    from flashmla_backend import _ext, device
+
+    if not _ext.available():
+        pytest.skip("needs the compiled module (its shared-memory needs and build targets)")
+    fake = device.DeviceProps(index=0, name=name, major=major, minor=minor, sm_count=128, smem_per_block_optin=smem)
+    monkeypatch.setattr(device, "device_props", lambda index: fake)
+    device._kernel_for.cache_clear()
+    try:
+        with pytest.raises(device.UnsupportedGPUError, match=rf"GPU 0 '{name}' \(sm_{major}{minor}.*Supported: Hopper"):
+            device._kernel_for(0, "")
+        with pytest.raises(device.UnsupportedGPUError, match=r"FLASHMLA_BACKEND_KERNEL=sm90"):
+            device._kernel_for(0, "sm90")
+    finally:
+        device._kernel_for.cache_clear()
+
+
+def test_supported_gpu_kernel_choice(monkeypatch):
+    from flashmla_backend import _ext, device
+
+    if not _ext.available():
+        pytest.skip("needs the compiled module")
+    C = _ext.ext()
+    hopper = device.DeviceProps(index=0, name="NVIDIA H100", major=9, minor=0, sm_count=132,
+                                smem_per_block_optin=232448)
+    monkeypatch.setattr(device, "device_props", lambda index: hopper)
+    device._kernel_for.cache_clear()
+    try:
+        assert device._kernel_for(0, "") == ("sm90" if C.sm90_compiled() else "portable")
+        assert device._kernel_for(0, "portable") == "portable"
+        with pytest.raises(ValueError, match=r"expected 'auto', 'portable' or 'sm90'"):
+            device._kernel_for(0, "fast")
+    finally:
+        device._kernel_for.cache_clear()
