@@ -125,10 +125,11 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
 def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal):
     shapes = validate.shapes_of(q, k_cache, block_table, meta)
     on_cuda = q.device.type == "cuda"
-    if not on_cuda or (validate.checked_mode() and not torch.cuda.is_current_stream_capturing()):
-        with_meta = validate.checked_mode()
+    checked = validate.checked_mode()
+    # Value checks: always on CPU tensors; on CUDA only in the checked mode (a host sync), never in capture.
+    if not on_cuda or (checked and not torch.cuda.is_current_stream_capturing()):
         validate.check_values(block_table, cache_seqlens, shapes.num_pages,
-                              meta if with_meta else None, num_splits if with_meta else None)
+                              meta if checked else None, num_splits if checked else None)
     if shapes.batch == 0:
         return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, validate.HEAD_DIM_V)),
                 q.new_empty((0, shapes.num_heads_q, shapes.seqlen_q), dtype=torch.float32))
