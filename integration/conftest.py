@@ -1,4 +1,5 @@
-"""GPU integration tests: skipped without a CUDA GPU that flashmla_backend supports, or without vLLM."""
+"""GPU integration tests: skipped without a CUDA GPU that flashmla_backend supports, or without the engine
+(vLLM for *vllm* files, SGLang for *sglang* files)."""
 import os
 import sys
 
@@ -7,17 +8,22 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # harness.py, make_tiny_checkpoint.py
 
 
-def _skip_reason() -> str | None:
+def _skip_reason(engine: str) -> str | None:
     try:
         import torch
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU"
-    try:
-        import vllm  # noqa: F401
-    except ImportError as e:
-        return f"vLLM is not importable ({e})"
+    import importlib.util
+
+    if engine == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            return f"vLLM is not importable ({e})"
+    elif importlib.util.find_spec("sglang") is None:
+        return "SGLang is not installed"
     import flashmla_backend
 
     ok, reason = flashmla_backend.is_supported()
@@ -25,8 +31,10 @@ def _skip_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = _skip_reason()
-    if reason:
-        skip = pytest.mark.skip(reason=f"vLLM GPU integration test: {reason}")
-        for item in items:
-            item.add_marker(skip)
+    reasons = {}
+    for item in items:
+        engine = "sglang" if "sglang" in item.path.name else "vllm"
+        if engine not in reasons:
+            reasons[engine] = _skip_reason(engine)
+        if reasons[engine]:
+            item.add_marker(pytest.mark.skip(reason=f"{engine} GPU integration test: {reasons[engine]}"))

@@ -3,9 +3,10 @@
 #
 #   bash tests/run.sh [pytest args...]
 #
-# 1. Installs what the tests need and is missing: pytest; vLLM 0.26.0 for the plugin's CPU conformance
-#    tests (.ci/install-vllm-cpu.sh: CPU-only, a few minutes). FLASHMLA_BACKEND_NO_INSTALL=1 skips this
-#    (machines without a package registry, e.g. the GPU machine with a staged vLLM on PYTHONPATH).
+# 1. Installs what the tests need and is missing: pytest; vLLM 0.26.0 and SGLang 0.5.21 for the plugins'
+#    CPU conformance tests (.ci/install-vllm-cpu.sh, .ci/install-sglang-cpu.sh: CPU-only, a few minutes).
+#    FLASHMLA_BACKEND_NO_INSTALL=1 skips this (machines without a package registry, e.g. the GPU machine
+#    with a staged vLLM on PYTHONPATH).
 # 2. Runs pytest on tests/ against the package under test: an in-place build of this checkout if there is
 #    one (python setup.py build_ext --inplace), else the installed package (pip install .).
 # 3. Fails when pytest fails, when it collected nothing (exit code 5) and when every test was skipped:
@@ -19,6 +20,11 @@ if [ "${FLASHMLA_BACKEND_NO_INSTALL:-0}" != "1" ]; then
   if ! "$PYTHON" -c "import vllm" 2>/dev/null; then
     echo "tests/run.sh: installing vLLM (CPU) for the plugin conformance tests ..."
     PYTHON="$PYTHON" bash "$ROOT/.ci/install-vllm-cpu.sh" || exit 1
+  fi
+  # find_spec, not import: SGLang 0.5.17-0.5.20 fail to import without torchvision, which the tests stub
+  if ! "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"; then
+    echo "tests/run.sh: installing SGLang (CPU) for the SGLang plugin tests ..."
+    PYTHON="$PYTHON" bash "$ROOT/.ci/install-sglang-cpu.sh" || exit 1
   fi
 fi
 

@@ -16,42 +16,24 @@ message naming the supported range (see flashmla_backend.vllm.unsupported).
 """
 from __future__ import annotations
 
-import re
+from .._versions import in_range, installed_version, version_range
 
 MIN_VERSION = (0, 26, 0)
 MAX_VERSION_EXCLUSIVE = (0, 34, 0)
 TESTED_VERSIONS = ("0.26.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
 
 
-def _fmt(v: tuple[int, ...]) -> str:
-    return ".".join(str(x) for x in v)
-
-
-SUPPORTED_RANGE = f">={_fmt(MIN_VERSION)},<{_fmt(MAX_VERSION_EXCLUSIVE)}"
-
-
-def parse_version(text: str) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a vLLM version string such as '0.26.0', '0.33.0rc1', '0.26.1.dev5+g1234'."""
-    m = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?", text or "")
-    if m is None:
-        return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+SUPPORTED_RANGE = version_range(MIN_VERSION, MAX_VERSION_EXCLUSIVE)
 
 
 def installed_vllm_version() -> str:
     """The installed vLLM's version string, read from package metadata (does not import vllm)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        return ""
+    return installed_version("vllm")
 
 
 def unsupported_reason(version: str) -> str | None:
     """None when `version` is in the supported range, else a message that names the supported versions."""
-    parsed = parse_version(version)
-    if parsed is not None and MIN_VERSION <= parsed < MAX_VERSION_EXCLUSIVE:
+    if in_range(version, MIN_VERSION, MAX_VERSION_EXCLUSIVE):
         return None
     shown = version if version else "(not installed)"
     return (

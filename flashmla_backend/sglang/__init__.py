@@ -1,0 +1,105 @@
+"""SGLang plugin: flashmla_backend's decode kernels as an SGLang attention backend.
+
+Installed packages register it through the entry point (pyproject.toml)
+
+    [project.entry-points."sglang.srt.plugins"]
+    flashmla_backend = "flashmla_backend.sglang:register"
+
+which SGLang calls in its launcher, engine, scheduler and detokenizer processes (SGLANG_PLUGINS
+filters by name). Then select it with
+
+    python -m sglang.launch_server --model-path M --attention-backend flashmla_backend
+
+(or `--decode-attention-backend flashmla_backend` to pair it with another prefill backend). The
+plugin forces --page-size 64 for it. What runs: decode, MTP / EAGLE target verification and draft
+extend (topk 1) go to flashmla_backend.flash_mla_with_kvcache over SGLang's MLA KV pool; prefill and
+extend stay with SGLang's Triton backend (flashmla_backend.sglang.backend). Supported SGLang versions:
+flashmla_backend.sglang._compat.
+
+Names: the backend is "flashmla_backend"; it does not touch SGLang's own "flashmla" backend, the
+`flash_mla` package or the `torch.ops.flash_mla*` ops (ours are torch.ops.flashmla_backend.*).
+
+Test hook: FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 multiplies the softmax scale by 1.5 in this plugin's
+decode path only, so that end-to-end comparisons can prove they detect wrong attention.
+"""
+from __future__ import annotations
+
+import logging
+
+from . import _compat
+
+BACKEND_NAME = "flashmla_backend"
+DEBUG_BREAK_SCALE_ENV = "FLASHMLA_BACKEND_DEBUG_BREAK_SCALE"
+
+logger = logging.getLogger("sglang.flashmla_backend")
+_hooks_registered = False
+
+
+def create_backend(runner):
+    """The attention-registry factory: `fn(model_runner) -> AttentionBackend`."""
+    from .backend import FlashMLAPluginBackend
+
+    return FlashMLAPluginBackend(runner)
+
+
+def _unsupported_factory(reason: str):
+    def create(runner):
+        raise RuntimeError(reason)
+
+    return create
+
+
+def _add_choice(name: str) -> None:
+    try:  # 0.5.17-0.5.21 define it in server_args (0.5.22+ re-export it there from arg_groups.choices)
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    except ImportError:
+        from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    if name not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([name])
+
+
+def _inside_load_plugins() -> bool:
+    try:
+        from sglang.srt.plugins.hook_registry import _current_plugin_source
+    except ImportError:
+        return False
+    return _current_plugin_source.get() is not None
+
+
+def register(apply_hooks: bool | None = None) -> None:
+    """Entry point of the `sglang.srt.plugins` group.
+
+    Adds "flashmla_backend" to the --attention-backend / --decode-attention-backend choices and to
+    SGLang's attention registry, and registers the hooks of flashmla_backend.sglang.hooks. SGLang's
+    plugin loader applies hooks after every plugin ran; called from elsewhere (apply_hooks None) this
+    applies them itself. Idempotent. On an unsupported SGLang it logs why and registers a backend whose
+    creation raises that message (so the name is accepted and fails with an explanation, never silently).
+    """
+    global _hooks_registered
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    version = _compat.installed_sglang_version()
+    reason = _compat.unsupported_reason(version)
+    _add_choice(BACKEND_NAME)
+    if reason is not None:
+        register_attention_backend(BACKEND_NAME)(_unsupported_factory(reason))
+        logger.error("%s Selecting --attention-backend %s will fail with this message.", reason, BACKEND_NAME)
+        return
+
+    register_attention_backend(BACKEND_NAME)(create_backend)
+    if not _hooks_registered:
+        from .hooks import register_hooks
+
+        register_hooks()
+        _hooks_registered = True
+    if apply_hooks is None:
+        apply_hooks = not _inside_load_plugins()
+    if apply_hooks:
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        HookRegistry.apply_hooks()
+    logger.info("flashmla_backend: registered SGLang attention backend %r (SGLang %s). Select it with "
+                "--attention-backend %s.", BACKEND_NAME, version, BACKEND_NAME)
+
+
+__all__ = ["register", "create_backend", "BACKEND_NAME", "DEBUG_BREAK_SCALE_ENV"]

@@ -1,0 +1,93 @@
+"""The places outside the attention registry where SGLang checks backend names, taught ours.
+
+Registered with SGLang's hook registry (sglang.srt.plugins.hook_registry.HookRegistry), which patches
+the targets once every plugin has loaded:
+
+  PAGE_SIZE_TARGET     server-argument resolution: page size 64 when ours is the attention, decode or
+                       prefill backend (as SGLang does for "flashmla"); FP8 KV caches refused there,
+                       before any model is loaded.
+  HANDLER_TARGET       DeepSeek's attention-form choice (MHA vs absorbed MLA per batch): ours is handled
+                       as "triton", whose prefill/extend path the backend inherits.
+  DRAFT_FACTORY_TARGET speculative decoding (EAGLE / MTP): the draft decoder and draft-extend backend
+                       factories build ours for our name.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("sglang.flashmla_backend")
+
+PAGE_SIZE_TARGET = "sglang.srt.arg_groups.overrides._mla_backend_page_constraints"
+HANDLER_TARGET = "sglang.srt.models.deepseek_common.attention_backend_handler.AttentionBackendRegistry.get_handler"
+DRAFT_FACTORY_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
+# The DeepSeek attention handler whose choices match the Triton prefill path the backend inherits.
+HANDLER_AS = "triton"
+# KV-cache dtypes the decode kernel reads (the model dtype); "auto" follows the model.
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16")
+PAGE_SIZE = 64
+
+
+def _names(view) -> tuple:
+    return tuple(getattr(view, f, None) for f in
+                 ("attention_backend", "decode_attention_backend", "prefill_attention_backend"))
+
+
+def page_size_constraints(result, view, *args, **kwargs):
+    """AFTER hook of SGLang's MLA page-size pass: `result` is that pass's {field: value} declaration."""
+    from . import BACKEND_NAME
+
+    if BACKEND_NAME not in _names(view):
+        return None  # keep SGLang's declaration
+    kv_cache_dtype = getattr(view, "kv_cache_dtype", "auto") or "auto"
+    if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"flashmla_backend has no FP8 KV cache yet: --kv-cache-dtype {kv_cache_dtype} is not supported with "
+            f"--attention-backend {BACKEND_NAME}; use --kv-cache-dtype auto (bf16 or fp16 models)")
+    declared = dict(result or {})
+    page_size = declared.get("page_size", getattr(view, "page_size", None))
+    if page_size != PAGE_SIZE:
+        logger.warning("flashmla_backend: the decode kernel reads 64-token pages, changing page_size %s to 64.",
+                       page_size)
+        declared["page_size"] = PAGE_SIZE
+    return declared
+
+
+def deepseek_handler(original, cls, backend_name, *args, **kwargs):
+    """AROUND hook of AttentionBackendRegistry.get_handler (a classmethod): ours chooses as "triton"."""
+    from . import BACKEND_NAME
+
+    return original(cls, HANDLER_AS if backend_name == BACKEND_NAME else backend_name, *args, **kwargs)
+
+
+def draft_backend_factory(original, factory, backend_name, backend_map, *args, **kwargs):
+    """AROUND hook of DraftBackendFactory._create_backend: add our name to the map it chooses from.
+
+    The factory calls _create_backend with its decode map (create_decode_backend) or its draft-extend map
+    (create_draft_extend_backend); they are told apart by their "triton" entry. SGLang 0.5.18+ creators
+    return (stamp, backend), 0.5.17's the backend alone.
+    """
+    from . import BACKEND_NAME, _compat
+    from .backend import FlashMLAPluginBackend, FlashMLAPluginMultiStepDraftBackend
+
+    with_stamp = _compat.draft_creators_return_stamp(_compat.installed_sglang_version())
+    is_decode_map = backend_map.get("triton") == getattr(factory, "_create_triton_decode_backend", None)
+
+    def create():
+        runner = factory.draft_model_runner
+        if is_decode_map:
+            backend = FlashMLAPluginMultiStepDraftBackend(runner, factory.topk, factory.speculative_num_steps)
+        else:
+            backend = FlashMLAPluginBackend(runner, skip_prefill=False)
+        return (BACKEND_NAME, backend) if with_stamp else backend
+
+    extended = dict(backend_map)
+    extended[BACKEND_NAME] = create
+    return original(factory, backend_name, extended, *args, **kwargs)
+
+
+def register_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(PAGE_SIZE_TARGET, page_size_constraints, HookType.AFTER)
+    HookRegistry.register(HANDLER_TARGET, deepseek_handler, HookType.AROUND)
+    HookRegistry.register(DRAFT_FACTORY_TARGET, draft_backend_factory, HookType.AROUND)

@@ -1,0 +1,687 @@
+"""CPU conformance of the SGLang plugin against SGLang's real classes (no GPU needed).
+
+Real SGLang pieces: the attention registry and CLI choices, the plugin loader and HookRegistry, the
+server-argument page-size pass, DeepSeek's attention-handler registry, the speculative
+DraftBackendFactory, ForwardBatch / ForwardMode, ReqToTokenPool, MLATokenToKVPool (KV written through
+its own set_kv_buffer), RadixAttention, and the attention unit-test kit's MockMLAModelRunner /
+TinyMLAModelConfig (sglang/test/kits/attention_unittest), from which the backend is built through
+ATTENTION_BACKENDS as SGLang builds it. The backend's Triton parent constructs on CPU; its Triton
+kernels do not run here, so extend batches are only checked to be handed to it. On CPU tensors
+flashmla_backend runs its PyTorch reference, so decode / target-verify / draft-extend outputs check
+the plugin's plumbing end to end (page table from req_to_token over shuffled pages, key lengths per
+mode, causal windows, the layer's scale, CUDA-graph buffers) against dense attention computed here.
+
+torchvision: SGLang imports it at module import (0.5.17-0.5.20: sglang.srt.utils.common; all: configs
+of vision models), but PyPI's torchvision wheels are CUDA builds that cannot load with the CPU torch.
+Where torchvision is not installed, SGLang's modules are imported with a stand-in package whose every
+attribute raises when used (no attention code uses it); it is removed from sys.modules right after,
+and transformers' torchvision check is cached beforehand, so nothing else sees it.
+
+Install SGLang for these tests with .ci/install-sglang-cpu.sh.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import torch  # noqa: E402
+
+
+class _Absent:
+    """An attribute of the stand-in torchvision: usable in module-level expressions, raises when called."""
+
+    def __init__(self, name):
+        self._name = name
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Absent(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name}: torchvision is not installed (test stand-in)")
+
+
+class _AbsentLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+
+        def __getattr__(attr, _name=spec.name):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _Absent(f"{_name}.{attr}")
+
+        module.__getattr__ = __getattr__
+        return module
+
+    def exec_module(self, module):
+        module.__path__ = []
+
+
+class _AbsentFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, _AbsentLoader(), is_package=True)
+        return None
+
+
+@contextlib.contextmanager
+def torchvision_stand_in():
+    if importlib.util.find_spec("torchvision") is not None:
+        yield
+        return
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()  # lru_cache the truth (False) before the stand-in exists
+    finder = _AbsentFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]
+
+
+with torchvision_stand_in():
+    sglang = pytest.importorskip("sglang")  # skips the module where SGLang is not installed
+    from sglang.srt.layers.attention import attention_registry  # noqa: E402
+    from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+    from sglang.srt.models.deepseek_common.attention_backend_handler import AttentionBackendRegistry  # noqa: E402
+    from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
+    from sglang.srt.runtime_context import get_parallel  # noqa: E402
+    from sglang.srt.speculative import draft_utils  # noqa: E402
+    from sglang.srt.arg_groups import overrides  # noqa: E402
+    from sglang.srt import server_args as sgl_server_args  # noqa: E402
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+    from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit  # noqa: E402
+
+    import flashmla_backend  # noqa: E402
+    from flashmla_backend.sglang import BACKEND_NAME, DEBUG_BREAK_SCALE_ENV, _compat, create_backend, register  # noqa: E402
+    from flashmla_backend.sglang import hooks as plugin_hooks  # noqa: E402
+    from flashmla_backend.sglang.backend import (  # noqa: E402
+        FlashMLAPluginBackend,
+        FlashMLAPluginMultiStepDraftBackend,
+    )
+    from flashmla_backend.sglang.metadata import PAGE_SIZE, DecodeMetadataBuilder, fill_block_table  # noqa: E402
+
+    register()
+
+REPO = Path(__file__).resolve().parents[1]
+LATENT, ROPE = 512, 64
+HEAD = LATENT + ROPE
+HEADS = 16
+MAX_CONTEXT = 1024
+POOL_REQS = 4
+# Both sides compute in fp32 from the same bf16/fp16 inputs; outputs are rounded to 16 bits.
+OUT_ATOL, OUT_RTOL = 1e-2, 1e-2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_rank():
+    """One attention rank, no decode context parallelism (the kit's MLA module sets only the TP size)."""
+    ctx = get_parallel().override(attn_tp_size=1, attn_dcp_rank=0)
+    ctx.__enter__()
+    yield
+    ctx.__exit__(None, None, None)
+
+
+# ---- SGLang objects ----------------------------------------------------------------------------------
+
+def make_runner(mode=ForwardMode.DECODE, num_draft_tokens: int = 0, dtype=torch.bfloat16, backend=BACKEND_NAME,
+                kv_lora_rank: int = LATENT, rope: int = ROPE, page_size: int = PAGE_SIZE):
+    """The attention kit's MockMLAModelRunner (ReqToTokenPool + MLATokenToKVPool on CPU, server args published)."""
+    lens = (num_draft_tokens,) if num_draft_tokens else ()
+    case = kit.MLAAttentionCase(name="flashmla_backend_cpu", backend=backend, forward_mode=mode, num_heads=HEADS,
+                                page_size=page_size, prefix_lens=(0,) * (1 if not lens else 1), extend_lens=lens)
+    cfg = kit.TinyMLAModelConfig(num_heads=HEADS, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope,
+                                 hidden_size=64, context_len=MAX_CONTEXT)
+    return kit.MockMLAModelRunner(case=case, model_config=cfg, dtype=dtype, device="cpu",
+                                  max_context_len=MAX_CONTEXT, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope,
+                                  runner_batch_size=POOL_REQS)
+
+
+def make_layer(scale: float = (128 + 64) ** -0.5) -> RadixAttention:
+    return RadixAttention(num_heads=HEADS, head_dim=HEAD, scaling=scale, num_kv_heads=1, layer_id=0,
+                          v_head_dim=LATENT)
+
+
+class Requests:
+    """Requests whose tokens live on shuffled 64-token pages of the runner's MLA pool.
+
+    cached[b] tokens of request b are in the pool (written with the pool's own set_kv_buffer) and
+    req_to_token maps every position; `window[b]` more positions get slots (the tokens this step writes).
+    Every pool row no request owns holds NaN, so a wrong page read shows up.
+    """
+
+    def __init__(self, runner, cached: list[int], window: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.runner, self.cached, self.window = runner, cached, window
+        pool = runner.token_to_kv_pool
+        self.dtype = pool.dtype
+        kv = pool.kv_buffer[0]
+        kv.fill_(float("nan"))
+        num_pages = kv.shape[0] // PAGE_SIZE
+        pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 is padding
+        self.req_rows = torch.randperm(runner.req_to_token_pool.req_to_token.shape[0], generator=gen)[:len(cached)]
+        self.slots, self.rows = [], []
+        locs, data = [], []
+        for b, n in enumerate(cached):
+            total = n + window
+            own = [pages.pop() for _ in range(-(-total // PAGE_SIZE))]
+            slots = torch.tensor([own[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(total)])
+            runner.req_to_token_pool.req_to_token[self.req_rows[b], :total] = slots.to(torch.int32)
+            rows = torch.randn((total, HEAD), generator=gen).to(self.dtype)
+            self.slots.append(slots)
+            self.rows.append(rows)
+            locs.append(slots[:n])
+            data.append(rows[:n])
+        layer = make_layer()
+        pool.set_kv_buffer(layer, torch.cat(locs).long(), torch.cat(data).unsqueeze(1), None)
+        self.gen = gen
+
+    def new_tokens(self, count: int):
+        """(out_cache_loc, k [T, 1, 576], v [T, 1, 512]) of each request's next `count` positions after cached."""
+        locs = torch.cat([s[n:n + count] for s, n in zip(self.slots, self.cached)]).long()
+        k = torch.cat([r[n:n + count] for r, n in zip(self.rows, self.cached)]).unsqueeze(1)
+        return locs, k, k[..., :LATENT]
+
+    def queries(self, s_q: int) -> torch.Tensor:
+        return torch.randn((len(self.cached) * s_q, HEADS * HEAD), generator=self.gen).to(self.dtype)
+
+    def forward_batch(self, mode, seq_lens: list[int], out_cache_loc, positions) -> ForwardBatch:
+        bs = len(seq_lens)
+        return ForwardBatch(
+            forward_mode=mode, batch_size=bs, input_ids=torch.zeros(out_cache_loc.shape[0], dtype=torch.int64),
+            req_pool_indices=self.req_rows.to(torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32), out_cache_loc=out_cache_loc,
+            seq_lens_sum=sum(seq_lens), positions=torch.tensor(positions, dtype=torch.int64))
+
+    def expected(self, q: torch.Tensor, s_q: int, kv_lens: list[int], scale: float) -> torch.Tensor:
+        """Dense attention over each request's first kv_len rows, causal inside the s_q-token window."""
+        outs = []
+        qf = q.float().view(len(kv_lens), s_q, HEADS, HEAD)
+        for b, n in enumerate(kv_lens):
+            keys = self.rows[b][:n].float()
+            scores = torch.einsum("shd,nd->shn", qf[b], keys) * scale
+            visible = torch.arange(n)[None, :] <= (n - s_q + torch.arange(s_q))[:, None]  # [s, n]
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            outs.append(torch.einsum("shn,nd->shd", scores.softmax(-1), keys[:, :LATENT]))
+        return torch.stack(outs).reshape(len(kv_lens) * s_q, HEADS * LATENT).to(q.dtype)
+
+
+def restore_server_args(runner) -> None:
+    override = getattr(runner, "_server_args_override", None)
+    if override is not None and hasattr(override, "restore"):
+        override.restore()
+
+
+@pytest.fixture
+def runners():
+    made = []
+
+    def make(*args, **kwargs):
+        r = make_runner(*args, **kwargs)
+        made.append(r)
+        return r
+
+    yield make
+    for r in reversed(made):
+        restore_server_args(r)
+
+
+# ---- registration -------------------------------------------------------------------------------------
+
+def test_installed_sglang_is_supported():
+    assert _compat.unsupported_reason(sglang.__version__) is None, sglang.__version__
+
+
+def test_registered_in_attention_registry_and_cli_choices():
+    assert attention_registry.ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
+    assert BACKEND_NAME in sgl_server_args.ATTENTION_BACKEND_CHOICES
+    assert sgl_server_args.ATTENTION_BACKEND_CHOICES.count(BACKEND_NAME) == 1
+    register()  # idempotent
+    assert sgl_server_args.ATTENTION_BACKEND_CHOICES.count(BACKEND_NAME) == 1
+    assert "flashmla" in attention_registry.ATTENTION_BACKENDS  # SGLang's own FlashMLA is untouched
+
+
+def test_cli_accepts_the_backend_name():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sgl_server_args.ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--attention-backend", BACKEND_NAME,
+                              "--decode-attention-backend", BACKEND_NAME])
+    assert args.attention_backend == BACKEND_NAME and args.decode_attention_backend == BACKEND_NAME
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "m", "--attention-backend", "flashmla_backend_typo"])
+
+
+def test_no_name_collision_with_sglang_flashmla():
+    assert BACKEND_NAME != "flashmla"
+    assert flashmla_backend.__name__ == "flashmla_backend"
+    assert hasattr(torch.ops.flashmla_backend, "mla_decode")
+
+
+def test_entry_point_declared():
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    eps = pyproject["project"]["entry-points"]["sglang.srt.plugins"]
+    assert eps["flashmla_backend"] == "flashmla_backend.sglang:register"
+
+
+def test_sglang_plugin_loader_runs_register(monkeypatch, tmp_path):
+    """SGLang's loader finds the entry point; calling it registers the backend. Where the package is not
+    pip-installed, a dist-info declaring the same entry point stands in."""
+    from importlib.metadata import entry_points
+
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins_by_group
+
+    if not any(ep.name == "flashmla_backend" for ep in entry_points(group=GENERAL_PLUGINS_GROUP)):
+        info = tmp_path / "flashmla_backend_sglang_entry_point_test-0.0.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flashmla_backend_sglang_entry_point_test\n"
+                                       "Version: 0.0.0\n")
+        (info / "entry_points.txt").write_text(
+            f"[{GENERAL_PLUGINS_GROUP}]\nflashmla_backend = flashmla_backend.sglang:register\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("SGLANG_PLUGINS", "flashmla_backend")
+    monkeypatch.delitem(attention_registry.ATTENTION_BACKENDS, BACKEND_NAME)
+    plugins = load_plugins_by_group(GENERAL_PLUGINS_GROUP)
+    assert set(plugins) == {"flashmla_backend"}
+    func = plugins["flashmla_backend"][0] if isinstance(plugins["flashmla_backend"], tuple) else plugins[
+        "flashmla_backend"]
+    func()
+    assert attention_registry.ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
+
+
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.22", "0.5.23", "0.6.0", "", "garbage"])
+def test_unsupported_versions_fail_with_the_supported_range(version, monkeypatch):
+    reason = _compat.unsupported_reason(version)
+    assert reason is not None and _compat.SUPPORTED_RANGE in reason and "0.5.17" in reason
+    monkeypatch.setattr(_compat, "installed_sglang_version", lambda: version)
+    try:
+        register()
+        factory = attention_registry.ATTENTION_BACKENDS[BACKEND_NAME]
+        assert factory is not create_backend
+        with pytest.raises(RuntimeError, match="supports SGLang"):
+            factory(None)
+        assert BACKEND_NAME in sgl_server_args.ATTENTION_BACKEND_CHOICES
+    finally:
+        monkeypatch.undo()
+        register()
+    assert attention_registry.ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
+
+
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.18", "0.5.21", "0.5.21.post1", "0.5.20rc0"])
+def test_supported_versions(version):
+    assert _compat.unsupported_reason(version) is None
+
+
+# ---- hooks --------------------------------------------------------------------------------------------
+
+def page_view(**kw):
+    fields = dict(attention_backend=None, decode_attention_backend=None, prefill_attention_backend=None,
+                  speculative_draft_attention_backend=None, page_size=None, kv_cache_dtype="auto")
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
+
+def test_hooks_are_applied_to_sglang():
+    assert plugin_hooks.PAGE_SIZE_TARGET in HookRegistry._patched
+    assert plugin_hooks.HANDLER_TARGET in HookRegistry._patched
+    assert plugin_hooks.DRAFT_FACTORY_TARGET in HookRegistry._patched
+
+
+@pytest.mark.parametrize("field", ["attention_backend", "decode_attention_backend", "prefill_attention_backend"])
+@pytest.mark.parametrize("page_size", [None, 1, 16, 128])
+def test_page_size_forced_to_64(field, page_size):
+    """SGLang's page-size pass, called as server-argument resolution calls it."""
+    declared = overrides._mla_backend_page_constraints(page_view(**{field: BACKEND_NAME, "page_size": page_size}))
+    assert declared == {"page_size": 64}
+    assert overrides._mla_backend_page_constraints(page_view(**{field: BACKEND_NAME, "page_size": 64})) in ({}, {
+        "page_size": 64})
+
+
+def test_page_size_of_other_backends_untouched():
+    assert overrides._mla_backend_page_constraints(page_view(attention_backend="triton", page_size=16)) == {}
+    assert overrides._mla_backend_page_constraints(page_view(attention_backend="flashmla", page_size=16)) == {
+        "page_size": 64}
+
+
+def test_page_size_through_sglangs_post_process_runner():
+    """run_post_process_pass is what ServerArgs.__post_init__ calls at this pass's slot."""
+    server_args = SimpleNamespace(**vars(page_view(attention_backend=BACKEND_NAME, page_size=1)))
+    server_args._resolved_overrides = []
+    from sglang.srt.arg_groups.overrides import run_post_process_pass
+
+    try:
+        run_post_process_pass(server_args, overrides._mla_backend_page_constraints)
+    except Exception as e:  # validate_declarations may need a full ServerArgs in some releases
+        pytest.skip(f"run_post_process_pass needs a full ServerArgs here: {e}")
+    assert server_args._resolved_overrides[-1][1] == {"page_size": 64}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_refused_at_server_args(kv_cache_dtype):
+    with pytest.raises(ValueError, match="FP8"):
+        overrides._mla_backend_page_constraints(page_view(attention_backend=BACKEND_NAME,
+                                                          kv_cache_dtype=kv_cache_dtype))
+
+
+def test_deepseek_handler_chooses_as_triton():
+    assert AttentionBackendRegistry.get_handler(BACKEND_NAME) is AttentionBackendRegistry.get_handler("triton")
+    assert AttentionBackendRegistry.get_handler("flashmla") is not AttentionBackendRegistry.get_handler("triton")
+
+
+def draft_factory(runner, steps: int = 3):
+    params = inspect.signature(draft_utils.DraftBackendFactory.__init__).parameters
+    kwargs = dict(draft_model_runner=runner, topk=1, speculative_num_steps=steps)
+    if "server_args" in params:  # 0.5.17
+        kwargs["server_args"] = SimpleNamespace(
+            speculative_draft_attention_backend=None, attention_backend=BACKEND_NAME,
+            decode_attention_backend=BACKEND_NAME, prefill_attention_backend=BACKEND_NAME)
+    return draft_utils.DraftBackendFactory(**kwargs)
+
+
+def test_draft_factory_builds_our_backends(runners):
+    runner = runners()
+    factory = draft_factory(runner, steps=3)
+    decode = factory.create_decode_backend()
+    assert isinstance(decode, FlashMLAPluginMultiStepDraftBackend)
+    assert len(decode.attn_backends) == 2
+    assert [b.decode_builder.step_offset for b in decode.attn_backends] == [1, 2]
+    try:
+        extend = factory.create_draft_extend_backend()
+    except RuntimeError as e:  # runtime fields this mock runner does not publish
+        pytest.skip(f"draft-extend factory needs more runtime state here: {e}")
+    assert isinstance(extend, FlashMLAPluginBackend) and not extend.skip_prefill
+
+
+# ---- metadata -----------------------------------------------------------------------------------------
+
+def test_fill_block_table_matches_a_loop():
+    gen = torch.Generator().manual_seed(0)
+    req_to_token = torch.randint(0, 1 << 20, (6, 700), generator=gen, dtype=torch.int32)
+    lens = torch.tensor([0, 1, 64, 65, 640, 700], dtype=torch.int32)
+    rows = torch.tensor([5, 0, 3, 1, 2, 4], dtype=torch.int32)
+    out = fill_block_table(req_to_token, rows, lens, torch.full((6, 12), -7, dtype=torch.int32))
+    for b in range(6):
+        for j in range(12):
+            want = int(req_to_token[rows[b], 64 * j]) // 64 if 64 * j < int(lens[b]) else 0
+            assert int(out[b, j]) == want, (b, j)
+
+
+def test_key_lengths_per_mode():
+    builder = DecodeMetadataBuilder(req_to_token=torch.zeros((2, 256), dtype=torch.int32), num_q_heads=16,
+                                    num_draft_tokens=3)
+    seq = torch.tensor([10, 70])
+    assert builder.kv_lens("decode", seq).tolist() == [10, 70]
+    assert builder.kv_lens("target_verify", seq).tolist() == [13, 73]
+    assert builder.kv_lens("draft_extend", seq).tolist() == [10, 70]
+    assert builder.query_len("decode") == 1 and builder.query_len("target_verify") == 3
+    step = DecodeMetadataBuilder(req_to_token=torch.zeros((2, 256), dtype=torch.int32), num_q_heads=16,
+                                 num_draft_tokens=3, step_offset=2)
+    assert step.kv_lens("decode", seq).tolist() == [12, 72]
+    no_spec = DecodeMetadataBuilder(req_to_token=torch.zeros((2, 256), dtype=torch.int32), num_q_heads=16,
+                                    num_draft_tokens=0)
+    with pytest.raises(RuntimeError, match="speculative"):
+        no_spec.query_len("target_verify")
+
+
+# ---- the backend on SGLang's pools ---------------------------------------------------------------------
+
+def build_backend(runner) -> FlashMLAPluginBackend:
+    backend = attention_registry.ATTENTION_BACKENDS[BACKEND_NAME](runner)
+    assert isinstance(backend, FlashMLAPluginBackend) and isinstance(backend, TritonAttnBackend)
+    return backend
+
+
+def check_metadata(backend, req: Requests, kv_lens: list[int], s_q: int):
+    md = backend.decode_metadata
+    assert md.query_len == s_q and md.cache_seqlens.tolist() == kv_lens
+    for b, n in enumerate(kv_lens):
+        for j in range(-(-n // PAGE_SIZE)):
+            assert int(md.block_table[b, j]) == int(req.slots[b][64 * j]) // 64
+        assert not md.block_table[b, -(-n // PAGE_SIZE):].any()
+    want_md, want_splits = flashmla_backend.get_mla_metadata(md.cache_seqlens, s_q * HEADS, 1)
+    assert torch.equal(md.tile_scheduler_metadata, want_md) and torch.equal(md.num_splits, want_splits)
+
+
+@pytest.mark.parametrize("cached,dtype", [([1, 63, 64, 300], torch.bfloat16), ([129, 1000, 2, 65], torch.bfloat16),
+                                          ([5, 700, 64], torch.float16)])
+def test_decode_matches_dense_attention(runners, cached, dtype):
+    runner = runners(dtype=dtype)
+    backend = build_backend(runner)
+    req = Requests(runner, cached, window=1, seed=sum(cached))
+    layer = make_layer()
+    locs, k, v = req.new_tokens(1)
+    seq_lens = [n + 1 for n in cached]  # decode: seq_len counts the token being decoded
+    fb = req.forward_batch(ForwardMode.DECODE, seq_lens, locs, [n for n in cached])
+    backend.init_forward_metadata(fb)
+    check_metadata(backend, req, seq_lens, 1)
+    q = req.queries(1)
+    out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    pool_rows = runner.token_to_kv_pool.kv_buffer[0][locs, 0]
+    assert torch.equal(pool_rows, k[:, 0])  # the new token was written through the pool
+    assert out.shape == (len(cached), HEADS * LATENT) and out.dtype == dtype
+    assert torch.isfinite(out).all()  # NaN-poisoned rows (other pages, page 0) never read
+    torch.testing.assert_close(out, req.expected(q, 1, seq_lens, layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+def test_decode_uses_the_layers_scale(runners):
+    runner = runners()
+    backend = build_backend(runner)
+    req = Requests(runner, [40, 500], window=1, seed=3)
+    layer = make_layer(scale=0.0917)
+    locs, k, v = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [41, 501], locs, [40, 500])
+    backend.init_forward_metadata(fb)
+    q = req.queries(1)
+    out = backend.forward(q, k, v, layer, fb)
+    torch.testing.assert_close(out, req.expected(q, 1, [41, 501], 0.0917), atol=OUT_ATOL, rtol=OUT_RTOL)
+    assert (out.float() - req.expected(q, 1, [41, 501], HEAD ** -0.5).float()).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("cached", [[3, 64, 250], [61, 1000]])
+def test_target_verify_is_causal_over_the_drafts(runners, cached):
+    W = 3
+    runner = runners(mode=ForwardMode.TARGET_VERIFY, num_draft_tokens=W)
+    backend = build_backend(runner)
+    assert backend.num_draft_tokens == W
+    req = Requests(runner, cached, window=W, seed=len(cached) + 11)
+    layer = make_layer()
+    locs, k, v = req.new_tokens(W)
+    fb = req.forward_batch(ForwardMode.TARGET_VERIFY, cached, locs,  # seq_lens exclude the drafts
+                           [n + i for n in cached for i in range(W)])
+    backend.init_forward_metadata(fb)
+    kv_lens = [n + W for n in cached]
+    check_metadata(backend, req, kv_lens, W)
+    q = req.queries(W)
+    out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    expected = req.expected(q, W, kv_lens, layer.scaling)
+    torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=OUT_RTOL)
+    # Non-causal attention differs on the first draft row: the mask is applied.
+    first = torch.arange(len(cached)) * W
+    no_mask = []
+    qf = q.float().view(len(cached), W, HEADS, HEAD)
+    for b, n in enumerate(kv_lens):
+        keys = req.rows[b][:n].float()
+        p = (torch.einsum("hd,nd->hn", qf[b, 0], keys) * layer.scaling).softmax(-1)
+        no_mask.append((p @ keys[:, :LATENT]).reshape(-1))
+    no_mask = torch.stack(no_mask)
+    assert (out[first].float() - no_mask).abs().max() > 0.05
+
+
+def test_draft_extend_window_is_in_seq_lens(runners):
+    W = 4
+    cached = [10, 64, 333]
+    runner = runners(mode=ForwardMode.TARGET_VERIFY, num_draft_tokens=W)
+    backend = build_backend(runner)
+    req = Requests(runner, cached, window=W, seed=21)
+    layer = make_layer()
+    locs, k, v = req.new_tokens(W)
+    seq_lens = [n + W for n in cached]  # draft extend: the window is already counted
+    fb = req.forward_batch(ForwardMode.DRAFT_EXTEND_V2, seq_lens, locs, [n + i for n in cached for i in range(W)])
+    backend.init_forward_metadata(fb)
+    check_metadata(backend, req, seq_lens, W)
+    q = req.queries(W)
+    out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    torch.testing.assert_close(out, req.expected(q, W, seq_lens, layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+def test_multi_step_draft_decoder_reads_the_new_draft_tokens(runners):
+    steps = 4
+    cached = [20, 64, 200]
+    runner = runners(mode=ForwardMode.TARGET_VERIFY, num_draft_tokens=steps)
+    draft = FlashMLAPluginMultiStepDraftBackend(runner, topk=1, speculative_num_steps=steps)
+    req = Requests(runner, cached, window=steps, seed=5)
+    layer = make_layer()
+    locs_all, k_all, _ = req.new_tokens(steps)
+    fb = req.forward_batch(ForwardMode.DECODE, cached, locs_all[::steps], cached)  # seq_lens: verified prefix
+    draft.init_forward_metadata(fb)
+    for i, backend in enumerate(draft.attn_backends):
+        # Step i writes the draft token at position n + i and reads n + i + 1 keys.
+        locs = torch.stack([req.slots[b][n + i] for b, n in enumerate(cached)]).long()
+        k = torch.stack([req.rows[b][n + i] for b, n in enumerate(cached)]).unsqueeze(1)
+        fb.out_cache_loc = locs
+        kv_lens = [n + i + 1 for n in cached]
+        assert backend.decode_metadata.cache_seqlens.tolist() == kv_lens
+        q = req.queries(1)
+        out = backend.forward(q, k, k[..., :LATENT], layer, fb, save_kv_cache=True)
+        torch.testing.assert_close(out, req.expected(q, 1, kv_lens, layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+def test_cuda_graph_buffers_are_persistent_and_refreshed(runners):
+    """Captured kernels hold the metadata addresses of capture time: each out_graph call must write the
+    step's values into the same buffers."""
+    runner = runners()
+    backend = build_backend(runner)
+    backend.init_cuda_graph_state(max_bs=POOL_REQS, max_num_tokens=POOL_REQS)
+    layer = make_layer()
+    first = Requests(runner, [5, 300, 64, 1], window=1, seed=31)
+    locs1, k1, v1 = first.new_tokens(1)
+    fb1 = first.forward_batch(ForwardMode.DECODE, [6, 301, 65, 2], locs1, [5, 300, 64, 1])
+    backend.init_forward_metadata_out_graph(fb1, in_capture=True)
+    captured = backend.decode_metadata
+    cg = backend.decode_builder
+    assert captured.block_table.data_ptr() == cg.cg_block_table.data_ptr()
+    assert captured.tile_scheduler_metadata.data_ptr() == cg.cg_tile_scheduler_metadata.data_ptr()
+    assert captured.num_splits.data_ptr() == cg.cg_num_splits.data_ptr()
+    assert captured.cache_seqlens.data_ptr() == cg.cg_cache_seqlens.data_ptr()
+    backend.init_forward_metadata_in_graph(fb1)
+    q1 = first.queries(1)
+    out1 = backend.forward(q1, k1, v1, layer, fb1)
+    torch.testing.assert_close(out1, first.expected(q1, 1, [6, 301, 65, 2], layer.scaling), atol=OUT_ATOL,
+                               rtol=OUT_RTOL)
+    tile_before = captured.tile_scheduler_metadata.clone()
+
+    second = Requests(runner, [900, 2, 129, 64], window=1, seed=32)  # same shape, new pages and lengths
+    locs2, k2, v2 = second.new_tokens(1)
+    fb2 = second.forward_batch(ForwardMode.DECODE, [901, 3, 130, 65], locs2, [900, 2, 129, 64])
+    backend.init_forward_metadata_out_graph(fb2)  # a replay's preparation
+    assert backend.decode_metadata.block_table.data_ptr() == captured.block_table.data_ptr()
+    backend.decode_metadata = captured  # the graph replays with the capture-time tensors
+    check_metadata(backend, second, [901, 3, 130, 65], 1)
+    assert not torch.equal(tile_before, captured.tile_scheduler_metadata)
+    q2 = second.queries(1)
+    out2 = backend.forward(q2, k2, v2, layer, fb2)
+    torch.testing.assert_close(out2, second.expected(q2, 1, [901, 3, 130, 65], layer.scaling), atol=OUT_ATOL,
+                               rtol=OUT_RTOL)
+    assert backend.get_cuda_graph_seq_len_fill_value() == 1
+
+
+def test_padded_graph_request_reads_padding_page(runners):
+    """CUDA-graph padding rows: seq_len fill value 1 and req_pool_indices 0 (req_to_token row 0)."""
+    runner = runners()
+    backend = build_backend(runner)
+    backend.init_cuda_graph_state(max_bs=POOL_REQS, max_num_tokens=POOL_REQS)
+    req = Requests(runner, [50, 70], window=1, seed=41)
+    locs, _, _ = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [51, 71], locs, [50, 70])
+    fb.batch_size = 3
+    fb.req_pool_indices = torch.cat([fb.req_pool_indices, torch.zeros(1, dtype=torch.int32)])
+    fb.seq_lens = torch.tensor([51, 71, 1], dtype=torch.int32)
+    backend.init_forward_metadata_out_graph(fb)
+    md = backend.decode_metadata
+    assert md.batch_size == 3 and md.cache_seqlens.tolist() == [51, 71, 1]
+    assert md.num_splits.shape == (4,)
+
+
+def test_extend_batches_go_to_the_triton_parent(runners, monkeypatch):
+    calls = []
+    monkeypatch.setattr(TritonAttnBackend, "init_forward_metadata", lambda self, fb: calls.append("meta"))
+    monkeypatch.setattr(TritonAttnBackend, "forward_extend", lambda self, *a, **k: calls.append("extend") or "parent")
+    runner = runners()
+    backend = build_backend(runner)
+    fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=1)
+    backend.init_forward_metadata(fb)
+    assert backend.decode_metadata is None
+    assert backend.forward_extend(None, None, None, make_layer(), fb) == "parent"
+    assert calls == ["meta", "extend"]
+
+
+def test_debug_break_scale_hook_breaks_the_comparison(runners, monkeypatch):
+    monkeypatch.setenv(DEBUG_BREAK_SCALE_ENV, "1")
+    runner = runners()
+    backend = build_backend(runner)
+    req = Requests(runner, [100, 400], window=1, seed=7)
+    layer = make_layer()
+    locs, k, v = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [101, 401], locs, [100, 400])
+    backend.init_forward_metadata(fb)
+    q = req.queries(1)
+    out = backend.forward(q, k, v, layer, fb)
+    assert (out.float() - req.expected(q, 1, [101, 401], layer.scaling).float()).abs().max() > 0.05
+    torch.testing.assert_close(out, req.expected(q, 1, [101, 401], 1.5 * layer.scaling), atol=OUT_ATOL,
+                               rtol=OUT_RTOL)
+
+
+def test_forward_without_metadata_fails_clearly(runners):
+    runner = runners()
+    backend = build_backend(runner)
+    req = Requests(runner, [10], window=1, seed=1)
+    locs, k, v = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [11], locs, [10])
+    with pytest.raises(RuntimeError, match="metadata"):
+        backend.forward(req.queries(1), k, v, make_layer(), fb)
+
+
+# ---- refusals -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,message", [
+    (dict(page_size=16), "page-size 64"),
+    (dict(kv_lora_rank=256), "kv_lora_rank 512"),
+    (dict(dtype=torch.float8_e4m3fn), "FP8"),
+    (dict(use_mla_backend=False), "only MLA"),
+])
+def test_refusals_name_the_problem(runners, change, message):
+    kw = {}
+    if "page_size" in change:
+        kw["page_size"] = change["page_size"]
+    if "kv_lora_rank" in change:
+        kw["kv_lora_rank"] = change["kv_lora_rank"]
+    runner = runners(**kw)
+    if "dtype" in change:
+        runner.kv_cache_dtype = change["dtype"]
+    if "use_mla_backend" in change:
+        runner.use_mla_backend = False
+    with pytest.raises(ValueError, match=message):
+        FlashMLAPluginBackend(runner)
+
+
+def test_topk_above_one_refused(runners):
+    runner = runners()
+    with pytest.raises(ValueError, match="topk 1"):
+        FlashMLAPluginMultiStepDraftBackend(runner, topk=2, speculative_num_steps=3)
+
