@@ -9,12 +9,11 @@ so that no read leaves the block table.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
-from . import scheduler
+from . import _env, scheduler
 
 HEAD_DIM_K = 576
 HEAD_DIM_V = 512
@@ -38,7 +37,7 @@ class Shapes(NamedTuple):
 
 
 def checked_mode() -> bool:
-    return os.environ.get(CHECK_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
+    return _env.flag(CHECK_ENV)
 
 
 def _describe(t: torch.Tensor) -> str:

@@ -104,7 +104,6 @@ def test_metadata_shapes():
 
 
 def test_negative_length():
-    a = args()
     expect(ValueError, r"cache_seqlens must be >= 0.*\(1, -3\)", cache_seqlens=torch.tensor([70, -3], dtype=torch.int32))
 
 

@@ -29,7 +29,7 @@ import logging
 from . import _compat
 
 BACKEND_NAME = "flashmla_backend"
-DEBUG_BREAK_SCALE_ENV = "FLASHMLA_BACKEND_DEBUG_BREAK_SCALE"
+from .._env import DEBUG_BREAK_SCALE_ENV  # noqa: E402 (re-exported for the tests)
 
 logger = logging.getLogger("sglang.flashmla_backend")
 _hooks_registered = False

@@ -19,7 +19,6 @@ topk 1): step i reads the i + 1 draft tokens written after seq_len.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -29,7 +28,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 import flashmla_backend
 
-from . import DEBUG_BREAK_SCALE_ENV
+from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
 from .metadata import (
     MODE_DECODE,
     MODE_DRAFT_EXTEND,
@@ -47,10 +46,6 @@ HEAD_DIM = LATENT_DIM + ROPE_DIM
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 _announced = False
 
-
-def debug_break_scale_enabled() -> bool:
-    """Test hook: FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 multiplies the decode softmax scale by 1.5."""
-    return os.environ.get(DEBUG_BREAK_SCALE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def decode_mode_of(forward_mode) -> Optional[str]:

@@ -28,7 +28,7 @@ BACKEND_CLASS_PATH = "flashmla_backend.vllm.backend.FlashMLAPluginBackend"
 UNSUPPORTED_CLASS_PATH = "flashmla_backend.vllm.unsupported.UnsupportedVLLMVersionBackend"
 # Descriptive name registered where vLLM's register_backend accepts new names (0.32+; not 0.26-0.31).
 BACKEND_NAME = "FLASHMLA_BACKEND"
-DEBUG_BREAK_SCALE_ENV = "FLASHMLA_BACKEND_DEBUG_BREAK_SCALE"
+from .._env import DEBUG_BREAK_SCALE_ENV  # noqa: E402 (re-exported for the tests)
 
 # A child of vLLM's logger, so that messages appear with vLLM's own log format and level.
 logger = logging.getLogger("vllm.flashmla_backend")

@@ -8,7 +8,6 @@ the absorbed form: q = (ql_nope [T, N, 512], q_pe [T, N, 64]) against the latent
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -17,7 +16,7 @@ from vllm.v1.attention.backend import AttentionLayer, AttentionType
 
 import flashmla_backend
 
-from . import DEBUG_BREAK_SCALE_ENV
+from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
 from .builder import FlashMLAPluginMetadata
 
 logger = logging.getLogger("vllm.flashmla_backend")
@@ -27,10 +26,6 @@ ROPE_DIM = 64
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 _announced = False
 
-
-def debug_break_scale_enabled() -> bool:
-    """Test hook (see flashmla_backend.vllm): FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 skews the scale by 1.5."""
-    return os.environ.get(DEBUG_BREAK_SCALE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):

@@ -1,0 +1,17 @@
+"""Environment switches read by the package (one parser, so that every switch accepts the same values)."""
+from __future__ import annotations
+
+import os
+
+# Test hook of the engine adapters (vLLM, SGLang): multiplies the decode softmax scale by 1.5 so that the
+# end-to-end comparison tests can prove they detect wrong attention. Never set it otherwise.
+DEBUG_BREAK_SCALE_ENV = "FLASHMLA_BACKEND_DEBUG_BREAK_SCALE"
+
+
+def flag(name: str) -> bool:
+    """True unless the variable is unset or one of '', '0', 'false', 'no', 'off' (any case)."""
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def debug_break_scale_enabled() -> bool:
+    return flag(DEBUG_BREAK_SCALE_ENV)
