@@ -43,6 +43,10 @@ def main(argv=None) -> int:
               f"sm90 kernel {'yes' if C.sm90_compiled() else 'no'})")
     else:
         print("extension: not built (CPU reference only)")
+        if torch.cuda.is_available():
+            print(f"warning: {fb.__file__} has no compiled module; if flashmla_backend is installed, run this "
+                  "from another folder (the source checkout shadows the installed package), or build in place "
+                  "with `python setup.py build_ext --inplace`", file=sys.stderr)
     ok, why = fb.is_supported()
     dev = args.device if args.device != "auto" else ("cuda" if ok else "cpu")
     if dev == "cuda" and not ok:
