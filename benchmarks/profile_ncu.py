@@ -15,7 +15,7 @@ import torch
 
 import flashmla_backend as fb
 from flashmla_backend import device
-from flashmla_backend.bench import make_seqlens, parse_shapes
+from flashmla_backend.bench import make_inputs, make_seqlens, parse_shapes
 
 
 def main() -> None:
@@ -25,17 +25,9 @@ def main() -> None:
     args = ap.parse_args()
     for shape in parse_shapes(",".join(args.shapes)):
         lens = make_seqlens(shape, 0)
-        pages = [-(-n // 64) for n in lens]
-        table = torch.zeros(shape.b, max(pages), dtype=torch.int32)
-        perm = torch.randperm(sum(pages))
-        k = 0
-        for i, p in enumerate(pages):
-            table[i, :p] = perm[k:k + p]
-            k += p
-        cache = torch.randn(sum(pages), 64, 1, 576, dtype=torch.bfloat16, device="cuda")
-        q = torch.randn(shape.b, shape.s_q, shape.h_q, 576, dtype=torch.bfloat16, device="cuda")
+        inp = make_inputs(shape, lens, torch.bfloat16, torch.device("cuda"), seed=0, copies=1)[0]
+        q, cache, table = inp.q, inp.k_cache, inp.block_table
         seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-        table = table.cuda()
         meta, ns = fb.get_mla_metadata(seqlens, shape.s_q * shape.h_q, 1)
         for kernel in args.kernels.split(","):
             os.environ[device.KERNEL_ENV] = kernel

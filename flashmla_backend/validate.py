@@ -81,7 +81,7 @@ def validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, 
 
 
 def validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                         softmax_scale, causal) -> Shapes:
+                         softmax_scale, causal) -> None:
     _tensor("q", q, 4, FLOAT_DTYPES, "[batch, seqlen_q, num_heads_q, 576]")
     if isinstance(k_cache, torch.Tensor) and k_cache.dtype not in FLOAT_DTYPES and k_cache.element_size() == 1:
         raise NotImplementedError(
@@ -126,7 +126,6 @@ def validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, til
                                        and softmax_scale > 0), ValueError,
              lambda: f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
     _require(isinstance(causal, bool), TypeError, lambda: f"causal must be a bool, got {causal!r}")
-    return shapes_of(q, k_cache, block_table, tile_scheduler_metadata)
 
 
 def shapes_of(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
