@@ -33,7 +33,7 @@ def _metadata_impl(cache_seqlens: torch.Tensor, num_sm_parts: int) -> tuple[torc
         return meta, num_splits
     idx = cache_seqlens.device.index
     _ext.ext().tile_scheduler(cache_seqlens.data_ptr(), b, num_sm_parts, meta.data_ptr(), num_splits.data_ptr(),
-                              idx, torch.cuda.current_stream(cache_seqlens.device).cuda_stream)
+                              idx, _raw_stream(cache_seqlens.device))
     return meta, num_splits
 
 
@@ -78,6 +78,14 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
 
 # ---- flash_mla_with_kvcache -------------------------------------------------------------------
 
+def _raw_stream(dev: torch.device) -> int:
+    """cudaStream_t of the current stream, as an int (torch's cheap accessor where it exists)."""
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get is not None:
+        return get(dev.index)
+    return torch.cuda.current_stream(dev).cuda_stream
+
+
 def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes):
     validate.check_kernel_layout(q, k_cache)
     kernel = device.kernel_for(q.device)
@@ -90,32 +98,34 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     n_rows = (b + parts) * h_kv * q_rows
     accum = torch.empty((n_rows * (validate.HEAD_DIM_V + 1),), dtype=torch.float32, device=q.device)
     o_accum, lse_accum = accum[: n_rows * validate.HEAD_DIM_V], accum[n_rows * validate.HEAD_DIM_V:]
-    props = device.device_props(q.device.index)
+    index = q.device.index
+    qst, kst = q.stride(), k_cache.stride()
 
     C = _ext.ext()
     a = C.DecodeArgs()
     a.kernel = kernel
     a.dtype = _DTYPE_CODE[q.dtype]
-    a.device = q.device.index
-    a.stream = torch.cuda.current_stream(q.device).cuda_stream
+    a.device = index
+    a.stream = _raw_stream(q.device)
     a.batch, a.seqlen_q, a.num_heads_q, a.num_heads_kv = b, s_q, h_q, h_kv
     a.num_pages, a.max_pages_per_seq, a.num_sm_parts = shapes.num_pages, shapes.max_pages, parts
     a.scale = scale
     a.causal = causal
-    a.pdl = props.major >= 9
+    a.pdl = device.device_props(index).major >= 9
     a.q = q.data_ptr()
-    a.q_stride_b, a.q_stride_s, a.q_stride_h = q.stride(0), q.stride(1), q.stride(2)
+    a.q_stride_b, a.q_stride_s, a.q_stride_h = qst[0], qst[1], qst[2]
     a.kv = k_cache.data_ptr()
-    a.kv_stride_page, a.kv_stride_token, a.kv_stride_h = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    a.kv_stride_page, a.kv_stride_token, a.kv_stride_h = kst[0], kst[1], kst[2]
     a.block_table = block_table.data_ptr()
     a.block_table_stride_b = block_table.stride(0)
     a.seqlens = cache_seqlens.data_ptr()
     a.sched_meta = meta.data_ptr()
     a.num_splits = num_splits.data_ptr()
-    a.out = out.data_ptr()
-    a.out_stride_b, a.out_stride_s, a.out_stride_h = out.stride(0), out.stride(1), out.stride(2)
+    a.out = out.data_ptr()  # out and lse are contiguous (allocated above)
+    a.out_stride_b, a.out_stride_s, a.out_stride_h = s_q * h_q * validate.HEAD_DIM_V, h_q * validate.HEAD_DIM_V, \
+        validate.HEAD_DIM_V
     a.lse = lse.data_ptr()
-    a.lse_stride_b, a.lse_stride_h = lse.stride(0), lse.stride(1)
+    a.lse_stride_b, a.lse_stride_h = h_q * s_q, s_q
     a.lse_accum = lse_accum.data_ptr()
     a.o_accum = o_accum.data_ptr()
     C.mla_decode(a)

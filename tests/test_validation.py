@@ -127,6 +127,60 @@ def test_not_a_tensor():
     expect(TypeError, r"q must be a torch.Tensor, got list", q=[1, 2])
 
 
+def _mutations():
+    a = args()
+    q, kc = a["q"], a["k_cache"]
+    return {
+        "valid": {},
+        "q float32": dict(q=q.float()),
+        "q fp16 vs bf16 cache": dict(q=q.half()),
+        "q 3-D": dict(q=q[0]),
+        "q last dim 512": dict(q=q[..., :512].contiguous()),
+        "q strided last dim": dict(q=torch.empty(q.shape[:-1] + (1152,), dtype=q.dtype)[..., ::2]),
+        "q list": dict(q=[1, 2]),
+        "cache 3-D": dict(k_cache=kc.squeeze(2)),
+        "page size 32": dict(k_cache=kc.reshape(-1, 32, 1, 576)),
+        "cache h_kv 3 of 16": dict(k_cache=kc.expand(-1, -1, 3, -1)),
+        "head_dim_v 128": dict(head_dim_v=128),
+        "block_table int64": dict(block_table=a["block_table"].long()),
+        "block_table short batch": dict(block_table=a["block_table"][:1]),
+        "block_table 1-D": dict(block_table=a["block_table"][0]),
+        "seqlens int64": dict(cache_seqlens=a["cache_seqlens"].long()),
+        "seqlens short": dict(cache_seqlens=a["cache_seqlens"][:1]),
+        "seqlens strided": dict(cache_seqlens=torch.zeros(4, dtype=torch.int32)[::2]),
+        "meta 4 columns": dict(tile_scheduler_metadata=a["tile_scheduler_metadata"][:, :4].contiguous()),
+        "meta strided": dict(tile_scheduler_metadata=a["tile_scheduler_metadata"].repeat(1, 2)[:, ::2]),
+        "num_splits short": dict(num_splits=a["num_splits"][:2]),
+        "scale negative": dict(softmax_scale=-1.0),
+        "scale bool": dict(softmax_scale=True),
+        "scale string": dict(softmax_scale="0.1"),
+        "causal int": dict(causal=1),
+        "causal None": dict(causal=None),
+    }
+
+
+@pytest.mark.parametrize("name", list(_mutations()))
+def test_fast_path_never_accepts_what_the_checks_refuse(name):
+    """validate_decode_args first tries one cheap combined test (_decode_args_ok); it may send valid
+    calls to the step-by-step checks, but must never wave through a call those checks refuse."""
+    a = dict(args(), **_mutations()[name])
+    fast = validate._decode_args_ok(**a)  # must not raise, whatever it is given
+    refused = None
+    try:
+        _step_by_step(**a)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        refused = e
+    assert not (fast and refused), f"fast path accepted what the checks refuse: {refused}"
+    if name == "valid":
+        assert fast and refused is None
+
+
+def _step_by_step(**a):
+    import unittest.mock
+    with unittest.mock.patch.object(validate, "_decode_args_ok", return_value=False):
+        validate.validate_decode_args(**a)
+
+
 def test_stale_metadata_in_checked_mode(monkeypatch):
     a = args()
     monkeypatch.setenv(validate.CHECK_ENV, "1")

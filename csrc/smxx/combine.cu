@@ -2,14 +2,15 @@
 // outputs with log-sum-exp weights and writes out / lse. Requests with one split were written by
 // the decode kernel directly and are skipped here.
 //
-// Grid: (ceil(q_rows / kRowsPerCta), h_kv, batch); one warp per query row, lane j owns the
-// 16 output columns {4j..4j+3} + 128 k, k = 0..3 (float4 loads, coalesced across the warp).
-// The order of the sums is fixed, so results are bitwise reproducible.
-// NOTE (measured, ncu on an H200): with few requests the loop over splits is latency-bound, e.g.
-// b=1, h_q=128, 8192 keys: 43 splits, combine 24 us next to a 32 us decode kernel. A variant with one
-// 128-thread CTA per row and 8 splits' loads in flight took b=1 from 44 to 37 us end to end, but on
-// another H200 host b=128, h_q=128 came out ~5% slower (4x more CTAs, most exiting at once) and it was
-// not run under compute-sanitizer, so it is not shipped. Next: pick the layout by batch size.
+// Grid: (ceil(q_rows / kRowsPerCta) * kChunks, h_kv, batch); one warp per query row and column chunk.
+// kChunks = 1: lane j owns the 16 output columns {4j..4j+3} + 128 k, k = 0..3 (float4 loads, coalesced
+// across the warp). kChunks = 4: CTA chunk c covers columns 128c .. 128c + 127 and lane j owns 4 of them;
+// picked at launch when the grid would otherwise leave most SMs idle (few requests, e.g. b = 1).
+// Latency: each lane issues the loads of kUnroll splits before it accumulates any of them (16 float4 in
+// flight per lane in both layouts); with one split at a time, b = 1, h_q = 128, 8192 keys (43 splits)
+// spent 24 us here next to a 32 us decode kernel (ncu, H200).
+// The products are accumulated in split order whatever kChunks and kUnroll are, so results are
+// bitwise reproducible and identical between the two layouts.
 // With PDL the kernel may start while the decode kernel still runs: it reads num_splits (written
 // by the scheduler, which completed before the decode kernel started) and then waits with
 // griddepcontrol.wait before touching the accumulators.
@@ -45,13 +46,18 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-template <typename T>
+template <typename T, int kChunks>
 __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
+  constexpr int kVecs = kVecsPerLane / kChunks;  // float4 per lane per split: 4 or 1
+  constexpr int kUnroll = 16 / kVecs;            // splits whose loads are in flight together: 4 or 16
+  constexpr int kChunkCols = kHeadDimV / kChunks;
+  static_assert(kVecsPerLane % kChunks == 0 && 32 % kUnroll == 0, "combine layout");
   const int req = blockIdx.z;
   const int hk = blockIdx.y;
+  const int chunk = blockIdx.x % kChunks;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int row = blockIdx.x * kRowsPerCta + warp;
+  const int row = (blockIdx.x / kChunks) * kRowsPerCta + warp;
 
   const int first_split = p.num_splits[req];
   const int n_splits = p.num_splits[req + 1] - first_split;
@@ -77,8 +83,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
            static_cast<long long>(s) * p.out_stride_s + static_cast<long long>(h) * p.out_stride_h;
 
   if (max_lse == -INFINITY) {  // the row saw no key in any split
-    for (int c = lane; c < kHeadDimV; c += 32) out[c] = from_float<T>(0.f);
-    if (lane == 0) *lse_out = INFINITY;
+    for (int c = chunk * kChunkCols + lane; c < (chunk + 1) * kChunkCols; c += 32) out[c] = from_float<T>(0.f);
+    if (lane == 0 && chunk == 0) *lse_out = INFINITY;
     return;
   }
 
@@ -88,40 +94,56 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
   const float final_lse = max_lse + logf(sum);
 
-  // Pass 2: weighted sum of the partial outputs.
-  float acc[kColsPerLane];
+  // Pass 2: weighted sum of the partial outputs. Lane-local float4 index of vector k: (chunk * kVecs + k) * 32 + lane.
+  float acc[4 * kVecs];
 #pragma unroll
-  for (int k = 0; k < kColsPerLane; ++k) acc[k] = 0.f;
-  const float* o_row = p.o_accum + (static_cast<long long>(first_split) * row_stride +
-                                    static_cast<long long>(hk) * p.q_rows + row) * kHeadDimV;
+  for (int k = 0; k < 4 * kVecs; ++k) acc[k] = 0.f;
+  const float4* o_row = reinterpret_cast<const float4*>(
+                            p.o_accum + (static_cast<long long>(first_split) * row_stride +
+                                         static_cast<long long>(hk) * p.q_rows + row) * kHeadDimV) +
+                        chunk * kVecs * 32 + lane;
+  const long long split_stride4 = row_stride * (kHeadDimV / 4);  // float4 between one split's row and the next's
   for (int base = 0; base < n_splits; base += 32) {
     const int i_mine = base + lane;
     const float w_mine = i_mine < n_splits ? expf(lse_row[i_mine * row_stride] - final_lse) : 0.f;
     const int count = min(32, n_splits - base);
-    for (int j = 0; j < count; ++j) {
-      const float w = __shfl_sync(0xffffffffu, w_mine, j);
-      const float4* src = reinterpret_cast<const float4*>(o_row + (base + j) * row_stride * kHeadDimV);
+    for (int j0 = 0; j0 < count; j0 += kUnroll) {
+      float4 v[kUnroll][kVecs];
 #pragma unroll
-      for (int k = 0; k < kVecsPerLane; ++k) {
-        const float4 v = src[k * 32 + lane];
-        acc[4 * k + 0] += w * v.x;
-        acc[4 * k + 1] += w * v.y;
-        acc[4 * k + 2] += w * v.z;
-        acc[4 * k + 3] += w * v.w;
+      for (int u = 0; u < kUnroll; ++u) {
+        const float4* src = o_row + (base + j0 + u) * split_stride4;
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) v[u][k] = j0 + u < count ? src[k * 32] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float w = __shfl_sync(0xffffffffu, w_mine, j0 + u);
+        if (j0 + u < count) {
+#pragma unroll
+          for (int k = 0; k < kVecs; ++k) {
+            acc[4 * k + 0] += w * v[u][k].x;
+            acc[4 * k + 1] += w * v[u][k].y;
+            acc[4 * k + 2] += w * v[u][k].z;
+            acc[4 * k + 3] += w * v[u][k].w;
+          }
+        }
       }
     }
   }
 #pragma unroll
-  for (int k = 0; k < kVecsPerLane; ++k) {
+  for (int k = 0; k < kVecs; ++k) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) out[(k * 32 + lane) * 4 + e] = from_float<T>(acc[4 * k + e]);
+    for (int e = 0; e < 4; ++e) out[((chunk * kVecs + k) * 32 + lane) * 4 + e] = from_float<T>(acc[4 * k + e]);
   }
-  if (lane == 0) *lse_out = final_lse;
+  if (lane == 0 && chunk == 0) *lse_out = final_lse;
 }
 
-template <typename T>
-void launch_combine(const DecodeParams& p) {
-  dim3 grid((p.q_rows + kRowsPerCta - 1) / kRowsPerCta, p.num_heads_kv, p.batch);
+// Below this many CTAs of the one-chunk layout the grid is split 4 ways by columns (2 waves of 132 SMs).
+constexpr long long kFewCtas = 264;
+
+template <typename T, int kChunks>
+void launch_combine(const DecodeParams& p, dim3 grid) {
+  grid.x *= kChunks;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kThreads);
@@ -132,7 +154,17 @@ void launch_combine(const DecodeParams& p) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = p.pdl ? 1 : 0;
-  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T>, p));
+  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T, kChunks>, p));
+}
+
+template <typename T>
+void launch_combine(const DecodeParams& p) {
+  const dim3 grid((p.q_rows + kRowsPerCta - 1) / kRowsPerCta, p.num_heads_kv, p.batch);
+  if (static_cast<long long>(grid.x) * grid.y * grid.z < kFewCtas) {
+    launch_combine<T, 4>(p, grid);
+  } else {
+    launch_combine<T, 1>(p, grid);
+  }
 }
 
 }  // namespace
