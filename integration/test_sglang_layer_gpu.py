@@ -14,8 +14,9 @@ draft extend v2), re-preparing metadata for new lengths before each replay.
 
 DeepSeek-V3 shapes: kv_lora_rank 512, qk_rope_head_dim 64, page size 64, 16 and 128 heads, bf16 and fp16.
 
-NOT RUN YET: written against the kit of SGLang 0.5.17 and 0.5.21 (identical signatures for the functions
-used here) on a machine without a GPU; see integration/README.md (SGLang) for how to run it.
+Run on an H100 with SGLang 0.5.17 (22 passed; see integration/README.md, SGLang, for the numbers and for how
+to stage SGLang on a machine without a registry). The kit's functions used here have the same signatures
+in 0.5.21.
 """
 from __future__ import annotations
 
