@@ -83,8 +83,8 @@ def validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, 
 _I32 = torch.int32
 
 
-def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
-                    causal) -> bool:
+def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                    softmax_scale, causal) -> bool:
     """Fast path of validate_decode_args, on every decode call: True only when every check below passes
     (it is stricter where that is simpler: any contiguous-last-dim test is stride(-1) == 1 even for empty
     tensors). False sends the call through the checks one by one, which raise the error that names the
@@ -122,8 +122,8 @@ def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_sch
 def validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                          softmax_scale, causal) -> None:
     # (torch.compile traces the step-by-step checks: its guards make them free after the first call)
-    if not torch.compiler.is_compiling() and _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                       softmax_scale, causal):
+    if not torch.compiler.is_compiling() and _decode_args_ok(
+            q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale, causal):
         return
     _tensor("q", q, 4, FLOAT_DTYPES, "[batch, seqlen_q, num_heads_q, 576]")
     if isinstance(k_cache, torch.Tensor) and k_cache.dtype not in FLOAT_DTYPES and k_cache.element_size() == 1:

@@ -1,4 +1,6 @@
 """Bad input gets a clear Python exception naming the argument (CPU tensors; GPU-only checks marked)."""
+import unittest.mock
+
 import pytest
 import torch
 
@@ -173,10 +175,11 @@ def test_fast_path_never_accepts_what_the_checks_refuse(name):
     assert not (fast and refused), f"fast path accepted what the checks refuse: {refused}"
     if name == "valid":
         assert fast and refused is None
+    else:
+        assert refused is not None, "every mutation is a bad input: the step-by-step checks must refuse it"
 
 
 def _step_by_step(**a):
-    import unittest.mock
     with unittest.mock.patch.object(validate, "_decode_args_ok", return_value=False):
         validate.validate_decode_args(**a)
 
