@@ -34,6 +34,16 @@ def plugin_visible_to_vllm(env: dict) -> bool:
     return subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
 
 
+def entry_point_shim(folder: Path, engine: str, group: str, entry_point: str) -> Path:
+    """Writes into `folder` a minimal dist-info declaring `entry_point` in `group` and returns `folder`:
+    on sys.path / PYTHONPATH it makes an engine load the plugin of a checkout that is not pip-installed."""
+    info = folder / f"flashmla_backend_{engine}_plugin-0.0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flashmla_backend_{engine}_plugin\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n{entry_point}\n")
+    return folder
+
+
 def engine_env(extra: dict | None = None) -> dict:
     """Environment of every engine subprocess.
 
@@ -48,11 +58,7 @@ def engine_env(extra: dict | None = None) -> dict:
                 "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO), env.get("PYTHONPATH", "")] if p)
     if not plugin_visible_to_vllm(env):
-        shim = RUN_DIR / "plugin-entry-point"
-        info = shim / "flashmla_backend_vllm_plugin-0.0.0.dist-info"
-        info.mkdir(parents=True, exist_ok=True)
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flashmla_backend_vllm_plugin\nVersion: 0.0.0\n")
-        (info / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{PLUGIN_ENTRY_POINT}\n")
+        shim = entry_point_shim(RUN_DIR / "plugin-entry-point", "vllm", "vllm.general_plugins", PLUGIN_ENTRY_POINT)
         env["PYTHONPATH"] = os.pathsep.join([str(shim), env["PYTHONPATH"]])
         print(f"[harness] flashmla_backend is not installed: declaring its vLLM entry point from {shim}", flush=True)
     if extra:

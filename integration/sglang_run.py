@@ -33,14 +33,14 @@ def _declare_entry_point(run_dir: Path) -> None:
 
     if any(ep.name == "flashmla_backend" for ep in entry_points(group="sglang.srt.plugins")):
         return
-    info = run_dir / "sglang-plugin-entry-point" / "flashmla_backend_sglang_plugin-0.0.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flashmla_backend_sglang_plugin\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{ENTRY_POINT}\n")
-    sys.path.insert(0, str(info.parent))
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(info.parent), str(HERE.parent),
+    sys.path.insert(0, str(HERE))
+    from harness import entry_point_shim
+
+    shim = entry_point_shim(run_dir / "sglang-plugin-entry-point", "sglang", "sglang.srt.plugins", ENTRY_POINT)
+    sys.path.insert(0, str(shim))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(shim), str(HERE.parent),
                                                             os.environ.get("PYTHONPATH", "")] if p)
-    print(f"[sglang_run] declared the sglang.srt.plugins entry point from {info.parent}", flush=True)
+    print(f"[sglang_run] declared the sglang.srt.plugins entry point from {shim}", flush=True)
 
 
 def run(args) -> int:
