@@ -5,6 +5,8 @@ import os
 
 # Test hook of the engine adapters (vLLM, SGLang): multiplies the decode softmax scale by 1.5 so that the
 # end-to-end comparison tests can prove they detect wrong attention. Never set it otherwise.
+# The value "draft" breaks only the speculative draft model's attention (SGLang), which leaves the verified
+# tokens right and shows only in the draft acceptance.
 DEBUG_BREAK_SCALE_ENV = "FLASHMLA_BACKEND_DEBUG_BREAK_SCALE"
 
 
@@ -13,5 +15,8 @@ def flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def debug_break_scale_enabled() -> bool:
-    return flag(DEBUG_BREAK_SCALE_ENV)
+def debug_break_scale_enabled(draft_runner: bool = False) -> bool:
+    """Whether the test hook applies to an attention backend (of the draft model when draft_runner)."""
+    if not flag(DEBUG_BREAK_SCALE_ENV):
+        return False
+    return draft_runner or os.environ[DEBUG_BREAK_SCALE_ENV].strip().lower() != "draft"

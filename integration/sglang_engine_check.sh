@@ -1,46 +1,98 @@
 #!/usr/bin/env bash
 # Engine-level check of the SGLang plugin on a GPU machine with SGLang 0.5.17 importable:
-#   bash integration/sglang_engine_check.sh [OUT_DIR]
-# 1. builds the tiny DeepSeek-V3 checkpoint (integration/make_tiny_checkpoint.py, no MTP layer),
-# 2. runs the vLLM engine test's 10 prompts (1..3000 tokens, 48 greedy tokens, top-5 logprobs) through
-#    sglang.Engine with --attention-backend flashmla_backend, with triton, and with ours broken on purpose
-#    (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1: softmax scale x1.5),
-# 3. compares them with the vLLM engine test's criteria: ours vs triton must agree, broken vs triton must not.
-# Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s). Exit code 0 only if both hold.
+#   bash integration/sglang_engine_check.sh [STEP ...]        (default: all steps, in this order)
+# Steps (results and logs in $OUT, default /tmp/flashmla_backend_sglang; a step reuses earlier steps' runs):
+#   ours      sglang.Engine --attention-backend flashmla_backend: the vLLM engine test's 10 prompts
+#             (1..3000 tokens), 48 greedy tokens, top-5 logprobs, CUDA graphs on
+#   triton    the same with SGLang's triton backend (the reference)
+#   baseline  two more correct configurations of triton (16 KV splits instead of 8; CUDA graphs off); each is
+#             compared with `triton`, and the largest gap at which two correct runs diverge sets the tie gap
+#             (never below the vLLM test's 0.3 nats) -> $OUT/calibration.json
+#   compare   ours vs triton with the vLLM engine test's criteria and the calibrated tie gap: must agree
+#   broken    ours with a 1.5x softmax scale (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1) vs triton: must NOT agree
+#             under the same criteria (proves they can fail)
+#   mtp       speculative decoding with the checkpoint's MTP layer (EAGLE, 3 draft steps, topk 1, 4 draft
+#             tokens): ours vs triton without speculation must agree; ours' mean accept length must be at
+#             least 0.9x triton's with the same speculation (drafts come from our multi-step draft decoder;
+#             a wrong draft attention lowers acceptance, the verified tokens stay right); and ours with only the
+#             draft model's scale broken (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=draft) must fail that check
+#   serve     python -m sglang.launch_server --attention-backend flashmla_backend + 64 concurrent requests
+# Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s). Exit code 0 only if every step held.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT=${1:-${OUT:-/tmp/flashmla_backend_sglang}}
+OUT=${OUT:-/tmp/flashmla_backend_sglang}
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 cd "$ROOT/integration" || exit 1
 T=${SGLANG_RUN_TIMEOUT:-240}
+STEPS=("$@")
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(ours triton baseline compare broken mtp serve)
+for s in "${STEPS[@]}"; do
+  case $s in ours|triton|baseline|compare|broken|mtp|serve) ;; *) echo "unknown step '$s'" >&2; exit 2;; esac
+done
 
-CKPT=$(python3 -c "import harness; print(harness.tiny_checkpoint(mtp=False))" | tail -1) || exit 1
-python3 -c "
+say() { echo "[sglang_engine_check] $* ($(date +%T))"; }
+CKPT=$(python3 -c "import harness; print(harness.tiny_checkpoint(mtp=True))" | tail -1) || exit 1
+if [ ! -f "$OUT/prompts.json" ]; then
+  python3 -c "
 import random, json, test_vllm_engine_gpu as t
 rng = random.Random(1234)
 json.dump([[rng.randrange(2, 1024) for _ in range(n)] for n in t.PROMPT_LENS], open('$OUT/prompts.json', 'w'))
 " || exit 1
-echo "[sglang_engine_check] checkpoint $CKPT, prompts $OUT/prompts.json"
+fi
+say "checkpoint $CKPT (with its MTP layer), prompts $OUT/prompts.json, steps ${STEPS[*]}"
 
-run() {  # name backend [env...]
+run() {  # name backend [sglang_run options...] [-- env...]
   local name=$1 backend=$2; shift 2
-  echo "[sglang_engine_check] run $name ($(date +%T))"
-  env "$@" timeout "$T" python3 sglang_run.py run --model "$CKPT" --backend "$backend" --prompts "$OUT/prompts.json" \
-    --out "$OUT/$name.json" --max-tokens 48 --logprobs 5 > "$OUT/$name.log" 2>&1
+  local opts=() envs=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && envs=("$@")
+  say "run $name ($backend ${opts[*]} ${envs[*]})"
+  env "${envs[@]}" timeout "$T" python3 sglang_run.py run --model "$CKPT" --backend "$backend" \
+    --prompts "$OUT/prompts.json" --out "$OUT/$name.json" --max-tokens 48 --logprobs 5 "${opts[@]}" \
+    > "$OUT/$name.log" 2>&1
   local rc=$?
-  grep -E "sglang_run|attention backend|flashmla_backend|Error|error" "$OUT/$name.log" | grep -v "^\s*$" | tail -8
-  [ $rc -eq 0 ] || { echo "[sglang_engine_check] $name failed (exit $rc); last lines:"; tail -30 "$OUT/$name.log"; }
+  grep -E "sglang_run|MLA decode attention runs on" "$OUT/$name.log" | tail -4
+  [ $rc -eq 0 ] || { say "$name failed (exit $rc); last lines:"; tail -30 "$OUT/$name.log"; }
   return $rc
 }
+need() { for f in "$@"; do [ -f "$OUT/$f.json" ] || { say "missing $OUT/$f.json (run its step first)"; return 1; }; done; }
+cmp() { python3 sglang_run.py compare "$@"; }
 
 status=0
-run ours flashmla_backend FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 || status=1
-run triton triton || status=1
-if [ $status -eq 0 ]; then
-  python3 sglang_run.py compare "$OUT/ours.json" "$OUT/triton.json" --expect agree || status=1
-  run broken flashmla_backend FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 && \
-    python3 sglang_run.py compare "$OUT/broken.json" "$OUT/triton.json" --expect disagree || status=1
-fi
-echo "[sglang_engine_check] exit $status"
+for s in "${STEPS[@]}"; do
+  case $s in
+    ours) run ours flashmla_backend -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 || status=1 ;;
+    triton) run triton triton || status=1 ;;
+    baseline)
+      { run triton-splits16 triton --kv-splits 16 && run triton-eager triton --disable-cuda-graph && need triton &&
+        python3 sglang_run.py calibrate "$OUT/triton-splits16.json,$OUT/triton.json" \
+          "$OUT/triton-eager.json,$OUT/triton.json" --out "$OUT/calibration.json"; } || status=1 ;;
+    compare)
+      { need ours triton && [ -f "$OUT/calibration.json" ] &&
+        cmp "$OUT/ours.json" "$OUT/triton.json" --tie-gap-from "$OUT/calibration.json"; } || status=1 ;;
+    broken)
+      { run broken flashmla_backend -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 && need triton &&
+        cmp "$OUT/broken.json" "$OUT/triton.json" --expect disagree \
+          $([ -f "$OUT/calibration.json" ] && echo --tie-gap-from "$OUT/calibration.json"); } || status=1 ;;
+    mtp)
+      { run ours-mtp flashmla_backend --mtp 3 -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 &&
+        run triton-mtp triton --mtp 3 && need triton &&
+        say "baseline: triton with speculation vs triton without" &&
+        { cmp "$OUT/triton-mtp.json" "$OUT/triton.json" \
+            $([ -f "$OUT/calibration.json" ] && echo --tie-gap-from "$OUT/calibration.json") || true; } &&
+        cmp "$OUT/ours-mtp.json" "$OUT/triton.json" \
+          $([ -f "$OUT/calibration.json" ] && echo --tie-gap-from "$OUT/calibration.json") &&
+        cmp "$OUT/ours-mtp.json" "$OUT/triton-mtp.json" --min-accept-ratio 0.9 \
+          $([ -f "$OUT/calibration.json" ] && echo --tie-gap-from "$OUT/calibration.json") &&
+        run ours-mtp-broken-draft flashmla_backend --mtp 3 -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=draft &&
+        say "the acceptance check must fail when only the draft model's attention is wrong" &&
+        cmp "$OUT/ours-mtp-broken-draft.json" "$OUT/triton-mtp.json" --min-accept-ratio 0.9 --expect disagree \
+          $([ -f "$OUT/calibration.json" ] && echo --tie-gap-from "$OUT/calibration.json"); } || status=1 ;;
+    serve)
+      say "serve"
+      timeout $((T + 360)) python3 sglang_run.py serve --model "$CKPT" --log "$OUT/serve.log" || status=1 ;;
+  esac
+done
+say "exit $status"
 exit $status

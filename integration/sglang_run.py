@@ -3,7 +3,9 @@
 
     python integration/sglang_run.py run --model DIR --backend flashmla_backend --prompts prompts.json \
         --out ours.json [--max-tokens 32] [--logprobs 5] [--disable-cuda-graph]
-    python integration/sglang_run.py compare ours.json triton.json [--expect disagree]
+    python integration/sglang_run.py compare ours.json triton.json [--expect disagree] [--tie-gap-from calib.json]
+    python integration/sglang_run.py calibrate a.json,b.json [c.json,d.json ...] --out calib.json
+    python integration/sglang_run.py serve --model DIR --log serve.log [--requests 64]
 
 prompts.json: a list of prompts, each a list of token ids. The result has the same format as
 integration/vllm_run.py's ({"outputs": [{"token_ids": [...], "logprobs": [{"<id>": logprob, ...}, ...]}]}),
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -49,10 +52,18 @@ def run(args) -> int:
 
     prompts = json.loads(Path(args.prompts).read_text())
     t0 = time.time()
+    extra = {}
+    if args.mtp:
+        # DeepSeek MTP: the checkpoint's NextN layer drafts (SGLang sets the draft path to the model), topk 1.
+        # Steps >= 2 exercise the multi-step draft decoder (step i reads the i + 1 tokens drafted so far).
+        extra.update(speculative_algorithm="EAGLE", speculative_num_steps=args.mtp, speculative_eagle_topk=1,
+                     speculative_num_draft_tokens=args.mtp + 1)
+    if args.kv_splits:
+        extra["triton_attention_num_kv_splits"] = args.kv_splits
     engine = sglang.Engine(model_path=args.model, attention_backend=args.backend, skip_tokenizer_init=True,
                            sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.5,
                            disable_cuda_graph=args.disable_cuda_graph,
-                           context_length=4096, log_level="info", random_seed=0)
+                           context_length=4096, log_level="info", random_seed=0, **extra)
     init_s = time.time() - t0
     try:
         t0 = time.time()
@@ -74,27 +85,180 @@ def run(args) -> int:
             d = {str(int(t[1])): float(t[0]) for t in (top or [])}
             d[str(int(tid))] = float(lp)
             lps.append(d)
-        outputs.append({"token_ids": token_ids, "logprobs": lps})
-    Path(args.out).write_text(json.dumps({"backend": args.backend, "sglang_version": sglang.__version__,
-                                          "init_s": init_s, "generate_s": gen_s, "outputs": outputs}))
-    print(f"[sglang_run] {args.backend}: {len(prompts)} prompts, init {init_s:.1f} s, generate {gen_s:.1f} s",
-          flush=True)
+        outputs.append({"token_ids": token_ids, "logprobs": lps,
+                        "spec_accept_length": meta.get("spec_accept_length")})
+    result = {"backend": args.backend, "sglang_version": sglang.__version__, "options": extra,
+              "init_s": init_s, "generate_s": gen_s, "outputs": outputs}
+    accept = [o["spec_accept_length"] for o in outputs if o["spec_accept_length"] is not None]
+    if args.mtp:
+        if len(accept) != len(outputs):
+            print(f"[sglang_run] speculative run without spec_accept_length in {len(outputs) - len(accept)} "
+                  "outputs: SGLang did not run the draft model", flush=True)
+            return 1
+        # Tokens per verification step: 1 + accepted drafts. Wrong draft attention shows here (the target
+        # model's verification keeps the tokens right whatever the drafts are).
+        result["spec_accept_length_mean"] = sum(accept) / len(accept)
+    Path(args.out).write_text(json.dumps(result))
+    acc = f", accept length {result['spec_accept_length_mean']:.3f}" if args.mtp else ""
+    print(f"[sglang_run] {args.backend} {extra or ''}: {len(prompts)} prompts, init {init_s:.1f} s, "
+          f"generate {gen_s:.1f} s{acc}", flush=True)
+    return 0
+
+
+def _load(path: str) -> dict:
+    r = json.loads(Path(path).read_text())
+    r["name"] = f"{r['backend']}({Path(path).stem})"
+    return r
+
+
+def divergence_gaps(a: dict, ref: dict) -> list[float]:
+    """For each prompt where the two runs' tokens differ: the reference's logprob of its own token minus
+    its logprob of the other run's token at the first difference (the contexts are identical up to there)."""
+    gaps = []
+    for x, y in zip(a["outputs"], ref["outputs"]):
+        first = next((i for i, (s, t) in enumerate(zip(x["token_ids"], y["token_ids"])) if s != t), None)
+        if first is not None:
+            lp = y["logprobs"][first]
+            gaps.append(lp[str(y["token_ids"][first])] - lp.get(str(x["token_ids"][first]), -math.inf))
+    return gaps
+
+
+def calibrate(args) -> int:
+    """Tie gap for SGLang from pairs of correct runs (same prompts, two correct configurations each):
+    the largest gap at which two correct runs diverged, never below the vLLM test's TIE_GAP."""
+    sys.path.insert(0, str(HERE))
+    import test_vllm_engine_gpu as crit
+
+    largest = 0.0
+    for pair in args.pairs:
+        a, b = (_load(p) for p in pair.split(","))
+        gaps = divergence_gaps(a, b)
+        largest = max([largest] + gaps)
+        saved, crit.TIE_GAP = crit.TIE_GAP, math.inf  # report the figures; gaps are listed below
+        crit.compare(a, b)
+        crit.TIE_GAP = saved
+        print(f"[sglang_run] baseline {a['name']} vs {b['name']}: divergence gaps "
+              f"{sorted(round(g, 3) for g in gaps)}", flush=True)
+    tie_gap = max(crit.TIE_GAP, largest)
+    Path(args.out).write_text(json.dumps({"tie_gap": tie_gap, "largest_baseline_gap": largest,
+                                          "pairs": args.pairs}))
+    print(f"[sglang_run] tie gap for SGLang: {tie_gap:.3f} nats (largest baseline divergence {largest:.3f}, "
+          f"vLLM test's TIE_GAP {crit.TIE_GAP})", flush=True)
     return 0
 
 
 def compare(args) -> int:
     sys.path.insert(0, str(HERE))
-    from test_vllm_engine_gpu import compare as compare_runs  # the vLLM engine test's criteria
+    import test_vllm_engine_gpu as crit  # the vLLM engine test's criteria
 
-    runs = []
-    for p in (args.ours, args.ref):
-        r = json.loads(Path(p).read_text())
-        r["name"] = f"{r['backend']}({Path(p).stem})"
-        runs.append(r)
-    ok = compare_runs(runs[0], runs[1])["ok"]
+    if args.tie_gap_from:
+        crit.TIE_GAP = json.loads(Path(args.tie_gap_from).read_text())["tie_gap"]
+        print(f"[sglang_run] tie gap {crit.TIE_GAP:.3f} nats from {args.tie_gap_from}", flush=True)
+    runs = [_load(p) for p in (args.ours, args.ref)]
+    ok = crit.compare(runs[0], runs[1])["ok"]
+    print(f"[sglang_run] divergence gaps {sorted(round(g, 3) for g in divergence_gaps(*runs))}", flush=True)
+    for r in runs:
+        if "spec_accept_length_mean" in r:
+            print(f"[sglang_run] {r['name']}: mean accept length {r['spec_accept_length_mean']:.3f}", flush=True)
+    if args.min_accept_ratio is not None:
+        acc = [r.get("spec_accept_length_mean") for r in runs]
+        if None in acc:
+            print("[sglang_run] --min-accept-ratio needs two speculative runs", flush=True)
+            return 1
+        ratio = acc[0] / acc[1]
+        print(f"[sglang_run] accept length ratio {ratio:.3f} (minimum {args.min_accept_ratio})", flush=True)
+        ok = ok and ratio >= args.min_accept_ratio
     want = args.expect == "agree"
     print(f"[sglang_run] expected {args.expect}: {'as expected' if ok == want else 'NOT as expected'}", flush=True)
     return 0 if ok == want else 1
+
+
+def serve(args) -> int:
+    """`python -m sglang.launch_server --model-path M --attention-backend flashmla_backend` on 127.0.0.1 (plus
+    this environment's sampling/grammar settings, see the module docstring), then `--requests` concurrent
+    /generate requests of text prompts (greedy, ignore_eos, 1..2500 words, 1..128 new tokens); every one must
+    return its token count, and the server log must show our decode. The server is stopped at the end."""
+    import random
+    import signal
+    import socket
+    import subprocess
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    log_path = Path(args.log).resolve()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    _declare_entry_point(log_path.parent)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, "--attention-backend",
+           args.backend, "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", "0.5",
+           "--context-length", "4096", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+    print(f"[sglang_run] serve: {' '.join(cmd)} (log {log_path})", flush=True)
+
+    def post(path: str, body: dict, timeout: float) -> dict:
+        req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ok = False
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"launch_server exited with {proc.returncode} while starting")
+            if time.time() - t0 > args.start_timeout:
+                raise RuntimeError(f"launch_server not healthy after {args.start_timeout:.0f} s")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(2)
+        print(f"[sglang_run] serve: healthy after {time.time() - t0:.0f} s", flush=True)
+        rng = random.Random(7)
+        jobs = []
+        for i in range(args.requests):
+            n = [1, 5, 60, 200, 700, 1500, 2500][i % 7] + rng.randrange(0, 30)
+            jobs.append((" ".join(f"w{rng.randrange(2, 1024)}" for _ in range(n)), [1, 8, 32, 64, 128][i % 5]))
+
+        def one(job):
+            text, max_new = job
+            t = time.time()
+            r = post("/generate", {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new,
+                                                                      "ignore_eos": True}}, 300)
+            return r, max_new, time.time() - t
+
+        t1 = time.time()
+        with ThreadPoolExecutor(max_workers=args.requests) as pool:
+            results = list(pool.map(one, jobs, timeout=600))
+        wall = time.time() - t1
+        bad = [(r["meta_info"].get("completion_tokens"), m) for r, m, _ in results
+               if r["meta_info"].get("completion_tokens") != m or not isinstance(r.get("text"), str)]
+        print(f"[sglang_run] serve: {len(results)} concurrent requests in {wall:.1f} s (slowest "
+              f"{max(dt for *_, dt in results):.1f} s), wrong token counts: {bad}", flush=True)
+        ours_logged = "MLA decode attention runs on flashmla_backend" in log_path.read_text()
+        if args.backend == "flashmla_backend":
+            print(f"[sglang_run] serve: log shows flashmla_backend decode: {ours_logged}", flush=True)
+        ok = not bad and (ours_logged or args.backend != "flashmla_backend")
+    except Exception as e:  # noqa: BLE001 - reported with the server log's tail
+        print(f"[sglang_run] serve failed: {e}\n" + "".join(log_path.read_text().splitlines(True)[-30:]), flush=True)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        print(f"[sglang_run] serve: server stopped (exit code {proc.returncode})", flush=True)
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -108,12 +272,27 @@ def main(argv=None) -> int:
     r.add_argument("--max-tokens", type=int, default=32)
     r.add_argument("--logprobs", type=int, default=5)
     r.add_argument("--disable-cuda-graph", action="store_true")
+    r.add_argument("--mtp", type=int, default=0, metavar="STEPS",
+                   help="speculative decoding with the checkpoint's MTP layer: STEPS draft steps, topk 1")
+    r.add_argument("--kv-splits", type=int, default=0, help="triton_attention_num_kv_splits (triton backend)")
     c = sub.add_parser("compare")
     c.add_argument("ours")
     c.add_argument("ref")
     c.add_argument("--expect", choices=("agree", "disagree"), default="agree")
+    c.add_argument("--tie-gap-from", help="JSON written by `calibrate` (default: the vLLM test's TIE_GAP)")
+    c.add_argument("--min-accept-ratio", type=float,
+                   help="speculative runs: ours' mean accept length / the reference's must be at least this")
+    k = sub.add_parser("calibrate")
+    k.add_argument("pairs", nargs="+", metavar="A.json,B.json", help="two runs of correct configurations")
+    k.add_argument("--out", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--model", required=True)
+    s.add_argument("--backend", default="flashmla_backend")
+    s.add_argument("--requests", type=int, default=64)
+    s.add_argument("--log", required=True)
+    s.add_argument("--start-timeout", type=float, default=300)
     args = ap.parse_args(argv)
-    return run(args) if args.cmd == "run" else compare(args)
+    return {"run": run, "compare": compare, "calibrate": calibrate, "serve": serve}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -647,6 +647,23 @@ def test_debug_break_scale_hook_breaks_the_comparison(runners, monkeypatch):
                                rtol=OUT_RTOL)
 
 
+@pytest.mark.parametrize("draft_worker", [False, True])
+def test_debug_break_scale_draft_mode_breaks_only_the_draft_model(runners, monkeypatch, draft_worker):
+    monkeypatch.setenv(DEBUG_BREAK_SCALE_ENV, "draft")
+    runner = runners()
+    runner.is_draft_worker = draft_worker
+    backend = build_backend(runner)
+    req = Requests(runner, [100, 400], window=1, seed=7)
+    layer = make_layer()
+    locs, k, v = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [101, 401], locs, [100, 400])
+    backend.init_forward_metadata(fb)
+    q = req.queries(1)
+    scale = layer.scaling * (1.5 if draft_worker else 1.0)
+    torch.testing.assert_close(backend.forward(q, k, v, layer, fb), req.expected(q, 1, [101, 401], scale),
+                               atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
 def test_forward_without_metadata_fails_clearly(runners):
     runner = runners()
     backend = build_backend(runner)

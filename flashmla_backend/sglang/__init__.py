@@ -20,7 +20,8 @@ Names: the backend is "flashmla_backend"; it does not touch SGLang's own "flashm
 `flash_mla` package or the `torch.ops.flash_mla*` ops (ours are torch.ops.flashmla_backend.*).
 
 Test hook: FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 multiplies the softmax scale by 1.5 in this plugin's
-decode path only, so that end-to-end comparisons can prove they detect wrong attention.
+decode path only, so that end-to-end comparisons can prove they detect wrong attention; the value "draft"
+does it only in the speculative draft model's backends (the acceptance check of the MTP run must see it).
 """
 from __future__ import annotations
 

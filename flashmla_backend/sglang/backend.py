@@ -126,10 +126,11 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         else:
             where = "the PyTorch reference (no CUDA device)"
         self.decode_scale_factor = 1.0
-        if debug_break_scale_enabled():
+        if debug_break_scale_enabled(draft_runner=self.is_draft_runner):
             self.decode_scale_factor = 1.5
-            logger.warning("flashmla_backend: %s is set: decode attention uses a WRONG softmax scale (x1.5). "
-                           "This is a test hook; outputs are deliberately incorrect.", DEBUG_BREAK_SCALE_ENV)
+            logger.warning("flashmla_backend: %s is set: %s decode attention uses a WRONG softmax scale (x1.5). "
+                           "This is a test hook; outputs are deliberately incorrect.", DEBUG_BREAK_SCALE_ENV,
+                           "the draft model's" if self.is_draft_runner else "the")
         global _announced
         if not _announced:
             _announced = True
