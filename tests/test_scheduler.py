@@ -41,7 +41,7 @@ def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_spl
     covered = [[0] * nb for nb in blocks]
     owners = [[] for _ in range(b)]  # (part, split index) per piece, in part order
     total = sum(nb + OVH for nb in blocks)
-    per_part = max(scheduler.MIN_BLOCKS_PER_PART, -(-(total - OVH) // parts))
+    per_part = max(1, -(-(total - OVH) // parts))
     for p, pieces in enumerate(pieces_from_metadata(meta, lengths)):
         cost = 0
         for req, start, stop, split in pieces:
@@ -72,17 +72,16 @@ def test_mirror_invariants(lengths, parts):
     check_invariants(lengths, parts, meta, num_splits)
 
 
-@pytest.mark.parametrize("length,parts,busy", [(8192, 66, 32), (8192, 132, 32), (8192 * 2, 66, 64),
-                                               (8192 * 4, 66, 64), (64 * 66, 66, 17), (1, 66, 1)])
+@pytest.mark.parametrize("length,parts,busy", [(8192, 66, 64), (8192, 132, 128), (8192 * 2, 66, 64),
+                                               (64 * 66, 66, 66), (1, 66, 1)])
 def test_a_single_request_is_spread_over_the_parts(length, parts, busy):
-    """Part size = max(MIN_BLOCKS_PER_PART, ceil(blocks / parts)): the last request's trailing overhead does not
-    count (b = 1, 256 blocks on 66 parts: 64 parts of 4, not 52 of 5)."""
+    """The last request's trailing overhead does not count towards the part size: one request of 128
+    blocks on 66 parts is 64 parts of 2 blocks (not 43 of 3)."""
     meta, _ = scheduler.schedule(torch.tensor([length], dtype=torch.int32), parts)
     pieces = [p for p in pieces_from_metadata(meta, [length]) if p]
     assert len(pieces) == busy
     blocks = -(-length // 64)
-    size = max(-(-stop // 64) - start // 64 for piece in pieces for _, start, stop, _ in piece)
-    assert size == min(blocks, max(scheduler.MIN_BLOCKS_PER_PART, -(-blocks // parts)))
+    assert max(-(-stop // 64) - start // 64 for piece in pieces for _, start, stop, _ in piece) == -(-blocks // parts)
 
 
 def test_negative_lengths_count_as_zero():
