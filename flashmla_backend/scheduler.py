@@ -6,7 +6,8 @@ The model, in short (the kernel's header comment has the full statement):
   request i on [C_i, C_i + w_i); part p starts at unit p * P, P = max(1, ceil((T - FIXED_OVERHEAD_BLOCKS) /
   num_sm_parts)): the last request's trailing overhead needs no part of its own (the last part always runs
   to the end of the batch), so b = 1, 8192 keys (128 blocks) on 66 parts gets P = 2 (64 parts of 2 blocks),
-  not ceil(133 / 66) = 3 (43 parts of 3 blocks: 22% slower, measured on an H100).
+  not ceil(133 / 66) = 3 (43 parts of 3 blocks). H100, h_q 128, CUDA-graph replays of decode + combine:
+  39.1 us -> 35.6 us.
   Unit C_i + k is the position (i, k) when k < nb_i or k == 0 (a request's first unit is its start, even
   for a zero-length request); inside the rest of its overhead it is (i + 1, 0).
   Part p covers the positions from its start to the next part's start.

@@ -7,7 +7,7 @@
 //   part p starts at unit u_p = p * P with P = max(1, ceil((T - kFixedOverheadBlocks) / num_sm_parts))
 //   (u_p >= T: empty part). The last request's trailing overhead is left out of P: the last part always
 //   runs to the end of the batch, and counting it made b = 1 with 128 blocks on 66 parts take P = 3
-//   (43 parts busy) instead of P = 2 (64 parts busy), 22% slower on an H100.
+//   (43 parts busy) instead of P = 2 (64 parts busy): 39.1 us instead of 35.6 us on an H100 (h_q 128).
 //   Unit u = C_i + k maps to a position (request, block): (i, k) when k < nb_i or k == 0 (the first
 //   unit of a request is its start, also for a zero-length request); (i + 1, 0) in the rest of its
 //   overhead. Part p covers positions
