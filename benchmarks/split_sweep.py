@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Split-count sweep of the decode: how the number of scheduler parts changes decode + combine time.
+
+    python benchmarks/split_sweep.py [--shapes 1x8192x128,8x8192x128] [--parts 11,16,22,33,66,132] [--reps 300]
+
+For each shape (batch x keys x query heads, s_q = 1, one KV head, bf16, causal, shuffled pages) and each
+part count P, the metadata is built with P parts (flashmla_backend.ops._metadata_impl, the same scheduler
+as get_mla_metadata, which uses P = SMs / m-tiles), one decode call is captured in a CUDA graph, and the
+median of `--reps` replays is printed (CUDA events, a 256 MB buffer zeroed before each replay to flush L2),
+together with the device time per kernel (torch.profiler over 20 plain calls; with PDL the combine kernel's
+time includes its wait for the decode kernel). "busy" counts the parts that received work.
+Needs a Hopper or Ampere GPU and the built extension.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import flashmla_backend as fb
+from flashmla_backend import ops
+
+
+def make_inputs(b: int, sk: int, hq: int, dev: torch.device):
+    lens = torch.full((b,), sk, dtype=torch.int32)
+    pages = -(-sk // 64)
+    kc = torch.randn(b * pages + 8, 64, 1, 576, dtype=torch.bfloat16, device=dev)
+    table = torch.randperm(b * pages + 8, device=dev)[: b * pages].view(b, pages).int()
+    q = torch.randn(b, 1, hq, 576, dtype=torch.bfloat16, device=dev)
+    return q, kc, table, lens.to(dev)
+
+
+def kernel_times(fn, n: int = 20) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.count >= n:
+            out[kernel_name(e.key)] = getattr(e, "device_time", None) or e.cuda_time
+    return out
+
+
+def kernel_name(key: str) -> str:
+    """'void ns::(anonymous namespace)::combine_kernel<...>(...)' -> 'combine_kernel'."""
+    return key.replace("(anonymous namespace)::", "").split("<")[0].split("(")[0].split("::")[-1].replace("void ", "")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1x8192x128,8x8192x128", help="comma-separated BxKEYSxHEADS")
+    ap.add_argument("--parts", default="11,16,22,33,66,132", help="part counts to try (the default count is added)")
+    ap.add_argument("--reps", type=int, default=300)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("split_sweep.py needs a CUDA GPU")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    for shape in args.shapes.split(","):
+        b, sk, hq = (int(x) for x in shape.lower().split("x"))
+        q, kc, table, lens = make_inputs(b, sk, hq, dev)
+        default_parts = fb.get_mla_metadata(lens, hq, 1)[0].shape[0]
+        for parts in sorted({default_parts, *(int(x) for x in args.parts.split(","))}):
+            meta, splits = ops._metadata_impl(lens, parts)
+
+            def call():
+                return fb.flash_mla_with_kvcache(q, kc, table, lens, 512, meta, splits, causal=True)
+
+            call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            times = []
+            for _ in range(args.reps):
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1000)
+            busy = int((meta[:, 0] <= meta[:, 2]).sum())
+            kernels = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(call).items())
+            mark = " (default)" if parts == default_parts else ""
+            print(f"b{b} sk{sk} h{hq}: parts {parts}{mark}, busy {busy}, splits {int(splits[-1])}: graph median "
+                  f"{statistics.median(times):.1f} us; kernels (us): {kernels}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
