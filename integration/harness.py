@@ -9,9 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 INTEGRATION = Path(__file__).resolve().parent
@@ -143,3 +146,36 @@ def write_json(path: Path, obj) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj))
     return path
+
+
+# ---- HTTP servers (vllm serve, sglang.launch_server) ------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post_json(url: str, body: dict, timeout: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, what: str) -> float:
+    """Polls base_url/health until it answers 200; returns the seconds it took. RuntimeError if the server
+    process exits first or the time runs out."""
+    t0 = time.time()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} while starting")
+        if time.time() - t0 > timeout_s:
+            raise RuntimeError(f"{what} not healthy after {timeout_s:.0f} s")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(2)

@@ -264,48 +264,28 @@ def serve(args) -> int:
     return its token count, and the server log must show our decode. The server is stopped at the end."""
     import random
     import signal
-    import socket
     import subprocess
-    import urllib.error
-    import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
     log_path = Path(args.log).resolve()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     _declare_entry_point(log_path.parent)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    sys.path.insert(0, str(HERE))
+    from harness import free_port, post_json, wait_healthy
+
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, "--attention-backend",
            args.backend, "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", "0.5",
            "--context-length", "4096", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
     print(f"[sglang_run] serve: {' '.join(cmd)} (log {log_path})", flush=True)
 
-    def post(path: str, body: dict, timeout: float) -> dict:
-        req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     ok = False
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"launch_server exited with {proc.returncode} while starting")
-            if time.time() - t0 > args.start_timeout:
-                raise RuntimeError(f"launch_server not healthy after {args.start_timeout:.0f} s")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(2)
-        print(f"[sglang_run] serve: healthy after {time.time() - t0:.0f} s", flush=True)
+        took = wait_healthy(proc, base, args.start_timeout, "launch_server")
+        print(f"[sglang_run] serve: healthy after {took:.0f} s", flush=True)
         rng = random.Random(7)
         jobs = []
         for i in range(args.requests):
@@ -315,8 +295,8 @@ def serve(args) -> int:
         def one(job):
             text, max_new = job
             t = time.time()
-            r = post("/generate", {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new,
-                                                                      "ignore_eos": True}}, 300)
+            params = {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+            r = post_json(f"{base}/generate", {"text": text, "sampling_params": params}, 300)
             return r, max_new, time.time() - t
 
         t1 = time.time()

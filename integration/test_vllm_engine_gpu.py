@@ -24,12 +24,9 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -201,20 +198,8 @@ def test_tensor_parallel_2_agrees(checkpoint, prompts_file):
 
 # ---- vllm serve ---------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict, timeout: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 def test_serve_64_concurrent_completions(checkpoint):
-    port = _free_port()
+    port = harness.free_port()
     base = f"http://127.0.0.1:{port}"
     harness.RUN_DIR.mkdir(parents=True, exist_ok=True)
     log_path = harness.RUN_DIR / "serve-custom.log"
@@ -226,20 +211,11 @@ def test_serve_64_concurrent_completions(checkpoint):
         proc = subprocess.Popen(cmd, env=harness.engine_env(), stdout=log, stderr=subprocess.STDOUT,
                                 cwd=str(harness.REPO), start_new_session=True)
     try:
-        t0 = time.time()
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode} while starting:\n{_tail(log_path)}")
-            if time.time() - t0 > SERVE_START_TIMEOUT_S:
-                pytest.fail(f"vllm serve not healthy after {SERVE_START_TIMEOUT_S} s:\n{_tail(log_path)}")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(2)
-        print(f"[serve] healthy after {time.time() - t0:.0f} s", flush=True)
+        try:
+            took = harness.wait_healthy(proc, base, SERVE_START_TIMEOUT_S, "vllm serve")
+        except RuntimeError as e:
+            pytest.fail(f"{e}:\n{_tail(log_path)}")
+        print(f"[serve] healthy after {took:.0f} s", flush=True)
 
         rng = random.Random(99)
         jobs = []
@@ -251,7 +227,7 @@ def test_serve_64_concurrent_completions(checkpoint):
         def one(job):
             prompt, max_tokens = job
             t = time.time()
-            r = _post(f"{base}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+            r = harness.post_json(f"{base}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
                                                  "temperature": 0, "ignore_eos": True}, SERVE_REQUESTS_TIMEOUT_S)
             return r, max_tokens, time.time() - t
 

@@ -15,7 +15,6 @@ lengths/block tables into the persistent buffers, against eager runs and the ref
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, fields
 
 import pytest
@@ -50,12 +49,6 @@ CASES = {
 
 # ---- vLLM setup ---------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", autouse=True)
 def vllm_process_state():
     """One-rank distributed state (vLLM's parallel linear layers and MLA impls read it); plugin registered."""
@@ -71,7 +64,7 @@ def vllm_process_state():
 
         with set_current_vllm_config(cfg):
             ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="nccl",
-                                            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                            distributed_init_method=f"tcp://127.0.0.1:{harness.free_port()}")
             ps.ensure_model_parallel_initialized(1, 1)
     yield
 

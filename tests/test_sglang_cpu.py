@@ -631,25 +631,12 @@ def test_extend_batches_go_to_the_triton_parent(runners, monkeypatch):
     assert calls == ["meta", "extend"]
 
 
-def test_debug_break_scale_hook_breaks_the_comparison(runners, monkeypatch):
-    monkeypatch.setenv(DEBUG_BREAK_SCALE_ENV, "1")
-    runner = runners()
-    backend = build_backend(runner)
-    req = Requests(runner, [100, 400], window=1, seed=7)
-    layer = make_layer()
-    locs, k, v = req.new_tokens(1)
-    fb = req.forward_batch(ForwardMode.DECODE, [101, 401], locs, [100, 400])
-    backend.init_forward_metadata(fb)
-    q = req.queries(1)
-    out = backend.forward(q, k, v, layer, fb)
-    assert (out.float() - req.expected(q, 1, [101, 401], layer.scaling).float()).abs().max() > 0.05
-    torch.testing.assert_close(out, req.expected(q, 1, [101, 401], 1.5 * layer.scaling), atol=OUT_ATOL,
-                               rtol=OUT_RTOL)
-
-
-@pytest.mark.parametrize("draft_worker", [False, True])
-def test_debug_break_scale_draft_mode_breaks_only_the_draft_model(runners, monkeypatch, draft_worker):
-    monkeypatch.setenv(DEBUG_BREAK_SCALE_ENV, "draft")
+@pytest.mark.parametrize("value,draft_worker,broken", [("1", False, True), ("1", True, True),
+                                                      ("draft", False, False), ("draft", True, True)])
+def test_debug_break_scale_hook(runners, monkeypatch, value, draft_worker, broken):
+    """The test hook multiplies the softmax scale by 1.5 (value "draft": only in the draft model's backends),
+    enough to fail the comparisons that use it."""
+    monkeypatch.setenv(DEBUG_BREAK_SCALE_ENV, value)
     runner = runners()
     runner.is_draft_worker = draft_worker
     backend = build_backend(runner)
@@ -659,8 +646,10 @@ def test_debug_break_scale_draft_mode_breaks_only_the_draft_model(runners, monke
     fb = req.forward_batch(ForwardMode.DECODE, [101, 401], locs, [100, 400])
     backend.init_forward_metadata(fb)
     q = req.queries(1)
-    scale = layer.scaling * (1.5 if draft_worker else 1.0)
-    torch.testing.assert_close(backend.forward(q, k, v, layer, fb), req.expected(q, 1, [101, 401], scale),
+    out = backend.forward(q, k, v, layer, fb)
+    if broken:
+        assert (out.float() - req.expected(q, 1, [101, 401], layer.scaling).float()).abs().max() > 0.05
+    torch.testing.assert_close(out, req.expected(q, 1, [101, 401], (1.5 if broken else 1.0) * layer.scaling),
                                atol=OUT_ATOL, rtol=OUT_RTOL)
 
 
