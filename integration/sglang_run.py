@@ -143,9 +143,10 @@ class Fp32Oracle:
 
     def logprobs(self, i: int, tokens: list[int]):
         """fp32 log-softmax at every generated position of prompt i followed by `tokens`: [len(tokens), vocab]."""
+        assert tokens, "logprobs of an empty continuation"
         ids = self.torch.tensor([list(self.prompts[i]) + list(tokens)], device=self.device)
         with self.torch.no_grad():
-            logits = self.model(ids).logits[0, len(self.prompts[i]) - 1:-1] if tokens else None
+            logits = self.model(ids).logits[0, len(self.prompts[i]) - 1:-1]
         return self.torch.log_softmax(logits.float(), -1).cpu()
 
     def run_error(self, run: dict) -> list[float]:
@@ -153,6 +154,8 @@ class Fp32Oracle:
         tokens, so every position counts, also after a divergence from another run)."""
         errs = []
         for i, o in enumerate(run["outputs"]):
+            if not o["token_ids"]:
+                continue
             lp = self.logprobs(i, o["token_ids"])
             errs += [abs(o["logprobs"][p][str(t)] - float(lp[p, t])) for p, t in enumerate(o["token_ids"])]
         return errs
