@@ -116,18 +116,6 @@ def _load(path: str) -> dict:
     return r
 
 
-def divergence_gaps(a: dict, ref: dict) -> list[float]:
-    """For each prompt where the two runs' tokens differ: the reference's logprob of its own token minus
-    its logprob of the other run's token at the first difference (the contexts are identical up to there)."""
-    gaps = []
-    for x, y in zip(a["outputs"], ref["outputs"]):
-        first = next((i for i, (s, t) in enumerate(zip(x["token_ids"], y["token_ids"])) if s != t), None)
-        if first is not None:
-            lp = y["logprobs"][first]
-            gaps.append(lp[str(y["token_ids"][first])] - lp.get(str(x["token_ids"][first]), -math.inf))
-    return gaps
-
-
 class Fp32Oracle:
     """The checkpoint in fp32 through transformers: the exact model the bf16 engines approximate."""
 
@@ -160,17 +148,16 @@ class Fp32Oracle:
             errs += [abs(o["logprobs"][p][str(t)] - float(lp[p, t])) for p, t in enumerate(o["token_ids"])]
         return errs
 
-    def divergence(self, a: dict, ref: dict, i: int) -> dict:
-        """fp32 logprobs of the two competing tokens at prompt i's first difference (shared context)."""
+    def divergence(self, a: dict, ref: dict, i: int, first: int) -> dict:
+        """fp32 logprobs of the two competing tokens where prompt i's runs first differ (shared context)."""
         x, y = a["outputs"][i]["token_ids"], ref["outputs"][i]["token_ids"]
-        first = next(j for j, (s, t) in enumerate(zip(x, y)) if s != t)
         lp = self.logprobs(i, y[:first + 1])[first]
         return {"position": first, "lp_ours": float(lp[x[first]]), "lp_ref": float(lp[y[first]]),
                 "fp32_gap": abs(float(lp[x[first]] - lp[y[first]])), "fp32_top": int(lp.argmax()),
                 "ours_token": x[first], "ref_token": y[first]}
 
 
-def fp32_verdict(oracle: Fp32Oracle, ours: dict, ref: dict, r: dict, crit) -> bool:
+def fp32_verdict(oracle: Fp32Oracle, ours: dict, ref: dict, r: dict) -> bool:
     """Accuracy against the fp32 model instead of against the other engine:
       1. ours' mean |logprob - fp32| <= FP32_ERR_RATIO x the reference's (+ FP32_ERR_SLACK), and
       2. every divergence beyond the tie gap lies where the fp32 model's gap between the two tokens is within
@@ -185,15 +172,14 @@ def fp32_verdict(oracle: Fp32Oracle, ours: dict, ref: dict, r: dict, crit) -> bo
           f"{noise:.4f} ({len(e_ref)} tokens)", flush=True)
     accurate = m_ours <= FP32_ERR_RATIO * m_ref + FP32_ERR_SLACK
     ties = True
-    for i, *_ in r["bad_divergences"]:
-        v = oracle.divergence(ours, ref, i)
+    for i, first, _ in r["bad_divergences"]:
+        v = oracle.divergence(ours, ref, i, first)
         near = v["fp32_gap"] <= 2 * noise
         ties = ties and near
         print(f"[sglang_run] fp32 view of prompt {i} token {v['position']}: logprob of ours' token {v['ours_token']} "
               f"{v['lp_ours']:.3f}, of the reference's {v['ref_token']} {v['lp_ref']:.3f}: gap {v['fp32_gap']:.3f} "
               f"{'<=' if near else '>'} 2 x {noise:.3f} (fp32 top token {v['fp32_top']})", flush=True)
-    others = (r["match_fraction"] >= crit.MATCH_FRACTION_MIN and r["logprob_mean_abs"] <= crit.LOGPROB_MEAN_TOL
-              and r["logprob_max_abs"] <= crit.LOGPROB_MAX_TOL)
+    others = r["figures_ok"]
     ok = accurate and ties and others
     print(f"[sglang_run] fp32 verdict: ours as accurate as the reference ({m_ours:.4f} <= {FP32_ERR_RATIO} x "
           f"{m_ref:.4f} + {FP32_ERR_SLACK}): {accurate}; divergences within engine noise: {ties}; pairwise figures: "
@@ -210,11 +196,8 @@ def calibrate(args) -> int:
     largest = 0.0
     for pair in args.pairs:
         a, b = (_load(p) for p in pair.split(","))
-        gaps = divergence_gaps(a, b)
+        gaps = [g for *_, g in crit.compare(a, b, tie_gap=math.inf)["divergences"]]  # figures; gaps below
         largest = max([largest] + gaps)
-        saved, crit.TIE_GAP = crit.TIE_GAP, math.inf  # report the figures; gaps are listed below
-        crit.compare(a, b)
-        crit.TIE_GAP = saved
         print(f"[sglang_run] baseline {a['name']} vs {b['name']}: divergence gaps "
               f"{sorted(round(g, 3) for g in gaps)}", flush=True)
     tie_gap = max(crit.TIE_GAP, largest)
@@ -229,16 +212,17 @@ def compare(args) -> int:
     sys.path.insert(0, str(HERE))
     import test_vllm_engine_gpu as crit  # the vLLM engine test's criteria
 
+    tie_gap = crit.TIE_GAP
     if args.tie_gap_from:
-        crit.TIE_GAP = json.loads(Path(args.tie_gap_from).read_text())["tie_gap"]
-        print(f"[sglang_run] tie gap {crit.TIE_GAP:.3f} nats from {args.tie_gap_from}", flush=True)
+        tie_gap = json.loads(Path(args.tie_gap_from).read_text())["tie_gap"]
+        print(f"[sglang_run] tie gap {tie_gap:.3f} nats from {args.tie_gap_from}", flush=True)
     runs = [_load(p) for p in (args.ours, args.ref)]
-    r = crit.compare(runs[0], runs[1])
+    r = crit.compare(runs[0], runs[1], tie_gap=tie_gap)
     ok = r["ok"]
-    print(f"[sglang_run] divergence gaps {sorted(round(g, 3) for g in divergence_gaps(*runs))}", flush=True)
+    print(f"[sglang_run] divergence gaps {sorted(round(g, 3) for *_, g in r['divergences'])}", flush=True)
     if args.fp32_model:
         ok = fp32_verdict(Fp32Oracle(args.fp32_model, json.loads(Path(args.prompts).read_text())), runs[0], runs[1],
-                          r, crit)
+                          r)
     for x in runs:
         if "spec_accept_length_mean" in x:
             print(f"[sglang_run] {x['name']}: mean accept length {x['spec_accept_length_mean']:.3f}", flush=True)
