@@ -2,7 +2,8 @@
 
 Supported: SGLang >= 0.5.17, < 0.5.22. Checked with the CPU tests (tests/test_sglang_cpu.py) on each
 release from 0.5.17 (the newest that pins torch 2.11, the GPU machines' torch) to 0.5.21 (the newest
-that pins torch 2.13, CI's torch); not yet on a GPU. Releases 0.5.22 and 0.5.23 pin torch 2.14 and change what a backend meets
+that pins torch 2.13, CI's torch); on an H100 with 0.5.17 (integration/README.md). Releases 0.5.22 and
+0.5.23 pin torch 2.14 and change what a backend meets
 (`KVWriteLoc` write locations, `kv_loc_plan` page tables, `SharedReadEnds` read fences, metadata glue
 graphs, the choice lists moved to `sglang.srt.arg_groups.choices`): they are refused until tested.
 

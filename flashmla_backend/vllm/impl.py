@@ -27,7 +27,6 @@ SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 _announced = False
 
 
-
 class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
     # The decode LSE is only needed for decode context parallelism, which this plugin refuses.
     can_return_lse_for_decode: bool = False
