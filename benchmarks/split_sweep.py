@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Split-count sweep of the decode: how the number of scheduler parts changes decode + combine time.
 
-    python benchmarks/split_sweep.py [--shapes 1x8192x128,8x8192x128] [--parts 11,16,22,33,66,132] [--reps 300]
+    python benchmarks/split_sweep.py [--shapes b1-sk8192-h128,b8-sk8192-h128] [--parts 11,16,22,33,66,132] \
+        [--reps 300]
 
-For each shape (batch x keys x query heads, s_q = 1, one KV head, bf16, causal, shuffled pages) and each
-part count P, the metadata is built with P parts (flashmla_backend.ops._metadata_impl, the same scheduler
-as get_mla_metadata, which uses P = SMs / m-tiles), one decode call is captured in a CUDA graph, and the
+For each shape (the benchmark's shape syntax and input generator, flashmla_backend.bench: one KV head,
+bf16, causal, shuffled pages) and each part count P, the metadata is built with P parts
+(flashmla_backend.ops._metadata_impl, the scheduler of get_mla_metadata, which uses P = SMs / m-tiles),
+one decode call is captured in a CUDA graph, and the
 median of `--reps` replays is printed (CUDA events, a 256 MB buffer zeroed before each replay to flush L2),
 together with the device time per kernel (torch.profiler over 20 plain calls; with PDL the combine kernel's
 time includes its wait for the decode kernel). "busy" counts the parts that received work.
@@ -20,15 +22,7 @@ import torch
 
 import flashmla_backend as fb
 from flashmla_backend import ops
-
-
-def make_inputs(b: int, sk: int, hq: int, dev: torch.device):
-    lens = torch.full((b,), sk, dtype=torch.int32)
-    pages = -(-sk // 64)
-    kc = torch.randn(b * pages + 8, 64, 1, 576, dtype=torch.bfloat16, device=dev)
-    table = torch.randperm(b * pages + 8, device=dev)[: b * pages].view(b, pages).int()
-    q = torch.randn(b, 1, hq, 576, dtype=torch.bfloat16, device=dev)
-    return q, kc, table, lens.to(dev)
+from flashmla_backend.bench import make_inputs, make_seqlens, parse_shapes
 
 
 def kernel_times(fn, n: int = 20) -> dict[str, float]:
@@ -54,19 +48,20 @@ def kernel_name(key: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="1x8192x128,8x8192x128", help="comma-separated BxKEYSxHEADS")
+    ap.add_argument("--shapes", default="b1-sk8192-h128,b8-sk8192-h128", help="comma-separated benchmark shapes")
     ap.add_argument("--parts", default="11,16,22,33,66,132", help="part counts to try (the default count is added)")
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("split_sweep.py needs a CUDA GPU")
     dev = torch.device("cuda")
-    torch.manual_seed(0)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    for shape in args.shapes.split(","):
-        b, sk, hq = (int(x) for x in shape.lower().split("x"))
-        q, kc, table, lens = make_inputs(b, sk, hq, dev)
-        default_parts = fb.get_mla_metadata(lens, hq, 1)[0].shape[0]
+    for shape in parse_shapes(args.shapes):
+        seqlens = make_seqlens(shape, 0)
+        inp = make_inputs(shape, seqlens, torch.bfloat16, dev, seed=0, copies=1)[0]
+        q, kc, table = inp.q, inp.k_cache, inp.block_table
+        lens = torch.tensor(seqlens, dtype=torch.int32, device=dev)
+        default_parts = fb.get_mla_metadata(lens, shape.s_q * shape.h_q, 1)[0].shape[0]
         for parts in sorted({default_parts, *(int(x) for x in args.parts.split(","))}):
             meta, splits = ops._metadata_impl(lens, parts)
 
@@ -90,7 +85,7 @@ def main(argv=None) -> int:
             busy = int((meta[:, 0] <= meta[:, 2]).sum())
             kernels = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(call).items())
             mark = " (default)" if parts == default_parts else ""
-            print(f"b{b} sk{sk} h{hq}: parts {parts}{mark}, busy {busy}, splits {int(splits[-1])}: graph median "
+            print(f"{shape.name}: parts {parts}{mark}, busy {busy}, splits {int(splits[-1])}: graph median "
                   f"{statistics.median(times):.1f} us; kernels (us): {kernels}", flush=True)
     return 0
 
