@@ -64,7 +64,7 @@ def _runtime():
     return get_parallel(), get_spec()
 
 
-def check_model_runner(model_runner) -> list[str]:
+def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
     """Reasons this runner's configuration cannot use the plugin (empty when it can)."""
     reasons = []
     cfg = model_runner.model_config
@@ -103,7 +103,7 @@ class FlashMLAPluginBackend(TritonAttnBackend):
 
     def __init__(self, model_runner, skip_prefill: bool = False, kv_indptr_buf: Optional[torch.Tensor] = None,
                  step_offset: int = 0):
-        reasons = check_model_runner(model_runner)
+        reasons = check_model_runner(model_runner, skip_prefill=skip_prefill)
         if reasons:
             raise ValueError("flashmla_backend cannot serve this model configuration: " + "; ".join(reasons))
         super().__init__(model_runner, skip_prefill=skip_prefill, kv_indptr_buf=kv_indptr_buf)

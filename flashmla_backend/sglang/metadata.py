@@ -107,19 +107,16 @@ class DecodeMetadataBuilder:
                 "(speculative_num_draft_tokens is 0)")
         return self.num_draft_tokens
 
-    def extra_keys(self, mode: str) -> int:
-        """kv_len - seq_len for this mode: see the module docstring."""
-        if mode == MODE_DECODE:
-            return self.step_offset
-        if mode == MODE_TARGET_VERIFY:
-            return self.num_draft_tokens
-        if mode == MODE_DRAFT_EXTEND:
-            return 0
-        raise ValueError(f"flashmla_backend: unknown decode mode {mode!r}")
-
     def kv_lens(self, mode: str, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Keys per request (int32) for this mode."""
-        extra = self.extra_keys(mode)
+        """Keys per request (int32) for this mode: see the module docstring."""
+        if mode == MODE_DECODE:
+            extra = self.step_offset
+        elif mode == MODE_TARGET_VERIFY:
+            extra = self.num_draft_tokens
+        elif mode == MODE_DRAFT_EXTEND:
+            extra = 0
+        else:
+            raise ValueError(f"flashmla_backend: unknown decode mode {mode!r}")
         lens = seq_lens.to(torch.int32)
         return lens + extra if extra else lens
 
@@ -163,7 +160,9 @@ class DecodeMetadataBuilder:
             cache_seqlens = kv_lens.contiguous()
             pages = self.max_pages
             if max_kv_len_hint is not None:
-                pages = max(1, min(pages, pages_for(int(max_kv_len_hint) + self.extra_keys(mode))))
+                extra = (self.num_draft_tokens if mode == MODE_TARGET_VERIFY
+                         else self.step_offset if mode == MODE_DECODE else 0)
+                pages = max(1, min(pages, pages_for(int(max_kv_len_hint) + extra)))
             block_table = torch.empty((bs, pages), dtype=torch.int32, device=self.device)
             fill_block_table(self.req_to_token, req_pool_indices, cache_seqlens, block_table)
 
