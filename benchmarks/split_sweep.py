@@ -2,27 +2,26 @@
 """Split-count sweep of the decode: how the number of scheduler parts changes decode + combine time.
 
     python benchmarks/split_sweep.py [--shapes b1-sk8192-h128,b8-sk8192-h128] [--parts 11,16,22,33,66,132] \
-        [--reps 300]
+        [--warmup 25] [--rep 100]
 
 For each shape (the benchmark's shape syntax and input generator, flashmla_backend.bench: one KV head,
 bf16, causal, shuffled pages) and each part count P, the metadata is built with P parts
 (flashmla_backend.ops._metadata_impl, the scheduler of get_mla_metadata, which uses P = SMs / m-tiles),
 one decode call is captured in a CUDA graph, and the
-median of `--reps` replays is printed (CUDA events, a 256 MB buffer zeroed before each replay to flush L2),
-together with the device time per kernel (torch.profiler over 20 plain calls; with PDL the combine kernel's
+median of its replays over `--rep` ms is printed (the benchmark's CUDA-event timer: L2 flushed before each
+replay, after `--warmup` ms of warm-up), together with the device time per kernel (torch.profiler over 20 plain calls; with PDL the combine kernel's
 time includes its wait for the decode kernel). "busy" counts the parts that received work.
 Needs a Hopper or Ampere GPU and the built extension.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import flashmla_backend as fb
 from flashmla_backend import ops
-from flashmla_backend.bench import make_inputs, make_seqlens, parse_shapes
+from flashmla_backend.bench import _time_with_events, capture_graphs, make_inputs, make_seqlens, parse_shapes
 
 
 def kernel_times(fn, n: int = 20) -> dict[str, float]:
@@ -50,12 +49,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="b1-sk8192-h128,b8-sk8192-h128", help="comma-separated benchmark shapes")
     ap.add_argument("--parts", default="11,16,22,33,66,132", help="part counts to try (the default count is added)")
-    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--warmup", type=float, default=25.0, help="warm-up per part count in ms (default 25)")
+    ap.add_argument("--rep", type=float, default=100.0, help="timed replays per part count in ms (default 100)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("split_sweep.py needs a CUDA GPU")
     dev = torch.device("cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     for shape in parse_shapes(args.shapes):
         seqlens = make_seqlens(shape, 0)
         inp = make_inputs(shape, seqlens, torch.bfloat16, dev, seed=0, copies=1)[0]
@@ -68,25 +67,12 @@ def main(argv=None) -> int:
             def call():
                 return fb.flash_mla_with_kvcache(q, kc, table, lens, 512, meta, splits, causal=True)
 
-            call()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                call()
-            times = []
-            for _ in range(args.reps):
-                flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1000)
+            timing = _time_with_events(capture_graphs([call])[0], args.warmup, args.rep)
             busy = int((meta[:, 0] <= meta[:, 2]).sum())
             kernels = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(call).items())
             mark = " (default)" if parts == default_parts else ""
             print(f"{shape.name}: parts {parts}{mark}, busy {busy}, splits {int(splits[-1])}: graph median "
-                  f"{statistics.median(times):.1f} us; kernels (us): {kernels}", flush=True)
+                  f"{timing.median_us:.1f} us; kernels (us): {kernels}", flush=True)
     return 0
 
 
