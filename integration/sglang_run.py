@@ -31,9 +31,6 @@ HERE = Path(__file__).resolve().parent
 ENTRY_POINT = "flashmla_backend = flashmla_backend.sglang:register"
 # Below this mean accept length (tokens per verification step) the drafts carry too little signal to judge.
 MIN_INFORMATIVE_ACCEPT = 1.3
-# fp32 verdict (compare --fp32-model): ours' mean |logprob - fp32| may exceed the reference's by this factor + slack.
-FP32_ERR_RATIO = 1.5
-FP32_ERR_SLACK = 0.005
 
 
 def _declare_entry_point(run_dir: Path) -> None:
@@ -116,77 +113,6 @@ def _load(path: str) -> dict:
     return r
 
 
-class Fp32Oracle:
-    """The checkpoint in fp32 through transformers: the exact model the bf16 engines approximate."""
-
-    def __init__(self, model_dir: str, prompts: list):
-        import torch
-        import transformers
-
-        self.torch = torch
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model = self.model.to(self.device).eval()
-        self.prompts = prompts
-
-    def logprobs(self, i: int, tokens: list[int]):
-        """fp32 log-softmax at every generated position of prompt i followed by `tokens`: [len(tokens), vocab]."""
-        assert tokens, "logprobs of an empty continuation"
-        ids = self.torch.tensor([list(self.prompts[i]) + list(tokens)], device=self.device)
-        with self.torch.no_grad():
-            logits = self.model(ids).logits[0, len(self.prompts[i]) - 1:-1]
-        return self.torch.log_softmax(logits.float(), -1).cpu()
-
-    def run_error(self, run: dict) -> list[float]:
-        """|logprob the engine reported - fp32 logprob| of every token the run chose (teacher-forced on its own
-        tokens, so every position counts, also after a divergence from another run)."""
-        errs = []
-        for i, o in enumerate(run["outputs"]):
-            if not o["token_ids"]:
-                continue
-            lp = self.logprobs(i, o["token_ids"])
-            errs += [abs(o["logprobs"][p][str(t)] - float(lp[p, t])) for p, t in enumerate(o["token_ids"])]
-        return errs
-
-    def divergence(self, a: dict, ref: dict, i: int, first: int) -> dict:
-        """fp32 logprobs of the two competing tokens where prompt i's runs first differ (shared context)."""
-        x, y = a["outputs"][i]["token_ids"], ref["outputs"][i]["token_ids"]
-        lp = self.logprobs(i, y[:first + 1])[first]
-        return {"position": first, "lp_ours": float(lp[x[first]]), "lp_ref": float(lp[y[first]]),
-                "fp32_gap": abs(float(lp[x[first]] - lp[y[first]])), "fp32_top": int(lp.argmax()),
-                "ours_token": x[first], "ref_token": y[first]}
-
-
-def fp32_verdict(oracle: Fp32Oracle, ours: dict, ref: dict, r: dict) -> bool:
-    """Accuracy against the fp32 model instead of against the other engine:
-      1. ours' mean |logprob - fp32| <= FP32_ERR_RATIO x the reference's (+ FP32_ERR_SLACK), and
-      2. every divergence beyond the tie gap lies where the fp32 model's gap between the two tokens is within
-         twice the largest error the reference engine itself shows (two bf16 engines, each that far off the
-         exact model, can order such tokens either way),
-    together with the pairwise figures (match fraction, mean and max |logprob diff| where they agree)."""
-    e_ours, e_ref = oracle.run_error(ours), oracle.run_error(ref)
-    m_ours, m_ref = sum(e_ours) / len(e_ours), sum(e_ref) / len(e_ref)
-    noise = max(e_ref)
-    print(f"[sglang_run] fp32 oracle: |logprob - fp32| of each run's chosen tokens: {ours['name']} mean "
-          f"{m_ours:.4f} max {max(e_ours):.4f} ({len(e_ours)} tokens); {ref['name']} mean {m_ref:.4f} max "
-          f"{noise:.4f} ({len(e_ref)} tokens)", flush=True)
-    accurate = m_ours <= FP32_ERR_RATIO * m_ref + FP32_ERR_SLACK
-    ties = True
-    for i, first, _ in r["bad_divergences"]:
-        v = oracle.divergence(ours, ref, i, first)
-        near = v["fp32_gap"] <= 2 * noise
-        ties = ties and near
-        print(f"[sglang_run] fp32 view of prompt {i} token {v['position']}: logprob of ours' token {v['ours_token']} "
-              f"{v['lp_ours']:.3f}, of the reference's {v['ref_token']} {v['lp_ref']:.3f}: gap {v['fp32_gap']:.3f} "
-              f"{'<=' if near else '>'} 2 x {noise:.3f} (fp32 top token {v['fp32_top']})", flush=True)
-    others = r["figures_ok"]
-    ok = accurate and ties and others
-    print(f"[sglang_run] fp32 verdict: ours as accurate as the reference ({m_ours:.4f} <= {FP32_ERR_RATIO} x "
-          f"{m_ref:.4f} + {FP32_ERR_SLACK}): {accurate}; divergences within engine noise: {ties}; pairwise figures: "
-          f"{others} -> {'AGREE' if ok else 'DISAGREE'}", flush=True)
-    return ok
-
-
 def calibrate(args) -> int:
     """Tie gap for SGLang from pairs of correct runs (same prompts, two correct configurations each):
     the largest gap at which two correct runs diverged, never below the vLLM test's TIE_GAP."""
@@ -221,6 +147,8 @@ def compare(args) -> int:
     ok = r["ok"]
     print(f"[sglang_run] divergence gaps {sorted(round(g, 3) for *_, g in r['divergences'])}", flush=True)
     if args.fp32_model:
+        from fp32_oracle import Fp32Oracle, fp32_verdict
+
         ok = fp32_verdict(Fp32Oracle(args.fp32_model, json.loads(Path(args.prompts).read_text())), runs[0], runs[1],
                           r)
     for x in runs:
@@ -332,7 +260,7 @@ def main(argv=None) -> int:
     c.add_argument("--expect", choices=("agree", "disagree"), default="agree")
     c.add_argument("--tie-gap-from", help="JSON written by `calibrate` (default: the vLLM test's TIE_GAP)")
     c.add_argument("--fp32-model", metavar="DIR",
-                   help="judge both runs against this checkpoint in fp32 (transformers), see fp32_verdict()")
+                   help="judge both runs against this checkpoint in fp32 (transformers), see fp32_oracle.fp32_verdict()")
     c.add_argument("--prompts", help="prompts.json of the runs (needed with --fp32-model)")
     c.add_argument("--min-accept-ratio", type=float,
                    help="speculative runs: ours' mean accept length / the reference's must be at least this")

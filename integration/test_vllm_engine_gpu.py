@@ -14,6 +14,11 @@ Comparison of two greedy runs (same prompts, 1 to 3000 tokens, MAX_TOKENS genera
     (the reference's logprobs of the two tokens within TIE_GAP);
   - logprobs of the chosen tokens where both agree: mean |difference| <= LOGPROB_MEAN_TOL and
     max <= LOGPROB_MAX_TOL (nats).
+When the only failure is a divergence beyond TIE_GAP, the fp32 model decides (agrees(); the criteria are in
+integration/fp32_oracle.py: ours must be about as close to the fp32 model as the reference, and the flip must be at
+a token pair the fp32 model itself separates by less than twice the reference's own largest error). Two correct
+bf16 kernels that round differently can flip a greedy choice at a gap just above TIE_GAP on this random model;
+the pairwise comparison alone cannot say which run was wrong there, the fp32 model can.
 FLASHMLA vs TRITON_MLA is printed as the baseline spread between two correct backends. The broken run
 (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1: our decode uses scale x 1.5) must fail the same comparison.
 """
@@ -34,6 +39,7 @@ import pytest
 import torch
 
 import harness
+from fp32_oracle import Fp32Oracle, fp32_verdict
 
 PROMPT_LENS = [1, 2, 17, 64, 65, 127, 300, 1000, 2047, 3000]
 MAX_TOKENS = 48
@@ -152,13 +158,29 @@ def compare(ours: dict, ref: dict, tie_gap: float | None = None) -> dict:
     return r
 
 
+_oracle: list = []
+
+
+def agrees(ours: dict, ref: dict, checkpoint: Path, prompts_file: Path) -> bool:
+    """compare()'s verdict, except that two runs failing only by a divergence beyond the tie gap are judged by the
+    fp32 model (loaded once per session, on the GPU; see the module docstring)."""
+    r = compare(ours, ref)
+    if r["ok"] or not r["figures_ok"]:
+        return r["ok"]
+    if not _oracle:
+        _oracle.append(Fp32Oracle(str(checkpoint), json.loads(prompts_file.read_text())))
+    ok = fp32_verdict(_oracle[0], ours, ref, r)
+    torch.cuda.empty_cache()  # the engine subprocesses that follow size their KV cache from free memory
+    return ok
+
+
 def test_cuda_graphs_agree_with_triton_mla_and_flashmla(checkpoint, prompts_file):
     triton = generate(checkpoint, prompts_file, "TRITON_MLA")
     flashmla = generate(checkpoint, prompts_file, "FLASHMLA")
     ours = generate(checkpoint, prompts_file, "CUSTOM")
     compare(flashmla, triton)  # baseline: two correct backends
-    assert compare(ours, triton)["ok"]
-    assert compare(ours, flashmla)["ok"]
+    assert agrees(ours, triton, checkpoint, prompts_file)
+    assert agrees(ours, flashmla, checkpoint, prompts_file)
 
 
 def test_enforce_eager_agrees_with_triton_mla(checkpoint, prompts_file):
@@ -166,17 +188,17 @@ def test_enforce_eager_agrees_with_triton_mla(checkpoint, prompts_file):
     is compared with TRITON_MLA's eager run (like with like)."""
     triton = generate(checkpoint, prompts_file, "TRITON_MLA", eager=True)
     ours = generate(checkpoint, prompts_file, "CUSTOM", eager=True)
-    assert compare(ours, triton)["ok"]
+    assert agrees(ours, triton, checkpoint, prompts_file)
 
 
 def test_broken_attention_fails_the_comparison(checkpoint, prompts_file):
     """Proves the comparison can fail: our decode with a wrong softmax scale (x1.5) must disagree."""
     triton = generate(checkpoint, prompts_file, "TRITON_MLA")
     broken = generate(checkpoint, prompts_file, "CUSTOM", eager=True, broken=True)
-    assert compare(generate(checkpoint, prompts_file, "CUSTOM", eager=True), triton)["ok"], \
+    assert agrees(generate(checkpoint, prompts_file, "CUSTOM", eager=True), triton, checkpoint, prompts_file), \
         "the unbroken run must pass the same comparison"
-    r = compare(broken, triton)
-    assert not r["ok"], "a deliberately broken attention passed the comparison: the criteria are too loose"
+    assert not agrees(broken, triton, checkpoint, prompts_file), \
+        "a deliberately broken attention passed the comparison: the criteria are too loose"
 
 
 def test_mtp_speculative_decoding_agrees(checkpoint, prompts_file):
@@ -184,14 +206,14 @@ def test_mtp_speculative_decoding_agrees(checkpoint, prompts_file):
     greedy speculative decoding must reproduce the non-speculative reference."""
     triton = generate(checkpoint, prompts_file, "TRITON_MLA")
     ours = generate(checkpoint, prompts_file, "CUSTOM", mtp=2)
-    assert compare(ours, triton)["ok"]
+    assert agrees(ours, triton, checkpoint, prompts_file)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallel 2 needs two GPUs")
 def test_tensor_parallel_2_agrees(checkpoint, prompts_file):
     triton = generate(checkpoint, prompts_file, "TRITON_MLA", tp=2)
     ours = generate(checkpoint, prompts_file, "CUSTOM", tp=2)
-    assert compare(ours, triton)["ok"]
+    assert agrees(ours, triton, checkpoint, prompts_file)
     # Across TP sizes the other layers reduce in another order, so greedy paths part at near ties even
     # between two correct runs; printed for information, not asserted. Measured on 2x H200: TRITON_MLA tp2
     # vs tp1 63.7%, no divergence away from ties; ours tp2 vs TRITON_MLA tp1 77.7% with one divergence at
