@@ -72,10 +72,10 @@ struct Traits {
 };
 
 // Named barriers (bar.sync / bar.arrive). IDs are relative: cutlass::arch::NamedBarrier adds
-// ReservedNamedBarrierCount (8), so they map to hardware barriers 8..11. Counts are threads.
+// ReservedNamedBarrierCount (8), so they map to hardware barriers 8..12. Counts are threads.
 enum class NamedBarriers : uint32_t {
-  // WG0 arrives (128) after writing row_max = m0, scale0 and P0 into stage 0's rope piece (+ proxy
-  // fence); WG1 syncs (128) before reading them. 256 threads, once per step.
+  // WG0 arrives (128) after writing row_max = m0 and scale0; WG1 syncs (128) before reading them.
+  // 256 threads, once per step.
   kScale0Ready = 0,
   // WG1 arrives after writing row_max = m1, scale1 and (if the step has a second block) P1 into
   // stage 1's rope piece (+ proxy fence); WG0 syncs. 256 threads, once per step.
@@ -84,6 +84,9 @@ enum class NamedBarriers : uint32_t {
   // fenced) by every thread of the warpgroup before its wgmma reads them.
   kWG0Local = 2,
   kWG1Local = 3,
+  // WG0 arrives after writing P0 * scale1 (P0 in m1's frame) into stage 0's rope piece (+ proxy fence);
+  // WG1 syncs before its P0 V0R. 256 threads, once per step.
+  kP0Ready = 4,
 };
 
 }  // namespace flashmla_backend::sm90::decode
