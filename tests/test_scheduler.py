@@ -102,6 +102,25 @@ def test_balance_is_tight_for_uniform_batches():
     assert sum(costs) <= total + OVH * 132
 
 
+def test_batch_within_parts_cuts_only_what_it_must():
+    """Piece mode: b <= parts gives each busy part one piece of one request; uniform requests that fit in a part
+    stay whole (no split, nothing to combine), and two per request split into equal halves."""
+    lengths = [8192] * 128
+    meta, num_splits = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), 132)
+    assert num_splits.tolist() == list(range(129))
+    busy = [p for p in pieces_from_metadata(meta, lengths) if p]
+    assert busy == [[(i, 0, 8192, 0)] for i in range(128)]
+    lengths = [8192] * 64
+    meta, num_splits = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), 132)
+    assert num_splits.tolist() == list(range(0, 129, 2))
+    busy = [p for p in pieces_from_metadata(meta, lengths) if p]
+    assert busy == [[(i, h * 4096, (h + 1) * 4096, h)] for i in range(64) for h in range(2)]
+    # uneven lengths whose equal cuts would exceed the line model's bound keep the line model (pieces span requests)
+    lengths = [64 * 100, 64] * 40
+    meta, _ = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), 100)
+    assert any(len(p) > 1 for p in pieces_from_metadata(meta, lengths))
+
+
 def test_num_sm_parts():
     assert scheduler.num_sm_parts(132, 1, 16) == 132
     assert scheduler.num_sm_parts(132, 1, 128) == 66

@@ -15,6 +15,12 @@
 //   part, and a part's cost is at most P units plus one overhead (the piece it ends on).
 //   A part starting at (i, k) with 0 < k < nb_i cuts request i: each cut adds one split.
 //
+// Piece mode (batch <= min(num_sm_parts, 256); flashmla_backend/scheduler.py states it in full): request i is
+// cut into s_i = max(1, ceil(nb_i / G)) nearly equal pieces, G the smallest grain <= P with sum s_i <=
+// num_sm_parts (if G = P does not fit: the line model), one piece per part in request order, the remaining
+// parts empty. A piece has at most G <= P blocks, so a part costs at most P + overhead as in the line model,
+// and a request that fits in one part stays whole.
+//
 // Grid: one warp. Lane j of chunk c handles request i = 32c + j: it finds the parts whose start
 // unit falls inside [C_i, C_i + w_i) and writes their begin fields and their predecessors' end
 // fields. Loop trip count ~ batch / 32, so b in the thousands costs a few microseconds.
@@ -28,6 +34,7 @@ namespace flashmla_backend {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kPieceModeMaxBatch = 256;  // piece mode only for batch <= this (and <= num_sm_parts)
 
 __device__ __forceinline__ long long warp_inclusive_scan(long long v, int lane) {
 #pragma unroll
@@ -62,6 +69,77 @@ __device__ __forceinline__ void write_end(int32_t* row, const int32_t* seqlens, 
   }
 }
 
+__device__ __forceinline__ int num_blocks_of(const int32_t* seqlens, int i) {
+  return (clamped_len(seqlens, i) + kPageSize - 1) / kPageSize;
+}
+
+// Piece mode (header comment). Returns false, having written nothing, when the line model is to be used.
+// Warp-uniform control flow. The block counts stay in registers (kPieceModeMaxBatch / 32 per lane), so each
+// pass over the batch is a few divisions and one warp reduction.
+__device__ bool try_piece_mode(const SchedParams& p, int per_part) {
+  constexpr int kPerLane = kPieceModeMaxBatch / 32;
+  const int lane = threadIdx.x;
+  const int batch = p.batch;
+  const int parts = p.num_sm_parts;
+  int nb[kPerLane];
+  long long nb_sum = 0;
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    const int i = lane + 32 * k;
+    nb[k] = i < batch ? num_blocks_of(p.seqlens, i) : -1;  // -1: no request
+    nb_sum += max(nb[k], 0);
+  }
+  nb_sum = warp_sum(nb_sum);
+  auto count = [&](int grain) {  // sum over requests of max(1, ceil(nb / grain))
+    int c = 0;
+#pragma unroll
+    for (int k = 0; k < kPerLane; ++k) {
+      if (32 * k >= batch) break;
+      if (nb[k] >= 0) c += max(1, (nb[k] + grain - 1) / grain);
+    }
+    return static_cast<int>(__reduce_add_sync(kFullMask, static_cast<unsigned>(c)));
+  };
+  if (count(per_part) > parts) return false;
+  // Smallest grain <= per_part whose piece count fits; none below ceil(nb_sum / parts) can (count >= nb_sum / grain).
+  int lo = static_cast<int>(max(1ll, min(static_cast<long long>(per_part), ceil_div_ll(nb_sum, parts)))), hi = per_part;
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (count(mid) <= parts) hi = mid; else lo = mid + 1;
+  }
+  const int grain = lo;
+
+  if (lane == 0) p.num_splits[0] = 0;
+  int part_base = 0;  // first part of the chunk's first request
+#pragma unroll
+  for (int k = 0; k < kPerLane; ++k) {
+    if (32 * k >= batch) break;
+    const int i = lane + 32 * k;
+    const int s = nb[k] >= 0 ? max(1, (nb[k] + grain - 1) / grain) : 0;
+    const int incl = static_cast<int>(warp_inclusive_scan(s, lane));
+    if (nb[k] >= 0) {
+      // piece j = blocks [j q + min(j, r), (j + 1) q + min(j + 1, r)): q = nb / s, the first r = nb % s get one more
+      const int q = nb[k] / s, r = nb[k] % s;
+      const int len = clamped_len(p.seqlens, i);
+      int4* row = reinterpret_cast<int4*>(p.metadata + (part_base + incl - s) * kSchedMetaInts);
+      for (int j = 0; j < s; ++j, row += 2) {
+        const int end = j == s - 1 ? len : ((j + 1) * q + min(j + 1, r)) * kPageSize;
+        row[0] = make_int4(i, (j * q + min(j, r)) * kPageSize, i, end);
+        row[1] = make_int4(j, 0, 0, 0);
+      }
+      p.num_splits[i + 1] = part_base + incl;
+    }
+    part_base += __shfl_sync(kFullMask, incl, 31);
+  }
+  for (int part = part_base + lane; part < parts; part += 32) {  // empty: begin_req = batch > end_req
+    int32_t* row = p.metadata + part * kSchedMetaInts;
+    row[0] = batch;
+    row[1] = 0;
+    row[4] = row[5] = row[6] = row[7] = 0;
+    write_end(row, p.seqlens, batch, 0);
+  }
+  return true;
+}
+
 __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   const int lane = threadIdx.x;
   const int batch = p.batch;
@@ -75,6 +153,8 @@ __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   total = warp_sum(total);
   const long long spread = total - kFixedOverheadBlocks;  // >= 0: batch >= 1
   const long long per_part = spread > parts ? ceil_div_ll(spread, parts) : 1;
+
+  if (batch <= parts && batch <= kPieceModeMaxBatch && try_piece_mode(p, static_cast<int>(per_part))) return;
 
   // Pass 2: place the part boundaries, count cuts per request, prefix-sum splits.
   if (lane == 0) p.num_splits[0] = 0;
