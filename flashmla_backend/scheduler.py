@@ -16,9 +16,9 @@ cut into s_i = max(1, ceil(nb_i / G)) nearly equal pieces (q, r = divmod(nb_i, s
 [j q + min(j, r), (j + 1) q + min(j + 1, r))), G the smallest grain <= P with sum s_i <= num_sm_parts (if G = P
 does not fit, the line model is used); pieces go to parts in order (request by request), the remaining parts are
 empty. A piece has at most G <= P blocks, so no part costs more than the line model's bound (P + overhead),
-and no request that fits in one part is cut: 128 requests of 8192 keys on
-132 parts are 128 whole requests (no combine), where the line model cut 127 of them in two (H100, h_q 16,
-decode kernel under ncu 447 us, FlashMLA's one-request-per-part schedule 428 us).
+and no request that fits in one part is cut: 128 requests of 8192 keys on 132 parts are 128 whole requests (no
+combine), where the line model cut 127 of them in two (H100, h_q 16, decode kernel under ncu: line model 447 us,
+piece mode 430 us, FlashMLA's one-request-per-part schedule 428 us).
 Metadata row p: [begin_req, begin_token, end_req (inclusive), end_token (exclusive), begin_split, 0, 0, 0].
 """
 from __future__ import annotations
