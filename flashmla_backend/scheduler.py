@@ -112,8 +112,11 @@ def _piece_mode_split_counts(blocks: list[int], num_parts: int, per_part: int) -
     if len(blocks) > min(num_parts, PIECE_MODE_MAX_BATCH):
         return None
 
+    def pieces(nb: int, grain: int) -> int:
+        return max(1, -(-nb // grain))
+
     def count(grain: int) -> int:
-        return sum(max(1, -(-nb // grain)) for nb in blocks)
+        return sum(pieces(nb, grain) for nb in blocks)
 
     if count(per_part) > num_parts:
         return None
@@ -125,4 +128,4 @@ def _piece_mode_split_counts(blocks: list[int], num_parts: int, per_part: int) -
             hi = mid
         else:
             lo = mid + 1
-    return [max(1, -(-nb // lo)) for nb in blocks]
+    return [pieces(nb, lo) for nb in blocks]

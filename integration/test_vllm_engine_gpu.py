@@ -24,6 +24,7 @@ FLASHMLA vs TRITON_MLA is printed as the baseline spread between two correct bac
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -158,7 +159,10 @@ def compare(ours: dict, ref: dict, tie_gap: float | None = None) -> dict:
     return r
 
 
-_oracle: list = []
+@functools.cache
+def _fp32_oracle(checkpoint: Path, prompts_file: Path) -> Fp32Oracle:
+    """Loaded on first use (on the GPU), then kept for the session."""
+    return Fp32Oracle(str(checkpoint), json.loads(prompts_file.read_text()))
 
 
 def agrees(ours: dict, ref: dict, checkpoint: Path, prompts_file: Path) -> bool:
@@ -167,9 +171,7 @@ def agrees(ours: dict, ref: dict, checkpoint: Path, prompts_file: Path) -> bool:
     r = compare(ours, ref)
     if r["ok"] or not r["figures_ok"]:
         return r["ok"]
-    if not _oracle:
-        _oracle.append(Fp32Oracle(str(checkpoint), json.loads(prompts_file.read_text())))
-    ok = fp32_verdict(_oracle[0], ours, ref, r)
+    ok = fp32_verdict(_fp32_oracle(checkpoint, prompts_file), ours, ref, r)
     torch.cuda.empty_cache()  # the engine subprocesses that follow size their KV cache from free memory
     return ok
 

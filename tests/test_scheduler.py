@@ -115,7 +115,7 @@ def test_batch_within_parts_cuts_only_what_it_must():
     assert num_splits.tolist() == list(range(0, 129, 2))
     busy = [p for p in pieces_from_metadata(meta, lengths) if p]
     assert busy == [[(i, h * 4096, (h + 1) * 4096, h)] for i in range(64) for h in range(2)]
-    # uneven lengths whose equal cuts would exceed the line model's bound keep the line model (pieces span requests)
+    # uneven lengths whose pieces of at most P blocks outnumber the parts keep the line model (parts span requests)
     lengths = [64 * 100, 64] * 40
     meta, _ = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), 100)
     assert any(len(p) > 1 for p in pieces_from_metadata(meta, lengths))

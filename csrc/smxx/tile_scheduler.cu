@@ -73,6 +73,9 @@ __device__ __forceinline__ int num_blocks_of(const int32_t* seqlens, int i) {
   return (clamped_len(seqlens, i) + kPageSize - 1) / kPageSize;
 }
 
+// Piece mode: the number of pieces of a request of nb >= 0 blocks at the given grain.
+__device__ __forceinline__ int pieces_of(int nb, int grain) { return max(1, (nb + grain - 1) / grain); }
+
 // Piece mode (header comment). Returns false, having written nothing, when the line model is to be used.
 // Warp-uniform control flow. The block counts stay in registers (kPieceModeMaxBatch / 32 per lane), so each
 // pass over the batch is a few divisions and one warp reduction.
@@ -95,7 +98,7 @@ __device__ bool try_piece_mode(const SchedParams& p, int per_part) {
 #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {
       if (32 * k >= batch) break;
-      if (nb[k] >= 0) c += max(1, (nb[k] + grain - 1) / grain);
+      if (nb[k] >= 0) c += pieces_of(nb[k], grain);
     }
     return static_cast<int>(__reduce_add_sync(kFullMask, static_cast<unsigned>(c)));
   };
@@ -114,7 +117,7 @@ __device__ bool try_piece_mode(const SchedParams& p, int per_part) {
   for (int k = 0; k < kPerLane; ++k) {
     if (32 * k >= batch) break;
     const int i = lane + 32 * k;
-    const int s = nb[k] >= 0 ? max(1, (nb[k] + grain - 1) / grain) : 0;
+    const int s = nb[k] >= 0 ? pieces_of(nb[k], grain) : 0;
     const int incl = static_cast<int>(warp_inclusive_scan(s, lane));
     if (nb[k] >= 0) {
       // piece j = blocks [j q + min(j, r), (j + 1) q + min(j + 1, r)): q = nb / s, the first r = nb % s get one more
@@ -148,7 +151,7 @@ __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   // Pass 1: T, the total cost, and P, the cost per part.
   long long total = 0;
   for (int i = lane; i < batch; i += 32) {
-    total += (clamped_len(p.seqlens, i) + kPageSize - 1) / kPageSize + kFixedOverheadBlocks;
+    total += num_blocks_of(p.seqlens, i) + kFixedOverheadBlocks;
   }
   total = warp_sum(total);
   const long long spread = total - kFixedOverheadBlocks;  // >= 0: batch >= 1
