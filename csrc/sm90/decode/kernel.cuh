@@ -4,6 +4,11 @@
 // CTA (m_block, hk, part) processes query rows [64 m_block, 64 m_block + 64) of KV head hk for the
 // requests/tokens that metadata row `part` assigns to it (params.h: SchedMetaRow).
 //
+// Register budget: ptxas gives this kernel 251 of its 255 registers (the O accumulators alone take 128). One more
+// value live across the main loop tips it over: keeping two page numbers for a prefetch in registers, a global
+// load or store by thread 0 outside the loop, or a printf each made ptxas spill 6.6 KB and serialize every wgmma
+// (warning C7512, check `-Xptxas -v` after any change here). Values the main loop needs go through shared memory.
+//
 // Per request piece (keys [start, stop) of request req) the KV blocks are consumed two at a time
 // ("seesaw", docs/kernel-design.md): block 2k sits in KV stage 0 and is multiplied by Q in warpgroup 0,
 // block 2k+1 in stage 1 and warpgroup 1. Warpgroup 0 accumulates the output columns [0, 256) (O_L),
