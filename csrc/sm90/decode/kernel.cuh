@@ -5,8 +5,9 @@
 // requests/tokens that metadata row `part` assigns to it (params.h: SchedMetaRow).
 //
 // Register budget: ptxas gives this kernel 251 of its 255 registers (the O accumulators alone take 128). One more
-// value live across the main loop tips it over: keeping two page numbers for a prefetch in registers, a global
-// load or store by thread 0 outside the loop, or a printf each made ptxas spill 6.6 KB and serialize every wgmma
+// value live across the main loop tips it over: keeping two page numbers for a prefetch in registers, global
+// loads by thread 0 just before a piece's main loop or stores after it, or a printf each made ptxas spill 6.6 KB
+// and serialize every wgmma
 // (warning C7512, check `-Xptxas -v` after any change here). Values the main loop needs go through shared memory.
 //
 // Per request piece (keys [start, stop) of request req) the KV blocks are consumed two at a time
