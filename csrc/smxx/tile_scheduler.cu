@@ -69,6 +69,14 @@ __device__ __forceinline__ void write_end(int32_t* row, const int32_t* seqlens, 
   }
 }
 
+// An empty row: begin_req = batch > end_req = batch - 1 (whose end token is the last request's length).
+__device__ __forceinline__ void write_empty_row(int32_t* row, const int32_t* seqlens, int batch) {
+  row[0] = batch;
+  row[1] = 0;
+  row[4] = row[5] = row[6] = row[7] = 0;
+  write_end(row, seqlens, batch, 0);
+}
+
 __device__ __forceinline__ int num_blocks_of(const int32_t* seqlens, int i) {
   return (clamped_len(seqlens, i) + kPageSize - 1) / kPageSize;
 }
@@ -133,12 +141,8 @@ __device__ bool try_piece_mode(const SchedParams& p, int per_part) {
     }
     part_base += __shfl_sync(kFullMask, incl, 31);
   }
-  for (int part = part_base + lane; part < parts; part += 32) {  // empty: begin_req = batch > end_req
-    int32_t* row = p.metadata + part * kSchedMetaInts;
-    row[0] = batch;
-    row[1] = 0;
-    row[4] = row[5] = row[6] = row[7] = 0;
-    write_end(row, p.seqlens, batch, 0);
+  for (int part = part_base + lane; part < parts; part += 32) {
+    write_empty_row(p.metadata + part * kSchedMetaInts, p.seqlens, batch);
   }
   return true;
 }
@@ -209,12 +213,8 @@ __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   for (int part = lane; part < parts; part += 32) {
     int32_t* row = p.metadata + part * kSchedMetaInts;
     if (static_cast<long long>(part) * per_part >= total) {
-      row[0] = batch;
-      row[1] = 0;
-      row[4] = 0;
-      row[5] = row[6] = row[7] = 0;
-    }
-    if (static_cast<long long>(part + 1) * per_part >= total || part == parts - 1) {
+      write_empty_row(row, p.seqlens, batch);
+    } else if (static_cast<long long>(part + 1) * per_part >= total || part == parts - 1) {
       write_end(row, p.seqlens, batch, 0);
     }
   }

@@ -7,8 +7,8 @@
 // Register budget: ptxas gives this kernel 251 of its 255 registers (the O accumulators alone take 128). One more
 // value live across the main loop tips it over: keeping two page numbers for a prefetch in registers, global
 // loads by thread 0 just before a piece's main loop or stores after it, or a printf each made ptxas spill 6.6 KB
-// and serialize every wgmma
-// (warning C7512, check `-Xptxas -v` after any change here). Values the main loop needs go through shared memory.
+// and serialize every wgmma (warning C7512; check `-Xptxas -v` after any change here). Values the main loop needs
+// go through shared memory.
 //
 // Per request piece (keys [start, stop) of request req) the KV blocks are consumed two at a time
 // ("seesaw", docs/kernel-design.md): block 2k sits in KV stage 0 and is multiplied by Q in warpgroup 0,
