@@ -139,6 +139,31 @@ def test_strided_q_and_padded_pages(kernel, record_errors):
     record_errors(kernel, compare(out, lse, *ref, case.lengths, case.s_q, True))
 
 
+@pytest.mark.parametrize("parts,lengths", [(40, [5000]), (70, [9000]), (96, [3000, 6000]), (300, [13000]),
+                                           (300, [20000, 700])], ids=str)
+def test_combine_with_many_splits(parts, lengths, kernel, record_errors):
+    """Metadata with more parts than the device's SM count would give, so the combine launcher picks each of its
+    kernels: rows in parallel (40 parts: 40 splits), splits in parallel with 9 or 17 splits per warp (70 parts:
+    47 splits; 96 parts at b = 2: 24 and 47), and in several rounds of 136 (300 parts: 204 splits at b = 1, 157 and
+    6 at b = 2)."""
+    from flashmla_backend import ops
+    case = Case(lengths=lengths, s_q=1, h_q=16, seed=parts)
+    inp = make_inputs(case, "cuda")
+    meta, ns = ops._metadata_impl(inp.cache_seqlens, parts)
+    assert int(ns[1] - ns[0]) > 1, "the first request must be split"
+
+    def call():
+        poison_allocator()
+        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+                                         softmax_scale=inp.scale, causal=True)
+
+    out, lse = call()
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    record_errors(kernel, compare(out, lse, *ref, case.lengths, case.s_q, True))
+    out2, lse2 = call()
+    assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs on the same inputs differ"
+
+
 def test_cuda_graph_replay_with_new_lengths(kernel, record_errors):
     """Capture metadata + decode once; replays with other lengths (and other q) must be right."""
     b, s_q, h_q, max_len = 8, 2, 64, 3000

@@ -2,18 +2,30 @@
 // outputs with log-sum-exp weights and writes out / lse. Requests with one split were written by
 // the decode kernel directly and are skipped here.
 //
-// Grid: (ceil(q_rows / kRowsPerCta) * kChunks, h_kv, batch); one warp per query row and column chunk.
-// kChunks = 1: lane j owns the 16 output columns {4j..4j+3} + 128 k, k = 0..3 (float4 loads, coalesced
-// across the warp). kChunks = 4: CTA chunk c covers columns 128c .. 128c + 127 and lane j owns 4 of them;
-// picked at launch when the grid would otherwise leave most SMs idle (few requests, e.g. b = 1).
-// Latency: each lane issues the loads of kUnroll splits before it accumulates any of them (16 float4 in
-// flight per lane in both layouts); with one split at a time, b = 1, h_q = 128, 8192 keys (43 splits)
-// spent 24 us here next to a 32 us decode kernel (ncu, H200).
-// The products are accumulated in split order whatever kChunks and kUnroll are, so results are
-// bitwise reproducible and identical between the two layouts.
-// With PDL the kernel may start while the decode kernel still runs: it reads num_splits (written
-// by the scheduler, which completed before the decode kernel started) and then waits with
-// griddepcontrol.wait before touching the accumulators.
+// Two kernels; the launcher picks one from the grid size and the number of splits a request can have.
+//
+// combine_kernel (rows in parallel): grid (ceil(q_rows / kRowsPerCta) * kChunks, h_kv, batch); one warp per
+// query row and column chunk, the splits in sequence. kChunks = 1: lane j owns the 16 output columns
+// {4j..4j+3} + 128 k, k = 0..3 (float4 loads, coalesced across the warp). kChunks = 4: CTA chunk c covers
+// columns 128c .. 128c + 127 and lane j owns 4 of them; picked when the grid would otherwise leave most SMs
+// idle. Each lane keeps 16 float4 loads in flight; with one split at a time, b = 1, h_q = 128, 8192 keys
+// (43 splits) spent 24 us here next to a 32 us decode kernel (ncu, H200).
+//
+// combine_splits_kernel (splits in parallel), for few requests cut into many splits (b = 1: 66 splits at
+// h_q = 128, 132 at h_q = 16): grid (q_rows * 4, h_kv, batch), one CTA per row and 128-column chunk, 8 warps;
+// warp w takes splits w, w + 8, ..., lane j the float4 j of the chunk. Every thread issues the loads of all
+// its splits (up to kPerWarp, a template parameter sized on the host from the largest possible split count)
+// together with the log-sum-exp inputs, so the partials are read in one round trip, and the 8 warps' sums
+// are added in shared memory. Measured on the H100 (CUDA-graph replays, time from the decode kernel's end to
+// the combine's end, torch.profiler): with combine_kernel, b = 1, 8192 keys took 10.2 us at h_q = 128 (66
+// splits of 128 rows) and 13.7 us at h_q = 16 (132 splits of 16 rows, 16 CTAs): a warp walked its splits
+// in 5-9 dependent rounds of loads after two passes over the lse values.
+//
+// Both accumulate in a fixed order (combine_kernel: split order; combine_splits_kernel: split order within
+// a warp, then warps 0..7), so a run is bitwise reproducible; the two orders differ in the last bits.
+// With PDL the kernels may start while the decode kernel still runs: they read num_splits (written by the
+// scheduler, which completed before the decode kernel started) and then wait with griddepcontrol.wait
+// before touching the accumulators.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -138,15 +150,129 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   if (lane == 0 && chunk == 0) *lse_out = final_lse;
 }
 
+// Splits-in-parallel combine (header comment). kPerWarp: splits per warp whose loads are issued together;
+// a request with more than 8 * kPerWarp splits is handled in several rounds.
+constexpr int kSplitWarps = 8;
+constexpr int kSplitChunks = 4;  // 128 columns = 32 float4 per CTA
+
+template <typename T, int kPerWarp>
+__global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(DecodeParams p) {
+  constexpr int kRound = kSplitWarps * kPerWarp;
+  constexpr int kLsePerLane = (kRound + 31) / 32;
+  const int req = blockIdx.z;
+  const int hk = blockIdx.y;
+  const int chunk = blockIdx.x % kSplitChunks;
+  const int row = blockIdx.x / kSplitChunks;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  const int first_split = p.num_splits[req];
+  const int n_splits = p.num_splits[req + 1] - first_split;
+  if (n_splits <= 1 || row >= p.q_rows) return;  // CTA-uniform
+
+  wait_for_primary_grid();
+
+  const int s = row / p.ngroups;
+  const int h = hk * p.ngroups + row % p.ngroups;
+  const long long row_stride = static_cast<long long>(p.num_heads_kv) * p.q_rows;  // per split
+  const long long row_id = static_cast<long long>(first_split) * row_stride + static_cast<long long>(hk) * p.q_rows + row;
+  const float* lse_row = p.lse_accum + row_id;
+  const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + row_id * kHeadDimV) + chunk * 32 + lane;
+  const long long split_stride4 = row_stride * (kHeadDimV / 4);
+
+  // Round 0: this thread's partials and their lse, and the lse values this lane reduces, in one go.
+  float4 v[kPerWarp];
+  float lse_mine[kPerWarp];
+#pragma unroll
+  for (int i = 0; i < kPerWarp; ++i) {
+    const int j = warp + kSplitWarps * i;
+    const bool ok = j < n_splits;
+    v[i] = ok ? o_row[j * split_stride4] : make_float4(0.f, 0.f, 0.f, 0.f);
+    lse_mine[i] = ok ? lse_row[j * row_stride] : -INFINITY;
+  }
+  float lse_lane[kLsePerLane];
+#pragma unroll
+  for (int t = 0; t < kLsePerLane; ++t) {
+    const int k = lane + 32 * t;
+    lse_lane[t] = k < n_splits ? lse_row[k * row_stride] : -INFINITY;
+  }
+  float max_lse = -INFINITY;
+#pragma unroll
+  for (int t = 0; t < kLsePerLane; ++t) max_lse = fmaxf(max_lse, lse_lane[t]);
+  for (int k = lane + 32 * kLsePerLane; k < n_splits; k += 32) max_lse = fmaxf(max_lse, lse_row[k * row_stride]);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
+
+  float* lse_out = p.lse + static_cast<long long>(req) * p.lse_stride_b + static_cast<long long>(h) * p.lse_stride_h + s;
+  T* out = static_cast<T*>(p.out) + static_cast<long long>(req) * p.out_stride_b +
+           static_cast<long long>(s) * p.out_stride_s + static_cast<long long>(h) * p.out_stride_h;
+  const int col = chunk * (kHeadDimV / kSplitChunks) + 4 * lane;
+
+  if (max_lse == -INFINITY) {  // the row saw no key in any split (same value in every warp)
+    if (warp == 0) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[col + e] = from_float<T>(0.f);
+      if (lane == 0 && chunk == 0) *lse_out = INFINITY;
+    }
+    return;
+  }
+
+  float sum = 0.f;
+#pragma unroll
+  for (int t = 0; t < kLsePerLane; ++t) sum += expf(lse_lane[t] - max_lse);  // exp(-inf) = 0 for absent splits
+  for (int k = lane + 32 * kLsePerLane; k < n_splits; k += 32) sum += expf(lse_row[k * row_stride] - max_lse);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+  const float final_lse = max_lse + logf(sum);
+
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int base = 0;;) {
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const float w = expf(lse_mine[i] - final_lse);  // 0 for absent splits (their v is 0 too)
+      acc.x += w * v[i].x;
+      acc.y += w * v[i].y;
+      acc.z += w * v[i].z;
+      acc.w += w * v[i].w;
+    }
+    base += kRound;
+    if (base >= n_splits) break;
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int j = base + warp + kSplitWarps * i;
+      const bool ok = j < n_splits;
+      v[i] = ok ? o_row[j * split_stride4] : make_float4(0.f, 0.f, 0.f, 0.f);
+      lse_mine[i] = ok ? lse_row[j * row_stride] : -INFINITY;
+    }
+  }
+
+  __shared__ float4 partial[kSplitWarps][32];
+  partial[warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int w = 1; w < kSplitWarps; ++w) {
+      const float4 o = partial[w][lane];
+      acc.x += o.x;
+      acc.y += o.y;
+      acc.z += o.z;
+      acc.w += o.w;
+    }
+    out[col + 0] = from_float<T>(acc.x);
+    out[col + 1] = from_float<T>(acc.y);
+    out[col + 2] = from_float<T>(acc.z);
+    out[col + 3] = from_float<T>(acc.w);
+    if (lane == 0 && chunk == 0) *lse_out = final_lse;
+  }
+}
+
 // Below this many CTAs of the one-chunk layout the grid is split 4 ways by columns (2 waves of 132 SMs).
 constexpr long long kFewCtas = 264;
 
-template <typename T, int kChunks>
-void launch_combine(const DecodeParams& p, dim3 grid) {
-  grid.x *= kChunks;
+void launch_combine_kernel(const DecodeParams& p, void (*kernel)(DecodeParams), dim3 grid, dim3 block) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
+  config.blockDim = block;
   config.dynamicSmemBytes = 0;
   config.stream = static_cast<cudaStream_t>(p.stream);
   cudaLaunchAttribute attr[1];
@@ -154,13 +280,37 @@ void launch_combine(const DecodeParams& p, dim3 grid) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
   config.numAttrs = p.pdl ? 1 : 0;
-  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&config, combine_kernel<T, kChunks>, p));
+  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
+
+template <typename T, int kChunks>
+void launch_combine(const DecodeParams& p, dim3 grid) {
+  grid.x *= kChunks;
+  launch_combine_kernel(p, combine_kernel<T, kChunks>, grid, dim3(kThreads));
+}
+
+// Splits in parallel when a request can have at least this many splits on average (num_sm_parts / batch):
+// b = 1 at h_q = 128 (66 parts), b <= 2 at h_q = 16 (132 parts). H100, CUDA-graph replays, 8192 keys, against
+// combine_kernel: b1-h128 35.3 -> 31.2 us, b1-h16 31.8 -> 24.1 us, but b2-h128 (33 splits per request)
+// 41.0 -> 41.7, b4-h128 48.3 -> 55.9 and b8-h16 56.3 -> 62.8 (most warps idle, several waves of CTAs).
+constexpr int kManySplits = 48;
 
 template <typename T>
 void launch_combine(const DecodeParams& p) {
   const dim3 grid((p.q_rows + kRowsPerCta - 1) / kRowsPerCta, p.num_heads_kv, p.batch);
-  if (static_cast<long long>(grid.x) * grid.y * grid.z < kFewCtas) {
+  const long long ctas = static_cast<long long>(grid.x) * grid.y * grid.z;
+  if (ctas < kFewCtas && p.num_sm_parts >= kManySplits * p.batch) {
+    // Most splits one request can have: every part but one per other request. Beyond 8 x 17 (more than
+    // 136 parts) combine_splits_kernel takes several rounds.
+    const int max_splits = p.num_sm_parts - p.batch + 1;
+    const dim3 split_grid(p.q_rows * kSplitChunks, p.num_heads_kv, p.batch);
+    const dim3 block(32 * kSplitWarps);
+    if (max_splits <= kSplitWarps * 9) {
+      launch_combine_kernel(p, combine_splits_kernel<T, 9>, split_grid, block);
+    } else {
+      launch_combine_kernel(p, combine_splits_kernel<T, 17>, split_grid, block);
+    }
+  } else if (ctas < kFewCtas) {
     launch_combine<T, 4>(p, grid);
   } else {
     launch_combine<T, 1>(p, grid);
