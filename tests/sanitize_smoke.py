@@ -22,6 +22,7 @@ CASES = [
     Case(lengths=[63, 200], s_q=2, h_q=128, h_kv=2),
     Case(lengths=[3, 64], s_q=4, h_q=20, causal=True),
     Case(lengths=[130, 9], s_q=1, h_q=64, causal=False, dtype=torch.float16),
+    Case(lengths=[5000], s_q=1, h_q=16),  # one request in many splits: the splits-in-parallel combine
 ]
 
 
