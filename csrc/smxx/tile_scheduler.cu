@@ -21,6 +21,13 @@
 // parts empty. A piece has at most G <= P blocks, so a part costs at most P + overhead as in the line model,
 // and a request that fits in one part stays whole.
 //
+// Whole-request mode (when piece mode does not apply; flashmla_backend/scheduler.py states it in full): each
+// request goes whole to the part p = min(floor(C_i / P), num_sm_parts - 1) in which it starts, so no request is
+// cut and no combine runs; chosen when the largest part then costs at most kWholeSlackPercent % more than the
+// line model's bound P + overhead. For a uniform batch of 128 x 8192 keys on 66 parts the parts get two whole
+// requests (266 units against 263): b128-sk8192-h128 on an H100 took 565 us instead of 591-595 us (CUDA-graph
+// replays), b256-sk4096-h128 592-599 instead of 626-633 us; the line model cut 63 requests there.
+//
 // Grid: one warp. Lane j of chunk c handles request i = 32c + j: it finds the parts whose start
 // unit falls inside [C_i, C_i + w_i) and writes their begin fields and their predecessors' end
 // fields. Loop trip count ~ batch / 32, so b in the thousands costs a few microseconds.
@@ -35,6 +42,7 @@ namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kPieceModeMaxBatch = 256;  // piece mode only for batch <= this (and <= num_sm_parts)
+constexpr int kWholeSlackPercent = 3;    // whole-request mode when its largest part <= 103% of the line bound
 
 __device__ __forceinline__ long long warp_inclusive_scan(long long v, int lane) {
 #pragma unroll
@@ -42,6 +50,21 @@ __device__ __forceinline__ long long warp_inclusive_scan(long long v, int lane) 
     long long o = __shfl_up_sync(kFullMask, v, d);
     if (lane >= d) v += o;
   }
+  return v;
+}
+
+__device__ __forceinline__ long long warp_inclusive_max_scan(long long v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    long long o = __shfl_up_sync(kFullMask, v, d);
+    if (lane >= d) v = max(v, o);
+  }
+  return v;
+}
+
+__device__ __forceinline__ long long warp_max(long long v) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, d));
   return v;
 }
 
@@ -147,21 +170,81 @@ __device__ bool try_piece_mode(const SchedParams& p, int per_part) {
   return true;
 }
 
+// Whole-request mode (header comment), in one pass over the batch in chunks of 32: request i belongs to part
+// q_i = min(floor(C_i / P), parts - 1) (non-decreasing in i); each part's first request writes its row's begin
+// fields and its last the end fields, over rows written empty first; a part costs C(end of its last request) -
+// C(start of its first). Returns false when the largest part costs more than kWholeSlackPercent % over the line
+// model's bound; the rows and num_splits written here are then all rewritten by the line model.
+__device__ bool try_whole_mode(const SchedParams& p, long long per_part) {
+  const int lane = threadIdx.x;
+  const int batch = p.batch;
+  const int parts = p.num_sm_parts;
+  auto part_of = [&](long long c) { return min(c / per_part, static_cast<long long>(parts - 1)); };
+
+  for (int part = lane; part < parts; part += 32) write_empty_row(p.metadata + part * kSchedMetaInts, p.seqlens, batch);
+  __syncwarp();
+  if (lane == 0) p.num_splits[0] = 0;
+  long long unit_base = 0;   // C of the chunk's first request
+  long long prev_part = -1;  // part of the request before the chunk
+  long long seg_begin = 0;   // C of the first request of that request's part
+  long long largest = 0;
+  for (int chunk = 0; chunk < batch; chunk += 32) {
+    const int i = chunk + lane;
+    const bool valid = i < batch;
+    const int len = valid ? clamped_len(p.seqlens, i) : 0;
+    const long long w = valid ? (len + kPageSize - 1) / kPageSize + kFixedOverheadBlocks : 0;
+    const long long incl = warp_inclusive_scan(w, lane);
+    const long long c_begin = unit_base + incl - w;
+    const long long q = part_of(c_begin);
+    long long q_prev = __shfl_up_sync(kFullMask, q, 1);
+    if (lane == 0) q_prev = prev_part;
+    const long long begin = max(warp_inclusive_max_scan(valid && q != q_prev ? c_begin : -1, lane), seg_begin);
+    if (valid) {
+      largest = max(largest, unit_base + incl - begin);
+      int32_t* row = p.metadata + q * kSchedMetaInts;
+      if (q != q_prev) {
+        row[0] = i;
+        row[1] = 0;
+        row[4] = 0;
+      }
+      if (i == batch - 1 || part_of(unit_base + incl) != q) {  // the next request starts at C_i + w_i
+        row[2] = i;
+        row[3] = len;
+      }
+      p.num_splits[i + 1] = i + 1;
+    }
+    seg_begin = __shfl_sync(kFullMask, begin, 31);
+    prev_part = __shfl_sync(kFullMask, q, 31);
+    unit_base += __shfl_sync(kFullMask, incl, 31);
+  }
+  largest = warp_max(largest);
+  __syncwarp();  // the line model may rewrite what other lanes wrote here
+  return largest * 100 <= (per_part + kFixedOverheadBlocks) * (100 + kWholeSlackPercent);
+}
+
 __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   const int lane = threadIdx.x;
   const int batch = p.batch;
   const int parts = p.num_sm_parts;
 
-  // Pass 1: T, the total cost, and P, the cost per part.
+  // Pass 1: T, the total cost, and P, the cost per part; the largest request cost, a lower bound of
+  // whole-request mode's largest part (a varlen batch fails it here, without a pass of its own).
   long long total = 0;
+  int widest = 0;
   for (int i = lane; i < batch; i += 32) {
-    total += num_blocks_of(p.seqlens, i) + kFixedOverheadBlocks;
+    const int w = num_blocks_of(p.seqlens, i) + kFixedOverheadBlocks;
+    total += w;
+    widest = max(widest, w);
   }
   total = warp_sum(total);
+  widest = __reduce_max_sync(kFullMask, widest);
   const long long spread = total - kFixedOverheadBlocks;  // >= 0: batch >= 1
   const long long per_part = spread > parts ? ceil_div_ll(spread, parts) : 1;
 
   if (batch <= parts && batch <= kPieceModeMaxBatch && try_piece_mode(p, static_cast<int>(per_part))) return;
+  if (widest * 100ll <= (per_part + kFixedOverheadBlocks) * (100 + kWholeSlackPercent) && try_whole_mode(p, per_part)) {
+    return;
+  }
 
   // Pass 2: place the part boundaries, count cuts per request, prefix-sum splits.
   if (lane == 0) p.num_splits[0] = 0;
