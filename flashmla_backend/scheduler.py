@@ -23,7 +23,7 @@ Whole-request mode (when piece mode does not apply): request i goes whole to par
 num_sm_parts - 1), the part in which it starts; a part's cost is C(end of its last request) - C(start of its first).
 Used when the largest part costs at most WHOLE_SLACK_PERCENT % more than the line model's bound P + overhead: no
 request is cut, so no combine runs. 128 requests of 8192 keys on 66 parts: two whole requests per part (266 units
-against the line model's 263, which cut 63 requests); H100, h_q 128, CUDA-graph replays: 565 us instead of 591-595.
+against the line model's 263, which cut 63 requests); H100, h_q 128, CUDA-graph replays: 559 us instead of 594.
 Metadata row p: [begin_req, begin_token, end_req (inclusive), end_token (exclusive), begin_split, 0, 0, 0].
 """
 from __future__ import annotations

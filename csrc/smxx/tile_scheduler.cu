@@ -25,8 +25,10 @@
 // request goes whole to the part p = min(floor(C_i / P), num_sm_parts - 1) in which it starts, so no request is
 // cut and no combine runs; chosen when the largest part then costs at most kWholeSlackPercent % more than the
 // line model's bound P + overhead. For a uniform batch of 128 x 8192 keys on 66 parts the parts get two whole
-// requests (266 units against 263): b128-sk8192-h128 on an H100 took 565 us instead of 591-595 us (CUDA-graph
-// replays), b256-sk4096-h128 592-599 instead of 626-633 us; the line model cut 63 requests there.
+// requests (266 units against 263), where the line model cut 63 of them: on an H100 (CUDA-graph replays, A/B
+// in one device call) b128-sk8192-h128 took 559 us instead of 594, b256-sk4096-h128 587 instead of 615. A batch
+// that fails the bound after the pass (e.g. 200 x 8192 keys on 66 parts) pays that pass: get_mla_metadata 16 us
+// instead of 11; one request costlier than the bound (a varlen batch) skips it.
 //
 // Grid: one warp. Lane j of chunk c handles request i = 32c + j: it finds the parts whose start
 // unit falls inside [C_i, C_i + w_i) and writes their begin fields and their predecessors' end
