@@ -72,16 +72,12 @@ def schedule(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor,
                 meta[part, :5] = torch.tensor([i, (j * q + min(j, r)) * PAGE_SIZE, i, end_token, j], dtype=torch.int32)
                 part += 1
             num_splits[i + 1] = part
-        meta[part:, 0] = b  # empty parts: begin_req b > end_req b - 1
-        meta[part:, 2] = b - 1
-        meta[part:, 3] = lengths[-1]
+        _empty_rows(meta[part:], lengths)
         return meta, num_splits
 
     whole = _whole_mode_parts(starts, blocks, per_part, num_parts)
     if whole is not None:
-        meta[:, 0] = b  # rows of parts that get no request stay empty
-        meta[:, 2] = b - 1
-        meta[:, 3] = lengths[-1]
+        _empty_rows(meta, lengths)  # rows of parts that get no request stay so
         for i, q in enumerate(whole):
             if i == 0 or whole[i - 1] != q:
                 meta[q, 0], meta[q, 1], meta[q, 4] = i, 0, 0
@@ -124,6 +120,14 @@ def schedule(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor,
         running += 1 + cuts[i]
         num_splits[i + 1] = running
     return meta, num_splits
+
+
+def _empty_rows(rows: torch.Tensor, lengths: list[int]) -> None:
+    """Marks metadata rows (zero-filled) empty as the kernel's write_empty_row does: begin_req b > end_req b - 1,
+    whose end token is the last request's length."""
+    rows[:, 0] = len(lengths)
+    rows[:, 2] = len(lengths) - 1
+    rows[:, 3] = lengths[-1]
 
 
 def _whole_mode_parts(starts: list[int], blocks: list[int], per_part: int, num_parts: int) -> list[int] | None:

@@ -58,6 +58,30 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// Where one (request, kv head, query row) lives in the accumulators and in the outputs: row r of kv head hk is
+// query token s = r / ngroups, head h = hk * ngroups + r % ngroups; the accumulator row of split i is
+// (first_split + i) * split_stride + hk * q_rows + r (lse_accum in floats, o_accum in rows of kHeadDimV).
+template <typename T>
+struct CombineRow {
+  long long split_stride;  // accumulator rows between one split and the next
+  long long first;         // accumulator row of the request's first split
+  float* lse_out;
+  T* out;                  // column 0 of the output row
+};
+
+template <typename T>
+__device__ __forceinline__ CombineRow<T> combine_row(const DecodeParams& p, int req, int hk, int row, int first_split) {
+  const int s = row / p.ngroups;
+  const int h = hk * p.ngroups + row % p.ngroups;
+  CombineRow<T> r;
+  r.split_stride = static_cast<long long>(p.num_heads_kv) * p.q_rows;
+  r.first = static_cast<long long>(first_split) * r.split_stride + static_cast<long long>(hk) * p.q_rows + row;
+  r.lse_out = p.lse + static_cast<long long>(req) * p.lse_stride_b + static_cast<long long>(h) * p.lse_stride_h + s;
+  r.out = static_cast<T*>(p.out) + static_cast<long long>(req) * p.out_stride_b + static_cast<long long>(s) * p.out_stride_s +
+          static_cast<long long>(h) * p.out_stride_h;
+  return r;
+}
+
 template <typename T, int kChunks>
 __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   constexpr int kVecs = kVecsPerLane / kChunks;  // float4 per lane per split: 4 or 1
@@ -77,12 +101,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
 
   wait_for_primary_grid();
 
-  // Row r of kv head hk <-> query token s, head h.
-  const int s = row / p.ngroups;
-  const int h = hk * p.ngroups + row % p.ngroups;
-  const long long row_stride = static_cast<long long>(p.num_heads_kv) * p.q_rows;  // per split
-  const float* lse_row = p.lse_accum + static_cast<long long>(first_split) * row_stride +
-                         static_cast<long long>(hk) * p.q_rows + row;
+  const CombineRow<T> cr = combine_row<T>(p, req, hk, row, first_split);
+  const long long row_stride = cr.split_stride;
+  const float* lse_row = p.lse_accum + cr.first;
 
   // Pass 1: max and sum of exp over the splits' lse (each lane takes splits lane, lane+32, ...).
   float max_lse = -INFINITY;
@@ -90,9 +111,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
 
-  float* lse_out = p.lse + static_cast<long long>(req) * p.lse_stride_b + static_cast<long long>(h) * p.lse_stride_h + s;
-  T* out = static_cast<T*>(p.out) + static_cast<long long>(req) * p.out_stride_b +
-           static_cast<long long>(s) * p.out_stride_s + static_cast<long long>(h) * p.out_stride_h;
+  float* lse_out = cr.lse_out;
+  T* out = cr.out;
 
   if (max_lse == -INFINITY) {  // the row saw no key in any split
     for (int c = chunk * kChunkCols + lane; c < (chunk + 1) * kChunkCols; c += 32) out[c] = from_float<T>(0.f);
@@ -110,10 +130,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   float acc[4 * kVecs];
 #pragma unroll
   for (int k = 0; k < 4 * kVecs; ++k) acc[k] = 0.f;
-  const float4* o_row = reinterpret_cast<const float4*>(
-                            p.o_accum + (static_cast<long long>(first_split) * row_stride +
-                                         static_cast<long long>(hk) * p.q_rows + row) * kHeadDimV) +
-                        chunk * kVecs * 32 + lane;
+  const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + cr.first * kHeadDimV) + chunk * kVecs * 32 + lane;
   const long long split_stride4 = row_stride * (kHeadDimV / 4);  // float4 between one split's row and the next's
   for (int base = 0; base < n_splits; base += 32) {
     const int i_mine = base + lane;
@@ -172,12 +189,10 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
 
   wait_for_primary_grid();
 
-  const int s = row / p.ngroups;
-  const int h = hk * p.ngroups + row % p.ngroups;
-  const long long row_stride = static_cast<long long>(p.num_heads_kv) * p.q_rows;  // per split
-  const long long row_id = static_cast<long long>(first_split) * row_stride + static_cast<long long>(hk) * p.q_rows + row;
-  const float* lse_row = p.lse_accum + row_id;
-  const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + row_id * kHeadDimV) + chunk * 32 + lane;
+  const CombineRow<T> cr = combine_row<T>(p, req, hk, row, first_split);
+  const long long row_stride = cr.split_stride;
+  const float* lse_row = p.lse_accum + cr.first;
+  const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + cr.first * kHeadDimV) + chunk * 32 + lane;
   const long long split_stride4 = row_stride * (kHeadDimV / 4);
 
   // Round 0: this thread's partials and their lse, and the lse values this lane reduces, in one go.
@@ -203,9 +218,8 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
 
-  float* lse_out = p.lse + static_cast<long long>(req) * p.lse_stride_b + static_cast<long long>(h) * p.lse_stride_h + s;
-  T* out = static_cast<T*>(p.out) + static_cast<long long>(req) * p.out_stride_b +
-           static_cast<long long>(s) * p.out_stride_s + static_cast<long long>(h) * p.out_stride_h;
+  float* lse_out = cr.lse_out;
+  T* out = cr.out;
   const int col = chunk * (kHeadDimV / kSplitChunks) + 4 * lane;
 
   if (max_lse == -INFINITY) {  // the row saw no key in any split (same value in every warp)

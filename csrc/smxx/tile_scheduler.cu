@@ -172,6 +172,11 @@ __device__ bool try_piece_mode(const SchedParams& p, int per_part) {
   return true;
 }
 
+// Whole-request mode's acceptance: a part of this cost is within kWholeSlackPercent % of the line bound P + overhead.
+__device__ __forceinline__ bool within_whole_bound(long long cost, long long per_part) {
+  return cost * 100 <= (per_part + kFixedOverheadBlocks) * (100 + kWholeSlackPercent);
+}
+
 // Whole-request mode (header comment), in one pass over the batch in chunks of 32: request i belongs to part
 // q_i = min(floor(C_i / P), parts - 1) (non-decreasing in i); each part's first request writes its row's begin
 // fields and its last the end fields, over rows written empty first; a part costs C(end of its last request) -
@@ -221,7 +226,7 @@ __device__ bool try_whole_mode(const SchedParams& p, long long per_part) {
   }
   largest = warp_max(largest);
   __syncwarp();  // the line model may rewrite what other lanes wrote here
-  return largest * 100 <= (per_part + kFixedOverheadBlocks) * (100 + kWholeSlackPercent);
+  return within_whole_bound(largest, per_part);
 }
 
 __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
@@ -244,9 +249,7 @@ __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   const long long per_part = spread > parts ? ceil_div_ll(spread, parts) : 1;
 
   if (batch <= parts && batch <= kPieceModeMaxBatch && try_piece_mode(p, static_cast<int>(per_part))) return;
-  if (widest * 100ll <= (per_part + kFixedOverheadBlocks) * (100 + kWholeSlackPercent) && try_whole_mode(p, per_part)) {
-    return;
-  }
+  if (within_whole_bound(widest, per_part) && try_whole_mode(p, per_part)) return;
 
   // Pass 2: place the part boundaries, count cuts per request, prefix-sum splits.
   if (lane == 0) p.num_splits[0] = 0;
