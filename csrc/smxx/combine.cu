@@ -195,16 +195,21 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
   const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + cr.first * kHeadDimV) + chunk * 32 + lane;
   const long long split_stride4 = row_stride * (kHeadDimV / 4);
 
-  // Round 0: this thread's partials and their lse, and the lse values this lane reduces, in one go.
+  // This thread's partials and their lse in the round of splits [base, base + kRound): splits base + warp,
+  // base + warp + 8, ...; absent splits read as 0 with lse -inf.
   float4 v[kPerWarp];
   float lse_mine[kPerWarp];
+  auto load_round = [&](int base) {
 #pragma unroll
-  for (int i = 0; i < kPerWarp; ++i) {
-    const int j = warp + kSplitWarps * i;
-    const bool ok = j < n_splits;
-    v[i] = ok ? o_row[j * split_stride4] : make_float4(0.f, 0.f, 0.f, 0.f);
-    lse_mine[i] = ok ? lse_row[j * row_stride] : -INFINITY;
-  }
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int j = base + warp + kSplitWarps * i;
+      const bool ok = j < n_splits;
+      v[i] = ok ? o_row[j * split_stride4] : make_float4(0.f, 0.f, 0.f, 0.f);
+      lse_mine[i] = ok ? lse_row[j * row_stride] : -INFINITY;
+    }
+  };
+  // Round 0 together with the lse values this lane reduces, in one go.
+  load_round(0);
   float lse_lane[kLsePerLane];
 #pragma unroll
   for (int t = 0; t < kLsePerLane; ++t) {
@@ -251,13 +256,7 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
     }
     base += kRound;
     if (base >= n_splits) break;
-#pragma unroll
-    for (int i = 0; i < kPerWarp; ++i) {
-      const int j = base + warp + kSplitWarps * i;
-      const bool ok = j < n_splits;
-      v[i] = ok ? o_row[j * split_stride4] : make_float4(0.f, 0.f, 0.f, 0.f);
-      lse_mine[i] = ok ? lse_row[j * row_stride] : -INFINITY;
-    }
+    load_round(base);
   }
 
   __shared__ float4 partial[kSplitWarps][32];
