@@ -42,6 +42,14 @@
 #define FMLA_SM90_WAIT_TIMEOUT_NS 4000000000ull
 #endif
 
+// Ablation builds for benchmarks/ablation.py (results are wrong; never in a release build). FMLA_ABLATE is a bit
+// mask: 1 drops the KV refills (each piece barrier completes on a plain arrive and the stage keeps stale data),
+// 2 drops 7 of the 9 pieces of every Q K^T (dropping all nine made ptxas spill), 4 drops the P V wgmmas.
+// Everything else (barrier waits, softmax, the exchanges between warpgroups, the stores) runs as usual.
+#ifndef FMLA_ABLATE
+#define FMLA_ABLATE 0
+#endif
+
 namespace flashmla_backend::sm90::decode {
 
 using namespace cute;
@@ -229,6 +237,19 @@ __device__ __forceinline__ void issue_kv_pieces(const CUtensorMap* tmap, TmaBarr
   }
 }
 
+// Main-loop refill of the pieces in kMask (issue_kv_pieces; a plain arrive under FMLA_ABLATE & 1).
+template <uint32_t kMask>
+__device__ __forceinline__ void refill_kv_pieces(const CUtensorMap* tmap, TmaBarrier* full, uint8_t* stage_base,
+                                                 int page, int hk) {
+  if constexpr ((FMLA_ABLATE & 1) != 0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kNumPieces; ++j)
+      if ((kMask >> j) & 1u) full[j].arrive();
+  } else {
+    issue_kv_pieces<kMask>(tmap, full, stage_base, page, hk);
+  }
+}
+
 __device__ __forceinline__ int block_page(const DecodeParams& p, const RequestPiece& w, int blk) {
   return __ldg(p.block_table + int64_t(w.req) * p.block_table_stride_b + (w.first_page + blk));
 }
@@ -334,7 +355,8 @@ __device__ __forceinline__ void qk_pieces(int tid, typename T::Element* q_smem, 
     Tensor tSrK = thr.partition_fragment_B(sK);  // (MMA, 1, 36)
     CUTLASS_PRAGMA_UNROLL
     for (int kb = 0; kb < kPieceCols / 16; ++kb) {
-      cute::gemm(mma, tSrQ(_, _, j * (kPieceCols / 16) + kb), tSrK(_, _, j * (kPieceCols / 16) + kb), tSrS);
+      if constexpr ((FMLA_ABLATE & 2) == 0 || j == 0 || j == kRopePiece)
+        cute::gemm(mma, tSrQ(_, _, j * (kPieceCols / 16) + kb), tSrK(_, _, j * (kPieceCols / 16) + kb), tSrS);
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
   };
@@ -361,7 +383,8 @@ __device__ __forceinline__ void pv_gemm_reg(int tid, FragP& tOrP, typename T::El
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
-  for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
+  for (int kb = 0; kb < size<2>(tOrV); ++kb)
+    if constexpr ((FMLA_ABLATE & 4) == 0) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
   warpgroup_commit_batch();
   warpgroup_fence_operand(tOrO);
   warpgroup_fence_operand(tOrP);
@@ -383,7 +406,8 @@ __device__ __forceinline__ void pv_gemm_smem(int tid, typename T::Element* p_sme
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
-  for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOsP(_, _, kb), tOrV(_, _, kb), tOrO);
+  for (int kb = 0; kb < size<2>(tOrV); ++kb)
+    if constexpr ((FMLA_ABLATE & 4) == 0) cute::gemm(mma, tOsP(_, _, kb), tOrV(_, _, kb), tOrO);
   warpgroup_commit_batch();
   warpgroup_fence_operand(tOrO);
 }
@@ -512,7 +536,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(tOrP0);
     if constexpr (kNext0) {
-      if (tid == 0) issue_kv_pieces<kRefillMask[0][0]>(tmap, full0, stage0, page_next0, hk);
+      if (tid == 0) refill_kv_pieces<kRefillMask[0][0]>(tmap, full0, stage0, page_next0, hk);
     }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tSrS); ++i) rP0(i) = static_cast<Element>(tSrS(i) * sc1[(i >> 1) & 1]);
@@ -535,7 +559,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
       qk_pieces<T, true, 0, 1, 2, 3>(tid, q_smem, kv0_smem, tSrS, full0, parity0, 0);
       warpgroup_wait<1>();  // P1 V1L done
       if constexpr (kNext1) {
-        if (tid == 0) issue_kv_pieces<kRefillMask[1][0]>(tmap, full1, stage1, page_next1, hk);
+        if (tid == 0) refill_kv_pieces<kRefillMask[1][0]>(tmap, full1, stage1, page_next1, hk);
       }
       qk_pieces<T, false, 4, 5, 6, 7, 8>(tid, q_smem, kv0_smem, tSrS, full0, parity0, 0);
       parity0 ^= 1u;
@@ -652,13 +676,13 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
       warpgroup_wait<1>();
       warpgroup_fence_operand(tOrP1);
       if constexpr (kNext1) {
-        if (tid == 0) issue_kv_pieces<kRefillMask[1][1]>(tmap, full1, stage1, page_next1, hk);
+        if (tid == 0) refill_kv_pieces<kRefillMask[1][1]>(tmap, full1, stage1, page_next1, hk);
       }
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     if constexpr (kNext0) {
-      if (tid == 0) issue_kv_pieces<kRefillMask[0][1]>(tmap, full0, stage0, page_next0, hk);
+      if (tid == 0) refill_kv_pieces<kRefillMask[0][1]>(tmap, full0, stage0, page_next0, hk);
     }
 
     // ---- next S = Q K1^T (block b0 + 3) ----

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Ablation of the sm90 decode kernel: which stage limits a shape (builds that drop a stage; results are wrong).
+
+    python benchmarks/ablation.py [--variants 0,1,2,4,7] [--shapes b128-sk8192-h128-sq1,b128-sk8192-h16-sq1] \
+        [--jobs 16] [--work-dir /tmp/fmla-ablation] [--sustain-s 1.2]
+
+Each variant is the source tree built (sm_90a only, in --work-dir/v<mask>, builds in parallel) with
+`-DFMLA_ABLATE=<mask>`, a bit mask read by csrc/sm90/decode/kernel.cuh:
+  1  drop the KV refills: only a request's first two KV blocks are loaded, every later block completes its
+     barriers on a plain arrive and computes on the stale tile (what remains: math, softmax, exchanges);
+  2  drop 7 of the 9 column pieces of every Q K^T wgmma chain (the waits for all nine stay);
+  4  drop the P V wgmmas;
+  0  the unchanged kernel (the reference line of the table).
+For each shape and variant one decode call (metadata of get_mla_metadata, CUDA graph, L2 flushed by a 256 MB
+zero_ before each replay) is timed twice: "cool", the median of 60 replays after 2 s idle, and "sustained",
+the median of --sustain-s seconds of back-to-back replays, with the SM clock and board power that nvidia-smi
+samples every 50 ms meanwhile (shapes near the board's power limit lose clock in the sustained run).
+Needs a Hopper GPU, nvcc and the build requirements of setup.py; takes about a minute per variant to build.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LABELS = {0: "main", 1: "no KV refills", 2: "Q K^T 2/9", 4: "no P V"}
+DEFAULT_SHAPES = "b128-sk8192-h128-sq1,b128-sk8192-h128-sq2,b128-sk8192-h16-sq1,b128-varlen4096-h128-sq1"
+
+
+def label(mask: int) -> str:
+    if mask in LABELS:
+        return LABELS[mask]
+    return " + ".join(LABELS[bit] for bit in (1, 2, 4) if mask & bit)
+
+
+def copy_tree(dst: Path) -> None:
+    """The source tree without VCS data, build outputs and compiled modules."""
+    skip = {".git", "build", ".stage", ".whl", "dist", "__pycache__", ".pytest_cache"}
+    if dst.exists():
+        shutil.rmtree(dst)
+
+    def ignore(_dir: str, names: list[str]) -> set[str]:
+        return {n for n in names if n in skip or n.endswith((".so", ".egg-info"))}
+
+    shutil.copytree(ROOT, dst, ignore=ignore)
+
+
+def build(mask: int, work_dir: Path, jobs: int) -> tuple[int, float, Path]:
+    dst = work_dir / f"v{mask}"
+    copy_tree(dst)
+    env = dict(os.environ, FLASHMLA_BACKEND_CUDA_ARCHS="90a", MAX_JOBS=str(jobs),
+               FLASHMLA_BACKEND_NVCC_FLAGS=(os.environ.get("FLASHMLA_BACKEND_NVCC_FLAGS", "") +
+                                            f" -DFMLA_ABLATE={mask}").strip())
+    t0 = time.time()
+    log = dst / "build.log"
+    with open(log, "w") as fh:
+        rc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dst, env=env,
+                            stdout=fh, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"build of variant {mask} failed (rc {rc}); see {log}")
+    return mask, time.time() - t0, dst
+
+
+def time_shapes(tag: str, shapes: str, sustain_s: float) -> None:
+    """Runs inside a variant's tree (its PYTHONPATH): prints one `RESULT` line per shape."""
+    import torch
+
+    import flashmla_backend as fb
+    from flashmla_backend.bench import capture_graphs, make_inputs, make_seqlens, parse_shapes
+
+    dev = torch.device("cuda")
+    flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=dev)
+
+    def replays(g, n: int) -> list[float]:
+        ev = []
+        for _ in range(n):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush_buf.zero_()
+            s.record()
+            g()
+            e.record()
+            ev.append((s, e))
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) * 1e3 for a, b in ev]
+
+    for shape in parse_shapes(shapes):
+        lens = make_seqlens(shape, 0)
+        inp = make_inputs(shape, lens, torch.bfloat16, dev, seed=0, copies=1)[0]
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        meta, ns = fb.get_mla_metadata(seqlens, shape.s_q * shape.h_q, 1)
+        call = lambda: fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, seqlens, 512, meta, ns,
+                                                 causal=True)
+        g = capture_graphs([call])[0]
+        replays(g, 10)
+        time.sleep(2.0)
+        cool = statistics.median(replays(g, 60))
+        smi = None
+        if shutil.which("nvidia-smi"):
+            smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                    "-lms", "50"], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        t0, ts = time.time(), []
+        while time.time() - t0 < sustain_s:
+            ts += replays(g, 50)
+        rows = []
+        if smi is not None:
+            smi.terminate()
+            rows = [line.split(",") for line in smi.communicate()[0].strip().splitlines() if "," in line]
+        clock = statistics.median(float(r[0]) for r in rows) if rows else float("nan")
+        power = max(float(r[1]) for r in rows) if rows else float("nan")
+        print(f"RESULT {tag} {shape.name} {cool:.1f} {statistics.median(ts):.1f} {clock:.0f} {power:.0f}", flush=True)
+        g = call = inp = None  # free the inputs before the next shape
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default="0,1,2,4,7", help="FMLA_ABLATE masks, comma separated (default 0,1,2,4,7)")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="benchmark shapes (flashmla_backend.bench syntax)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4, help="compile jobs in total (default: all CPUs)")
+    ap.add_argument("--work-dir", default="/tmp/fmla-ablation", help="where the variant trees are built")
+    ap.add_argument("--sustain-s", type=float, default=1.2, help="seconds of back-to-back replays per shape")
+    ap.add_argument("--time-only", metavar="TAG", help=argparse.SUPPRESS)  # internal: time in this tree
+    args = ap.parse_args()
+    if args.time_only:
+        time_shapes(args.time_only, args.shapes, args.sustain_s)
+        return
+
+    masks = [int(v) for v in args.variants.split(",")]
+    bad = [m for m in masks if not 0 <= m <= 7]
+    if bad:
+        raise SystemExit(f"--variants: masks are 0..7 (bits 1, 2, 4), got {bad}")
+    work_dir = Path(args.work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    print(f"building {len(masks)} variants in {work_dir} ({args.jobs} compile jobs in total)", flush=True)
+    trees = {}
+    with concurrent.futures.ThreadPoolExecutor(len(masks)) as pool:
+        for mask, secs, tree in pool.map(lambda m: build(m, work_dir, max(1, args.jobs // len(masks))), masks):
+            print(f"  built variant {mask} ({label(mask)}) in {secs:.0f} s", flush=True)
+            trees[mask] = tree
+
+    results = {}
+    for i, mask in enumerate(masks, 1):
+        print(f"[{i}/{len(masks)}] timing variant {mask} ({label(mask)})", flush=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(trees[mask]), os.environ.get("PYTHONPATH"))
+                                                          if p))
+        proc = subprocess.run([sys.executable, str(trees[mask] / "benchmarks" / "ablation.py"), "--time-only",
+                               str(mask), "--shapes", args.shapes, "--sustain-s", str(args.sustain_s)],
+                              cwd=trees[mask], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"timing variant {mask} failed:\n{proc.stderr[-3000:]}")
+        for line in proc.stdout.splitlines():
+            if line.startswith("RESULT "):
+                _, tag, shape, cool, sustained, clock, power = line.split()
+                results[(int(tag), shape)] = (float(cool), float(sustained), clock, power)
+                print(f"    {shape}: cool {cool} us, sustained {sustained} us, SM clock {clock} MHz, "
+                      f"power up to {power} W", flush=True)
+
+    shapes = list(dict.fromkeys(name for _, name in results))  # as the variants printed them (canonical names)
+    print("\n| shape | " + " | ".join(f"{label(m)} (`{m}`)" for m in masks) + " |")
+    print("|---|" + "---|" * len(masks))
+    for shape in shapes:
+        cells = []
+        for m in masks:
+            r = results.get((m, shape))
+            cells.append("-" if r is None else f"{r[0]:.1f} / {r[1]:.1f} ({r[2]} MHz)")
+        print(f"| {shape} | " + " | ".join(cells) + " |")
+    print("\ncells: cool / sustained median µs (median SM clock of the sustained run)")
+
+
+if __name__ == "__main__":
+    main()
