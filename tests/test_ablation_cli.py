@@ -6,7 +6,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "ablation.py"
 
 
-def test_help_names_the_masks():
+def test_help_lists_the_options():
     res = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "--variants" in res.stdout and "--shapes" in res.stdout
