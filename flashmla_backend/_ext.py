@@ -14,6 +14,11 @@ def _load():
         from flashmla_backend import _C  # noqa: PLC0415
     except ImportError as e:  # not built, or built for another Python
         return None, e
+    from flashmla_backend import geometry  # noqa: PLC0415
+
+    wrong = geometry.mismatches(dict(_C.schedule_constants))
+    if wrong:  # a stale build from other sources: refuse it rather than compute with the wrong shapes
+        return None, ImportError(f"{_C.__file__} was built for another MLA geometry ({'; '.join(wrong)}); rebuild it")
     return _C, None
 
 

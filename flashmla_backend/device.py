@@ -43,6 +43,18 @@ def device_props(index: int) -> DeviceProps:
     return DeviceProps(index=index, **info)
 
 
+# SM count used for the scheduler on CPU tensors (the H100's, so CPU metadata matches an H100's).
+CPU_SM_COUNT = 132
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (the scheduler's part count derives from it); CPU_SM_COUNT for CPU."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return device_props(index).sm_count
+    return CPU_SM_COUNT
+
+
 def _compiled_archs() -> set[str]:
     return set(_ext.ext().cuda_archs.split(";"))
 

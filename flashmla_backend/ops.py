@@ -48,17 +48,6 @@ def _(cache_seqlens, num_sm_parts):
     return (cache_seqlens.new_empty((num_sm_parts, scheduler.META_INTS)), cache_seqlens.new_empty((b + 1,)))
 
 
-# SM count used for the scheduler on CPU tensors (the H100's, so CPU metadata matches an H100's).
-CPU_SM_COUNT = 132
-
-
-def sm_count(dev: torch.device) -> int:
-    if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return device.device_props(index).sm_count
-    return CPU_SM_COUNT
-
-
 def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
                      num_heads_q: int | None = None, is_fp8_kvcache: bool = False, topk: int | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +59,7 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
     """
     validate.validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q,
                                     is_fp8_kvcache, topk)
-    parts = scheduler.num_sm_parts(sm_count(cache_seqlens.device), num_heads_k, num_q_tokens_per_head_k)
+    parts = scheduler.num_sm_parts(device.sm_count(cache_seqlens.device), num_heads_k, num_q_tokens_per_head_k)
     if torch.compiler.is_compiling():
         return torch.ops.flashmla_backend.get_mla_metadata(cache_seqlens, parts)
     return _metadata_impl(cache_seqlens, parts)

@@ -58,3 +58,43 @@ def mla_decode_reference(
         out[i] = o.reshape(s_q, h_q, head_dim_v)
         lse[i] = row_lse.masked_fill(~seen, math.inf).reshape(h_q, s_q).float()
     return out.to(q.dtype), lse
+
+
+def naive_mla_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                     cache_seqlens: torch.Tensor, head_dim_v: int, max_seqlen: int,
+                     softmax_scale: float | None = None, causal: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A second, independent implementation (the demo checks the reference against it): the decode a
+    PyTorch user writes. Gathers every request's pages (padded to max_seqlen), scores = Q K^T in the
+    input dtype, masked fp32 softmax, out = P V; batched, no per-request loop.
+
+    q [b, s_q, h_q, d], k_cache [num_pages, page_size, 1, d], block_table [b, >= ceil(max_seqlen /
+    page_size)] with every entry a valid page id, cache_seqlens [b] (<= max_seqlen, a host int so
+    the call needs no sync). Returns out [b, s_q, h_q, head_dim_v] (q's dtype) and lse [b, h_q, s_q]
+    fp32; a row that sees no key gets out = 0 and lse = +inf. Assumes finite cache contents, also
+    in the padding (0 * NaN would leak into P V)."""
+    b, s_q, h_q, d = q.shape
+    if k_cache.shape[2] != 1:
+        raise ValueError(f"naive_mla_decode: one KV head expected, k_cache has {k_cache.shape[2]}")
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if max_seqlen <= 0:
+        out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=q.dtype, device=q.device)
+        return out, torch.full((b, h_q, s_q), math.inf, dtype=torch.float32, device=q.device)
+    page_size = k_cache.shape[1]
+    n_pages = -(-max_seqlen // page_size)
+    kv = k_cache[block_table[:, :n_pages].long()]                      # [b, n_pages, page, 1, d]
+    kv = kv.reshape(b, n_pages * page_size, d)[:, :max_seqlen]          # [b, L, d]
+    scores = torch.matmul(q.reshape(b, s_q * h_q, d), kv.transpose(1, 2)).float() * scale
+    scores = scores.view(b, s_q, h_q, max_seqlen)
+    limit = cache_seqlens.to(torch.long).view(b, 1)                    # keys visible per token
+    if causal:
+        limit = limit - s_q + 1 + torch.arange(s_q, device=q.device).view(1, s_q)
+    keys = torch.arange(max_seqlen, device=q.device)
+    hidden = keys.view(1, 1, 1, -1) >= limit.expand(b, s_q).reshape(b, s_q, 1, 1)
+    scores = scores.masked_fill(hidden, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)                               # [b, s_q, h_q]
+    empty = torch.isneginf(lse)
+    probs = torch.exp(scores - torch.where(empty, 0.0, lse).unsqueeze(-1))  # softmax; 0 if empty
+    out = torch.matmul(probs.to(q.dtype).view(b, s_q * h_q, max_seqlen), kv[..., :head_dim_v])
+    lse = torch.where(empty, math.inf, lse)
+    return out.view(b, s_q, h_q, head_dim_v), lse.transpose(1, 2).contiguous()

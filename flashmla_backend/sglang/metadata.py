@@ -124,14 +124,14 @@ class DecodeMetadataBuilder:
 
     def init_graph_buffers(self, max_bs: int) -> None:
         """Allocate the persistent buffers for batches of up to max_bs requests (CUDA graphs)."""
-        from flashmla_backend import ops as _ops
+        from flashmla_backend import device as _device
 
         self.graph_max_bs = max_bs
         self.cg_cache_seqlens = torch.zeros((max_bs,), dtype=torch.int32, device=self.device)
         self.cg_block_table = torch.zeros((max_bs, self.max_pages), dtype=torch.int32, device=self.device)
         # num_sm_parts <= the device's SM count, whatever s_q and the head count.
         self.cg_tile_scheduler_metadata = torch.zeros(
-            (_ops.sm_count(self.device), SCHED_META_INTS), dtype=torch.int32, device=self.device)
+            (_device.sm_count(self.device), SCHED_META_INTS), dtype=torch.int32, device=self.device)
         self.cg_num_splits = torch.zeros((max_bs + 1,), dtype=torch.int32, device=self.device)
 
     # ---- build ----------------------------------------------------------------------------------

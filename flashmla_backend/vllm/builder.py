@@ -31,7 +31,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport
 
 import flashmla_backend
-from flashmla_backend import ops as _ops
+from flashmla_backend import device as _device
 from flashmla_backend import scheduler as _scheduler
 
 KERNEL_PAGE_SIZE = _scheduler.PAGE_SIZE  # 64 tokens per kernel block
@@ -99,7 +99,7 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
         self.cg_tile_scheduler_metadata: torch.Tensor | None = None
         self.cg_num_splits: torch.Tensor | None = None
         if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
-            max_parts = _ops.sm_count(torch.device(device))  # num_sm_parts <= number of SMs
+            max_parts = _device.sm_count(torch.device(device))  # num_sm_parts <= number of SMs
             self.cg_tile_scheduler_metadata = torch.zeros(
                 (max_parts, SCHED_META_INTS), dtype=torch.int32, device=device)
             self.cg_num_splits = torch.zeros(
