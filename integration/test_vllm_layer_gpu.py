@@ -21,11 +21,12 @@ import pytest
 import torch
 
 import harness
+from flashmla_backend import geometry
 
-LATENT, ROPE, NOPE, V_DIM = 512, 64, 128, 128
-HEAD = LATENT + ROPE
+LATENT, ROPE, HEAD = geometry.HEAD_DIM_V, geometry.ROPE_DIM, geometry.HEAD_DIM_K  # the kernels' MLA geometry
+NOPE, V_DIM = 128, 128  # the test model's qk_nope_head_dim and v_head_dim (MHA form, prefill)
 ATOL = RTOL = 1e-2
-KERNEL_BLOCK = 64
+KERNEL_BLOCK = geometry.PAGE_SIZE
 
 
 @dataclass
@@ -290,14 +291,15 @@ def test_forward_mqa_cuda_graph_replay_reads_fresh_metadata(query_len):
     heads = cfg.model_config.hf_text_config.num_attention_heads
     ours = LayerUnderTest(cfg, "CUSTOM", _kv_b_weight(heads), _scale())
     builder, impl = ours.builder, ours.layer.impl
-    assert builder.cg_tile_scheduler_metadata is not None
+    assert builder.plan.has_graph_buffers
 
     b0, b1 = Batch(case0, heads, seed=10), Batch(case1, heads, seed=11)
     # The model runner's persistent inputs: lengths and block table live at fixed addresses.
     seq_lens = b0.common.seq_lens.clone()
     table = b0.manager_table.clone()
     q_static = torch.randn((b0.num_tokens, heads, HEAD), dtype=torch.bfloat16, device="cuda")
-    cache = torch.randn((max(b0.cache.shape[0], b1.cache.shape[0]), 64, HEAD), dtype=torch.bfloat16, device="cuda")
+    cache = torch.randn((max(b0.cache.shape[0], b1.cache.shape[0]), KERNEL_BLOCK, HEAD), dtype=torch.bfloat16,
+                        device="cuda")
 
     def build(batch):
         cache[: batch.cache.shape[0]].copy_(batch.cache)

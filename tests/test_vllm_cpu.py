@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import flashmla_backend  # noqa: E402
+from flashmla_backend import geometry  # noqa: E402
 from flashmla_backend.reference import mla_decode_reference  # noqa: E402
 from flashmla_backend.vllm import BACKEND_CLASS_PATH, BACKEND_NAME, DEBUG_BREAK_SCALE_ENV, _compat, register  # noqa: E402
 from flashmla_backend.vllm.backend import FlashMLAPluginBackend  # noqa: E402
@@ -43,9 +44,9 @@ from vllm.v1.worker import utils as worker_utils  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_DSV3 = REPO / "integration" / "models" / "tiny-deepseek-v3"
-KERNEL_BLOCK = 64
-LATENT, ROPE = 512, 64
-HEAD = LATENT + ROPE
+KERNEL_BLOCK = geometry.PAGE_SIZE
+LATENT, ROPE = geometry.HEAD_DIM_V, geometry.ROPE_DIM
+HEAD = geometry.HEAD_DIM_K
 LAYER_NAME = "model.layers.0.self_attn.attn"
 HOPPER = DeviceCapability(9, 0)
 # Both sides compute in fp32 from the same bf16/fp16 inputs; the outputs are rounded to 16 bits.
@@ -539,10 +540,10 @@ def test_cuda_graph_buffers_are_persistent_and_refreshed():
     metadata into the same buffers ([num_SMs, 8] and [max_num_seqs + 1] int32)."""
     cfg = vllm_config(128, query_len=2, full_cuda_graphs=True)
     plugin = Plugin(cfg)
-    builder = plugin.builder
-    assert builder.cg_tile_scheduler_metadata is not None and builder.cg_num_splits is not None
-    assert builder.cg_tile_scheduler_metadata.shape[1] == 8
-    assert builder.cg_num_splits.shape == (cfg.scheduler_config.max_num_seqs + 1,)
+    plan = plugin.builder.plan
+    assert plan.has_graph_buffers and plan.max_batch == cfg.scheduler_config.max_num_seqs
+    assert plan.cg_tile_scheduler_metadata.shape == (flashmla_backend.device.sm_count(torch.device("cpu")), 8)
+    assert plan.cg_num_splits.shape == (cfg.scheduler_config.max_num_seqs + 1,)
 
     first = DecodeBatch(plugin, [5, 1000, 64, 0], 2, seed=11)  # a padded batch, as captured
     second = DecodeBatch(plugin, [2000, 3, 129, 700], 2, seed=12)  # same shape, new lengths
@@ -554,8 +555,8 @@ def test_cuda_graph_buffers_are_persistent_and_refreshed():
 
     md2 = plugin.build(second.load_into(first.common))
     tile2, splits2 = md2.decode.tile_scheduler_metadata, md2.decode.num_splits
-    assert tile2.data_ptr() == tile1.data_ptr() == builder.cg_tile_scheduler_metadata.data_ptr()
-    assert splits2.data_ptr() == splits1.data_ptr() == builder.cg_num_splits.data_ptr()
+    assert tile2.data_ptr() == tile1.data_ptr() == plan.cg_tile_scheduler_metadata.data_ptr()
+    assert splits2.data_ptr() == splits1.data_ptr() == plan.cg_num_splits.data_ptr()
     want_md, want_splits = flashmla_backend.get_mla_metadata(second.common.seq_lens, 2 * second.num_heads, 1)
     assert torch.equal(tile1, want_md) and torch.equal(splits1, want_splits)  # the captured views see new values
     assert not torch.equal(tile1_values, want_md)
@@ -566,7 +567,9 @@ def test_cuda_graph_buffers_are_persistent_and_refreshed():
 
 def test_eager_mode_allocates_no_graph_buffers():
     plugin = Plugin(vllm_config(64))
-    assert plugin.builder.cg_tile_scheduler_metadata is None and plugin.builder.cg_num_splits is None
+    plan = plugin.builder.plan
+    assert not plan.has_graph_buffers
+    assert plan.cg_tile_scheduler_metadata is None and plan.cg_num_splits is None
 
 
 def test_debug_break_scale_hook_breaks_the_comparison(monkeypatch):

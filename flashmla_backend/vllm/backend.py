@@ -13,8 +13,10 @@ import torch
 
 from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
 
-from .builder import KERNEL_PAGE_SIZE, FlashMLAPluginMetadataBuilder
-from .impl import LATENT_DIM, ROPE_DIM, SUPPORTED_KV_CACHE_DTYPES, FlashMLAPluginImpl
+from flashmla_backend.geometry import HEAD_DIM_K, PAGE_SIZE
+
+from .builder import FlashMLAPluginMetadataBuilder
+from .impl import SUPPORTED_KV_CACHE_DTYPES, FlashMLAPluginImpl
 
 _KV_DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,11 +41,11 @@ class FlashMLAPluginBackend(MLACommonBackend):
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int]:
         # vLLM splits KV-manager blocks of any multiple of 64 tokens into 64-token kernel blocks.
-        return [KERNEL_PAGE_SIZE]
+        return [PAGE_SIZE]
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [LATENT_DIM + ROPE_DIM]
+        return [HEAD_DIM_K]
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
@@ -75,9 +77,9 @@ class FlashMLAPluginBackend(MLACommonBackend):
             reasons.append("flashmla_backend serves only MLA models (DeepSeek-V2/V3 architecture)")
         if use_sparse:
             reasons.append("flashmla_backend has no sparse MLA (DeepSeek-V3.2 indexer) decode")
-        if block_size is not None and block_size % KERNEL_PAGE_SIZE != 0:
+        if block_size is not None and block_size % PAGE_SIZE != 0:
             reasons.append(
-                f"flashmla_backend needs a KV block size that is a multiple of {KERNEL_PAGE_SIZE}: 64, 128 or 256 "
+                f"flashmla_backend needs a KV block size that is a multiple of {PAGE_SIZE}: 64, 128 or 256 "
                 f"work (larger blocks are split into 64-token kernel blocks), {block_size} does not; use "
                 "--block-size 64 or leave --block-size unset")
         if kv_cache_dtype is not None and kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:

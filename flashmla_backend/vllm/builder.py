@@ -12,7 +12,8 @@ block: padded requests point at it and have length 0.
 Full CUDA graphs (AttentionCGSupport.UNIFORM_BATCH): decode batches whose requests all have the same
 query length are captured and replayed. The builder runs eagerly before every replay; it writes the
 fresh metadata into buffers allocated once (`[num_SMs, 8]` and `[max_num_seqs + 1]` int32) so that
-the captured kernels, which hold those addresses, read this step's values.
+the captured kernels, which hold those addresses, read this step's values. flashmla_backend.plan.DecodePlan
+owns those buffers and the scheduler call (the SGLang adapter uses the same plan).
 """
 from __future__ import annotations
 
@@ -30,12 +31,8 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport
 
-import flashmla_backend
-from flashmla_backend import device as _device
-from flashmla_backend import scheduler as _scheduler
-
-KERNEL_PAGE_SIZE = _scheduler.PAGE_SIZE  # 64 tokens per kernel block
-SCHED_META_INTS = _scheduler.META_INTS  # 8 int32 per scheduler part
+from flashmla_backend.geometry import PAGE_SIZE
+from flashmla_backend.plan import DecodePlan, DecodeStep
 
 
 @dataclass
@@ -84,10 +81,10 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, FlashMLAPluginMetadata)
-        if kv_cache_spec.block_size != KERNEL_PAGE_SIZE:
+        if kv_cache_spec.block_size != PAGE_SIZE:
             raise ValueError(
                 f"flashmla_backend: kernel block size {kv_cache_spec.block_size}; the decode kernel reads "
-                f"{KERNEL_PAGE_SIZE}-token pages. Use --block-size 64, 128 or 256 (a multiple of 64), or leave it unset."
+                f"{PAGE_SIZE}-token pages. Use --block-size 64, 128 or 256 (a multiple of 64), or leave it unset."
             )
         if self.dcp_world_size > 1:
             raise NotImplementedError(
@@ -95,15 +92,13 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
             )
         self.num_q_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
 
-        # Persistent metadata buffers for full CUDA graphs (see the module docstring).
-        self.cg_tile_scheduler_metadata: torch.Tensor | None = None
-        self.cg_num_splits: torch.Tensor | None = None
-        if self.compilation_config.cudagraph_mode.has_full_cudagraphs():
-            max_parts = _device.sm_count(torch.device(device))  # num_sm_parts <= number of SMs
-            self.cg_tile_scheduler_metadata = torch.zeros(
-                (max_parts, SCHED_META_INTS), dtype=torch.int32, device=device)
-            self.cg_num_splits = torch.zeros(
-                (vllm_config.scheduler_config.max_num_seqs + 1,), dtype=torch.int32, device=device)
+        # With full CUDA graphs every decode build writes into the plan's persistent buffers (see the
+        # module docstring); without them the plan hands out fresh tensors.
+        self.plan = DecodePlan(
+            device, num_q_heads=self.num_q_heads,
+            max_batch=(vllm_config.scheduler_config.max_num_seqs
+                       if self.compilation_config.cudagraph_mode.has_full_cudagraphs() else None),
+            max_batch_name="max_num_seqs")
 
     def _build_decode(
         self,
@@ -117,22 +112,8 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
         max_query_len: int | None = None,  # passed by vLLM >= 0.33; s_q is derived exactly below instead
     ) -> FlashMLAPluginDecodeMetadata:
         s_q = uniform_query_len(query_start_loc_cpu, num_decode_tokens)
-        tile_md, num_splits = flashmla_backend.get_mla_metadata(
-            seq_lens_device, s_q * self.num_q_heads, 1)  # MLA decode: one latent KV head
-
-        if self.cg_tile_scheduler_metadata is not None:
-            assert self.cg_num_splits is not None
-            parts, b1 = tile_md.shape[0], num_splits.shape[0]
-            if parts > self.cg_tile_scheduler_metadata.shape[0] or b1 > self.cg_num_splits.shape[0]:
-                raise RuntimeError(
-                    f"flashmla_backend: scheduler metadata ({parts} parts, {b1 - 1} requests) exceeds the CUDA-graph "
-                    f"buffers ({self.cg_tile_scheduler_metadata.shape[0]} parts, {self.cg_num_splits.shape[0] - 1} "
-                    "requests = max_num_seqs)"
-                )
-            self.cg_tile_scheduler_metadata[:parts].copy_(tile_md)
-            self.cg_num_splits[:b1].copy_(num_splits)
-            tile_md = self.cg_tile_scheduler_metadata[:parts]
-            num_splits = self.cg_num_splits[:b1]
+        tile_md, num_splits = self.plan.schedule(
+            DecodeStep(cache_seqlens=seq_lens_device, query_len=s_q), graph=self.plan.has_graph_buffers)
 
         return FlashMLAPluginDecodeMetadata(
             block_table=block_table_tensor,

@@ -15,14 +15,13 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
 
 import flashmla_backend
+from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, ROPE_DIM
 
 from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
 from .builder import FlashMLAPluginMetadata
 
 logger = logging.getLogger("vllm.flashmla_backend")
 
-LATENT_DIM = 512  # kv_lora_rank: the value width and the latent part of the key
-ROPE_DIM = 64
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
 _announced = False
 
@@ -58,9 +57,9 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
             raise NotImplementedError(
                 f"flashmla_backend: KV cache dtype {kv_cache_dtype!r} is not supported (no FP8 KV cache yet); "
                 f"use --kv-cache-dtype {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
-        if self.kv_lora_rank != LATENT_DIM or self.qk_rope_head_dim != ROPE_DIM or head_size != LATENT_DIM + ROPE_DIM:
+        if self.kv_lora_rank != HEAD_DIM_V or self.qk_rope_head_dim != ROPE_DIM or head_size != HEAD_DIM_K:
             raise NotImplementedError(
-                f"flashmla_backend: the decode kernel needs kv_lora_rank {LATENT_DIM} and qk_rope_head_dim {ROPE_DIM} "
+                f"flashmla_backend: the decode kernel needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim {ROPE_DIM} "
                 f"(DeepSeek-V2/V3 MLA), got kv_lora_rank {self.kv_lora_rank}, qk_rope_head_dim "
                 f"{self.qk_rope_head_dim}, head size {head_size}")
         if torch.cuda.is_available():
