@@ -45,10 +45,11 @@ from sglang.test.kits.attention_unittest.runner_modes import (  # noqa: E402
 )
 
 import flashmla_backend.sglang as plugin  # noqa: E402
+from flashmla_backend import geometry  # noqa: E402
 from flashmla_backend.sglang.backend import FlashMLAPluginBackend  # noqa: E402
 
 OURS, TRITON = plugin.BACKEND_NAME, "triton"
-LATENT, ROPE, PAGE = 512, 64, 64
+LATENT, ROPE, PAGE = geometry.HEAD_DIM_V, geometry.ROPE_DIM, geometry.PAGE_SIZE
 MAX_CONTEXT = 2048
 ATOL, RTOL = kit.MLA_ATOL, kit.MLA_RTOL
 MLA_SHAPES = dict(kv_lora_rank=LATENT, qk_rope_head_dim=ROPE, max_context_len=MAX_CONTEXT)

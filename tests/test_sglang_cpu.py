@@ -113,13 +113,14 @@ with torchvision_stand_in():
         FlashMLAPluginBackend,
         FlashMLAPluginMultiStepDraftBackend,
     )
-    from flashmla_backend.sglang.metadata import PAGE_SIZE, DecodeMetadataBuilder, fill_block_table  # noqa: E402
+    from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE, ROPE_DIM  # noqa: E402
+    from flashmla_backend.sglang.metadata import DecodeMetadataBuilder, fill_block_table  # noqa: E402
 
     register()
 
 REPO = Path(__file__).resolve().parents[1]
-LATENT, ROPE = 512, 64
-HEAD = LATENT + ROPE
+LATENT, ROPE = HEAD_DIM_V, ROPE_DIM
+HEAD = HEAD_DIM_K
 HEADS = 16
 MAX_CONTEXT = 1024
 POOL_REQS = 4
@@ -576,8 +577,8 @@ def test_cuda_graph_buffers_are_persistent_and_refreshed(runners):
     captured = backend.decode_metadata
     cg = backend.decode_builder
     assert captured.block_table.data_ptr() == cg.cg_block_table.data_ptr()
-    assert captured.tile_scheduler_metadata.data_ptr() == cg.cg_tile_scheduler_metadata.data_ptr()
-    assert captured.num_splits.data_ptr() == cg.cg_num_splits.data_ptr()
+    assert captured.tile_scheduler_metadata.data_ptr() == cg.plan.cg_tile_scheduler_metadata.data_ptr()
+    assert captured.num_splits.data_ptr() == cg.plan.cg_num_splits.data_ptr()
     assert captured.cache_seqlens.data_ptr() == cg.cg_cache_seqlens.data_ptr()
     backend.init_forward_metadata_in_graph(fb1)
     q1 = first.queries(1)

@@ -27,22 +27,13 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 import flashmla_backend
+from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE, ROPE_DIM
 
 from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
-from .metadata import (
-    MODE_DECODE,
-    MODE_DRAFT_EXTEND,
-    MODE_TARGET_VERIFY,
-    PAGE_SIZE,
-    DecodeMetadata,
-    DecodeMetadataBuilder,
-)
+from .metadata import MODE_DECODE, MODE_DRAFT_EXTEND, MODE_TARGET_VERIFY, DecodeMetadata, DecodeMetadataBuilder
 
 logger = logging.getLogger("sglang.flashmla_backend")
 
-LATENT_DIM = 512  # kv_lora_rank: the value width and the latent part of the key
-ROPE_DIM = 64
-HEAD_DIM = LATENT_DIM + ROPE_DIM
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 _announced = False
 
@@ -72,8 +63,8 @@ def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
         reasons.append("flashmla_backend serves only MLA models (DeepSeek-V2/V3 architecture)")
         return reasons
     rank, rope = getattr(cfg, "kv_lora_rank", None), getattr(cfg, "qk_rope_head_dim", None)
-    if (rank, rope) != (LATENT_DIM, ROPE_DIM):
-        reasons.append(f"flashmla_backend's decode kernel needs kv_lora_rank {LATENT_DIM} and qk_rope_head_dim "
+    if (rank, rope) != (HEAD_DIM_V, ROPE_DIM):
+        reasons.append(f"flashmla_backend's decode kernel needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim "
                        f"{ROPE_DIM} (DeepSeek-V2/V3 MLA), got {rank} and {rope}")
     if model_runner.page_size != PAGE_SIZE:
         reasons.append(f"flashmla_backend needs --page-size {PAGE_SIZE} (got {model_runner.page_size}); the "
@@ -203,28 +194,28 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
         bs, s_q = md.batch_size, md.query_len
         heads = layer.tp_q_head_num
-        if layer.head_dim != HEAD_DIM or layer.v_head_dim != LATENT_DIM:
+        if layer.head_dim != HEAD_DIM_K or layer.v_head_dim != HEAD_DIM_V:
             raise RuntimeError(
                 f"flashmla_backend: layer {layer.layer_id} has head_dim {layer.head_dim}, v_head_dim "
-                f"{layer.v_head_dim}; the decode kernel needs {HEAD_DIM} and {LATENT_DIM} (absorbed MLA)")
-        rows = q.numel() // (heads * HEAD_DIM)
+                f"{layer.v_head_dim}; the decode kernel needs {HEAD_DIM_K} and {HEAD_DIM_V} (absorbed MLA)")
+        rows = q.numel() // (heads * HEAD_DIM_K)
         if rows != bs * s_q:
             raise RuntimeError(
                 f"flashmla_backend: {mode} got {rows} query rows for {bs} requests of {s_q} tokens "
                 "(a widened draft window, num_front_tokens > 0, is not supported)")
         kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)  # [num_slots, 1, 576]
         out, _lse = flashmla_backend.flash_mla_with_kvcache(
-            q.reshape(bs, s_q, heads, HEAD_DIM),
-            kv.view(-1, PAGE_SIZE, 1, HEAD_DIM),  # [num_pages, 64, 1 latent head, 576]
+            q.reshape(bs, s_q, heads, HEAD_DIM_K),
+            kv.view(-1, PAGE_SIZE, 1, HEAD_DIM_K),  # [num_pages, 64, 1 latent head, 576]
             md.block_table,
             md.cache_seqlens,
-            LATENT_DIM,
+            HEAD_DIM_V,
             md.tile_scheduler_metadata,
             md.num_splits,
             softmax_scale=layer.scaling * self.decode_scale_factor,
             causal=s_q > 1,
         )
-        return out.view(-1, heads * LATENT_DIM)
+        return out.view(-1, heads * HEAD_DIM_V)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         return self._run_decode_kernel(q, k, v, layer, forward_batch, save_kv_cache, MODE_DECODE)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 
+from flashmla_backend.geometry import PAGE_SIZE
+
 logger = logging.getLogger("sglang.flashmla_backend")
 
 PAGE_SIZE_TARGET = "sglang.srt.arg_groups.overrides._mla_backend_page_constraints"
@@ -24,7 +26,6 @@ DRAFT_FACTORY_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory._
 HANDLER_AS = "triton"
 # KV-cache dtypes the decode kernel reads (the model dtype); "auto" follows the model.
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16")
-PAGE_SIZE = 64
 
 
 def _names(view) -> tuple:
@@ -46,8 +47,8 @@ def page_size_constraints(result, view, *args, **kwargs):
     declared = dict(result or {})
     page_size = declared.get("page_size", getattr(view, "page_size", None))
     if page_size != PAGE_SIZE:
-        logger.warning("flashmla_backend: the decode kernel reads 64-token pages, changing page_size %s to 64.",
-                       page_size)
+        logger.warning("flashmla_backend: the decode kernel reads %d-token pages, changing page_size %s to %d.",
+                       PAGE_SIZE, page_size, PAGE_SIZE)
         declared["page_size"] = PAGE_SIZE
     return declared
 

@@ -17,6 +17,10 @@ Key lengths per mode (q rows are request-major, s_q rows per request):
 step_offset is 0 except in the multi-step draft decoder, whose step i reads the i + 1 draft tokens
 written after seq_len (topk = 1). With s_q > 1 attention is causal inside the window: row s of a
 request sees keys 0 .. kv_len - s_q + s.
+
+The tile-scheduler metadata, and its persistent CUDA-graph buffers, come from flashmla_backend.plan
+(the vLLM adapter uses the same plan); this module adds the page table and key lengths, whose graph
+buffers live here.
 """
 from __future__ import annotations
 
@@ -24,11 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-import flashmla_backend
-from flashmla_backend import scheduler as _scheduler
-
-PAGE_SIZE = _scheduler.PAGE_SIZE  # 64 tokens per page: the kernels' page size
-SCHED_META_INTS = _scheduler.META_INTS  # 8 int32 per scheduler part
+from flashmla_backend.geometry import PAGE_SIZE
+from flashmla_backend.plan import DecodePlan, DecodeStep
 
 MODE_DECODE = "decode"
 MODE_TARGET_VERIFY = "target_verify"
@@ -78,7 +79,8 @@ class DecodeMetadataBuilder:
 
     Eager batches get fresh tensors. CUDA-graph batches (`graph=True`, after `init_graph_buffers`)
     write into buffers allocated once, whose addresses the captured kernels hold, so that every
-    replay reads that step's values.
+    replay reads that step's values: the key lengths and page table here, the scheduler metadata in
+    `plan` (a flashmla_backend.plan.DecodePlan).
     """
 
     def __init__(self, *, req_to_token: torch.Tensor, num_q_heads: int, num_draft_tokens: int | None,
@@ -90,11 +92,9 @@ class DecodeMetadataBuilder:
         self.device = req_to_token.device
         # Enough pages for any position of req_to_token (+1: a draft window may end past a page edge).
         self.max_pages = pages_for(req_to_token.shape[1]) + 1
-        self.graph_max_bs = 0
+        self.plan = DecodePlan(self.device, num_q_heads=num_q_heads, max_batch_name="cuda_graph_max_bs")
         self.cg_cache_seqlens: torch.Tensor | None = None
         self.cg_block_table: torch.Tensor | None = None
-        self.cg_tile_scheduler_metadata: torch.Tensor | None = None
-        self.cg_num_splits: torch.Tensor | None = None
 
     # ---- modes ----------------------------------------------------------------------------------
 
@@ -124,15 +124,9 @@ class DecodeMetadataBuilder:
 
     def init_graph_buffers(self, max_bs: int) -> None:
         """Allocate the persistent buffers for batches of up to max_bs requests (CUDA graphs)."""
-        from flashmla_backend import device as _device
-
-        self.graph_max_bs = max_bs
+        self.plan.allocate_graph_buffers(max_bs)
         self.cg_cache_seqlens = torch.zeros((max_bs,), dtype=torch.int32, device=self.device)
         self.cg_block_table = torch.zeros((max_bs, self.max_pages), dtype=torch.int32, device=self.device)
-        # num_sm_parts <= the device's SM count, whatever s_q and the head count.
-        self.cg_tile_scheduler_metadata = torch.zeros(
-            (_device.sm_count(self.device), SCHED_META_INTS), dtype=torch.int32, device=self.device)
-        self.cg_num_splits = torch.zeros((max_bs + 1,), dtype=torch.int32, device=self.device)
 
     # ---- build ----------------------------------------------------------------------------------
 
@@ -148,10 +142,7 @@ class DecodeMetadataBuilder:
         if graph:
             if self.cg_block_table is None:
                 raise RuntimeError("flashmla_backend: CUDA-graph batch before init_cuda_graph_state")
-            if bs > self.graph_max_bs:
-                raise RuntimeError(
-                    f"flashmla_backend: CUDA-graph batch of {bs} requests exceeds the {self.graph_max_bs} "
-                    "the graph buffers were allocated for")
+            self.plan.check_graph_batch(bs)  # before writing into the buffers below
             cache_seqlens = self.cg_cache_seqlens[:bs]
             cache_seqlens.copy_(kv_lens)
             block_table = fill_block_table(self.req_to_token, req_pool_indices, cache_seqlens,
@@ -166,16 +157,6 @@ class DecodeMetadataBuilder:
             block_table = torch.empty((bs, pages), dtype=torch.int32, device=self.device)
             fill_block_table(self.req_to_token, req_pool_indices, cache_seqlens, block_table)
 
-        tile_md, num_splits = flashmla_backend.get_mla_metadata(cache_seqlens, s_q * self.num_q_heads, 1)
-        if graph:
-            parts = tile_md.shape[0]
-            if parts > self.cg_tile_scheduler_metadata.shape[0]:
-                raise RuntimeError(
-                    f"flashmla_backend: {parts} scheduler parts exceed the CUDA-graph buffer "
-                    f"({self.cg_tile_scheduler_metadata.shape[0]})")
-            self.cg_tile_scheduler_metadata[:parts].copy_(tile_md)
-            self.cg_num_splits[:bs + 1].copy_(num_splits)
-            tile_md = self.cg_tile_scheduler_metadata[:parts]
-            num_splits = self.cg_num_splits[:bs + 1]
+        tile_md, num_splits = self.plan.schedule(DecodeStep(cache_seqlens=cache_seqlens, query_len=s_q), graph=graph)
         return DecodeMetadata(mode=mode, batch_size=bs, query_len=s_q, cache_seqlens=cache_seqlens,
                               block_table=block_table, tile_scheduler_metadata=tile_md, num_splits=num_splits)
