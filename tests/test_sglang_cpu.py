@@ -92,8 +92,11 @@ def torchvision_stand_in():
             del sys.modules[name]
 
 
+if importlib.util.find_spec("sglang") is None:  # before the stand-in, which needs SGLang's transformers
+    pytest.skip("SGLang is not installed", allow_module_level=True)
+
 with torchvision_stand_in():
-    sglang = pytest.importorskip("sglang")  # skips the module where SGLang is not installed
+    sglang = pytest.importorskip("sglang")
     from sglang.srt.layers.attention import attention_registry  # noqa: E402
     from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
