@@ -1,4 +1,4 @@
-"""Nsight Compute profile of the decode kernels on the issue-3 shapes (what limits each).
+"""Nsight Compute profile of the decode kernels on the main benchmark shapes (what limits each).
 
     ncu --target-processes all -k regex:"decode_kernel|combine_kernel" --section SpeedOfLight \
         --section WarpStateStats --section Occupancy --csv python benchmarks/profile_ncu.py [shapes...]
@@ -14,10 +14,10 @@ import argparse
 import os
 
 import torch
+from mla_bench import make_inputs, make_seqlens, parse_shapes
 
 import flashmla_backend as fb
 from flashmla_backend import device
-from flashmla_backend.bench import make_inputs, make_seqlens, parse_shapes
 
 
 def main() -> None:
