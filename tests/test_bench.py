@@ -346,11 +346,11 @@ def _rows():
     work = shapes.count_work([8192] * 4, 16, 1, True, 2)
     rows = []
     for impl, us, verdict in (("ours", 50.0, "ok"), ("flashmla", 60.0, "ok"), ("naive", 900.0, "WRONG")):
-        r = run._base_row(shapes.Shape(4, 8192, 16), cfg, work, 3, impl, "plain")
-        run._fill(r, timing.Timing(us, us - 1, us + 1, "fake"), work, CEILINGS)
+        r = run.base_row(shapes.Shape(4, 8192, 16), cfg, work, 3, impl, "plain")
+        run.fill_timing(r, timing.Timing(us, us - 1, us + 1, "fake"), work, CEILINGS)
         r.update(check=verdict, max_row_err=float("nan") if verdict == "WRONG" else 1e-3)
         rows.append(r)
-    fa3 = run._base_row(shapes.Shape(4, 8192, 16), cfg, work, 3, "fa3", "plain")
+    fa3 = run.base_row(shapes.Shape(4, 8192, 16), cfg, work, 3, "fa3", "plain")
     fa3.update(status="unavailable", reason="no vllm")
     rows.append(fa3)
     run.add_speedups(rows)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 
 from .impls import IMPL_LABELS, IMPLS, METADATA_IMPL
-from .run import Config, _base_row
+from .run import Config, base_row
 from .shapes import PAGE_SIZE, Shape, Work
 from .timing import Ceilings
 
@@ -94,7 +94,7 @@ def write_json(path: str, env: dict, cfg: Config, ceilings: Optional[Ceilings], 
         f.write("\n")
 
 
-CSV_FIELDS = list(_base_row(Shape(1, 1, 1), Config([], []), Work(0, 1, 0, 0, 0), 1, "", "").keys()) + [
+CSV_FIELDS = list(base_row(Shape(1, 1, 1), Config([], []), Work(0, 1, 0, 0, 0), 1, "", "").keys()) + [
     "copy_gbs", "matmul_tflops"]
 
 

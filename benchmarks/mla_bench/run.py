@@ -50,7 +50,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _base_row(shape: Shape, cfg: Config, work: Work, copies: int, impl: str, mode: str) -> dict:
+def base_row(shape: Shape, cfg: Config, work: Work, copies: int, impl: str, mode: str) -> dict:
+    """A result row with every column of results.csv, before timing (status ok, check unchecked)."""
     return {
         "shape": shape.name, "b": shape.b, "s_k": shape.s_k, "h_q": shape.h_q, "s_q": shape.s_q,
         "varlen": shape.varlen, "causal": cfg.causal, "dtype": cfg.dtype_name, "impl": impl, "mode": mode,
@@ -98,7 +99,8 @@ def _check_label(check: Check, have_ref: bool) -> str:
     return "ok" if have_ref else "unchecked"
 
 
-def _fill(row: dict, timing: Timing, work: Work, ceilings: Optional[Ceilings]) -> None:
+def fill_timing(row: dict, timing: Timing, work: Work, ceilings: Optional[Ceilings]) -> None:
+    """Put a timing and the metrics derived from it (TFLOP/s, GB/s, fractions of the ceilings) in a row."""
     row.update(us=timing.median_us, us_p20=timing.p20_us, us_p80=timing.p80_us, timer=timing.method)
     row.update(derive_metrics(work, timing.median_us, ceilings))
 
@@ -127,7 +129,7 @@ def run_impl(impl: str, ctx: ShapeContext, cfg: Config, work: Work, ceilings: Op
              timer: Timer, ref: Optional[tuple], ours_full: Optional[tuple], copies: int
              ) -> tuple[list[dict], Optional[tuple]]:
     """Rows (one per mode) for one implementation, and its full output (to compare others with)."""
-    rows = {m: _base_row(ctx.shape, cfg, work, copies, impl, m) for m in cfg.modes}
+    rows = {m: base_row(ctx.shape, cfg, work, copies, impl, m) for m in cfg.modes}
 
     def fail(status: str, reason: str) -> tuple[list[dict], None]:
         for r in rows.values():
@@ -168,7 +170,7 @@ def run_impl(impl: str, ctx: ShapeContext, cfg: Config, work: Work, ceilings: Op
                    max_lse_err=check.max_lse_err, vs_ours_max_row_err=vs_ours)
         try:
             t = timer(rotating(capture_graphs(best.calls)), cfg.warmup_ms, cfg.rep_ms) if mode == "graph" else timing
-            _fill(row, t, work, ceilings)
+            fill_timing(row, t, work, ceilings)
         except Exception as e:
             row.update(status="unavailable", reason=f"{mode} timing failed: {_reason(e)}")
     return list(rows.values()), result
@@ -177,7 +179,7 @@ def run_impl(impl: str, ctx: ShapeContext, cfg: Config, work: Work, ceilings: Op
 def run_metadata(ctx: ShapeContext, cfg: Config, work: Work, timer: Timer, copies: int) -> list[dict]:
     rows = []
     for mode in cfg.modes:
-        row = _base_row(ctx.shape, cfg, work, copies, METADATA_IMPL, mode)
+        row = base_row(ctx.shape, cfg, work, copies, METADATA_IMPL, mode)
         row.update(check="n/a", flops=None, bytes=None, intensity=None)
         try:
             fn = metadata_call(ctx)
