@@ -1,12 +1,13 @@
-"""Run the MLA decode benchmark: same as `python -m flashmla_backend.bench` (see README.md here)."""
-import importlib.util
-import os
+#!/usr/bin/env python3
+"""The MLA decode benchmark: `python benchmarks/bench.py --help`; options and method in benchmarks/README.md.
+
+Times flashmla_backend against vLLM's MLA decode kernels (bundled FlashMLA, Triton MLA, FA3 MLA) and a naive
+PyTorch decode on the same inputs, with the GPU's copy bandwidth and matmul rate measured in the same run.
+The harness lives in benchmarks/mla_bench/.
+"""
 import sys
 
-if importlib.util.find_spec("flashmla_backend") is None:   # not installed: use this checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from flashmla_backend.bench import main
+from mla_bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

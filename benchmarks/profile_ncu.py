@@ -1,4 +1,4 @@
-"""Nsight Compute profile of the decode kernels on the issue-3 shapes (what limits each).
+"""Nsight Compute profile of the decode kernels on the main benchmark shapes (what limits each).
 
     ncu --target-processes all -k regex:"decode_kernel|combine_kernel" --section SpeedOfLight \
         --section WarpStateStats --section Occupancy --csv python benchmarks/profile_ncu.py [shapes...]
@@ -14,10 +14,10 @@ import argparse
 import os
 
 import torch
+from mla_bench import make_inputs, make_seqlens, parse_shapes
 
 import flashmla_backend as fb
 from flashmla_backend import device
-from flashmla_backend.bench import make_inputs, make_seqlens, parse_shapes
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
             for _ in range(2):
                 fmi.flash_mla_with_kvcache(q, cache, table, seqlens, 512, sched, None, causal=True)
             torch.cuda.synchronize()
-            print(f"profiled {shape} with vLLM's FlashMLA", flush=True)
+            print(f"profiled {shape.name} with vLLM's FlashMLA", flush=True)
         if "ours" not in impls:
             continue
         meta, ns = fb.get_mla_metadata(seqlens, shape.s_q * shape.h_q, 1)
@@ -48,7 +48,7 @@ def main() -> None:
             for _ in range(2):
                 fb.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, ns, causal=True)
             torch.cuda.synchronize()
-            print(f"profiled {shape} with {kernel}", flush=True)
+            print(f"profiled {shape.name} with {kernel}", flush=True)
 
 
 if __name__ == "__main__":

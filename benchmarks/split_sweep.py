@@ -4,7 +4,7 @@
     python benchmarks/split_sweep.py [--shapes b1-sk8192-h128,b8-sk8192-h128] [--parts 11,16,22,33,66,132] \
         [--warmup 25] [--rep 100]
 
-For each shape (the benchmark's shape syntax and input generator, flashmla_backend.bench: one KV head,
+For each shape (the benchmark's shape syntax and input generator, benchmarks/mla_bench: one KV head,
 bf16, causal, shuffled pages) and each part count P, the metadata is built with P parts
 (flashmla_backend.ops._metadata_impl, the scheduler of get_mla_metadata, which uses P = SMs / m-tiles),
 one decode call is captured in a CUDA graph, and the
@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from mla_bench import capture_graphs, make_inputs, make_seqlens, parse_shapes, time_with_events
 
 import flashmla_backend as fb
 from flashmla_backend import ops
-from flashmla_backend.bench import _time_with_events, capture_graphs, make_inputs, make_seqlens, parse_shapes
 
 
 def kernel_times(fn, n: int = 20) -> dict[str, float]:
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
             def call():
                 return fb.flash_mla_with_kvcache(q, kc, table, lens, 512, meta, splits, causal=True)
 
-            timing = _time_with_events(capture_graphs([call])[0], args.warmup, args.rep)
+            timing = time_with_events(capture_graphs([call])[0], args.warmup, args.rep)
             busy = int((meta[:, 0] <= meta[:, 2]).sum())
             kernels = ", ".join(f"{k} {v:.1f}" for k, v in kernel_times(call).items())
             mark = " (default)" if parts == default_parts else ""

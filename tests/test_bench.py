@@ -1,6 +1,7 @@
-"""CPU tests of the benchmark harness's pure parts (flashmla_backend/bench.py).
+"""CPU tests of the benchmark harness's pure parts (benchmarks/mla_bench, run as benchmarks/bench.py).
 
 Timing and the vLLM kernels need a GPU; the last test runs the --quick benchmark when one is present.
+The harness is not part of the installed package: it is imported from the checkout's benchmarks/ folder.
 """
 from __future__ import annotations
 
@@ -9,23 +10,29 @@ import csv
 import json
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from flashmla_backend import bench
-from flashmla_backend.reference import mla_decode_reference
+from flashmla_backend.reference import mla_decode_reference, naive_mla_decode
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+from mla_bench import check, cli, impls, report, run, shapes, timing  # noqa: E402
 
 CPU = torch.device("cpu")
-CEILINGS = bench.Ceilings(copy_gbs=3000.0, matmul_tflops=700.0, copy_bytes=1 << 30, matmul_n=8192, dtype="bf16")
+CEILINGS = timing.Ceilings(copy_gbs=3000.0, matmul_tflops=700.0, copy_bytes=1 << 30, matmul_n=8192, dtype="bf16")
 
 
 # ---- shapes -----------------------------------------------------------------------------------
 
 def test_parse_shape_forms():
-    assert bench.parse_shape("b128-sk8192-h128-sq1") == bench.Shape(128, 8192, 128, 1, False)
-    assert bench.parse_shape(" B128-VARLEN4096-h16-sq2 ") == bench.Shape(128, 4096, 16, 2, True)
-    assert bench.parse_shape("b1-sk64-h128") == bench.Shape(1, 64, 128, 1, False)   # s_q defaults to 1
+    assert shapes.parse_shape("b128-sk8192-h128-sq1") == shapes.Shape(128, 8192, 128, 1, False)
+    assert shapes.parse_shape(" B128-VARLEN4096-h16-sq2 ") == shapes.Shape(128, 4096, 16, 2, True)
+    assert shapes.parse_shape("b1-sk64-h128") == shapes.Shape(1, 64, 128, 1, False)   # s_q defaults to 1
 
 
 @pytest.mark.parametrize("text", ["", "b128", "128-8192-128-1", "b128-sk8192-h128-sq1-x", "b128-sk-h1",
@@ -33,41 +40,41 @@ def test_parse_shape_forms():
                                   "b-1-sk8-h1-sq1", "b1.5-sk8-h1-sq1"])
 def test_parse_shape_rejects(text):
     with pytest.raises(ValueError, match="bad shape"):
-        bench.parse_shape(text)
+        shapes.parse_shape(text)
 
 
 def test_shape_name_round_trips():
-    for shape in bench.DEFAULT_SHAPES + bench.QUICK_SHAPES:
-        assert bench.parse_shape(shape.name) == shape
+    for shape in shapes.DEFAULT_SHAPES + shapes.QUICK_SHAPES:
+        assert shapes.parse_shape(shape.name) == shape
 
 
 def test_parse_shapes_list_and_errors():
-    shapes = bench.parse_shapes("b1-sk64-h16, b2-varlen100-h128-sq2 b1-sk64-h16-sq1")
-    assert [s.name for s in shapes] == ["b1-sk64-h16-sq1", "b2-varlen100-h128-sq2"]   # duplicate dropped
+    parsed = shapes.parse_shapes("b1-sk64-h16, b2-varlen100-h128-sq2 b1-sk64-h16-sq1")
+    assert [s.name for s in parsed] == ["b1-sk64-h16-sq1", "b2-varlen100-h128-sq2"]   # duplicate dropped
     with pytest.raises(ValueError, match="empty"):
-        bench.parse_shapes(" , ")
+        shapes.parse_shapes(" , ")
     with pytest.raises(ValueError, match="b2-xx"):
-        bench.parse_shapes("b1-sk64-h16,b2-xx")
+        shapes.parse_shapes("b1-sk64-h16,b2-xx")
 
 
-def test_default_shapes_cover_issue_3_and_the_brief():
-    names = [s.name for s in bench.DEFAULT_SHAPES]
-    targets = ["b128-sk8192-h128-sq1", "b128-sk8192-h128-sq2", "b128-sk8192-h16-sq1", "b64-sk8192-h32-sq1",
+def test_default_shapes_start_with_the_main_shapes():
+    names = [s.name for s in shapes.DEFAULT_SHAPES]
+    main_shapes = ["b128-sk8192-h128-sq1", "b128-sk8192-h128-sq2", "b128-sk8192-h16-sq1", "b64-sk8192-h32-sq1",
                "b1-sk8192-h128-sq1", "b128-varlen4096-h128-sq1", "b128-varlen4096-h16-sq1"]
-    brief = ["b128-sk4096-h16-sq1", "b128-sk4096-h128-sq1", "b128-sk8192-h64-sq2", "b16-sk32768-h128-sq1",
+    more = ["b128-sk4096-h16-sq1", "b128-sk4096-h128-sq1", "b128-sk8192-h64-sq2", "b16-sk32768-h128-sq1",
              "b8-sk2048-h16-sq1"]
-    assert names[:len(targets)] == targets
-    assert set(brief) <= set(names)
+    assert names[:len(main_shapes)] == main_shapes
+    assert set(more) <= set(names)
     assert len(names) == len(set(names))
 
 
 def test_make_seqlens():
-    assert bench.make_seqlens(bench.Shape(3, 100, 16), seed=5) == [100, 100, 100]
-    shape = bench.Shape(4096, 4096, 16, 1, True)
-    lens = bench.make_seqlens(shape, seed=0)
-    assert lens == bench.make_seqlens(shape, seed=0)                       # deterministic
-    assert lens != bench.make_seqlens(shape, seed=1)
-    assert bench.make_seqlens(bench.Shape(4096, 4096, 128, 2, True), seed=0) == lens   # same for other heads
+    assert shapes.make_seqlens(shapes.Shape(3, 100, 16), seed=5) == [100, 100, 100]
+    shape = shapes.Shape(4096, 4096, 16, 1, True)
+    lens = shapes.make_seqlens(shape, seed=0)
+    assert lens == shapes.make_seqlens(shape, seed=0)                       # deterministic
+    assert lens != shapes.make_seqlens(shape, seed=1)
+    assert shapes.make_seqlens(shapes.Shape(4096, 4096, 128, 2, True), seed=0) == lens   # same for other heads
     assert min(lens) >= 1 and all(isinstance(n, int) for n in lens)
     t = torch.tensor(lens, dtype=torch.float64)
     assert abs(t.mean().item() - 4096) < 0.05 * 4096                    # N(4096, 2048) clipped at 1
@@ -79,37 +86,37 @@ def test_make_seqlens():
 
 def test_visible_keys():
     # n=5, s_q=2 causal: token 0 sees 4 keys, token 1 sees 5. n=1: token 0 sees none, token 1 one.
-    assert bench.visible_keys([5, 1], 2, causal=True) == 10
-    assert bench.visible_keys([5, 1], 2, causal=False) == 12
-    assert bench.visible_keys([7, 0], 1, causal=True) == 7
-    assert bench.visible_keys([3], 4, causal=True) == 0 + 1 + 2 + 3
+    assert shapes.visible_keys([5, 1], 2, causal=True) == 10
+    assert shapes.visible_keys([5, 1], 2, causal=False) == 12
+    assert shapes.visible_keys([7, 0], 1, causal=True) == 7
+    assert shapes.visible_keys([3], 4, causal=True) == 0 + 1 + 2 + 3
 
 
 def test_count_work_by_hand():
-    w = bench.count_work([100, 28], h_q=16, s_q=1, causal=True, elem_size=2)
+    w = shapes.count_work([100, 28], h_q=16, s_q=1, causal=True, elem_size=2)
     assert w.flops == 2 * 16 * 1088 * 128
     assert w.kv_bytes == 128 * 576 * 2
     assert w.bytes == 128 * 576 * 2 + 2 * 16 * 576 * 2 + 2 * 16 * 512 * 2 + 2 * 16 * 4
     assert w.sum_seqlen == 128 and w.visible_keys == 128
     assert w.intensity == pytest.approx(w.flops / w.bytes)
-    w2 = bench.count_work([8192] * 128, h_q=128, s_q=2, causal=True, elem_size=2)
+    w2 = shapes.count_work([8192] * 128, h_q=128, s_q=2, causal=True, elem_size=2)
     assert w2.flops == 2 * 128 * 1088 * 128 * (8191 + 8192)                 # causal keys counted exactly
     assert w2.kv_bytes == 128 * 8192 * 576 * 2                             # KV read once, not per token
 
 
 def test_derive_metrics_and_bound():
-    w = bench.Work(flops=10 ** 12, bytes=10 ** 9, kv_bytes=10 ** 9, visible_keys=1, sum_seqlen=1)
-    m = bench.derive_metrics(w, 2000.0, CEILINGS)                           # 2 ms
+    w = shapes.Work(flops=10 ** 12, bytes=10 ** 9, kv_bytes=10 ** 9, visible_keys=1, sum_seqlen=1)
+    m = timing.derive_metrics(w, 2000.0, CEILINGS)                           # 2 ms
     assert m["tflops"] == pytest.approx(500.0)
     assert m["gbs"] == pytest.approx(500.0)
     assert m["bound"] == "compute"                                          # 1000 FLOP/B > ridge 233
     assert m["frac_ceiling"] == pytest.approx(500 / 700)
     assert m["frac_bw"] == pytest.approx(500 / 3000)
     assert m["roofline_us"] == pytest.approx(1e12 / 700e12 * 1e6)
-    w = bench.Work(flops=16 * 10 ** 9, bytes=10 ** 9, kv_bytes=10 ** 9, visible_keys=1, sum_seqlen=1)
-    m = bench.derive_metrics(w, 400.0, CEILINGS)
+    w = shapes.Work(flops=16 * 10 ** 9, bytes=10 ** 9, kv_bytes=10 ** 9, visible_keys=1, sum_seqlen=1)
+    m = timing.derive_metrics(w, 400.0, CEILINGS)
     assert m["bound"] == "memory" and m["frac_ceiling"] == pytest.approx(2500 / 3000)
-    assert bench.derive_metrics(w, 400.0, None)["frac_ceiling"] is None
+    assert timing.derive_metrics(w, 400.0, None)["frac_ceiling"] is None
     assert CEILINGS.ridge == pytest.approx(700e12 / 3000e9)
 
 
@@ -117,7 +124,7 @@ def test_derive_metrics_and_bound():
 
 def test_block_table_is_a_shuffled_partition():
     lens = [1, 64, 65, 300, 0, 1000]
-    table, num_pages = bench.make_block_table(lens, torch.Generator().manual_seed(3))
+    table, num_pages = shapes.make_block_table(lens, torch.Generator().manual_seed(3))
     pages = [-(-n // 64) for n in lens]
     assert num_pages == sum(pages) and table.dtype == torch.int32
     assert table.shape == (len(lens), max(pages))
@@ -128,27 +135,27 @@ def test_block_table_is_a_shuffled_partition():
 
 
 def test_make_inputs_random_independent_copies():
-    shape = bench.Shape(3, 100, 16, 2, True)
-    lens = bench.make_seqlens(shape, 0)
-    copies = bench.make_inputs(shape, lens, torch.bfloat16, CPU, seed=0, copies=2)
+    shape = shapes.Shape(3, 100, 16, 2, True)
+    lens = shapes.make_seqlens(shape, 0)
+    copies = shapes.make_inputs(shape, lens, torch.bfloat16, CPU, seed=0, copies=2)
     assert len(copies) == 2
     a, b = copies
     assert a.q.shape == (3, 2, 16, 576) and a.q.dtype == torch.bfloat16
     assert a.k_cache.shape == (sum(-(-n // 64) for n in lens), 64, 1, 576)
     assert (a.k_cache == 0).float().mean() < 0.01 and (a.q == 0).float().mean() < 0.01   # never zeros
     assert not torch.equal(a.k_cache, b.k_cache) and not torch.equal(a.q, b.q)
-    assert a.nbytes() == bench.bytes_per_copy(shape, lens, 2)
-    again = bench.make_inputs(shape, lens, torch.bfloat16, CPU, seed=0, copies=1)[0]
+    assert a.nbytes() == shapes.bytes_per_copy(shape, lens, 2)
+    again = shapes.make_inputs(shape, lens, torch.bfloat16, CPU, seed=0, copies=1)[0]
     assert torch.equal(again.k_cache, a.k_cache) and torch.equal(again.block_table, a.block_table)
 
 
 def test_rotation_copies():
     l2 = 50 << 20
-    assert bench.rotation_copies(2 << 30, l2, 4 << 30) == 1                 # one copy >> L2
-    assert bench.rotation_copies(10 << 20, l2, 4 << 30) == 20               # 4 x L2 in total
-    assert bench.rotation_copies(10 << 20, l2, 50 << 20) == 5               # memory cap
-    assert bench.rotation_copies(1, l2, 4 << 30) == bench.MAX_COPIES
-    assert bench.rotation_copies(10 << 30, l2, 1 << 30) == 1                # never zero
+    assert shapes.rotation_copies(2 << 30, l2, 4 << 30) == 1                 # one copy >> L2
+    assert shapes.rotation_copies(10 << 20, l2, 4 << 30) == 20               # 4 x L2 in total
+    assert shapes.rotation_copies(10 << 20, l2, 50 << 20) == 5               # memory cap
+    assert shapes.rotation_copies(1, l2, 4 << 30) == shapes.MAX_COPIES
+    assert shapes.rotation_copies(10 << 30, l2, 1 << 30) == 1                # never zero
 
 
 # ---- naive baseline ---------------------------------------------------------------------------
@@ -172,8 +179,8 @@ def _oracle(q, k_cache, block_table, lens, causal, scale):
 
 
 def _inputs(lens, s_q, h_q, dtype, seed=0):
-    shape = bench.Shape(len(lens), max(lens), h_q, s_q)
-    inp = bench.make_inputs(shape, lens, dtype, CPU, seed, 1)[0]
+    shape = shapes.Shape(len(lens), max(lens), h_q, s_q)
+    inp = shapes.make_inputs(shape, lens, dtype, CPU, seed, 1)[0]
     return inp, torch.tensor(lens, dtype=torch.int32)
 
 
@@ -184,7 +191,7 @@ def test_naive_matches_reference_and_oracle_fp32(causal, s_q, h_q):
     lens = [0, 1, 2, 63, 64, 65, 140]
     inp, seqlens = _inputs(lens, s_q, h_q, torch.float32)
     scale = 0.07
-    out, lse = bench.naive_mla_decode(inp.q, inp.k_cache, inp.block_table, seqlens, 512, max(lens),
+    out, lse = naive_mla_decode(inp.q, inp.k_cache, inp.block_table, seqlens, 512, max(lens),
                                       softmax_scale=scale, causal=causal)
     ref_out, ref_lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, seqlens, 512,
                                             softmax_scale=scale, causal=causal)
@@ -203,24 +210,24 @@ def test_naive_matches_reference_and_oracle_fp32(causal, s_q, h_q):
 def test_naive_bf16_within_guard_tolerance_and_default_scale():
     lens = [1, 100, 700, 64]
     inp, seqlens = _inputs(lens, 2, 16, torch.bfloat16, seed=4)
-    out, lse = bench.naive_mla_decode(inp.q, inp.k_cache, inp.block_table, seqlens, 512, max(lens), causal=True)
+    out, lse = naive_mla_decode(inp.q, inp.k_cache, inp.block_table, seqlens, 512, max(lens), causal=True)
     ref_out, ref_lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, seqlens, 512, causal=True)
     assert out.dtype == torch.bfloat16
-    check = bench.compare_outputs(out, lse, ref_out, ref_lse, bench.visible_rows(seqlens, 2, True))
-    assert check.ok, check.detail
+    res = check.compare_outputs(out, lse, ref_out, ref_lse, check.visible_rows(seqlens, 2, True))
+    assert res.ok, res.detail
     # a different scale is not within tolerance: the guard sees it
-    bad, bad_lse = bench.naive_mla_decode(inp.q, inp.k_cache, inp.block_table, seqlens, 512, max(lens),
+    bad, bad_lse = naive_mla_decode(inp.q, inp.k_cache, inp.block_table, seqlens, 512, max(lens),
                                           softmax_scale=1.3 * 576 ** -0.5, causal=True)
-    assert not bench.compare_outputs(bad, bad_lse, ref_out, ref_lse, bench.visible_rows(seqlens, 2, True)).ok
+    assert not check.compare_outputs(bad, bad_lse, ref_out, ref_lse, check.visible_rows(seqlens, 2, True)).ok
 
 
 def test_naive_all_empty_and_bad_heads():
     inp, seqlens = _inputs([1, 1], 1, 4, torch.float32)
-    out, lse = bench.naive_mla_decode(inp.q, inp.k_cache, inp.block_table, torch.zeros(2, dtype=torch.int32),
+    out, lse = naive_mla_decode(inp.q, inp.k_cache, inp.block_table, torch.zeros(2, dtype=torch.int32),
                                       512, 0)
     assert torch.all(out == 0) and torch.all(torch.isposinf(lse))
     with pytest.raises(ValueError, match="one KV head"):
-        bench.naive_mla_decode(inp.q, inp.k_cache.expand(-1, -1, 2, -1), inp.block_table, seqlens, 512, 1)
+        naive_mla_decode(inp.q, inp.k_cache.expand(-1, -1, 2, -1), inp.block_table, seqlens, 512, 1)
 
 
 # ---- correctness guard ------------------------------------------------------------------------
@@ -229,39 +236,39 @@ def _guard_case():
     torch.manual_seed(0)
     out = torch.randn(3, 2, 4, 512)
     lse = torch.randn(3, 4, 2).abs() + 5
-    rows = bench.visible_rows(torch.tensor([5, 1, 0]), 2, causal=True)
+    rows = check.visible_rows(torch.tensor([5, 1, 0]), 2, causal=True)
     return out, lse, rows
 
 
 def test_visible_rows():
-    rows = bench.visible_rows(torch.tensor([5, 1, 0]), 2, causal=True)
+    rows = check.visible_rows(torch.tensor([5, 1, 0]), 2, causal=True)
     assert rows.tolist() == [[True, True], [False, True], [False, False]]
-    assert bench.visible_rows(torch.tensor([5, 0]), 2, causal=False).tolist() == [[True, True], [False, False]]
+    assert check.visible_rows(torch.tensor([5, 0]), 2, causal=False).tolist() == [[True, True], [False, False]]
 
 
 def test_compare_outputs_accepts_equal_and_small_noise():
     out, lse, rows = _guard_case()
-    assert bench.compare_outputs(out, lse, out.clone(), lse.clone(), rows).ok
+    assert check.compare_outputs(out, lse, out.clone(), lse.clone(), rows).ok
     noisy = out * (1 + 4e-3 * torch.randn_like(out))
-    check = bench.compare_outputs(noisy.bfloat16(), lse + 1e-3, out, lse, rows)
-    assert check.ok and check.max_row_err < 1e-2
+    res = check.compare_outputs(noisy.bfloat16(), lse + 1e-3, out, lse, rows)
+    assert res.ok and res.max_row_err < 1e-2
 
 
 def test_compare_outputs_flags_errors():
     out, lse, rows = _guard_case()
     bad = out.clone()
     bad[1, 1, 2] *= 1.1                                                     # one visible row 10% off
-    assert not bench.compare_outputs(bad, lse, out, lse, rows).ok
+    assert not check.compare_outputs(bad, lse, out, lse, rows).ok
     bad = out.clone()
     bad[0, 0, 0, 7] = float("nan")
-    check = bench.compare_outputs(bad, None, out, None, rows)
-    assert not check.ok and "non-finite" in check.detail
+    res = check.compare_outputs(bad, None, out, None, rows)
+    assert not res.ok and "non-finite" in res.detail
     bad_lse = lse.clone()
     bad_lse[0, 3, 1] += 0.1
-    assert not bench.compare_outputs(out, bad_lse, out, lse, rows).ok
+    assert not check.compare_outputs(out, bad_lse, out, lse, rows).ok
     low = lse.bfloat16()                                                    # bf16 lse: looser tolerance
-    assert bench.compare_outputs(out, low, out, lse, rows).ok
-    assert not bench.compare_outputs(out[:2], lse[:2], out, lse, rows).ok  # shape mismatch
+    assert check.compare_outputs(out, low, out, lse, rows).ok
+    assert not check.compare_outputs(out[:2], lse[:2], out, lse, rows).ok  # shape mismatch
 
 
 def test_compare_outputs_ignores_rows_without_keys():
@@ -269,49 +276,49 @@ def test_compare_outputs_ignores_rows_without_keys():
     bad = out.clone()
     bad[2] = float("nan")                                                   # request with 0 keys
     bad[1, 0] = 123.0                                                       # token that sees no key
-    assert bench.compare_outputs(bad, None, out, None, rows).ok
+    assert check.compare_outputs(bad, None, out, None, rows).ok
 
 
 def test_check_indices():
-    assert bench.check_indices([5, 9, 1, 7]) == [0, 1, 2, 3]
-    assert bench.check_indices([3]) == [0]
-    assert bench.check_indices([4, 4, 4, 4, 4]) == [0, 4]
+    assert check.check_indices([5, 9, 1, 7]) == [0, 1, 2, 3]
+    assert check.check_indices([3]) == [0]
+    assert check.check_indices([4, 4, 4, 4, 4]) == [0, 4]
 
 
 # ---- one shape end to end on the CPU (fake timer) ---------------------------------------------
 
 def _fake_timer(fn, warmup_ms, rep_ms):
     fn()                                                                    # the call must run
-    return bench.Timing(100.0, 90.0, 110.0, "fake")
+    return timing.Timing(100.0, 90.0, 110.0, "fake")
 
 
 def _broken_flashmla(ctx):
     """Stands in for vLLM's FlashMLA: correct shapes, wrong softmax scale."""
     def make(inp):
-        return lambda: bench.naive_mla_decode(inp.q, inp.k_cache, inp.block_table, ctx.cache_seqlens, 512,
+        return lambda: naive_mla_decode(inp.q, inp.k_cache, inp.block_table, ctx.cache_seqlens, 512,
                                               ctx.max_seqlen, softmax_scale=2 * ctx.scale, causal=ctx.causal)
-    return [bench.Variant("", [make(i) for i in ctx.inputs], bench._standard)]
+    return [impls.Variant("", [make(i) for i in ctx.inputs], impls.standard)]
 
 
 def _missing(ctx):
-    raise bench.ImplUnavailable("not installed here")
+    raise impls.ImplUnavailable("not installed here")
 
 
 def test_run_shape_on_cpu(monkeypatch, capsys):
-    monkeypatch.setitem(bench.ADAPTERS, "flashmla", _broken_flashmla)
-    monkeypatch.setitem(bench.ADAPTERS, "fa3", _missing)
-    cfg = bench.Config(shapes=[], impls=["ours", "flashmla", "fa3", "naive"], l2_bytes=1 << 16)
-    shape = bench.parse_shape("b3-varlen100-h16-sq2")
-    rows = bench.run_shape(shape, cfg, CEILINGS, _fake_timer, CPU, 1, 1)
+    monkeypatch.setitem(impls.ADAPTERS, "flashmla", _broken_flashmla)
+    monkeypatch.setitem(impls.ADAPTERS, "fa3", _missing)
+    cfg = run.Config(shapes=[], impls=["ours", "flashmla", "fa3", "naive"], l2_bytes=1 << 16)
+    shape = shapes.parse_shape("b3-varlen100-h16-sq2")
+    rows = run.run_shape(shape, cfg, CEILINGS, _fake_timer, CPU, 1, 1)
     by = {r["impl"]: r for r in rows}
     assert set(by) == {"ours", "get_mla_metadata", "flashmla", "fa3", "naive"}
     assert by["ours"]["check"] == "ok" and by["naive"]["check"] == "ok"
-    assert by["naive"]["vs_ours_max_row_err"] < bench.OUT_ROW_REL_TOL
+    assert by["naive"]["vs_ours_max_row_err"] < check.OUT_ROW_REL_TOL
     assert by["flashmla"]["check"] == "WRONG"
     assert by["fa3"]["status"] == "unavailable" and "not installed" in by["fa3"]["reason"]
     assert by["flashmla"]["speedup_vs_flashmla"] is None                   # a wrong baseline gives no ratio
     assert by["ours"]["speedup_vs_flashmla"] is None
-    work = bench.count_work(bench.make_seqlens(shape, 0), 16, 2, True, 2)
+    work = shapes.count_work(shapes.make_seqlens(shape, 0), 16, 2, True, 2)
     assert by["ours"]["us"] == 100.0 and by["ours"]["flops"] == work.flops
     assert by["ours"]["tflops"] == pytest.approx(work.flops / 100e-6 / 1e12)
     assert by["ours"]["copies"] == 1
@@ -326,7 +333,7 @@ def test_speedups_use_same_shape_and_mode():
             dict(shape="t", mode="plain", impl="ours", status="ok", check="WRONG", us=1.0)]
     for r in rows:
         r["speedup_vs_flashmla"] = None
-    bench.add_speedups(rows)
+    run.add_speedups(rows)
     assert rows[0]["speedup_vs_flashmla"] == pytest.approx(1.0)
     assert rows[1]["speedup_vs_flashmla"] == pytest.approx(2.0)
     assert rows[2]["speedup_vs_flashmla"] is None and rows[3]["speedup_vs_flashmla"] is None
@@ -335,36 +342,36 @@ def test_speedups_use_same_shape_and_mode():
 # ---- outputs ----------------------------------------------------------------------------------
 
 def _rows():
-    cfg = bench.Config(shapes=[], impls=list(bench.IMPLS))
-    work = bench.count_work([8192] * 4, 16, 1, True, 2)
+    cfg = run.Config(shapes=[], impls=list(impls.IMPLS))
+    work = shapes.count_work([8192] * 4, 16, 1, True, 2)
     rows = []
-    for impl, us, check in (("ours", 50.0, "ok"), ("flashmla", 60.0, "ok"), ("naive", 900.0, "WRONG")):
-        r = bench._base_row(bench.Shape(4, 8192, 16), cfg, work, 3, impl, "plain")
-        bench._fill(r, bench.Timing(us, us - 1, us + 1, "fake"), work, CEILINGS)
-        r.update(check=check, max_row_err=float("nan") if check == "WRONG" else 1e-3)
+    for impl, us, verdict in (("ours", 50.0, "ok"), ("flashmla", 60.0, "ok"), ("naive", 900.0, "WRONG")):
+        r = run.base_row(shapes.Shape(4, 8192, 16), cfg, work, 3, impl, "plain")
+        run.fill_timing(r, timing.Timing(us, us - 1, us + 1, "fake"), work, CEILINGS)
+        r.update(check=verdict, max_row_err=float("nan") if verdict == "WRONG" else 1e-3)
         rows.append(r)
-    fa3 = bench._base_row(bench.Shape(4, 8192, 16), cfg, work, 3, "fa3", "plain")
+    fa3 = run.base_row(shapes.Shape(4, 8192, 16), cfg, work, 3, "fa3", "plain")
     fa3.update(status="unavailable", reason="no vllm")
     rows.append(fa3)
-    bench.add_speedups(rows)
+    run.add_speedups(rows)
     return cfg, rows
 
 
 def test_write_json_and_csv(tmp_path):
     cfg, rows = _rows()
-    env = {"date_utc": "2026-01-01T00:00:00+00:00", "command": "python -m flashmla_backend.bench --quick",
+    env = {"date_utc": "2026-01-01T00:00:00+00:00", "command": "python benchmarks/bench.py --quick",
            "gpu": "H100"}
-    bench.write_json(str(tmp_path / "r.json"), env, cfg, CEILINGS, rows)
-    bench.write_csv(str(tmp_path / "r.csv"), CEILINGS, rows)
+    report.write_json(str(tmp_path / "r.json"), env, cfg, CEILINGS, rows)
+    report.write_csv(str(tmp_path / "r.csv"), CEILINGS, rows)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["environment"]["command"].endswith("--quick")
-    assert doc["ceilings"]["copy_gbs"] == 3000.0 and doc["config"]["impls"] == list(bench.IMPLS)
+    assert doc["ceilings"]["copy_gbs"] == 3000.0 and doc["config"]["impls"] == list(impls.IMPLS)
     assert [r["impl"] for r in doc["results"]] == ["ours", "flashmla", "naive", "fa3"]
     assert doc["results"][2]["max_row_err"] is None                        # NaN written as null
     assert doc["results"][0]["speedup_vs_flashmla"] == pytest.approx(60 / 50)
     with open(tmp_path / "r.csv", newline="") as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 4 and list(table[0]) == bench.CSV_FIELDS
+    assert len(table) == 4 and list(table[0]) == report.CSV_FIELDS
     assert float(table[0]["us"]) == 50.0 and float(table[0]["copy_gbs"]) == 3000.0
     assert float(table[0]["tflops"]) == pytest.approx(rows[0]["tflops"])
     assert table[3]["status"] == "unavailable" and table[3]["us"] == ""
@@ -372,7 +379,7 @@ def test_write_json_and_csv(tmp_path):
 
 def test_markdown_report():
     cfg, rows = _rows()
-    md = bench.markdown_report({"date_utc": "d", "command": "c", "gpu": "H100", "driver": "580"}, cfg, CEILINGS, rows)
+    md = report.markdown_report({"date_utc": "d", "command": "c", "gpu": "H100", "driver": "580"}, cfg, CEILINGS, rows)
     line = next(l for l in md.splitlines() if l.startswith("| b4-sk8192-h16-sq1"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[1] == "50.0" and cells[5] == "60.0" and cells[7] == "n/a"
@@ -390,7 +397,7 @@ def test_write_outputs_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     cfg, rows = _rows()
     with pytest.warns(UserWarning, match="matplotlib"):
-        paths = bench.write_outputs(str(tmp_path / "out"), {"date_utc": "d", "command": "c"}, cfg, CEILINGS, rows)
+        paths = report.write_outputs(str(tmp_path / "out"), {"date_utc": "d", "command": "c"}, cfg, CEILINGS, rows)
     assert set(paths) == {"json", "csv", "md"}
     assert all(os.path.getsize(p) > 0 for p in paths.values())
 
@@ -399,26 +406,26 @@ def test_write_chart(tmp_path):
     pytest.importorskip("matplotlib")
     cfg, rows = _rows()
     path = tmp_path / "chart.png"
-    assert bench.write_chart(str(path), rows, CEILINGS)
+    assert report.write_chart(str(path), rows, CEILINGS)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---- command line -----------------------------------------------------------------------------
 
 def test_parse_args_defaults_and_quick():
-    cfg = bench.config_from_args(bench.parse_args([]))
-    assert cfg.shapes == bench.DEFAULT_SHAPES and cfg.impls == list(bench.IMPLS)
+    cfg = cli.config_from_args(cli.parse_args([]))
+    assert cfg.shapes == shapes.DEFAULT_SHAPES and cfg.impls == list(impls.IMPLS)
     assert cfg.causal and cfg.dtype == torch.bfloat16 and cfg.modes == ["plain"]
     assert (cfg.warmup_ms, cfg.rep_ms, cfg.triton_splits) == (25.0, 100.0, [4, 8, 16, 32])
-    q = bench.config_from_args(bench.parse_args(["--quick", "--graph", "--no-causal", "--dtype", "fp16",
+    q = cli.config_from_args(cli.parse_args(["--quick", "--graph", "--no-causal", "--dtype", "fp16",
                                                  "--impls", "naive,ours", "--rep", "7"]))
-    assert q.shapes == bench.QUICK_SHAPES and q.impls == ["ours", "naive"] and q.modes == ["plain", "graph"]
+    assert q.shapes == shapes.QUICK_SHAPES and q.impls == ["ours", "naive"] and q.modes == ["plain", "graph"]
     assert not q.causal and q.dtype == torch.float16 and q.rep_ms == 7.0 and q.warmup_ms == 5.0
     assert q.triton_splits == []
-    s = bench.config_from_args(bench.parse_args(["--quick", "--shapes", "b2-sk10-h16", "--triton-splits", "2,4",
+    s = cli.config_from_args(cli.parse_args(["--quick", "--shapes", "b2-sk10-h16", "--triton-splits", "2,4",
                                                  "--impls", "all", "--max-rotation-gib", "0.5", "--seed", "3"]))
     assert [x.name for x in s.shapes] == ["b2-sk10-h16-sq1"] and s.triton_splits == [2, 4]
-    assert s.impls == list(bench.IMPLS) and s.max_rotation_bytes == 1 << 29 and s.seed == 3
+    assert s.impls == list(impls.IMPLS) and s.max_rotation_bytes == 1 << 29 and s.seed == 3
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -436,7 +443,7 @@ def test_parse_args_defaults_and_quick():
 ])
 def test_parse_args_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        bench.parse_args(argv)
+        cli.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -445,30 +452,30 @@ def test_out_dir_must_be_a_folder(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(SystemExit):
-        bench.parse_args(["--out-dir", str(f)])
+        cli.parse_args(["--out-dir", str(f)])
     assert "not a folder" in capsys.readouterr().err
 
 
 def test_command_line():
-    assert bench.command_line(["--quick", "--shapes", "b1-sk64-h16"]) == \
-        "python -m flashmla_backend.bench --quick --shapes b1-sk64-h16"
+    assert cli.command_line(["--quick", "--shapes", "b1-sk64-h16"]) == \
+        "python benchmarks/bench.py --quick --shapes b1-sk64-h16"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
 def test_main_without_gpu(capsys, tmp_path):
-    assert bench.main(["--quick", "--out-dir", str(tmp_path)]) == 2
+    assert cli.main(["--quick", "--out-dir", str(tmp_path)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_quick_benchmark_on_gpu(tmp_path):
-    assert bench.main(["--quick", "--graph", "--out-dir", str(tmp_path)]) == 0
+    assert cli.main(["--quick", "--graph", "--out-dir", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     rows = doc["results"]
     assert doc["ceilings"]["copy_gbs"] > 100 and doc["ceilings"]["matmul_tflops"] > 10
     ours = [r for r in rows if r["impl"] == "ours"]
-    assert len(ours) == 2 * len(bench.QUICK_SHAPES)
+    assert len(ours) == 2 * len(shapes.QUICK_SHAPES)
     assert all(r["status"] == "ok" and r["check"] == "ok" and r["us"] > 0 for r in ours)
     assert all(r["check"] != "WRONG" for r in rows), [r for r in rows if r["check"] == "WRONG"]
     assert (tmp_path / "results.csv").exists() and (tmp_path / "results.md").exists()
@@ -478,14 +485,46 @@ def test_vllm_impls_degrade_to_unavailable_on_cpu():
     """With vLLM installed (tests/run.sh installs it on CPU machines), its kernels cannot run on CPU
     tensors: every vLLM implementation must come back as a row with a reason, not an exception."""
     pytest.importorskip("vllm")
-    shape = bench.parse_shape("b2-sk100-h16-sq1")
-    lens = bench.make_seqlens(shape, 0)
-    inputs = bench.make_inputs(shape, lens, torch.bfloat16, CPU, 0, 1)
-    ctx = bench.ShapeContext(shape, lens, inputs, torch.tensor(lens, dtype=torch.int32), max(lens), 576 ** -0.5,
+    shape = shapes.parse_shape("b2-sk100-h16-sq1")
+    lens = shapes.make_seqlens(shape, 0)
+    inputs = shapes.make_inputs(shape, lens, torch.bfloat16, CPU, 0, 1)
+    ctx = impls.ShapeContext(shape, lens, inputs, torch.tensor(lens, dtype=torch.int32), max(lens), 576 ** -0.5,
                              True, torch.bfloat16, CPU, [4], 8)
-    cfg = bench.Config(shapes=[shape], impls=["flashmla", "triton", "fa3"])
-    work = bench.count_work(lens, 16, 1, True, 2)
+    cfg = run.Config(shapes=[shape], impls=["flashmla", "triton", "fa3"])
+    work = shapes.count_work(lens, 16, 1, True, 2)
     for impl in ("flashmla", "triton", "fa3"):
-        rows, result = bench.run_impl(impl, ctx, cfg, work, CEILINGS, _fake_timer, None, None, 1)
+        rows, result = run.run_impl(impl, ctx, cfg, work, CEILINGS, _fake_timer, None, None, 1)
         assert result is None and len(rows) == 1
         assert rows[0]["status"] == "unavailable" and rows[0]["reason"], (impl, rows[0])
+
+
+# ---- where the harness lives --------------------------------------------------------------------
+
+def test_harness_is_not_in_the_installed_package():
+    import importlib.util
+    assert importlib.util.find_spec("flashmla_backend.bench") is None
+
+
+def test_scripts_share_the_names_they_import():
+    """benchmarks/split_sweep.py, profile_ncu.py and ablation.py take these from the package itself."""
+    import mla_bench
+    assert mla_bench.parse_shapes is shapes.parse_shapes and mla_bench.make_inputs is shapes.make_inputs
+    assert mla_bench.make_seqlens is shapes.make_seqlens and mla_bench.capture_graphs is timing.capture_graphs
+    assert mla_bench.time_with_events is timing.time_with_events
+
+
+@pytest.mark.parametrize("script", ["bench.py", "split_sweep.py", "profile_ncu.py"])
+def test_scripts_start_from_any_folder(script, tmp_path):
+    """Each script finds its harness (and this checkout's package when none is installed) by itself."""
+    res = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "usage:" in res.stdout
+
+
+def test_bench_script_without_gpu(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the error without a GPU")
+    res = subprocess.run([sys.executable, str(BENCHMARKS / "bench.py"), "--quick", "--out-dir", str(tmp_path / "o")],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr

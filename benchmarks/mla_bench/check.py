@@ -1,0 +1,72 @@
+"""The correctness guard: every implementation's output is compared with the reference before it is timed.
+
+Tolerances: a correct bf16 decode is ~3e-3 per row (median) and up to ~1e-2 on short, peaked rows (the naive
+decode against the reference, measured); real bugs give errors of order 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+OUT_ROW_REL_TOL = 3e-2     # max over query rows of ||out - ref||_2 / ||ref||_2
+LSE_ATOL = 1e-2
+LSE_RTOL_FP32 = 1e-3       # lse returned in fp32
+LSE_RTOL_LOWP = 1.6e-2     # lse returned in bf16/fp16 (vLLM's Triton kernel)
+
+
+@dataclasses.dataclass
+class Check:
+    ok: bool
+    max_row_err: Optional[float]
+    max_lse_err: Optional[float]
+    detail: str
+
+
+def visible_rows(cache_seqlens: torch.Tensor, s_q: int, causal: bool) -> torch.Tensor:
+    """[b, s_q] bool: query tokens that see at least one key."""
+    n = cache_seqlens.to(torch.long).view(-1, 1)
+    if causal:
+        return (n - s_q + 1 + torch.arange(s_q, device=n.device).view(1, s_q)) > 0
+    return (n > 0).expand(-1, s_q)
+
+
+def compare_outputs(out: torch.Tensor, lse: Optional[torch.Tensor], ref_out: torch.Tensor,
+                    ref_lse: Optional[torch.Tensor], rows: torch.Tensor) -> Check:
+    """out/ref_out [n, s_q, h_q, dv], lse/ref_lse [n, h_q, s_q] or None, rows [n, s_q] bool.
+    Only rows that see a key are compared (rows without keys are convention, checked by tests)."""
+    if tuple(out.shape) != tuple(ref_out.shape):
+        return Check(False, None, None, f"output shape {tuple(out.shape)} != {tuple(ref_out.shape)}")
+    mask = rows.to(out.device).unsqueeze(-1).expand(out.shape[:3])    # [n, s_q, h_q]
+    if not bool(mask.any()):
+        return Check(True, None, None, "no row sees a key")
+    o = out.float()[mask]
+    r = ref_out.float().to(out.device)[mask]
+    if not bool(torch.isfinite(o).all()):
+        return Check(False, None, None, "non-finite values in the output")
+    row_err = float(((o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)).max())
+    ok = row_err <= OUT_ROW_REL_TOL
+    detail = f"max row err {row_err:.1e}"
+    lse_err = None
+    if lse is not None and ref_lse is not None:
+        lmask = mask.transpose(1, 2)                                     # [n, h_q, s_q]
+        got = lse.float()[lmask]
+        want = ref_lse.float().to(lse.device)[lmask]
+        rtol = LSE_RTOL_FP32 if lse.dtype == torch.float32 else LSE_RTOL_LOWP
+        if not bool(torch.isfinite(got).all()):
+            return Check(False, row_err, None, detail + ", non-finite lse")
+        diff = (got - want).abs()
+        lse_err = float(diff.max())
+        ok = ok and bool((diff <= LSE_ATOL + rtol * want.abs()).all())
+        detail += f", max lse err {lse_err:.1e}"
+    return Check(ok, row_err, lse_err, detail)
+
+
+def check_indices(seqlens: Sequence[int]) -> list[int]:
+    """Requests compared with the reference: first, last, longest, shortest."""
+    b = len(seqlens)
+    longest = max(range(b), key=lambda i: seqlens[i])
+    shortest = min(range(b), key=lambda i: seqlens[i])
+    return sorted({0, b - 1, longest, shortest})
+
