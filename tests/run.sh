@@ -227,7 +227,9 @@ if [ $engines -eq 1 ]; then
       continue
     fi
     echo
-    say "[$name] $file with $ENVS/$name-py$pyver/bin/python"
+    from=$(env PYTHONPATH="$engine_pythonpath" PYTHONNOUSERSITE=1 "$ENVS/$name-py$pyver/bin/python" -c \
+      "import flashmla_backend; print(flashmla_backend.__file__)" 2>/dev/null) || from="(does not import)"
+    say "[$name] $file with $ENVS/$name-py$pyver/bin/python, flashmla_backend from $from"
     run_pytest "$name" "$ENVS/$name-py$pyver/bin/python" "$engine_pythonpath" PYTHONNOUSERSITE=1 -- "$file" ${args[@]+"${args[@]}"}
   done
 fi
