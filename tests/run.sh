@@ -65,7 +65,7 @@ if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
   cat >&2 <<EOF
 tests/run.sh: pytest is not installed for $(command -v "$PYTHON" || echo "$PYTHON").
   This command installs nothing into your environment. Add pytest to it yourself:
-      $PYTHON -m pip install pytest        (or, from the checkout: $PYTHON -m pip install '.[test]')
+      $PYTHON -m pip install pytest
   or pick another interpreter: PYTHON=/path/to/python bash tests/run.sh
 EOF
   exit 2
