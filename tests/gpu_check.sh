@@ -54,11 +54,11 @@ for s in "$@"; do
       ;;
     bench-quick)
       stage "bench (quick)"
-      timeout 300 python3 -m flashmla_backend.bench --quick --out-dir "$OUT/bench-quick" 2>&1 | tail -30 || status=1
+      timeout 300 python3 benchmarks/bench.py --quick --out-dir "$OUT/bench-quick" 2>&1 | tail -30 || status=1
       ;;
     bench)
       stage bench
-      timeout 540 python3 -m flashmla_backend.bench --out-dir "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+      timeout 540 python3 benchmarks/bench.py --out-dir "$OUT/bench" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
       ;;
     *) echo "unknown stage $s"; status=2 ;;
   esac
