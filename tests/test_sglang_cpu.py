@@ -17,7 +17,7 @@ Where torchvision is not installed, SGLang's modules are imported with a stand-i
 attribute raises when used (no attention code uses it); it is removed from sys.modules right after,
 and transformers' torchvision check is cached beforehand, so nothing else sees it.
 
-Install SGLang for these tests with .ci/install-sglang-cpu.sh.
+Run them with `bash tests/run.sh --engines` (SGLang in its own environment under .test-envs/).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ query lengths, causal masks, the layer's scale, CUDA-graph buffers. Test doubles
 (vLLM's own MLA tests use one too) and a prefill stage that fails if called (vLLM's prefill
 backends import only on GPU builds; decode-only batches never reach them).
 
-Install vLLM for these tests with .ci/install-vllm-cpu.sh.
+Run them with `bash tests/run.sh --engines` (vLLM in its own environment under .test-envs/).
 """
 from __future__ import annotations
 
