@@ -62,7 +62,7 @@ def test_api_example_runs_on_cpu(tmp_path):
 
 def test_readme_commands():
     text = README.read_text()
-    assert "pip install -v . && (cd ~ && python -m flashmla_backend)" in text
+    assert "pip install -v \".[test]\" && (cd ~ && python -m flashmla_backend)" in text
     assert re.search(r"^bash tests/run\.sh(\s|$)", text, re.M) and re.search(r"^bash tests/run\.sh --engines", text, re.M)
     assert "python benchmarks/bench.py" in text and (ROOT / "benchmarks" / "bench.py").is_file()
     assert "flashmla_backend.bench" not in text          # the harness is not in the package
