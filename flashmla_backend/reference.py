@@ -11,8 +11,8 @@ import math
 
 import torch
 
-HEAD_DIM_K = 576
-HEAD_DIM_V = 512
+from . import validate
+from .geometry import HEAD_DIM_V
 
 
 def mla_decode_reference(
@@ -25,12 +25,23 @@ def mla_decode_reference(
     causal: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference decode with the shapes of ``flash_mla_with_kvcache``.
+    """Reference decode with the shapes of ``flash_mla_with_kvcache``, its arguments checked like it.
 
-    q [b, s_q, h_q, d], k_cache [num_pages, page_size, h_kv, d] (any page size), block_table
-    [b, max_pages] int, cache_seqlens [b] int (values >= 0). Returns out [b, s_q, h_q, head_dim_v]
-    in q's dtype and lse [b, h_q, s_q] float32. Arithmetic in ``compute_dtype`` (fp32 by default).
+    q [b, s_q, h_q, HEAD_DIM_K], k_cache [num_pages, PAGE_SIZE, h_kv, HEAD_DIM_K] in q's dtype (bf16, fp16,
+    and here also fp32 or fp64), block_table [b, max_pages] int32, cache_seqlens [b] int32 (values >= 0,
+    every page a request reads in [0, num_pages)). Returns out [b, s_q, h_q, head_dim_v] in q's dtype and
+    lse [b, h_q, s_q] float32. Arithmetic in ``compute_dtype`` (fp32 by default). The argument checks are
+    those of the public API (flashmla_backend.validate: the REFERENCE and VALUES tables); the value checks
+    copy the index tensors to the host.
     """
+    validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+    validate.check_values(k_cache, block_table, cache_seqlens)
+    return reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, compute_dtype)
+
+
+def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM_V, softmax_scale=None,
+                     causal=False, compute_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_decode_reference without the argument checks (the public API calls it after its own)."""
     b, s_q, h_q, d = q.shape
     page_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     ngroups = h_q // h_kv

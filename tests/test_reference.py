@@ -1,4 +1,5 @@
-"""The reference (flashmla_backend.reference) against brute-force fp64 attention, on the CPU."""
+"""The reference (flashmla_backend.reference) against brute-force fp64 attention, on the CPU, and its
+argument checks."""
 import pytest
 import torch
 
@@ -46,3 +47,69 @@ def test_brute_force_detects_a_wrong_scale():
     ref_out, ref_lse = brute_force_fp64(inp, case.causal)
     with pytest.raises(AssertionError):
         compare(out, lse, ref_out, ref_lse, case.lengths, case.s_q, case.causal)
+
+
+# ---- the reference checks its arguments like the public API ------------------------------------------
+
+def _ref_args(case=None):
+    case = case or Case(lengths=[70, 5], s_q=2, h_q=4)
+    inp = make_inputs(case)
+    return dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
+                head_dim_v=512, softmax_scale=inp.scale, causal=True)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: dict(block_table=_set(a["block_table"], (0, 0), -1)), ValueError,
+     r"block_table\[0\] holds page ids outside \[0, \d+\).*-1"),
+    (lambda a: dict(block_table=_set(a["block_table"], (1, 0), 10**6)), ValueError, r"block_table\[1\] holds page ids"),
+    (lambda a: dict(cache_seqlens=torch.tensor([70, -1], dtype=torch.int32)), ValueError,
+     r"cache_seqlens must be >= 0"),
+    (lambda a: dict(cache_seqlens=torch.tensor([70, 1000], dtype=torch.int32)), ValueError,
+     r"block_table is too short.*\(1, 1000\)"),
+    (lambda a: dict(head_dim_v=128), ValueError, r"head_dim_v must be 512"),
+    (lambda a: dict(q=a["q"][..., :512].contiguous()), ValueError, r"q's last dimension must be 576"),
+    (lambda a: dict(q=a["q"][0]), ValueError, r"q must be \[batch, seqlen_q, num_heads_q, 576\]"),
+    (lambda a: dict(q=a["q"].half()), TypeError, r"q and k_cache must have the same dtype"),
+    (lambda a: dict(q=a["q"].int()), TypeError, r"q must have dtype .*torch.float32"),
+    (lambda a: dict(k_cache=a["k_cache"].squeeze(2)), ValueError, r"k_cache must be \[num_pages, page_size"),
+    (lambda a: dict(block_table=a["block_table"].long()), TypeError, r"block_table must have dtype torch.int32"),
+    (lambda a: dict(block_table=a["block_table"][:1]), ValueError, r"block_table must be \[batch=2"),
+    (lambda a: dict(cache_seqlens=a["cache_seqlens"][:1]), ValueError, r"cache_seqlens must be \[batch=2\]"),
+    (lambda a: dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be a finite positive float"),
+    (lambda a: dict(causal=1), TypeError, r"causal must be a bool"),
+], ids=["negative page id", "page id too big", "negative length", "table too short", "head_dim_v", "q width",
+        "q rank", "dtypes differ", "q int", "cache rank", "table dtype", "table batch", "seqlens batch", "scale nan",
+        "causal int"])
+def test_reference_checks_its_arguments(change, exc, match):
+    a = _ref_args()
+    with pytest.raises(exc, match=match):
+        mla_decode_reference(**dict(a, **change(a)))
+
+
+def _set(t, index, value):
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def test_reference_accepts_float32_and_float64():
+    case = Case(lengths=[70, 5], s_q=2, h_q=4)
+    inp = make_inputs(case)
+    want_out, want_lse = brute_force_fp64(inp, True)
+    for dtype in (torch.float32, torch.float64):
+        out, lse = mla_decode_reference(inp.q.to(dtype), inp.k_cache.to(dtype), inp.block_table, inp.cache_seqlens,
+                                        512, inp.scale, True)
+        assert out.dtype == dtype
+        compare(out, lse, want_out, want_lse, case.lengths, case.s_q, True)
+
+
+def test_negative_page_id_used_to_read_the_last_page():
+    """Without the checks, page id -1 silently indexes the last page; a request that uses it must be refused,
+    an unused entry (past the request's pages) may hold anything."""
+    a = _ref_args()
+    bt = a["block_table"].clone()
+    bt[1, 1:] = -1                       # request 1 (5 keys) uses only column 0
+    mla_decode_reference(**dict(a, block_table=bt))
+    bt[1, 0] = -1
+    with pytest.raises(ValueError, match=r"block_table\[1\] holds page ids outside"):
+        mla_decode_reference(**dict(a, block_table=bt))
