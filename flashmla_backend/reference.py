@@ -3,7 +3,9 @@
 Computes, per request i and query token s (0-based) of s_q:
     O = softmax(scale * Q K^T) V,  lse = logsumexp(scale * Q K^T)   (natural log, fp32)
 over the keys the token sees: all cache_seqlens[i] keys, or with causal=True keys 0 .. n - s_q + s.
-A query row that sees no key gets out = 0 and lse = +inf (FlashMLA's convention).
+A query row that sees no key gets out = 0 and lse = +inf (FlashMLA's convention); a row that sees keys
+but whose scores are NaN (NaN in q or in a key it reads) gets NaN in out and lse, never the empty-row
+answer.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM
     out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=compute_dtype, device=q.device)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float32, device=q.device)
     lengths = cache_seqlens.tolist()
+    tokens = torch.arange(s_q, device=q.device)
     for i, n in enumerate(lengths):
         if n <= 0:
             continue
@@ -56,12 +59,13 @@ def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM
         kv = k_cache[pages].reshape(-1, h_kv, d)[:n].to(compute_dtype)  # [n, h_kv, d]
         qg = q[i].to(compute_dtype).reshape(s_q, h_kv, ngroups, d)
         scores = torch.einsum("sjgd,njd->jgsn", qg, kv) * scale  # [h_kv, ngroups, s_q, n]
+        # Whether a row sees a key follows from the mask alone, not from the scores (NaN in q gives NaN
+        # scores: that row's out and lse are NaN, not the empty row's 0 and +inf).
+        visible = n - s_q + 1 + tokens if causal else torch.full_like(tokens, n)  # keys per query token
         if causal:
-            last_visible = n - s_q + torch.arange(s_q, device=q.device)  # per query token
-            keys = torch.arange(n, device=q.device)
-            hidden = keys[None, :] > last_visible[:, None]  # [s_q, n]
+            hidden = torch.arange(n, device=q.device)[None, :] >= visible[:, None]  # [s_q, n]
             scores = scores.masked_fill(hidden, -math.inf)
-        seen = torch.isfinite(scores).any(dim=-1)  # [h_kv, ngroups, s_q]
+        seen = (visible > 0).expand(h_kv, ngroups, s_q)
         row_lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - row_lse.masked_fill(~seen, 0.0)[..., None])
         probs = probs.masked_fill(~seen[..., None], 0.0)

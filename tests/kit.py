@@ -1,6 +1,6 @@
 """Shared test kit: input generators, a brute-force fp64 oracle, comparators and named tolerances.
 
-The generators follow the habits that catch real kernel bugs (design brief §7): pages in shuffled
+The generators follow the habits that catch real kernel bugs: pages in shuffled
 order, NaN in every cache slot a request does not use (past its length and in unused pages), a huge
 page id in every unused block-table entry, random data (never zeros).
 """

@@ -1,4 +1,4 @@
-"""Decode kernels against the reference over the matrix of the design brief §7 (GPU only).
+"""Decode kernels against the reference over a matrix of shapes, lengths and head counts (GPU only).
 
 Every case: shuffled block table, NaN in every unused cache slot, huge ids in unused block-table
 entries, outputs poisoned with NaN before the call (every element must be written), two runs that
@@ -162,6 +162,65 @@ def test_combine_with_many_splits(parts, lengths, kernel, record_errors):
     record_errors(kernel, compare(out, lse, *ref, case.lengths, case.s_q, True))
     out2, lse2 = call()
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs on the same inputs differ"
+
+
+def _describe_row(out_row: torch.Tensor, lse_value: float) -> str:
+    """What a kernel returned for one query row, in words (for the failure message)."""
+    nan = int(torch.isnan(out_row).sum())
+    if nan == out_row.numel():
+        what = "out all NaN"
+    elif nan:
+        what = f"out NaN in {nan} of {out_row.numel()} columns"
+    elif bool((out_row == 0).all()):
+        what = "out all 0"
+    else:
+        what = f"out finite (max |out| {float(out_row.abs().max()):.3g})"
+    return f"{what}, lse {lse_value}"
+
+
+def test_nan_rows_in_q(kernel, record_errors):
+    """NaN in a query row gives that row NaN out and lse, as the reference does, not the answer of a row that
+    sees no key (out 0, lse +inf); a row that sees no key keeps out 0 / lse +inf, NaN in q or not; every other
+    row is the same as without the NaN. The 5000-key request is split, so NaN also goes through the combine."""
+    case = Case(lengths=[300, 3, 5000, 0], s_q=4, h_q=16, causal=True, seed=61)
+    inp = make_inputs(case, "cuda")
+    q = inp.q.clone()
+    rows = [(0, 1, 3), (0, 3, 15), (1, 3, 0), (2, 0, 7), (2, 3, 8)]   # (request, token, head): rows that see keys
+    empty = [(1, 0, 5), (3, 2, 2)]                                      # rows that see no key
+    for i, s, h in rows + empty:
+        q[i, s, h, (37 * h + 11 * s) % q.shape[-1]] = float("nan")
+    q[2, 1, 4] = float("nan")                                           # a whole row
+    rows.append((2, 1, 4))
+    meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
+    poison_allocator()
+    out, lse = fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+                                         softmax_scale=inp.scale, causal=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = mla_decode_reference(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    out, lse, ref_out, ref_lse = out.cpu().float(), lse.cpu(), ref_out.cpu().float(), ref_lse.cpu()
+    assert int(torch.isnan(ref_lse).sum()) == len(rows), "the reference must give NaN exactly on the NaN rows"
+
+    wrong = []
+    for i, s, h in rows:
+        if not (torch.isnan(out[i, s, h]).all() and torch.isnan(lse[i, h, s])):
+            wrong.append(f"row (request {i}, token {s}, head {h}) sees keys, NaN in q: expected out all NaN, "
+                         f"lse nan; kernel gave {_describe_row(out[i, s, h], float(lse[i, h, s]))}")
+    for i, s, h in empty:
+        if not ((out[i, s, h] == 0).all() and torch.isposinf(lse[i, h, s])):
+            wrong.append(f"row (request {i}, token {s}, head {h}) sees no key, NaN in q: expected out all 0, lse inf; "
+                         f"kernel gave {_describe_row(out[i, s, h], float(lse[i, h, s]))}")
+    assert not wrong, f"{kernel} kernel on NaN query rows:\n" + "\n".join(wrong)
+
+    # the other rows: compare with the NaN rows set alike on both sides (out 0, lse +inf)
+    nan_rows = torch.zeros(lse.shape, dtype=torch.bool)                 # [b, h_q, s_q]
+    for i, s, h in rows:
+        nan_rows[i, h, s] = True
+    for o, l in ((out, lse), (ref_out, ref_lse)):
+        o[nan_rows.permute(0, 2, 1)] = 0.0
+        l[nan_rows] = float("inf")
+    stray = torch.nonzero(torch.isnan(out).any(-1))[:8].tolist()
+    assert not stray, f"{kernel} kernel: NaN leaked into other rows (request, token, head): {stray}"
+    record_errors(kernel, compare(out, lse, ref_out, ref_lse, case.lengths, case.s_q, True))
 
 
 def test_cuda_graph_replay_with_new_lengths(kernel, record_errors):

@@ -1,8 +1,11 @@
-"""The reference (flashmla_backend.reference) against brute-force fp64 attention, on the CPU, and its
-argument checks."""
+"""The reference (flashmla_backend.reference) against brute-force fp64 attention, on the CPU; its NaN
+convention and its argument checks."""
+import dataclasses
+
 import pytest
 import torch
 
+import flashmla_backend as fb
 from flashmla_backend.reference import mla_decode_reference
 from kit import Case, brute_force_fp64, compare, make_inputs
 
@@ -47,6 +50,47 @@ def test_brute_force_detects_a_wrong_scale():
     ref_out, ref_lse = brute_force_fp64(inp, case.causal)
     with pytest.raises(AssertionError):
         compare(out, lse, ref_out, ref_lse, case.lengths, case.s_q, case.causal)
+
+
+# ---- NaN rows (a NaN score is not an empty row) ------------------------------------------------------
+
+def _nan_rows_case():
+    case = Case(lengths=[100, 3, 0], s_q=4, h_q=8, h_kv=2, causal=True)
+    inp = make_inputs(case)
+    q = inp.q.clone()
+    q[0, 1, 3, 7] = float("nan")      # one element: the whole row's scores are NaN
+    q[1, 0, 5] = float("nan")         # request 1 (3 keys, s_q 4): token 0 sees no key, stays empty
+    q[1, 3, 0, :] = float("nan")      # token 3 sees all 3 keys
+    q[2, 2, 2] = float("nan")         # request 2 has no keys at all
+    return case, inp, q
+
+
+def test_nan_in_q_gives_nan_rows_not_empty_rows():
+    case, inp, q = _nan_rows_case()
+    out, lse = mla_decode_reference(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    for (i, s, h) in [(0, 1, 3), (1, 3, 0)]:
+        assert torch.isnan(out[i, s, h]).all(), (i, s, h, out[i, s, h, :4])
+        assert torch.isnan(lse[i, h, s]), (i, s, h, lse[i, h, s])
+    for (i, s, h) in [(1, 0, 5), (2, 2, 2)]:     # rows that see no key: out 0, lse +inf, NaN or not
+        assert (out[i, s, h] == 0).all() and torch.isposinf(lse[i, h, s]), (i, s, h)
+    # every other row is untouched by its neighbours' NaN
+    nan_rows = torch.isnan(out).any(-1)
+    assert int(nan_rows.sum()) == 2 and int(torch.isnan(lse).sum()) == 2
+    clean = dataclasses.replace(inp, q=torch.where(torch.isnan(q), 0, q))
+    ref_out, ref_lse = mla_decode_reference(clean.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale,
+                                            True)
+    keep = ~nan_rows
+    assert torch.equal(out[keep], ref_out[keep])
+    assert torch.equal(lse[~torch.isnan(lse)], ref_lse[~torch.isnan(lse)])
+
+
+def test_nan_in_q_on_the_public_cpu_path():
+    case, inp, q = _nan_rows_case()
+    meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
+    out, lse = fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+                                         softmax_scale=inp.scale, causal=True)
+    assert torch.isnan(out[0, 1, 3]).all() and torch.isnan(lse[0, 3, 1])
+    assert (out[1, 0, 5] == 0).all() and torch.isposinf(lse[1, 5, 0])
 
 
 # ---- the reference checks its arguments like the public API ------------------------------------------
