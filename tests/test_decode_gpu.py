@@ -12,7 +12,7 @@ import torch
 import flashmla_backend as fb
 from flashmla_backend import device as fdevice
 from flashmla_backend.reference import mla_decode_reference
-from kit import Case, compare, make_inputs
+from kit import D_K, D_V, PAGE, Case, compare, make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -68,12 +68,12 @@ def run_case(case: Case, record, kernel: str, check_repeat: bool = True):
 
     def call():
         poison_allocator()
-        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta,
+        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta,
                                          num_splits, softmax_scale=inp.scale, causal=case.causal)
 
     out, lse = call()
     torch.cuda.synchronize()
-    ref_out, ref_lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale,
+    ref_out, ref_lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale,
                                             case.causal)
     figures = compare(out, lse, ref_out, ref_lse, case.lengths, case.s_q, case.causal)
     record(kernel, figures)
@@ -83,12 +83,12 @@ def run_case(case: Case, record, kernel: str, check_repeat: bool = True):
         assert torch.equal(lse, lse2), "two runs on the same inputs differ (lse)"
 
 
-LENGTHS = [1, 20, 63, 64, 65, 140, 4096]
+LENGTHS = [1, 20, PAGE - 1, PAGE, PAGE + 1, 140, 4096]
 MATRIX = (
     # key-length sweep, memory-bound (h_q 16) and compute-bound (h_q 128) head counts
     [Case(lengths=[n, max(1, n // 2 + 1)], h_q=16, seed=n) for n in LENGTHS]
     + [Case(lengths=[n, n], h_q=128, seed=n) for n in LENGTHS]
-    # query tokens x heads (incl. non-multiples of 64, more than one m-block), causal, varlen with a zero
+    # query tokens x heads (incl. non-multiples of BLOCK_M, more than one m-block), causal, varlen with a zero
     + [Case(lengths=varlen(6, 300, s_q * 1000 + h), s_q=s_q, h_q=h, seed=h + s_q)
        for s_q in (1, 2, 4) for h in (1, 16, 20, 64, 100, 128)]
     + [Case(lengths=varlen(3, 200, 7), s_q=16, h_q=h, seed=h) for h in (8, 128)]
@@ -124,18 +124,20 @@ def test_strided_q_and_padded_pages(kernel, record_errors):
     """q as a slice of a wider tensor, cache pages with padding between them (strides, not copies)."""
     case = Case(lengths=varlen(5, 300, 51), s_q=2, h_q=16)
     inp = make_inputs(case, "cuda")
-    wide = torch.randn(case.b, case.s_q, case.h_q, 640, device="cuda", dtype=case.dtype)
-    wide[..., :576] = inp.q
-    q = wide[..., :576]
+    pad = 32  # elements between rows and between pages (keeps 16-byte alignment)
+    wide = torch.randn(case.b, case.s_q, case.h_q, D_K + pad, device="cuda", dtype=case.dtype)
+    wide[..., :D_K] = inp.q
+    q = wide[..., :D_K]
     pages = inp.k_cache.shape[0]
-    padded = torch.full((pages, 64 * 576 + 64), float("nan"), device="cuda", dtype=case.dtype)
-    padded[:, : 64 * 576] = inp.k_cache.reshape(pages, -1)
-    k_cache = padded[:, : 64 * 576].view(pages, 64, 1, 576)
-    assert q.stride(2) == 640 and k_cache.stride(0) == 64 * 576 + 64
+    page_elems = PAGE * D_K
+    padded = torch.full((pages, page_elems + pad), float("nan"), device="cuda", dtype=case.dtype)
+    padded[:, :page_elems] = inp.k_cache.reshape(pages, -1)
+    k_cache = padded[:, :page_elems].view(pages, PAGE, 1, D_K)
+    assert q.stride(2) == D_K + pad and k_cache.stride(0) == page_elems + pad
     meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q, 1)
-    out, lse = fb.flash_mla_with_kvcache(q, k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+    out, lse = fb.flash_mla_with_kvcache(q, k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
-    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
     record_errors(kernel, compare(out, lse, *ref, case.lengths, case.s_q, True))
 
 
@@ -154,11 +156,11 @@ def test_combine_with_many_splits(parts, lengths, kernel, record_errors):
 
     def call():
         poison_allocator()
-        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
 
     out, lse = call()
-    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
     record_errors(kernel, compare(out, lse, *ref, case.lengths, case.s_q, True))
     out2, lse2 = call()
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs on the same inputs differ"
@@ -193,10 +195,10 @@ def test_nan_rows_in_q(kernel, record_errors):
     rows.append((2, 1, 4))
     meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
     poison_allocator()
-    out, lse = fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+    out, lse = fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
     torch.cuda.synchronize()
-    ref_out, ref_lse = mla_decode_reference(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    ref_out, ref_lse = mla_decode_reference(q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
     out, lse, ref_out, ref_lse = out.cpu().float(), lse.cpu(), ref_out.cpu().float(), ref_lse.cpu()
     assert int(torch.isnan(ref_lse).sum()) == len(rows), "the reference must give NaN exactly on the NaN rows"
 
@@ -233,7 +235,7 @@ def test_cuda_graph_replay_with_new_lengths(kernel, record_errors):
 
     def step():
         meta, ns = fb.get_mla_metadata(seqlens, s_q * h_q, 1)
-        return fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, seqlens, 512, meta, ns,
+        return fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
 
     step()
@@ -243,12 +245,12 @@ def test_cuda_graph_replay_with_new_lengths(kernel, record_errors):
         out, lse = step()
     rng = random.Random(5)
     for trial in range(4):
-        new = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, max_len)]) for _ in range(b)]
+        new = [rng.choice([0, 1, PAGE - 1, PAGE, PAGE + 1, rng.randint(1, max_len)]) for _ in range(b)]
         seqlens.copy_(torch.tensor(new, dtype=torch.int32))
         q.copy_(torch.randn_like(q))
         graph.replay()
         torch.cuda.synchronize()
-        ref = mla_decode_reference(q, inp.k_cache, inp.block_table, seqlens, 512, inp.scale, True)
+        ref = mla_decode_reference(q, inp.k_cache, inp.block_table, seqlens, D_V, inp.scale, True)
         record_errors(kernel, compare(out, lse, *ref, new, s_q, True))
 
 
@@ -258,7 +260,7 @@ def test_multi_gpu_device_guard(kernel):
     case = Case(lengths=[100, 7], s_q=1, h_q=16)
     inp = make_inputs(case, "cuda:1")
     meta, ns = fb.get_mla_metadata(inp.cache_seqlens, 16, 1)
-    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
-    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
     compare(out, lse, *ref, case.lengths, 1, True)

@@ -7,12 +7,12 @@ import torch
 
 import flashmla_backend as fb
 from flashmla_backend.reference import mla_decode_reference
-from kit import Case, brute_force_fp64, compare, make_inputs
+from kit import D_K, D_V, PAGE, Case, brute_force_fp64, compare, make_inputs
 
 CASES = [
     Case(lengths=[1], s_q=1, h_q=1),
     Case(lengths=[20, 0, 65], s_q=1, h_q=16, causal=False),
-    Case(lengths=[63, 64, 140], s_q=2, h_q=8, h_kv=2),
+    Case(lengths=[PAGE - 1, PAGE, 140], s_q=2, h_q=8, h_kv=2),
     Case(lengths=[3, 130], s_q=4, h_q=3, causal=True),             # causal rows with no visible key (n=3 < s_q)
     Case(lengths=[0, 0], s_q=2, h_q=4),                            # all empty
     Case(lengths=[200, 5], s_q=16, h_q=2, causal=True, dtype=torch.float16),
@@ -23,7 +23,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_reference_matches_brute_force(case):
     inp = make_inputs(case)
-    out, lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale,
+    out, lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale,
                                     case.causal)
     assert out.dtype == case.dtype and lse.dtype == torch.float32
     ref_out, ref_lse = brute_force_fp64(inp, case.causal)
@@ -33,7 +33,7 @@ def test_reference_matches_brute_force(case):
 def test_reference_in_fp64_is_exact_to_brute_force():
     case = Case(lengths=[70, 1, 0], s_q=2, h_q=4, h_kv=2)
     inp = make_inputs(case)
-    out, lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True,
+    out, lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True,
                                     compute_dtype=torch.float64)
     ref_out, ref_lse = brute_force_fp64(inp, True)
     seen = torch.isfinite(ref_lse)
@@ -45,7 +45,7 @@ def test_brute_force_detects_a_wrong_scale():
     """The comparison must fail when the attention is wrong (a check that cannot fail proves nothing)."""
     case = Case(lengths=[100, 37], s_q=1, h_q=8)
     inp = make_inputs(case)
-    out, lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale * 1.1,
+    out, lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale * 1.1,
                                     case.causal)
     ref_out, ref_lse = brute_force_fp64(inp, case.causal)
     with pytest.raises(AssertionError):
@@ -67,7 +67,7 @@ def _nan_rows_case():
 
 def test_nan_in_q_gives_nan_rows_not_empty_rows():
     case, inp, q = _nan_rows_case()
-    out, lse = mla_decode_reference(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    out, lse = mla_decode_reference(q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
     for (i, s, h) in [(0, 1, 3), (1, 3, 0)]:
         assert torch.isnan(out[i, s, h]).all(), (i, s, h, out[i, s, h, :4])
         assert torch.isnan(lse[i, h, s]), (i, s, h, lse[i, h, s])
@@ -77,7 +77,7 @@ def test_nan_in_q_gives_nan_rows_not_empty_rows():
     nan_rows = torch.isnan(out).any(-1)
     assert int(nan_rows.sum()) == 2 and int(torch.isnan(lse).sum()) == 2
     clean = dataclasses.replace(inp, q=torch.where(torch.isnan(q), 0, q))
-    ref_out, ref_lse = mla_decode_reference(clean.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale,
+    ref_out, ref_lse = mla_decode_reference(clean.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale,
                                             True)
     keep = ~nan_rows
     assert torch.equal(out[keep], ref_out[keep])
@@ -87,7 +87,7 @@ def test_nan_in_q_gives_nan_rows_not_empty_rows():
 def test_nan_in_q_on_the_public_cpu_path():
     case, inp, q = _nan_rows_case()
     meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
-    out, lse = fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+    out, lse = fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
     assert torch.isnan(out[0, 1, 3]).all() and torch.isnan(lse[0, 3, 1])
     assert (out[1, 0, 5] == 0).all() and torch.isposinf(lse[1, 5, 0])
@@ -99,7 +99,7 @@ def _ref_args(case=None):
     case = case or Case(lengths=[70, 5], s_q=2, h_q=4)
     inp = make_inputs(case)
     return dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
-                head_dim_v=512, softmax_scale=inp.scale, causal=True)
+                head_dim_v=D_V, softmax_scale=inp.scale, causal=True)
 
 
 @pytest.mark.parametrize("change,exc,match", [
@@ -110,9 +110,9 @@ def _ref_args(case=None):
      r"cache_seqlens must be >= 0"),
     (lambda a: dict(cache_seqlens=torch.tensor([70, 1000], dtype=torch.int32)), ValueError,
      r"block_table is too short.*\(1, 1000\)"),
-    (lambda a: dict(head_dim_v=128), ValueError, r"head_dim_v must be 512"),
-    (lambda a: dict(q=a["q"][..., :512].contiguous()), ValueError, r"q's last dimension must be 576"),
-    (lambda a: dict(q=a["q"][0]), ValueError, r"q must be \[batch, seqlen_q, num_heads_q, 576\]"),
+    (lambda a: dict(head_dim_v=128), ValueError, rf"head_dim_v must be {D_V}"),
+    (lambda a: dict(q=a["q"][..., :D_V].contiguous()), ValueError, rf"q's last dimension must be {D_K}"),
+    (lambda a: dict(q=a["q"][0]), ValueError, rf"q must be \[batch, seqlen_q, num_heads_q, {D_K}\]"),
     (lambda a: dict(q=a["q"].half()), TypeError, r"q and k_cache must have the same dtype"),
     (lambda a: dict(q=a["q"].int()), TypeError, r"q must have dtype .*torch.float32"),
     (lambda a: dict(k_cache=a["k_cache"].squeeze(2)), ValueError, r"k_cache must be \[num_pages, page_size"),
@@ -142,7 +142,7 @@ def test_reference_accepts_float32_and_float64():
     want_out, want_lse = brute_force_fp64(inp, True)
     for dtype in (torch.float32, torch.float64):
         out, lse = mla_decode_reference(inp.q.to(dtype), inp.k_cache.to(dtype), inp.block_table, inp.cache_seqlens,
-                                        512, inp.scale, True)
+                                        D_V, inp.scale, True)
         assert out.dtype == dtype
         compare(out, lse, want_out, want_lse, case.lengths, case.s_q, True)
 

@@ -5,7 +5,8 @@ import torch
 
 import flashmla_backend as fb
 from flashmla_backend import validate
-from kit import Case, make_inputs
+from flashmla_backend.geometry import BLOCK_M
+from kit import D_K, D_V, PAGE, Case, make_inputs
 
 
 def args(case=None, device="cpu"):
@@ -13,7 +14,7 @@ def args(case=None, device="cpu"):
     inp = make_inputs(case, device)
     meta, num_splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
     return dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
-                head_dim_v=512, tile_scheduler_metadata=meta, num_splits=num_splits, softmax_scale=inp.scale,
+                head_dim_v=D_V, tile_scheduler_metadata=meta, num_splits=num_splits, softmax_scale=inp.scale,
                 causal=True)
 
 
@@ -30,7 +31,7 @@ def expect(exc, match, **changes):
 
 def test_valid_arguments_run():
     out, lse = call(**args())
-    assert out.shape == (2, 2, 16, 512) and lse.shape == (2, 16, 2)
+    assert out.shape == (2, 2, 16, D_V) and lse.shape == (2, 16, 2)
 
 
 def test_q_dtype():
@@ -56,19 +57,20 @@ def test_fp8_cache_refused():
 
 def test_q_shape():
     a = args()
-    expect(ValueError, r"q must be \[batch, seqlen_q, num_heads_q, 576\]", q=a["q"][0])
-    expect(ValueError, r"q's last dimension must be 576", q=a["q"][..., :512].contiguous())
+    expect(ValueError, rf"q must be \[batch, seqlen_q, num_heads_q, {D_K}\]", q=a["q"][0])
+    expect(ValueError, rf"q's last dimension must be {D_K}", q=a["q"][..., :D_V].contiguous())
 
 
 def test_cache_rank_and_page_size():
     a = args()
-    expect(ValueError, r"k_cache must be \[num_pages, page_size, num_heads_k, 576\].*unsqueeze",
+    expect(ValueError, rf"k_cache must be \[num_pages, page_size, num_heads_k, {D_K}\].*unsqueeze",
            k_cache=a["k_cache"].squeeze(2))
-    expect(ValueError, r"page size 32 .*only 64-token pages", k_cache=a["k_cache"].reshape(-1, 32, 1, 576))
+    expect(ValueError, rf"page size {PAGE // 2} .*only {PAGE}-token pages",
+           k_cache=a["k_cache"].reshape(-1, PAGE // 2, 1, D_K))
 
 
 def test_head_dim_v():
-    expect(ValueError, r"head_dim_v must be 512", head_dim_v=128)
+    expect(ValueError, rf"head_dim_v must be {D_V}", head_dim_v=128)
 
 
 def test_heads_divisible():
@@ -81,7 +83,7 @@ def test_heads_divisible():
 
 def test_last_dim_contiguous():
     a = args()
-    q = torch.empty(a["q"].shape[:-1] + (576 * 2,), dtype=a["q"].dtype)[..., ::2]
+    q = torch.empty(a["q"].shape[:-1] + (D_K * 2,), dtype=a["q"].dtype)[..., ::2]
     expect(ValueError, r"q must have a contiguous last dimension", q=q)
 
 
@@ -134,16 +136,16 @@ def test_softmax_scale_must_be_finite_and_positive(scale):
 def test_numpy_scalars_are_accepted(scale):
     a = args()
     want_out, want_lse = call(**dict(a, softmax_scale=float(scale)))
-    out, lse = call(**dict(a, softmax_scale=scale, head_dim_v=np.int64(512)))
+    out, lse = call(**dict(a, softmax_scale=scale, head_dim_v=np.int64(D_V)))
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-    assert validate.DECODE.accepts(**dict(a, softmax_scale=scale, head_dim_v=np.int32(512)))
+    assert validate.DECODE.accepts(**dict(a, softmax_scale=scale, head_dim_v=np.int32(D_V)))
     meta, ns = fb.get_mla_metadata(a["cache_seqlens"], np.int64(32), np.int32(1), num_heads_q=np.int64(16))
     assert torch.equal(meta, a["tile_scheduler_metadata"]) and torch.equal(ns, a["num_splits"])
 
 
 def test_numpy_bool_and_float_head_dim_refused():
     expect(ValueError, r"softmax_scale must be a finite positive float", softmax_scale=np.bool_(True))
-    expect(ValueError, r"head_dim_v must be 512 \(an int\), got 512.0", head_dim_v=512.0)
+    expect(ValueError, rf"head_dim_v must be {D_V} \(an int\), got {float(D_V)}", head_dim_v=float(D_V))
 
 
 def test_not_a_tensor():
@@ -168,8 +170,8 @@ def _mutations():
         "q float32": dict(q=q.float()),
         "q fp16 vs bf16 cache": dict(q=q.half()),
         "q 3-D": dict(q=q[0]),
-        "q last dim 512": dict(q=q[..., :512].contiguous()),
-        "q strided last dim": dict(q=torch.empty(q.shape[:-1] + (1152,), dtype=q.dtype)[..., ::2]),
+        "q last dim D_V": dict(q=q[..., :D_V].contiguous()),
+        "q strided last dim": dict(q=torch.empty(q.shape[:-1] + (2 * D_K,), dtype=q.dtype)[..., ::2]),
         "q list": dict(q=[1, 2]),
         "q seqlen 0": dict(q=q[:, :0]),
         "q on meta": {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in a.items()},
@@ -177,15 +179,15 @@ def _mutations():
         "cache fp8": dict(k_cache=kc.to(torch.float8_e4m3fn)) if hasattr(torch, "float8_e4m3fn") else {},
         "cache 3-D": dict(k_cache=kc.squeeze(2)),
         "cache float32": dict(k_cache=kc.float()),
-        "cache strided last dim": dict(k_cache=torch.empty(kc.shape[:-1] + (1152,), dtype=kc.dtype)[..., ::2]),
-        "cache last dim 512": dict(k_cache=kc[..., :512].contiguous()),
+        "cache strided last dim": dict(k_cache=torch.empty(kc.shape[:-1] + (2 * D_K,), dtype=kc.dtype)[..., ::2]),
+        "cache last dim D_V": dict(k_cache=kc[..., :D_V].contiguous()),
         "cache no pages": dict(k_cache=kc[:0]),
-        "page size 32": dict(k_cache=kc.reshape(-1, 32, 1, 576)),
+        "half pages": dict(k_cache=kc.reshape(-1, PAGE // 2, 1, D_K)),
         "cache h_kv 3 of 16": dict(k_cache=kc.expand(-1, -1, 3, -1)),
         "cache h_kv 0": dict(k_cache=kc[:, :, :0]),
         "cache on meta": dict(k_cache=kc.to("meta")),
         "head_dim_v 128": dict(head_dim_v=128),
-        "head_dim_v 512.0": dict(head_dim_v=512.0),
+        "head_dim_v float": dict(head_dim_v=float(D_V)),
         "head_dim_v None": dict(head_dim_v=None),
         "block_table int64": dict(block_table=a["block_table"].long()),
         "block_table short batch": dict(block_table=a["block_table"][:1]),
@@ -237,7 +239,7 @@ def _mutations():
         "scale np.float64": dict(softmax_scale=np.float64(0.05)),
         "scale int": dict(softmax_scale=1),
         "scale np.int64": dict(softmax_scale=np.int64(1)),
-        "head_dim_v np.int64": dict(head_dim_v=np.int64(512)),
+        "head_dim_v np.int64": dict(head_dim_v=np.int64(D_V)),
         "causal False": dict(causal=False),
     }
     return {**{k: (v, False) for k, v in bad.items() if v}, **{k: (v, True) for k, v in good.items()}}
@@ -298,7 +300,7 @@ def test_stale_metadata_in_checked_mode(monkeypatch):
     monkeypatch.setenv(validate.CHECK_ENV, "1")
     call(**a)  # fresh metadata passes
     stale = a["tile_scheduler_metadata"].clone()
-    stale[0, 3] += 64
+    stale[0, 3] += PAGE
     expect(ValueError, r"do not match cache_seqlens", tile_scheduler_metadata=stale)
 
 
@@ -306,7 +308,7 @@ def test_stale_metadata_refused_on_cpu():
     """CPU tensors always get the value checks, the metadata's included (no checked mode needed)."""
     a = args()
     stale = a["tile_scheduler_metadata"].clone()
-    stale[0, 3] += 64
+    stale[0, 3] += PAGE
     expect(ValueError, r"tile_scheduler_metadata/num_splits do not match cache_seqlens .*: recompute them with "
            r"get_mla_metadata", tile_scheduler_metadata=stale)
     # metadata of other lengths (same batch): the split counts or the rows differ
@@ -314,7 +316,7 @@ def test_stale_metadata_refused_on_cpu():
     with pytest.raises(ValueError, match=r"do not match cache_seqlens.*recompute"):
         call(**dict(a, tile_scheduler_metadata=old_meta, num_splits=old_ns))
     # metadata for another head count: another number of parts
-    other_meta, other_ns = fb.get_mla_metadata(a["cache_seqlens"], 2 * 64 * 16, 1)
+    other_meta, other_ns = fb.get_mla_metadata(a["cache_seqlens"], 2 * BLOCK_M * 16, 1)
     with pytest.raises(ValueError, match=r"tile_scheduler_metadata has 4 parts, but get_mla_metadata gives 132 for "
                                          r"seqlen_q=2, num_heads_q=16, num_heads_k=1 on cpu: recompute it with "
                                          r"get_mla_metadata\(cache_seqlens, 32, 1\)"):
@@ -343,7 +345,7 @@ def test_empty_batch():
     empty = dict(a, q=a["q"][:0], block_table=a["block_table"][:0], cache_seqlens=a["cache_seqlens"][:0])
     meta, ns = fb.get_mla_metadata(empty["cache_seqlens"], 16, 1)
     out, lse = call(**dict(empty, tile_scheduler_metadata=meta, num_splits=ns))
-    assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 16, 1)
+    assert out.shape == (0, 1, 16, D_V) and lse.shape == (0, 16, 1)
 
 
 # ---- device checks (need a CUDA device; the CPU cannot produce them) -------------------------------
