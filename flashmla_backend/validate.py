@@ -122,7 +122,6 @@ def _dtype_names(dtypes) -> str:
     return " or ".join(str(d) for d in dtypes)
 
 
-_PY_INT = (int,)
 _PY_REAL = (float, int)
 
 
@@ -154,7 +153,7 @@ _ENV = dict(torch=torch, Tensor=torch.Tensor, math=math, INF=math.inf, scheduler
             ROPE_DIM=geometry.ROPE_DIM, PAGE_SIZE=geometry.PAGE_SIZE, META_INTS=geometry.META_INTS,
             ALIGN_BYTES=LOAD_ALIGN_BYTES, ALIGN_ELEMS=LOAD_ALIGN_ELEMS, I32=torch.int32,
             _describe=_describe, _dtype_names=_dtype_names, _is_int=_is_int, _is_real=_is_real,
-            _PY_INT=_PY_INT, _PY_REAL=_PY_REAL, _pairs=_pairs, _bad_pages=_bad_pages)
+            _PY_REAL=_PY_REAL, _pairs=_pairs, _bad_pages=_bad_pages)
 
 
 def _tensor(name: str, ndim: int, dtypes: str, what: str, contiguous: bool = False) -> list[Rule]:
