@@ -2,14 +2,18 @@
 
 Drop-in compatible with FlashMLA's dense decode API:
 
-    from flashmla_backend import get_mla_metadata, flash_mla_with_kvcache
+    from flashmla_backend import get_mla_metadata, flash_mla_with_kvcache, geometry
     meta, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
-    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, meta, num_splits,
-                                      softmax_scale=scale, causal=True)
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, geometry.HEAD_DIM_V, meta,
+                                      num_splits, softmax_scale=scale, causal=True)
+
+The geometry (row widths, page size) is in flashmla_backend.geometry; argument rules in
+flashmla_backend.validate.
 
 CUDA tensors run the kernels (Hopper: wgmma/TMA; A100: portable mma.sync kernel); CPU tensors run
 the pure-PyTorch reference (flashmla_backend.reference). Engine plugins: flashmla_backend.vllm.
 """
+from . import geometry
 from .device import UnsupportedGPUError, is_supported
 from .ops import flash_mla_with_kvcache, get_mla_metadata
 from .reference import mla_decode_reference

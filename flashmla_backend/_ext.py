@@ -14,9 +14,13 @@ def _load():
         from flashmla_backend import _C  # noqa: PLC0415
     except ImportError as e:  # not built, or built for another Python
         return None, e
-    from flashmla_backend import geometry  # noqa: PLC0415
+    from flashmla_backend import geometry, scheduler  # noqa: PLC0415
 
-    wrong = geometry.mismatches(dict(_C.schedule_constants))
+    exported = dict(_C.schedule_constants)
+    wrong = geometry.mismatches(exported)
+    if exported.get("fixed_overhead_blocks") != scheduler.FIXED_OVERHEAD_BLOCKS:  # the CPU mirror's cost model
+        wrong.append(f"fixed_overhead_blocks: compiled {exported.get('fixed_overhead_blocks')!r}, "
+                     f"Python {scheduler.FIXED_OVERHEAD_BLOCKS!r}")
     if wrong:  # a stale build from other sources: refuse it rather than compute with the wrong shapes
         return None, ImportError(f"{_C.__file__} was built for another MLA geometry ({'; '.join(wrong)}); rebuild it")
     return _C, None

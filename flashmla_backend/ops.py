@@ -1,7 +1,7 @@
 """Public API, drop-in compatible with FlashMLA's dense decode API.
 
     tile_scheduler_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
-    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512,
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V,
                                       tile_scheduler_metadata, num_splits, softmax_scale=None, causal=False)
 
 CUDA tensors run the kernels; CPU tensors run the pure-PyTorch reference. Both functions are also
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import _ext, device, scheduler, validate
-from .reference import mla_decode_reference
+from .geometry import HEAD_DIM_K, HEAD_DIM_V, META_INTS
+from .reference import reference_decode
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -24,7 +25,7 @@ def _metadata_impl(cache_seqlens: torch.Tensor, num_sm_parts: int) -> tuple[torc
     b = cache_seqlens.shape[0]
     if cache_seqlens.device.type != "cuda":
         return scheduler.schedule(cache_seqlens, num_sm_parts)
-    meta = torch.empty((num_sm_parts, scheduler.META_INTS), dtype=torch.int32, device=cache_seqlens.device)
+    meta = torch.empty((num_sm_parts, META_INTS), dtype=torch.int32, device=cache_seqlens.device)
     num_splits = torch.empty((b + 1,), dtype=torch.int32, device=cache_seqlens.device)
     if b == 0:
         meta.zero_()
@@ -45,7 +46,7 @@ def _metadata_op(cache_seqlens: torch.Tensor, num_sm_parts: int) -> tuple[torch.
 @_metadata_op.register_fake
 def _(cache_seqlens, num_sm_parts):
     b = cache_seqlens.shape[0]
-    return (cache_seqlens.new_empty((num_sm_parts, scheduler.META_INTS)), cache_seqlens.new_empty((b + 1,)))
+    return (cache_seqlens.new_empty((num_sm_parts, META_INTS)), cache_seqlens.new_empty((b + 1,)))
 
 
 def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
@@ -54,12 +55,14 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
     """Tile-scheduler metadata for one decode step, computed on cache_seqlens' device without a host sync.
 
     cache_seqlens: [batch] int32. num_q_tokens_per_head_k: s_q * h_q // h_kv. num_heads_k: h_kv.
-    Returns (tile_scheduler_metadata [num_sm_parts, 8] int32, num_splits [batch + 1] int32); reuse them
-    in every layer of the step. num_sm_parts = SMs // h_kv // ceil(num_q_tokens_per_head_k / 64).
+    Returns (tile_scheduler_metadata [num_sm_parts, META_INTS] int32, num_splits [batch + 1] int32); reuse
+    them in every layer of the step. num_sm_parts = SMs // h_kv // ceil(num_q_tokens_per_head_k / BLOCK_M).
+    The int arguments may be Python or numpy integers.
     """
     validate.validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q,
                                     is_fp8_kvcache, topk)
-    parts = scheduler.num_sm_parts(device.sm_count(cache_seqlens.device), num_heads_k, num_q_tokens_per_head_k)
+    parts = scheduler.num_sm_parts(device.sm_count(cache_seqlens.device), int(num_heads_k),
+                                   int(num_q_tokens_per_head_k))
     if torch.compiler.is_compiling():
         return torch.ops.flashmla_backend.get_mla_metadata(cache_seqlens, parts)
     return _metadata_impl(cache_seqlens, parts)
@@ -80,13 +83,13 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     kernel = device.kernel_for(q.device)
     b, s_q, h_q, h_kv = shapes.batch, shapes.seqlen_q, shapes.num_heads_q, shapes.num_heads_kv
     parts, q_rows = shapes.num_sm_parts, shapes.q_rows
-    out = torch.empty((b, s_q, h_q, validate.HEAD_DIM_V), dtype=q.dtype, device=q.device)
+    out = torch.empty((b, s_q, h_q, HEAD_DIM_V), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
-    # Split accumulators (params.h), one allocation: o_accum [b + parts, h_kv, q_rows, 512] then
-    # lse_accum [b + parts, h_kv, q_rows]; 512 * 4 bytes keeps lse_accum 16-byte aligned.
+    # Split accumulators (params.h), one allocation: o_accum [b + parts, h_kv, q_rows, HEAD_DIM_V] then
+    # lse_accum [b + parts, h_kv, q_rows]; HEAD_DIM_V * 4 bytes keeps lse_accum 16-byte aligned.
     n_rows = (b + parts) * h_kv * q_rows
-    accum = torch.empty((n_rows * (validate.HEAD_DIM_V + 1),), dtype=torch.float32, device=q.device)
-    o_accum, lse_accum = accum[: n_rows * validate.HEAD_DIM_V], accum[n_rows * validate.HEAD_DIM_V:]
+    accum = torch.empty((n_rows * (HEAD_DIM_V + 1),), dtype=torch.float32, device=q.device)
+    o_accum, lse_accum = accum[: n_rows * HEAD_DIM_V], accum[n_rows * HEAD_DIM_V:]
     index = q.device.index
     qst, kst = q.stride(), k_cache.stride()
 
@@ -111,8 +114,7 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     a.sched_meta = meta.data_ptr()
     a.num_splits = num_splits.data_ptr()
     a.out = out.data_ptr()  # out and lse are contiguous (allocated above)
-    a.out_stride_b, a.out_stride_s, a.out_stride_h = s_q * h_q * validate.HEAD_DIM_V, h_q * validate.HEAD_DIM_V, \
-        validate.HEAD_DIM_V
+    a.out_stride_b, a.out_stride_s, a.out_stride_h = s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V
     a.lse = lse.data_ptr()
     a.lse_stride_b, a.lse_stride_h = h_q * s_q, s_q
     a.lse_accum = lse_accum.data_ptr()
@@ -124,16 +126,16 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
 def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal):
     shapes = validate.shapes_of(q, k_cache, block_table, meta)
     on_cuda = q.device.type == "cuda"
-    checked = validate.checked_mode()
-    # Value checks: always on CPU tensors; on CUDA only in the checked mode (a host sync), never in capture.
-    if not on_cuda or (checked and not torch.cuda.is_current_stream_capturing()):
-        validate.check_values(block_table, cache_seqlens, shapes.num_pages,
-                              meta if checked else None, num_splits if checked else None)
+    # Value checks (lengths, page ids, metadata against the lengths and shapes): always on CPU tensors; on
+    # CUDA only in the checked mode (a host sync), never in capture.
+    if not on_cuda or (validate.checked_mode() and not torch.cuda.is_current_stream_capturing()):
+        validate.check_values(k_cache, block_table, cache_seqlens)
+        validate.check_schedule(q, k_cache, cache_seqlens, meta, num_splits)
     if shapes.batch == 0:
-        return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, validate.HEAD_DIM_V)),
+        return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, HEAD_DIM_V)),
                 q.new_empty((0, shapes.num_heads_q, shapes.seqlen_q), dtype=torch.float32))
     if not on_cuda:
-        return mla_decode_reference(q, k_cache, block_table, cache_seqlens, validate.HEAD_DIM_V, scale, causal)
+        return reference_decode(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, scale, causal)
     return _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes)
 
 
@@ -148,7 +150,7 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
 @_decode_op.register_fake
 def _(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale, causal):
     b, s_q, h_q, _ = q.shape
-    return (q.new_empty((b, s_q, h_q, validate.HEAD_DIM_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32))
+    return (q.new_empty((b, s_q, h_q, HEAD_DIM_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32))
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -158,12 +160,15 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode over a paged KV cache (FlashMLA's dense decode API).
 
-    q [b, s_q, h_q, 576] bf16/fp16; k_cache [num_pages, 64, h_kv, 576] (q's dtype); block_table
-    [b, max_pages] int32; cache_seqlens [b] int32; head_dim_v = 512; metadata from get_mla_metadata
-    for these cache_seqlens. softmax_scale defaults to 576 ** -0.5 (engines pass the model's scale).
-    causal: query token s of a request with n keys sees keys 0 .. n - s_q + s.
-    Returns out [b, s_q, h_q, 512] (q's dtype) and lse [b, h_q, s_q] float32 (natural log); a row that
-    sees no key gets out 0 and lse +inf.
+    Geometry (flashmla_backend.geometry): q [b, s_q, h_q, HEAD_DIM_K] bf16/fp16; k_cache [num_pages,
+    PAGE_SIZE, h_kv, HEAD_DIM_K] (q's dtype); block_table [b, max_pages] int32; cache_seqlens [b] int32;
+    head_dim_v = HEAD_DIM_V; metadata from get_mla_metadata for these cache_seqlens and shapes.
+    softmax_scale: finite and positive (Python or numpy scalar), default HEAD_DIM_K ** -0.5 (engines pass
+    the model's scale). causal: query token s of a request with n keys sees keys 0 .. n - s_q + s.
+    Returns out [b, s_q, h_q, HEAD_DIM_V] (q's dtype) and lse [b, h_q, s_q] float32 (natural log); a row
+    that sees no key gets out 0 and lse +inf; NaN in a row's scores (e.g. in q) gives NaN out and lse.
+    Arguments are checked by the rule tables of flashmla_backend.validate; on CPU tensors also the values
+    (lengths, page ids, metadata), on CUDA tensors only with FLASHMLA_BACKEND_CHECK=1.
     """
     if is_fp8_kvcache:
         raise NotImplementedError("flashmla_backend: FP8 KV cache is not supported yet (bf16 and fp16 caches are)")
@@ -171,7 +176,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         raise NotImplementedError("flashmla_backend: sparse attention (indices) is not supported; only dense decode")
     validate.validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal)
-    scale = float(softmax_scale) if softmax_scale is not None else validate.HEAD_DIM_K ** -0.5
+    scale = float(softmax_scale) if softmax_scale is not None else HEAD_DIM_K ** -0.5
     if torch.compiler.is_compiling():
         return torch.ops.flashmla_backend.mla_decode(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                                                      num_splits, scale, causal)

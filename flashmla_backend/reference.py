@@ -3,7 +3,9 @@
 Computes, per request i and query token s (0-based) of s_q:
     O = softmax(scale * Q K^T) V,  lse = logsumexp(scale * Q K^T)   (natural log, fp32)
 over the keys the token sees: all cache_seqlens[i] keys, or with causal=True keys 0 .. n - s_q + s.
-A query row that sees no key gets out = 0 and lse = +inf (FlashMLA's convention).
+A query row that sees no key gets out = 0 and lse = +inf (FlashMLA's convention); a row that sees keys
+but whose scores are NaN (NaN in q or in a key it reads) gets NaN in out and lse, never the empty-row
+answer.
 """
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import math
 
 import torch
 
-HEAD_DIM_K = 576
-HEAD_DIM_V = 512
+from . import validate
+from .geometry import HEAD_DIM_V
 
 
 def mla_decode_reference(
@@ -25,12 +27,23 @@ def mla_decode_reference(
     causal: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference decode with the shapes of ``flash_mla_with_kvcache``.
+    """Reference decode with the shapes of ``flash_mla_with_kvcache``, its arguments checked like it.
 
-    q [b, s_q, h_q, d], k_cache [num_pages, page_size, h_kv, d] (any page size), block_table
-    [b, max_pages] int, cache_seqlens [b] int (values >= 0). Returns out [b, s_q, h_q, head_dim_v]
-    in q's dtype and lse [b, h_q, s_q] float32. Arithmetic in ``compute_dtype`` (fp32 by default).
+    q [b, s_q, h_q, HEAD_DIM_K], k_cache [num_pages, PAGE_SIZE, h_kv, HEAD_DIM_K] in q's dtype (bf16, fp16,
+    and here also fp32 or fp64), block_table [b, max_pages] int32, cache_seqlens [b] int32 (values >= 0,
+    every page a request reads in [0, num_pages)). Returns out [b, s_q, h_q, head_dim_v] in q's dtype and
+    lse [b, h_q, s_q] float32. Arithmetic in ``compute_dtype`` (fp32 by default). The argument checks are
+    those of the public API (flashmla_backend.validate: the REFERENCE and VALUES tables); the value checks
+    copy the index tensors to the host.
     """
+    validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+    validate.check_values(k_cache, block_table, cache_seqlens)
+    return reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, compute_dtype)
+
+
+def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM_V, softmax_scale=None,
+                     causal=False, compute_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_decode_reference without the argument checks (the public API calls it after its own)."""
     b, s_q, h_q, d = q.shape
     page_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     ngroups = h_q // h_kv
@@ -38,6 +51,7 @@ def mla_decode_reference(
     out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=compute_dtype, device=q.device)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float32, device=q.device)
     lengths = cache_seqlens.tolist()
+    tokens = torch.arange(s_q, device=q.device)
     for i, n in enumerate(lengths):
         if n <= 0:
             continue
@@ -45,12 +59,13 @@ def mla_decode_reference(
         kv = k_cache[pages].reshape(-1, h_kv, d)[:n].to(compute_dtype)  # [n, h_kv, d]
         qg = q[i].to(compute_dtype).reshape(s_q, h_kv, ngroups, d)
         scores = torch.einsum("sjgd,njd->jgsn", qg, kv) * scale  # [h_kv, ngroups, s_q, n]
+        # Whether a row sees a key follows from the mask alone, not from the scores (NaN in q gives NaN
+        # scores: that row's out and lse are NaN, not the empty row's 0 and +inf).
+        visible = n - s_q + 1 + tokens if causal else torch.full_like(tokens, n)  # keys per query token
         if causal:
-            last_visible = n - s_q + torch.arange(s_q, device=q.device)  # per query token
-            keys = torch.arange(n, device=q.device)
-            hidden = keys[None, :] > last_visible[:, None]  # [s_q, n]
+            hidden = torch.arange(n, device=q.device)[None, :] >= visible[:, None]  # [s_q, n]
             scores = scores.masked_fill(hidden, -math.inf)
-        seen = torch.isfinite(scores).any(dim=-1)  # [h_kv, ngroups, s_q]
+        seen = (visible > 0).expand(h_kv, ngroups, s_q)
         row_lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - row_lse.masked_fill(~seen, 0.0)[..., None])
         probs = probs.masked_fill(~seen[..., None], 0.0)

@@ -1,45 +1,43 @@
 """Python mirror of the tile-scheduler kernel (csrc/smxx/tile_scheduler.cu).
 
 It produces the same int32 metadata bit for bit (the GPU tests compare them) and serves CPU tensors.
-The model, in short (the kernel's header comment has the full statement):
-  request i costs w_i = ceil(len_i / 64) + FIXED_OVERHEAD_BLOCKS units; requests are laid end to end,
-  request i on [C_i, C_i + w_i); part p starts at unit p * P, P = max(1, ceil((T - FIXED_OVERHEAD_BLOCKS) /
-  num_sm_parts)): the last request's trailing overhead needs no part of its own (the last part always runs
-  to the end of the batch), so b = 1, 8192 keys (128 blocks) on 66 parts gets P = 2 (64 parts of 2 blocks),
-  not ceil(133 / 66) = 3 (43 parts of 3 blocks). H100, h_q 128, CUDA-graph replays of decode + combine:
-  39.1 us -> 35.6 us.
+The model, in short (the kernel's header comment has the full statement; the timings behind each choice
+are in docs/perf/journal.md):
+  request i costs w_i = ceil(len_i / PAGE_SIZE) + FIXED_OVERHEAD_BLOCKS units (geometry: PAGE_SIZE, BLOCK_M,
+  META_INTS); requests are laid end to end, request i on [C_i, C_i + w_i); part p starts at unit p * P,
+  P = max(1, ceil((T - FIXED_OVERHEAD_BLOCKS) / num_sm_parts)): the last request's trailing overhead needs no
+  part of its own (the last part always runs to the end of the batch), so b = 1 with 128 blocks on 66 parts
+  gets P = 2 (64 parts of 2 blocks), not ceil(133 / 66) = 3 (43 parts of 3 blocks).
   Unit C_i + k is the position (i, k) when k < nb_i or k == 0 (a request's first unit is its start, even
   for a zero-length request); inside the rest of its overhead it is (i + 1, 0).
   Part p covers the positions from its start to the next part's start.
-Piece mode (batch <= min(num_sm_parts, 256)): each part computes at most one piece of one request. Request i is
-cut into s_i = max(1, ceil(nb_i / G)) nearly equal pieces (q, r = divmod(nb_i, s_i); piece j: blocks
-[j q + min(j, r), (j + 1) q + min(j + 1, r))), G the smallest grain <= P with sum s_i <= num_sm_parts (if G = P
-does not fit, the line model is used); pieces go to parts in order (request by request), the remaining parts are
-empty. A piece has at most G <= P blocks, so no part costs more than the line model's bound (P + overhead),
-and no request that fits in one part is cut: 128 requests of 8192 keys on 132 parts are 128 whole requests (no
-combine), where the line model cut 127 of them in two (H100, h_q 16, decode kernel under ncu: line model 447 us,
-piece mode 430 us, FlashMLA's one-request-per-part schedule 428 us).
+Piece mode (batch <= min(num_sm_parts, PIECE_MODE_MAX_BATCH)): each part computes at most one piece of one
+request. Request i is cut into s_i = max(1, ceil(nb_i / G)) nearly equal pieces (q, r = divmod(nb_i, s_i);
+piece j: blocks [j q + min(j, r), (j + 1) q + min(j + 1, r))), G the smallest grain <= P with sum s_i <=
+num_sm_parts (if G = P does not fit, the line model is used); pieces go to parts in order (request by
+request), the remaining parts are empty. A piece has at most G <= P blocks, so no part costs more than the
+line model's bound (P + overhead), and no request that fits in one part is cut: 128 requests of 128 blocks
+on 132 parts are 128 whole requests (no combine), where the line model cut 127 of them in two.
 Whole-request mode (when piece mode does not apply): request i goes whole to part q_i = min(floor(C_i / P),
 num_sm_parts - 1), the part in which it starts; a part's cost is C(end of its last request) - C(start of its first).
 Used when the largest part costs at most WHOLE_SLACK_PERCENT % more than the line model's bound P + overhead: no
-request is cut, so no combine runs. 128 requests of 8192 keys on 66 parts: two whole requests per part (266 units
-against the line model's 263, which cut 63 requests); H100, h_q 128, CUDA-graph replays: 559 us instead of 594.
+request is cut, so no combine runs (128 requests of 128 blocks on 66 parts: two whole requests per part, 266
+units against the line model's 263, which cut 63 requests).
 Metadata row p: [begin_req, begin_token, end_req (inclusive), end_token (exclusive), begin_split, 0, 0, 0].
 """
 from __future__ import annotations
 
 import torch
 
-PAGE_SIZE = 64
-BLOCK_M = 64
+from .geometry import BLOCK_M, META_INTS, PAGE_SIZE
+
 FIXED_OVERHEAD_BLOCKS = 5
-META_INTS = 8
 PIECE_MODE_MAX_BATCH = 256
 WHOLE_SLACK_PERCENT = 3
 
 
 def num_sm_parts(sm_count: int, num_heads_k: int, num_q_tokens_per_head_k: int) -> int:
-    """Persistent CTA columns: one CTA per (part, m-tile of 64 query rows, kv head) fills the GPU."""
+    """Persistent CTA columns: one CTA per (part, m-tile of BLOCK_M query rows, kv head) fills the GPU."""
     m_tiles = -(-num_q_tokens_per_head_k // BLOCK_M)
     return max(1, sm_count // num_heads_k // m_tiles)
 

@@ -1,25 +1,46 @@
-"""The one validation layer: every public entry point checks its arguments here.
+"""The one validation layer: every public entry point checks its arguments here, against tables of rules.
+
+A rule is (argument, test, exception type, message): `test` is a Python expression over the entry
+point's arguments (and the names bound by earlier `Let` rows), `message` the body of an f-string over the
+same names, formatted only when the test fails. Each table is compiled once, at import, into two
+functions built from the same test expressions:
+
+  accepts(...)  the fast path, on every decode call: True when every test holds, False at the first one
+                that does not (or on any exception), without formatting anything;
+  check(...)    the step-by-step path: raises the first failing rule's exception, whose message names
+                its argument ("flashmla_backend: q must ...").
+
+validate_decode_args runs accepts() and, only when it says False, check(); since both evaluate the same
+expressions in the same order, the fast path cannot accept what the checks refuse. Rows are ordered so
+that a test may rely on every earlier one (q.dim() only after q is known to be a tensor, and so on).
+
+Tables: DECODE (flash_mla_with_kvcache's arguments), REFERENCE (the same rows for mla_decode_reference,
+less the scheduler metadata, with float32/float64 inputs allowed as well), LAYOUT (the alignment the
+kernels' 16-byte loads need), METADATA (get_mla_metadata's arguments), VALUES (lengths and page ids, host
+copies of index tensors) and SCHEDULE (the tile-scheduler metadata matches the lengths and shapes).
 
 Shape, dtype, device and layout checks read only tensor metadata (no host sync, traceable by
 torch.compile). Checks of VALUES that live on the GPU (lengths against the block table, page ids,
 stale scheduler metadata) need a device-to-host copy, so on CUDA tensors they run only in the opt-in
 checked mode, FLASHMLA_BACKEND_CHECK=1 (and never while a CUDA graph is being captured). On CPU
-tensors they always run. Without the checked mode the kernels clamp lengths to [0, 64 * max_pages]
+tensors they always run. Without the checked mode the kernels clamp lengths to [0, PAGE_SIZE * max_pages]
 so that no read leaves the block table.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import NamedTuple
 
 import torch
 
-from . import _env, scheduler
+from . import _env, device, geometry, scheduler
 
-HEAD_DIM_K = 576
-HEAD_DIM_V = 512
-PAGE_SIZE = scheduler.PAGE_SIZE
 CHECK_ENV = "FLASHMLA_BACKEND_CHECK"
-FLOAT_DTYPES = (torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16)        # the kernels' q / k_cache / out dtypes
+REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float32, torch.float64)
+LOAD_ALIGN_BYTES = 16                                 # cp.async / TMA vector loads
+LOAD_ALIGN_ELEMS = 8                                  # the same in 2-byte elements
 
 
 class Shapes(NamedTuple):
@@ -40,135 +61,196 @@ def checked_mode() -> bool:
     return _env.flag(CHECK_ENV)
 
 
-def _describe(t: torch.Tensor) -> str:
+# ---- the rule machinery ---------------------------------------------------------------------------
+
+class Rule(NamedTuple):
+    arg: str                    # the argument the message names (and the table filter's key)
+    test: str                   # Python expression; true when the argument is acceptable
+    exc: type[Exception]
+    message: str                # f-string body, formatted only on failure
+
+
+class Let(NamedTuple):
+    arg: str                    # the argument it reads
+    names: str                  # target of the assignment, e.g. "b, s_q, h_q, d"
+    value: str                  # expression
+
+
+class RuleSet:
+    """A table of Rule / Let rows compiled into accepts() (fast path) and check() (raises)."""
+
+    def __init__(self, name: str, params: tuple[str, ...], rows: list, env: dict | None = None):
+        self.name, self.params = name, params
+        self.rows = [r for r in rows if r.arg in params]      # rows about absent arguments do not apply
+        self.rules = [r for r in self.rows if isinstance(r, Rule)]
+        self.env = dict(_ENV, **(env or {}), _fail=self._exception)
+        sig = ", ".join(params)
+        fast, slow, i = [], [], 0
+        for r in self.rows:
+            if isinstance(r, Let):
+                fast.append(f"        {r.names} = {r.value}")
+                slow.append(f"    {r.names} = {r.value}")
+            else:
+                fast.append(f"        if not ({r.test}): return False")
+                slow.append(f"    if not ({r.test}): raise _fail({i}, f'''{r.message}''')")
+                i += 1
+        self.source = (f"def accepts({sig}):\n    try:\n" + "\n".join(fast) + "\n        return True\n"
+                       "    except Exception:\n        return False\n\n"
+                       f"def check({sig}):\n" + "\n".join(slow) + "\n")
+        code = compile(self.source, f"<flashmla_backend rules: {name}>", "exec")
+        exec(code, self.env)  # noqa: S102  (our own table, compiled once at import)
+        self.accepts, self.check = self.env["accepts"], self.env["check"]
+
+    def _exception(self, index: int, message: str) -> Exception:
+        """The exception check() raises for rule `index`; its `.rule` attribute is the row."""
+        rule = self.rules[index]
+        e = rule.exc(f"flashmla_backend: {message}")
+        e.rule = rule
+        return e
+
+    def __repr__(self) -> str:
+        return f"RuleSet({self.name!r}, {len(self.rules)} rules)"
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
     return f"{tuple(t.shape)} {t.dtype} on {t.device} with strides {t.stride()}"
 
 
-def _require(cond: bool, exc: type[Exception], msg) -> None:
-    """Raises exc("flashmla_backend: " + msg) unless cond. msg may be a callable returning the text, so
-    that the message (tensor descriptions) is only formatted on failure: this runs on every decode call."""
-    if not cond:
-        raise exc(f"flashmla_backend: {msg() if callable(msg) else msg}")
+def _dtype_names(dtypes) -> str:
+    return " or ".join(str(d) for d in dtypes)
 
 
-def _tensor(name: str, t, ndim: int, dtypes: tuple, what: str) -> None:
-    _require(isinstance(t, torch.Tensor), TypeError, lambda: f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _require(t.dim() == ndim, ValueError, lambda: f"{name} must be {what} ({ndim}-D), got {_describe(t)}")
-    _require(t.dtype in dtypes, TypeError,
-             lambda: f"{name} must have dtype {' or '.join(str(d) for d in dtypes)}, got {_describe(t)}")
-    _require(t.numel() == 0 or t.stride(-1) == 1, ValueError,
-             lambda: f"{name} must have a contiguous last dimension (stride 1), got {_describe(t)}")
+_PY_REAL = (float, int)
 
 
-def _same_device(name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
-    _require(t.device == ref.device, ValueError,
-             lambda: f"{name} is on {t.device} but {ref_name} is on {ref.device}: all tensors must be on one device")
+def _is_int(v) -> bool:
+    """Python ints and numpy integers (any numbers.Integral), never bools."""
+    return type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
 
 
-def validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q=None,
-                           is_fp8_kvcache=False, topk=None) -> None:
-    _tensor("cache_seqlens", cache_seqlens, 1, (torch.int32,), "[batch] int32")
-    for name, v in (("num_q_tokens_per_head_k", num_q_tokens_per_head_k), ("num_heads_k", num_heads_k)):
-        _require(isinstance(v, int) and not isinstance(v, bool) and v >= 1, ValueError,
-                 lambda: f"{name} must be a positive int, got {v!r}")
-    if num_heads_q is not None:
-        _require(isinstance(num_heads_q, int) and num_heads_q >= 1 and num_heads_q % num_heads_k == 0, ValueError,
-                 lambda: f"num_heads_q must be a positive multiple of num_heads_k={num_heads_k}, got {num_heads_q!r}")
-    if is_fp8_kvcache:
-        raise NotImplementedError("flashmla_backend: FP8 KV cache is not supported yet (bf16 and fp16 caches are)")
-    if topk is not None:
-        raise NotImplementedError("flashmla_backend: sparse attention (topk) is not supported; only dense decode")
+def _is_real(v) -> bool:
+    """Python floats/ints and numpy floating/integer scalars (numbers.Real), never bools."""
+    return type(v) in _PY_REAL or (isinstance(v, numbers.Real) and not isinstance(v, bool))
 
 
-_I32 = torch.int32
+def _pairs(values: torch.Tensor, mask: torch.Tensor, limit: int = 8) -> list:
+    idx = torch.nonzero(mask).flatten()[:limit].tolist()
+    return [(i, int(values[i])) for i in idx]
 
 
-def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                    softmax_scale, causal) -> bool:
-    """Fast path of validate_decode_args, on every decode call: True only when every check below passes
-    (it is stricter where that is simpler: any contiguous-last-dim test is stride(-1) == 1 even for empty
-    tensors). False sends the call through the checks one by one, which raise the error that names the
-    argument. Keeps an eager call's Python cost low (~4x cheaper than the step-by-step checks)."""
-    meta = tile_scheduler_metadata
-    try:
-        if not (isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor)
-                and isinstance(block_table, torch.Tensor) and isinstance(cache_seqlens, torch.Tensor)
-                and isinstance(meta, torch.Tensor) and isinstance(num_splits, torch.Tensor)):
-            return False
-        dev = q.device
-        qs, ks, bs, ms = q.shape, k_cache.shape, block_table.shape, meta.shape
-        if not (len(qs) == 4 and len(ks) == 4 and len(bs) == 2 and len(ms) == 2 and cache_seqlens.dim() == 1
-                and num_splits.dim() == 1):
-            return False
-        b, s_q, h_q, d = qs
-        num_pages, page_size, h_kv, d_k = ks
-        return bool(
-            q.dtype in FLOAT_DTYPES and k_cache.dtype is q.dtype and block_table.dtype is _I32
-            and cache_seqlens.dtype is _I32 and meta.dtype is _I32 and num_splits.dtype is _I32
-            and q.stride(-1) == 1 and k_cache.stride(-1) == 1 and block_table.stride(-1) == 1
-            and dev.type in ("cuda", "cpu") and k_cache.device == dev and block_table.device == dev
-            and cache_seqlens.device == dev and meta.device == dev and num_splits.device == dev
-            and d == HEAD_DIM_K and d_k == HEAD_DIM_K and head_dim_v == HEAD_DIM_V and page_size == PAGE_SIZE
-            and h_kv >= 1 and h_q >= 1 and h_q % h_kv == 0 and s_q >= 1 and num_pages >= 1
-            and bs[0] == b and bs[1] >= 1 and cache_seqlens.shape[0] == b and ms[0] >= 1
-            and ms[1] == scheduler.META_INTS and num_splits.shape[0] == b + 1
-            and meta.is_contiguous() and num_splits.is_contiguous() and cache_seqlens.is_contiguous()
-            and (softmax_scale is None or (type(softmax_scale) in (float, int) and softmax_scale > 0))
-            and type(causal) is bool)
-    except Exception:  # anything unexpected: let the step-by-step checks say what is wrong
-        return False
+def _bad_pages(table: torch.Tensor, used: torch.Tensor, num_pages: int) -> str:
+    bad = used & ((table < 0) | (table >= num_pages))
+    i = int(torch.nonzero(bad.any(dim=1)).flatten()[0])
+    ids = table[i][used[i]].tolist()
+    return (f"block_table[{i}] holds page ids outside [0, {num_pages}) among the {len(ids)} pages request {i} "
+            f"uses: {ids[:16]}")
+
+
+_ENV = dict(torch=torch, Tensor=torch.Tensor, math=math, INF=math.inf, scheduler=scheduler, device=device,
+            FLOAT_DTYPES=FLOAT_DTYPES, HEAD_DIM_K=geometry.HEAD_DIM_K, HEAD_DIM_V=geometry.HEAD_DIM_V,
+            ROPE_DIM=geometry.ROPE_DIM, PAGE_SIZE=geometry.PAGE_SIZE, META_INTS=geometry.META_INTS,
+            ALIGN_BYTES=LOAD_ALIGN_BYTES, ALIGN_ELEMS=LOAD_ALIGN_ELEMS, I32=torch.int32,
+            _describe=_describe, _dtype_names=_dtype_names, _is_int=_is_int, _is_real=_is_real,
+            _PY_REAL=_PY_REAL, _pairs=_pairs, _bad_pages=_bad_pages)
+
+
+def _tensor(name: str, ndim: int, dtypes: str, what: str, contiguous: bool = False) -> list[Rule]:
+    """Rows for one tensor argument: a tensor, ndim-D, one of `dtypes` (an env name), unit last stride."""
+    rows = [
+        Rule(name, f"isinstance({name}, Tensor)", TypeError,
+             f"{name} must be a torch.Tensor, got {{type({name}).__name__}}"),
+        Rule(name, f"{name}.dim() == {ndim}", ValueError,
+             f"{name} must be {what} ({ndim}-D), got {{_describe({name})}}"),
+        Rule(name, f"{name}.dtype in {dtypes}", TypeError,
+             f"{name} must have dtype {{_dtype_names({dtypes})}}, got {{_describe({name})}}"),
+        Rule(name, f"{name}.stride(-1) == 1 or {name}.numel() == 0", ValueError,
+             f"{name} must have a contiguous last dimension (stride 1), got {{_describe({name})}}"),
+    ]
+    if contiguous:
+        rows.append(Rule(name, f"{name}.is_contiguous()", ValueError,
+                         f"{name} must be contiguous, got {{_describe({name})}}"))
+    return rows
+
+
+def _same_device(name: str) -> Rule:
+    return Rule(name, f"{name}.device == q.device", ValueError,
+                f"{name} is on {{{name}.device}} but q is on {{q.device}}: all tensors must be on one device")
+
+
+# ---- flash_mla_with_kvcache (and mla_decode_reference) -------------------------------------------
+
+DECODE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
+                 "num_splits", "softmax_scale", "causal")
+REFERENCE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "softmax_scale", "causal")
+
+DECODE_ROWS = [
+    *_tensor("q", 4, "Q_DTYPES", "[batch, seqlen_q, num_heads_q, {HEAD_DIM_K}]"),
+    Rule("k_cache", "isinstance(k_cache, Tensor)", TypeError,
+         "k_cache must be a torch.Tensor, got {type(k_cache).__name__}"),
+    Rule("k_cache", "k_cache.dtype in Q_DTYPES or k_cache.element_size() != 1", NotImplementedError,
+         "k_cache has dtype {k_cache.dtype}: FP8 KV caches are not supported yet (use a bf16 or fp16 cache)"),
+    *_tensor("k_cache", 4, "Q_DTYPES", "[num_pages, page_size, num_heads_k, {HEAD_DIM_K}] (a 3-D vLLM-style "
+             "cache needs .unsqueeze(-2))")[1:],
+    *_tensor("block_table", 2, "(I32,)", "[batch, max_pages] int32"),
+    *_tensor("cache_seqlens", 1, "(I32,)", "[batch] int32"),  # 1-D: a unit stride is contiguity
+    *_tensor("tile_scheduler_metadata", 2, "(I32,)", "[num_sm_parts, {META_INTS}] int32", contiguous=True),
+    *_tensor("num_splits", 1, "(I32,)", "[batch + 1] int32"),
+    *[_same_device(n) for n in ("k_cache", "block_table", "cache_seqlens", "tile_scheduler_metadata", "num_splits")],
+    Rule("q", "q.device.type in ('cuda', 'cpu')", ValueError, "q is on {q.device}; only CUDA and CPU tensors work"),
+    Let("q", "b, s_q, h_q, d", "q.shape"),
+    Let("k_cache", "num_pages, page_size, h_kv, d_k", "k_cache.shape"),
+    Rule("q", "d == HEAD_DIM_K", ValueError, "q's last dimension must be {HEAD_DIM_K} ({HEAD_DIM_V} latent + "
+         "{ROPE_DIM} rope), got {_describe(q)}"),
+    Rule("k_cache", "d_k == HEAD_DIM_K", ValueError,
+         "k_cache's last dimension must be {HEAD_DIM_K}, got {_describe(k_cache)}"),
+    Rule("k_cache", "k_cache.dtype == q.dtype", TypeError,
+         "q and k_cache must have the same dtype, got q {q.dtype} and k_cache {k_cache.dtype}"),
+    Rule("head_dim_v", "(type(head_dim_v) is int or _is_int(head_dim_v)) and head_dim_v == HEAD_DIM_V", ValueError,
+         "head_dim_v must be {HEAD_DIM_V} (an int), got {head_dim_v!r}"),
+    Rule("k_cache", "page_size == PAGE_SIZE", ValueError,
+         "k_cache has page size {page_size} (dimension 1 of {_describe(k_cache)}); only {PAGE_SIZE}-token pages are "
+         "supported (engines: use block size {PAGE_SIZE}, or a multiple of it split into {PAGE_SIZE}-token kernel "
+         "blocks)"),
+    Rule("k_cache", "h_kv >= 1 and h_q >= 1 and h_q % h_kv == 0", ValueError,
+         "num_heads_q ({h_q}) must be a multiple of num_heads_k ({h_kv}) (dimension 2 of q and of k_cache)"),
+    Rule("q", "s_q >= 1", ValueError, "q must have seqlen_q >= 1, got {_describe(q)}"),
+    Rule("k_cache", "num_pages >= 1", ValueError, "k_cache must have at least one page, got {_describe(k_cache)}"),
+    Rule("block_table", "block_table.shape[0] == b and block_table.shape[1] >= 1", ValueError,
+         "block_table must be [batch={b}, max_pages >= 1], got {_describe(block_table)}"),
+    Rule("cache_seqlens", "cache_seqlens.shape[0] == b", ValueError,
+         "cache_seqlens must be [batch={b}], got {_describe(cache_seqlens)}"),
+    Rule("tile_scheduler_metadata",
+         "tile_scheduler_metadata.shape[0] >= 1 and tile_scheduler_metadata.shape[1] == META_INTS", ValueError,
+         "tile_scheduler_metadata must be [num_sm_parts, {META_INTS}] from get_mla_metadata, got "
+         "{_describe(tile_scheduler_metadata)}"),
+    Rule("num_splits", "num_splits.shape[0] == b + 1", ValueError,
+         "num_splits must be [batch + 1 = {b + 1}] from get_mla_metadata for this batch, got {_describe(num_splits)}"),
+    Rule("softmax_scale", "softmax_scale is None or ((type(softmax_scale) in _PY_REAL or _is_real(softmax_scale)) "
+         "and 0 < softmax_scale < INF)", ValueError,
+         "softmax_scale must be a finite positive float (or None for {HEAD_DIM_K} ** -0.5), got {softmax_scale!r}"),
+    Rule("causal", "type(causal) is bool", TypeError, "causal must be a bool, got {causal!r}"),
+]
+
+DECODE = RuleSet("flash_mla_with_kvcache", DECODE_PARAMS, DECODE_ROWS, dict(Q_DTYPES=FLOAT_DTYPES))
+REFERENCE = RuleSet("mla_decode_reference", REFERENCE_PARAMS, DECODE_ROWS, dict(Q_DTYPES=REFERENCE_DTYPES))
 
 
 def validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                          softmax_scale, causal) -> None:
     # (torch.compile traces the step-by-step checks: its guards make them free after the first call)
-    if not torch.compiler.is_compiling() and _decode_args_ok(
-            q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale, causal):
+    if not torch.compiler.is_compiling() and DECODE.accepts(
+            q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
+            causal):
         return
-    _tensor("q", q, 4, FLOAT_DTYPES, "[batch, seqlen_q, num_heads_q, 576]")
-    if isinstance(k_cache, torch.Tensor) and k_cache.dtype not in FLOAT_DTYPES and k_cache.element_size() == 1:
-        raise NotImplementedError(
-            f"flashmla_backend: k_cache has dtype {k_cache.dtype}: FP8 KV caches are not supported yet "
-            "(use a bf16 or fp16 cache)")
-    _tensor("k_cache", k_cache, 4, FLOAT_DTYPES,
-            "[num_pages, page_size, num_heads_k, 576] (a 3-D vLLM-style cache needs .unsqueeze(-2))")
-    _tensor("block_table", block_table, 2, (torch.int32,), "[batch, max_pages] int32")
-    _tensor("cache_seqlens", cache_seqlens, 1, (torch.int32,), "[batch] int32")
-    _tensor("tile_scheduler_metadata", tile_scheduler_metadata, 2, (torch.int32,), "[num_sm_parts, 8] int32")
-    _tensor("num_splits", num_splits, 1, (torch.int32,), "[batch + 1] int32")
-    for name, t in (("k_cache", k_cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens),
-                    ("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)):
-        _same_device(name, t, q, "q")
-    _require(q.device.type in ("cuda", "cpu"), ValueError, lambda: f"q is on {q.device}; only CUDA and CPU tensors work")
+    DECODE.check(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                 softmax_scale, causal)
 
-    b, s_q, h_q, d = q.shape
-    num_pages, page_size, h_kv, d_k = k_cache.shape
-    _require(d == HEAD_DIM_K, ValueError, lambda: f"q's last dimension must be {HEAD_DIM_K} (512 latent + 64 rope), got {_describe(q)}")
-    _require(d_k == HEAD_DIM_K, ValueError, lambda: f"k_cache's last dimension must be {HEAD_DIM_K}, got {_describe(k_cache)}")
-    _require(k_cache.dtype == q.dtype, TypeError,
-             lambda: f"q and k_cache must have the same dtype, got q {q.dtype} and k_cache {k_cache.dtype}")
-    _require(head_dim_v == HEAD_DIM_V, ValueError, lambda: f"head_dim_v must be {HEAD_DIM_V}, got {head_dim_v!r}")
-    _require(page_size == PAGE_SIZE, ValueError,
-             lambda: f"k_cache has page size {page_size} (dimension 1 of {_describe(k_cache)}); only {PAGE_SIZE}-token pages "
-             "are supported (engines: use block size 64, or a multiple of it split into 64-token kernel blocks)")
-    _require(h_kv >= 1 and h_q >= 1 and h_q % h_kv == 0, ValueError,
-             lambda: f"num_heads_q ({h_q}) must be a multiple of num_heads_k ({h_kv})")
-    _require(s_q >= 1, ValueError, lambda: f"q must have seqlen_q >= 1, got {_describe(q)}")
-    _require(num_pages >= 1, ValueError, lambda: f"k_cache must have at least one page, got {_describe(k_cache)}")
-    _require(block_table.shape[0] == b and block_table.shape[1] >= 1, ValueError,
-             lambda: f"block_table must be [batch={b}, max_pages >= 1], got {_describe(block_table)}")
-    _require(cache_seqlens.shape[0] == b, ValueError, lambda: f"cache_seqlens must be [batch={b}], got {_describe(cache_seqlens)}")
-    _require(tile_scheduler_metadata.shape[0] >= 1 and tile_scheduler_metadata.shape[1] == scheduler.META_INTS,
-             ValueError, lambda: f"tile_scheduler_metadata must be [num_sm_parts, 8] from get_mla_metadata, got "
-             f"{_describe(tile_scheduler_metadata)}")
-    _require(num_splits.shape[0] == b + 1, ValueError,
-             lambda: f"num_splits must be [batch + 1 = {b + 1}] from get_mla_metadata for this batch, got {_describe(num_splits)}")
-    _require(tile_scheduler_metadata.is_contiguous() and num_splits.is_contiguous() and cache_seqlens.is_contiguous(),
-             ValueError, "tile_scheduler_metadata, num_splits and cache_seqlens must be contiguous")
-    _require(softmax_scale is None or (isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-                                       and softmax_scale > 0), ValueError,
-             lambda: f"softmax_scale must be a positive float or None, got {softmax_scale!r}")
-    _require(isinstance(causal, bool), TypeError, lambda: f"causal must be a bool, got {causal!r}")
+
+def validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal) -> None:
+    if not REFERENCE.accepts(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal):
+        REFERENCE.check(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
 
 
 def shapes_of(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -177,39 +259,103 @@ def shapes_of(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                   tile_scheduler_metadata.shape[0])
 
 
+# ---- kernel layout (CUDA tensors, after DECODE) ---------------------------------------------------
+
+def _strides_test(name: str, stride: str) -> str:
+    """Strides of the three leading dimensions multiples of ALIGN_ELEMS (size-1 dimensions exempt)."""
+    return " and ".join(f"({stride}[{i}] % ALIGN_ELEMS == 0 or {name}.shape[{i}] == 1)" for i in range(3))
+
+
+LAYOUT_ROWS = [
+    Let("q", "qst", "q.stride()"),
+    Let("k_cache", "kst", "k_cache.stride()"),
+    *[r for name, st in (("q", "qst"), ("k_cache", "kst")) for r in (
+        Rule(name, f"{name}.data_ptr() % ALIGN_BYTES == 0", ValueError,
+             f"{name}'s data pointer must be {{ALIGN_BYTES}}-byte aligned (got {{{name}.data_ptr() % ALIGN_BYTES}} "
+             f"bytes past a {{ALIGN_BYTES}}-byte boundary; storage offset {{{name}.storage_offset()}})"),
+        Rule(name, _strides_test(name, st), ValueError,
+             f"{name}'s strides must be multiples of {{ALIGN_ELEMS}} elements ({{ALIGN_BYTES}} bytes) for the kernels' "
+             f"vector loads, got {{_describe({name})}}"))],
+]
+LAYOUT = RuleSet("kernel layout", ("q", "k_cache"), LAYOUT_ROWS)
+
+
 def check_kernel_layout(q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Alignment the kernels' 16-byte loads (cp.async, TMA) need. Pointer values: call with real tensors."""
-    qst, kst = q.stride(), k_cache.stride()
-    if not (q.data_ptr() % 16 or k_cache.data_ptr() % 16 or qst[0] % 8 or qst[1] % 8 or qst[2] % 8
-            or kst[0] % 8 or kst[1] % 8 or kst[2] % 8):
-        return  # fast path (stricter: size-1 dimensions' strides are checked too); else the messages below
-    for name, t in (("q", q), ("k_cache", k_cache)):
-        _require(t.data_ptr() % 16 == 0, ValueError, lambda: f"{name}'s data pointer must be 16-byte aligned (got "
-                 f"{t.data_ptr() % 16} bytes past a 16-byte boundary; storage offset {t.storage_offset()})")
-        bad = [st for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1 and st % 8 != 0]
-        _require(not bad, ValueError, lambda: f"{name}'s strides must be multiples of 8 elements (16 bytes) for the kernels' "
-                 f"vector loads, got {_describe(t)}")
+    if not LAYOUT.accepts(q, k_cache):
+        LAYOUT.check(q, k_cache)
 
 
-def check_values(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_pages: int,
-                 tile_scheduler_metadata: torch.Tensor | None = None, num_splits: torch.Tensor | None = None) -> None:
-    """Value checks (host copies of the small index tensors; CPU path always, CUDA path in checked mode)."""
-    lens = cache_seqlens.cpu().tolist()
-    neg = [(i, n) for i, n in enumerate(lens) if n < 0]
-    _require(not neg, ValueError, lambda: f"cache_seqlens must be >= 0, got negative lengths at (index, length) {neg[:8]}")
-    max_pages = block_table.shape[1]
-    short = [(i, n) for i, n in enumerate(lens) if -(-n // PAGE_SIZE) > max_pages]
-    _require(not short, ValueError,
-             lambda: f"block_table is too short: it has {max_pages} pages ({max_pages * PAGE_SIZE} tokens) per request but "
-             f"cache_seqlens needs more at (index, length) {short[:8]}")
-    table = block_table.cpu()
-    for i, n in enumerate(lens):
-        used = table[i, : -(-n // PAGE_SIZE)]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_pages):
-            raise ValueError(f"flashmla_backend: block_table[{i}] holds page ids outside [0, {num_pages}) among the "
-                             f"{used.numel()} pages request {i} uses: {used.tolist()[:16]}")
-    if tile_scheduler_metadata is not None and num_splits is not None:
-        want_meta, want_splits = scheduler.schedule(cache_seqlens.cpu(), tile_scheduler_metadata.shape[0])
-        _require(torch.equal(want_meta, tile_scheduler_metadata.cpu()) and torch.equal(want_splits, num_splits.cpu()),
-                 ValueError, "tile_scheduler_metadata/num_splits do not match cache_seqlens: recompute them with "
-                 "get_mla_metadata whenever the lengths change (stale metadata, e.g. in a CUDA graph replay)")
+# ---- get_mla_metadata --------------------------------------------------------------------------------
+
+METADATA_PARAMS = ("cache_seqlens", "num_q_tokens_per_head_k", "num_heads_k", "num_heads_q", "is_fp8_kvcache", "topk")
+METADATA_ROWS = [
+    *_tensor("cache_seqlens", 1, "(I32,)", "[batch] int32"),
+    *[Rule(n, f"(type({n}) is int or _is_int({n})) and {n} >= 1", ValueError,
+           f"{n} must be a positive int, got {{{n}!r}}")
+      for n in ("num_q_tokens_per_head_k", "num_heads_k")],
+    Rule("num_heads_q", "num_heads_q is None or (_is_int(num_heads_q) and num_heads_q >= 1 "
+         "and num_heads_q % num_heads_k == 0)", ValueError,
+         "num_heads_q must be a positive multiple of num_heads_k={num_heads_k}, got {num_heads_q!r}"),
+    Rule("is_fp8_kvcache", "not is_fp8_kvcache", NotImplementedError,
+         "FP8 KV cache is not supported yet (bf16 and fp16 caches are)"),
+    Rule("topk", "topk is None", NotImplementedError, "sparse attention (topk) is not supported; only dense decode"),
+]
+METADATA = RuleSet("get_mla_metadata", METADATA_PARAMS, METADATA_ROWS)
+
+
+def validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q=None,
+                           is_fp8_kvcache=False, topk=None) -> None:
+    if not METADATA.accepts(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q, is_fp8_kvcache, topk):
+        METADATA.check(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q, is_fp8_kvcache, topk)
+
+
+# ---- values (host copies; CPU always, CUDA in the checked mode) -------------------------------------
+
+VALUE_ROWS = [
+    Let("cache_seqlens", "lens", "cache_seqlens.detach().cpu().long()"),
+    Rule("cache_seqlens", "not bool((lens < 0).any())", ValueError,
+         "cache_seqlens must be >= 0, got negative lengths at (index, length) {_pairs(lens, lens < 0)}"),
+    Let("block_table", "max_pages", "block_table.shape[1]"),
+    Let("cache_seqlens", "need", "(lens + (PAGE_SIZE - 1)) // PAGE_SIZE"),
+    Rule("block_table", "not bool((need > max_pages).any())", ValueError,
+         "block_table is too short: it has {max_pages} pages ({max_pages * PAGE_SIZE} tokens) per request but "
+         "cache_seqlens needs more at (index, length) {_pairs(lens, need > max_pages)}"),
+    Let("block_table", "table", "block_table.detach().cpu()"),
+    Let("block_table", "used", "torch.arange(max_pages)[None, :] < need[:, None]"),
+    Let("k_cache", "num_pages", "k_cache.shape[0]"),
+    Rule("block_table", "not bool((used & ((table < 0) | (table >= num_pages))).any())", ValueError,
+         "{_bad_pages(table, used, num_pages)}"),
+]
+VALUES = RuleSet("values", ("k_cache", "block_table", "cache_seqlens"), VALUE_ROWS)
+
+SCHEDULE_ROWS = [
+    Let("q", "b, s_q, h_q, _", "q.shape"),
+    Let("k_cache", "h_kv", "k_cache.shape[2]"),
+    Let("q", "q_per_hk", "s_q * h_q // h_kv"),
+    Let("q", "parts", "scheduler.num_sm_parts(device.sm_count(q.device), h_kv, q_per_hk)"),
+    Rule("tile_scheduler_metadata", "tile_scheduler_metadata.shape[0] == parts", ValueError,
+         "tile_scheduler_metadata has {tile_scheduler_metadata.shape[0]} parts, but get_mla_metadata gives {parts} "
+         "for seqlen_q={s_q}, num_heads_q={h_q}, num_heads_k={h_kv} on {q.device}: recompute it with "
+         "get_mla_metadata(cache_seqlens, {q_per_hk}, {h_kv}) for these shapes"),
+    Let("cache_seqlens", "want_meta, want_splits", "scheduler.schedule(cache_seqlens.detach().cpu(), parts)"),
+    Rule("num_splits", "torch.equal(want_splits, num_splits.detach().cpu())", ValueError,
+         "tile_scheduler_metadata/num_splits do not match cache_seqlens (num_splits differs): {_STALE}"),
+    Rule("tile_scheduler_metadata", "torch.equal(want_meta, tile_scheduler_metadata.detach().cpu())", ValueError,
+         "tile_scheduler_metadata/num_splits do not match cache_seqlens (the rows differ): {_STALE}"),
+]
+SCHEDULE = RuleSet("scheduler metadata", ("q", "k_cache", "cache_seqlens", "tile_scheduler_metadata", "num_splits"),
+                   SCHEDULE_ROWS, dict(_STALE="recompute them with get_mla_metadata whenever the lengths change "
+                                       "(stale metadata, e.g. in a CUDA graph replay)"))
+
+
+def check_values(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """Lengths >= 0, covered by the block table, page ids in [0, num_pages) where a request reads them."""
+    VALUES.check(k_cache, block_table, cache_seqlens)
+
+
+def check_schedule(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                   tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor) -> None:
+    """The metadata is what get_mla_metadata gives for these lengths and shapes on this device."""
+    SCHEDULE.check(q, k_cache, cache_seqlens, tile_scheduler_metadata, num_splits)
+

@@ -1,6 +1,6 @@
 """Shared test kit: input generators, a brute-force fp64 oracle, comparators and named tolerances.
 
-The generators follow the habits that catch real kernel bugs (design brief §7): pages in shuffled
+The generators follow the habits that catch real kernel bugs: pages in shuffled
 order, NaN in every cache slot a request does not use (past its length and in unused pages), a huge
 page id in every unused block-table entry, random data (never zeros).
 """
@@ -11,8 +11,9 @@ import math
 
 import torch
 
-PAGE = 64
-D_K, D_V = 576, 512
+from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE
+
+PAGE, D_K, D_V = PAGE_SIZE, HEAD_DIM_K, HEAD_DIM_V   # short names for the geometry in tests
 HUGE_PAGE_ID = 2**31 - 1 - 12345  # in unused block-table entries: any read of one is out of bounds
 
 # Named tolerances (kernel vs reference; both see the same bf16/fp16 inputs).
@@ -90,14 +91,14 @@ def brute_force_fp64(inp: Inputs, causal: bool) -> tuple[torch.Tensor, torch.Ten
     out = torch.zeros((b, s_q, h_q, D_V), dtype=torch.float64)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
     for i, n in enumerate(inp.cache_seqlens.tolist()):
-        rows = [cache[int(inp.block_table[i, t // PAGE]), t % PAGE] for t in range(n)]  # each [h_kv, 576]
+        rows = [cache[int(inp.block_table[i, t // PAGE]), t % PAGE] for t in range(n)]  # each [h_kv, D_K]
         for h in range(h_q):
             kvh = h // (h_q // h_kv)
             for s in range(s_q):
                 visible = n if not causal else max(0, min(n, n - s_q + s + 1))
                 if visible == 0:
                     continue
-                keys = torch.stack([rows[t][kvh] for t in range(visible)])  # [visible, 576]
+                keys = torch.stack([rows[t][kvh] for t in range(visible)])  # [visible, D_K]
                 scores = keys @ q[i, s, h] * inp.scale
                 m = scores.max()
                 w = torch.exp(scores - m)

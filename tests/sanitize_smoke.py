@@ -14,13 +14,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import flashmla_backend as fb  # noqa: E402
 from flashmla_backend import _ext, device  # noqa: E402
 from flashmla_backend.reference import mla_decode_reference  # noqa: E402
-from kit import Case, compare, make_inputs  # noqa: E402
+from kit import D_V, PAGE, Case, compare, make_inputs  # noqa: E402
 
 CASES = [
-    Case(lengths=[1, 63, 64, 65, 128, 129, 192, 256, 257], s_q=1, h_q=64, causal=False),
+    Case(lengths=[1, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE, 2 * PAGE + 1, 3 * PAGE, 4 * PAGE, 4 * PAGE + 1], s_q=1,
+         h_q=64, causal=False),
     Case(lengths=[0, 1, 65, 140], s_q=1, h_q=16),
     Case(lengths=[63, 200], s_q=2, h_q=128, h_kv=2),
-    Case(lengths=[3, 64], s_q=4, h_q=20, causal=True),
+    Case(lengths=[3, PAGE], s_q=4, h_q=20, causal=True),
     Case(lengths=[130, 9], s_q=1, h_q=64, causal=False, dtype=torch.float16),
     Case(lengths=[5000], s_q=1, h_q=16),  # one request in many splits: the splits-in-parallel combine
 ]
@@ -35,9 +36,9 @@ def main() -> int:
         for case in CASES:
             inp = make_inputs(case, "cuda")
             meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
-            out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta,
+            out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta,
                                                  ns, softmax_scale=inp.scale, causal=case.causal)
-            ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale,
+            ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale,
                                        case.causal)
             try:
                 figures = compare(out, lse, *ref, case.lengths, case.s_q, case.causal)

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 import flashmla_backend as fb
-from kit import Case, brute_force_fp64, compare, make_inputs
+from kit import D_K, D_V, Case, brute_force_fp64, compare, make_inputs
 
 
 def run(inp, case):
     meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
-    return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+    return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                      softmax_scale=inp.scale, causal=case.causal)
 
 
@@ -22,14 +22,14 @@ def test_cpu_api_matches_brute_force(case):
     compare(out, lse, *brute_force_fp64(inp, case.causal), case.lengths, case.s_q, case.causal)
 
 
-def test_default_scale_is_576():
+def test_default_scale_is_head_dim_k():
     case = Case(lengths=[50], h_q=2)
     inp = make_inputs(case)
     meta, ns = fb.get_mla_metadata(inp.cache_seqlens, 2, 1)
-    out1, lse1 = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+    out1, lse1 = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                            causal=True)
-    out2, lse2 = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
-                                           softmax_scale=576 ** -0.5, causal=True)
+    out2, lse2 = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
+                                           softmax_scale=D_K ** -0.5, causal=True)
     assert torch.equal(out1, out2) and torch.equal(lse1, lse2)
 
 
@@ -54,7 +54,7 @@ def test_torch_compile_fullgraph(backend):
 
     def step(q, k_cache, block_table, seqlens):
         meta, ns = fb.get_mla_metadata(seqlens, 16, 1)
-        out, lse = fb.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, ns,
+        out, lse = fb.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, D_V, meta, ns,
                                              softmax_scale=inp.scale, causal=True)
         return out.float().sum(-1), lse
 

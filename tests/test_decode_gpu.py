@@ -1,4 +1,4 @@
-"""Decode kernels against the reference over the matrix of the design brief §7 (GPU only).
+"""Decode kernels against the reference over a matrix of shapes, lengths and head counts (GPU only).
 
 Every case: shuffled block table, NaN in every unused cache slot, huge ids in unused block-table
 entries, outputs poisoned with NaN before the call (every element must be written), two runs that
@@ -12,7 +12,7 @@ import torch
 import flashmla_backend as fb
 from flashmla_backend import device as fdevice
 from flashmla_backend.reference import mla_decode_reference
-from kit import Case, compare, make_inputs
+from kit import D_K, D_V, PAGE, Case, compare, make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -68,12 +68,12 @@ def run_case(case: Case, record, kernel: str, check_repeat: bool = True):
 
     def call():
         poison_allocator()
-        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta,
+        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta,
                                          num_splits, softmax_scale=inp.scale, causal=case.causal)
 
     out, lse = call()
     torch.cuda.synchronize()
-    ref_out, ref_lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale,
+    ref_out, ref_lse = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale,
                                             case.causal)
     figures = compare(out, lse, ref_out, ref_lse, case.lengths, case.s_q, case.causal)
     record(kernel, figures)
@@ -83,12 +83,12 @@ def run_case(case: Case, record, kernel: str, check_repeat: bool = True):
         assert torch.equal(lse, lse2), "two runs on the same inputs differ (lse)"
 
 
-LENGTHS = [1, 20, 63, 64, 65, 140, 4096]
+LENGTHS = [1, 20, PAGE - 1, PAGE, PAGE + 1, 140, 4096]
 MATRIX = (
     # key-length sweep, memory-bound (h_q 16) and compute-bound (h_q 128) head counts
     [Case(lengths=[n, max(1, n // 2 + 1)], h_q=16, seed=n) for n in LENGTHS]
     + [Case(lengths=[n, n], h_q=128, seed=n) for n in LENGTHS]
-    # query tokens x heads (incl. non-multiples of 64, more than one m-block), causal, varlen with a zero
+    # query tokens x heads (incl. non-multiples of BLOCK_M, more than one m-block), causal, varlen with a zero
     + [Case(lengths=varlen(6, 300, s_q * 1000 + h), s_q=s_q, h_q=h, seed=h + s_q)
        for s_q in (1, 2, 4) for h in (1, 16, 20, 64, 100, 128)]
     + [Case(lengths=varlen(3, 200, 7), s_q=16, h_q=h, seed=h) for h in (8, 128)]
@@ -124,18 +124,20 @@ def test_strided_q_and_padded_pages(kernel, record_errors):
     """q as a slice of a wider tensor, cache pages with padding between them (strides, not copies)."""
     case = Case(lengths=varlen(5, 300, 51), s_q=2, h_q=16)
     inp = make_inputs(case, "cuda")
-    wide = torch.randn(case.b, case.s_q, case.h_q, 640, device="cuda", dtype=case.dtype)
-    wide[..., :576] = inp.q
-    q = wide[..., :576]
+    pad = 32  # elements between rows and between pages (keeps 16-byte alignment)
+    wide = torch.randn(case.b, case.s_q, case.h_q, D_K + pad, device="cuda", dtype=case.dtype)
+    wide[..., :D_K] = inp.q
+    q = wide[..., :D_K]
     pages = inp.k_cache.shape[0]
-    padded = torch.full((pages, 64 * 576 + 64), float("nan"), device="cuda", dtype=case.dtype)
-    padded[:, : 64 * 576] = inp.k_cache.reshape(pages, -1)
-    k_cache = padded[:, : 64 * 576].view(pages, 64, 1, 576)
-    assert q.stride(2) == 640 and k_cache.stride(0) == 64 * 576 + 64
+    page_elems = PAGE * D_K
+    padded = torch.full((pages, page_elems + pad), float("nan"), device="cuda", dtype=case.dtype)
+    padded[:, :page_elems] = inp.k_cache.reshape(pages, -1)
+    k_cache = padded[:, :page_elems].view(pages, PAGE, 1, D_K)
+    assert q.stride(2) == D_K + pad and k_cache.stride(0) == page_elems + pad
     meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q, 1)
-    out, lse = fb.flash_mla_with_kvcache(q, k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+    out, lse = fb.flash_mla_with_kvcache(q, k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
-    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
     record_errors(kernel, compare(out, lse, *ref, case.lengths, case.s_q, True))
 
 
@@ -154,14 +156,73 @@ def test_combine_with_many_splits(parts, lengths, kernel, record_errors):
 
     def call():
         poison_allocator()
-        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
 
     out, lse = call()
-    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
     record_errors(kernel, compare(out, lse, *ref, case.lengths, case.s_q, True))
     out2, lse2 = call()
     assert torch.equal(out, out2) and torch.equal(lse, lse2), "two runs on the same inputs differ"
+
+
+def _describe_row(out_row: torch.Tensor, lse_value: float) -> str:
+    """What a kernel returned for one query row, in words (for the failure message)."""
+    nan = int(torch.isnan(out_row).sum())
+    if nan == out_row.numel():
+        what = "out all NaN"
+    elif nan:
+        what = f"out NaN in {nan} of {out_row.numel()} columns"
+    elif bool((out_row == 0).all()):
+        what = "out all 0"
+    else:
+        what = f"out finite (max |out| {float(out_row.abs().max()):.3g})"
+    return f"{what}, lse {lse_value}"
+
+
+def test_nan_rows_in_q(kernel, record_errors):
+    """NaN in a query row gives that row NaN out and lse, as the reference does, not the answer of a row that
+    sees no key (out 0, lse +inf); a row that sees no key keeps out 0 / lse +inf, NaN in q or not; every other
+    row is the same as without the NaN. The 5000-key request is split, so NaN also goes through the combine."""
+    case = Case(lengths=[300, 3, 5000, 0], s_q=4, h_q=16, causal=True, seed=61)
+    inp = make_inputs(case, "cuda")
+    q = inp.q.clone()
+    rows = [(0, 1, 3), (0, 3, 15), (1, 3, 0), (2, 0, 7), (2, 3, 8)]   # (request, token, head): rows that see keys
+    empty = [(1, 0, 5), (3, 2, 2)]                                      # rows that see no key
+    for i, s, h in rows + empty:
+        q[i, s, h, (37 * h + 11 * s) % q.shape[-1]] = float("nan")
+    q[2, 1, 4] = float("nan")                                           # a whole row
+    rows.append((2, 1, 4))
+    meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
+    poison_allocator()
+    out, lse = fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
+                                         softmax_scale=inp.scale, causal=True)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = mla_decode_reference(q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
+    out, lse, ref_out, ref_lse = out.cpu().float(), lse.cpu(), ref_out.cpu().float(), ref_lse.cpu()
+    assert int(torch.isnan(ref_lse).sum()) == len(rows), "the reference must give NaN exactly on the NaN rows"
+
+    wrong = []
+    for i, s, h in rows:
+        if not (torch.isnan(out[i, s, h]).all() and torch.isnan(lse[i, h, s])):
+            wrong.append(f"row (request {i}, token {s}, head {h}) sees keys, NaN in q: expected out all NaN, "
+                         f"lse nan; kernel gave {_describe_row(out[i, s, h], float(lse[i, h, s]))}")
+    for i, s, h in empty:
+        if not ((out[i, s, h] == 0).all() and torch.isposinf(lse[i, h, s])):
+            wrong.append(f"row (request {i}, token {s}, head {h}) sees no key, NaN in q: expected out all 0, lse inf; "
+                         f"kernel gave {_describe_row(out[i, s, h], float(lse[i, h, s]))}")
+    assert not wrong, f"{kernel} kernel on NaN query rows:\n" + "\n".join(wrong)
+
+    # the other rows: compare with the NaN rows set alike on both sides (out 0, lse +inf)
+    nan_rows = torch.zeros(lse.shape, dtype=torch.bool)                 # [b, h_q, s_q]
+    for i, s, h in rows:
+        nan_rows[i, h, s] = True
+    for o, l in ((out, lse), (ref_out, ref_lse)):
+        o[nan_rows.permute(0, 2, 1)] = 0.0
+        l[nan_rows] = float("inf")
+    stray = torch.nonzero(torch.isnan(out).any(-1))[:8].tolist()
+    assert not stray, f"{kernel} kernel: NaN leaked into other rows (request, token, head): {stray}"
+    record_errors(kernel, compare(out, lse, ref_out, ref_lse, case.lengths, case.s_q, True))
 
 
 def test_cuda_graph_replay_with_new_lengths(kernel, record_errors):
@@ -174,7 +235,7 @@ def test_cuda_graph_replay_with_new_lengths(kernel, record_errors):
 
     def step():
         meta, ns = fb.get_mla_metadata(seqlens, s_q * h_q, 1)
-        return fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, seqlens, 512, meta, ns,
+        return fb.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
 
     step()
@@ -184,12 +245,12 @@ def test_cuda_graph_replay_with_new_lengths(kernel, record_errors):
         out, lse = step()
     rng = random.Random(5)
     for trial in range(4):
-        new = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, max_len)]) for _ in range(b)]
+        new = [rng.choice([0, 1, PAGE - 1, PAGE, PAGE + 1, rng.randint(1, max_len)]) for _ in range(b)]
         seqlens.copy_(torch.tensor(new, dtype=torch.int32))
         q.copy_(torch.randn_like(q))
         graph.replay()
         torch.cuda.synchronize()
-        ref = mla_decode_reference(q, inp.k_cache, inp.block_table, seqlens, 512, inp.scale, True)
+        ref = mla_decode_reference(q, inp.k_cache, inp.block_table, seqlens, D_V, inp.scale, True)
         record_errors(kernel, compare(out, lse, *ref, new, s_q, True))
 
 
@@ -199,7 +260,7 @@ def test_multi_gpu_device_guard(kernel):
     case = Case(lengths=[100, 7], s_q=1, h_q=16)
     inp = make_inputs(case, "cuda:1")
     meta, ns = fb.get_mla_metadata(inp.cache_seqlens, 16, 1)
-    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, ns,
+    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
                                          softmax_scale=inp.scale, causal=True)
-    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, inp.scale, True)
+    ref = mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale, True)
     compare(out, lse, *ref, case.lengths, 1, True)

@@ -6,14 +6,15 @@ import torch
 
 import flashmla_backend
 from flashmla_backend import scheduler
-from kit import pieces_from_metadata
+from kit import PAGE, pieces_from_metadata
 
 OVH = scheduler.FIXED_OVERHEAD_BLOCKS
 
 
 def random_lengths(b: int, seed: int, zero_fraction: float = 0.1, max_len: int = 20000) -> list[int]:
     rng = random.Random(seed)
-    return [0 if rng.random() < zero_fraction else rng.choice([1, 20, 63, 64, 65, rng.randint(1, max_len)])
+    return [0 if rng.random() < zero_fraction
+            else rng.choice([1, 20, PAGE - 1, PAGE, PAGE + 1, rng.randint(1, max_len)])
             for _ in range(b)]
 
 
@@ -21,7 +22,7 @@ LENGTH_SETS = [
     [0],
     [1],
     [0, 0, 0],
-    [64],
+    [PAGE],
     [65, 0, 8192],
     [32768] * 2,
     [4096] * 128,
@@ -37,7 +38,7 @@ def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_spl
     b = len(lengths)
     assert meta.shape == (parts, 8) and meta.dtype == torch.int32
     assert num_splits.shape == (b + 1,) and num_splits.dtype == torch.int32
-    blocks = [-(-n // 64) for n in lengths]
+    blocks = [-(-n // PAGE) for n in lengths]
     covered = [[0] * nb for nb in blocks]
     owners = [[] for _ in range(b)]  # (part, split index) per piece, in part order
     total = sum(nb + OVH for nb in blocks)
@@ -51,13 +52,13 @@ def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_spl
         cost = 0
         for req, start, stop, split in pieces:
             assert 0 <= start <= stop <= lengths[req], (p, req, start, stop)
-            assert start % 64 == 0, (p, req, start)
-            assert stop == lengths[req] or stop % 64 == 0, (p, req, stop)
+            assert start % PAGE == 0, (p, req, start)
+            assert stop == lengths[req] or stop % PAGE == 0, (p, req, stop)
             assert stop > start or lengths[req] == 0, f"part {p} has an empty piece of non-empty request {req}"
-            for blk in range(start // 64, -(-stop // 64)):
+            for blk in range(start // PAGE, -(-stop // PAGE)):
                 covered[req][blk] += 1
             owners[req].append((p, split))
-            cost += -(-stop // 64) - start // 64 + OVH
+            cost += -(-stop // PAGE) - start // PAGE + OVH
         assert cost <= limit, f"part {p} costs {cost} > {limit} (P = {per_part})"
     for req in range(b):
         assert all(c == 1 for c in covered[req]), f"request {req}: block coverage {covered[req]}"
@@ -78,15 +79,16 @@ def test_mirror_invariants(lengths, parts):
 
 
 @pytest.mark.parametrize("length,parts,busy", [(8192, 66, 64), (8192, 132, 128), (8192 * 2, 66, 64),
-                                               (64 * 66, 66, 66), (1, 66, 1)])
+                                               (PAGE * 66, 66, 66), (1, 66, 1)])
 def test_a_single_request_is_spread_over_the_parts(length, parts, busy):
     """The last request's trailing overhead does not count towards the part size: one request of 128
     blocks on 66 parts is 64 parts of 2 blocks (not 43 of 3)."""
     meta, _ = scheduler.schedule(torch.tensor([length], dtype=torch.int32), parts)
     pieces = [p for p in pieces_from_metadata(meta, [length]) if p]
     assert len(pieces) == busy
-    blocks = -(-length // 64)
-    assert max(-(-stop // 64) - start // 64 for piece in pieces for _, start, stop, _ in piece) == -(-blocks // parts)
+    blocks = -(-length // PAGE)
+    widest = max(-(-stop // PAGE) - start // PAGE for piece in pieces for _, start, stop, _ in piece)
+    assert widest == -(-blocks // parts)
 
 
 def test_negative_lengths_count_as_zero():
@@ -100,8 +102,8 @@ def test_balance_is_tight_for_uniform_batches():
     meta, _ = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), 132)
     costs = []
     for pieces in pieces_from_metadata(meta, lengths):
-        costs.append(sum(-(-stop // 64) - start // 64 + OVH for _, start, stop, _ in pieces))
-    total = 128 * (8192 // 64 + OVH)
+        costs.append(sum(-(-stop // PAGE) - start // PAGE + OVH for _, start, stop, _ in pieces))
+    total = 128 * (8192 // PAGE + OVH)
     # the makespan is within one block + one overhead of the perfect split
     assert max(costs) <= total / 132 + OVH + 1, costs
     assert sum(costs) <= total + OVH * 132
@@ -144,7 +146,7 @@ def test_batch_within_parts_cuts_only_what_it_must():
     busy = [p for p in pieces_from_metadata(meta, lengths) if p]
     assert busy == [[(i, h * 4096, (h + 1) * 4096, h)] for i in range(64) for h in range(2)]
     # uneven lengths whose pieces of at most P blocks outnumber the parts keep the line model (parts span requests)
-    lengths = [64 * 100, 64] * 40
+    lengths = [PAGE * 100, PAGE] * 40
     meta, _ = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), 100)
     assert any(len(p) > 1 for p in pieces_from_metadata(meta, lengths))
 

@@ -1,12 +1,12 @@
 """Bad input gets a clear Python exception naming the argument (CPU tensors; GPU-only checks marked)."""
-import unittest.mock
-
+import numpy as np
 import pytest
 import torch
 
 import flashmla_backend as fb
 from flashmla_backend import validate
-from kit import Case, make_inputs
+from flashmla_backend.geometry import BLOCK_M
+from kit import D_K, D_V, PAGE, Case, make_inputs
 
 
 def args(case=None, device="cpu"):
@@ -14,7 +14,7 @@ def args(case=None, device="cpu"):
     inp = make_inputs(case, device)
     meta, num_splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
     return dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
-                head_dim_v=512, tile_scheduler_metadata=meta, num_splits=num_splits, softmax_scale=inp.scale,
+                head_dim_v=D_V, tile_scheduler_metadata=meta, num_splits=num_splits, softmax_scale=inp.scale,
                 causal=True)
 
 
@@ -31,7 +31,7 @@ def expect(exc, match, **changes):
 
 def test_valid_arguments_run():
     out, lse = call(**args())
-    assert out.shape == (2, 2, 16, 512) and lse.shape == (2, 16, 2)
+    assert out.shape == (2, 2, 16, D_V) and lse.shape == (2, 16, 2)
 
 
 def test_q_dtype():
@@ -57,19 +57,20 @@ def test_fp8_cache_refused():
 
 def test_q_shape():
     a = args()
-    expect(ValueError, r"q must be \[batch, seqlen_q, num_heads_q, 576\]", q=a["q"][0])
-    expect(ValueError, r"q's last dimension must be 576", q=a["q"][..., :512].contiguous())
+    expect(ValueError, rf"q must be \[batch, seqlen_q, num_heads_q, {D_K}\]", q=a["q"][0])
+    expect(ValueError, rf"q's last dimension must be {D_K}", q=a["q"][..., :D_V].contiguous())
 
 
 def test_cache_rank_and_page_size():
     a = args()
-    expect(ValueError, r"k_cache must be \[num_pages, page_size, num_heads_k, 576\].*unsqueeze",
+    expect(ValueError, rf"k_cache must be \[num_pages, page_size, num_heads_k, {D_K}\].*unsqueeze",
            k_cache=a["k_cache"].squeeze(2))
-    expect(ValueError, r"page size 32 .*only 64-token pages", k_cache=a["k_cache"].reshape(-1, 32, 1, 576))
+    expect(ValueError, rf"page size {PAGE // 2} .*only {PAGE}-token pages",
+           k_cache=a["k_cache"].reshape(-1, PAGE // 2, 1, D_K))
 
 
 def test_head_dim_v():
-    expect(ValueError, r"head_dim_v must be 512", head_dim_v=128)
+    expect(ValueError, rf"head_dim_v must be {D_V}", head_dim_v=128)
 
 
 def test_heads_divisible():
@@ -82,7 +83,7 @@ def test_heads_divisible():
 
 def test_last_dim_contiguous():
     a = args()
-    q = torch.empty(a["q"].shape[:-1] + (576 * 2,), dtype=a["q"].dtype)[..., ::2]
+    q = torch.empty(a["q"].shape[:-1] + (D_K * 2,), dtype=a["q"].dtype)[..., ::2]
     expect(ValueError, r"q must have a contiguous last dimension", q=q)
 
 
@@ -121,67 +122,177 @@ def test_page_id_out_of_range():
 
 
 def test_softmax_scale_and_causal():
-    expect(ValueError, r"softmax_scale must be a positive float", softmax_scale=-1.0)
+    expect(ValueError, r"softmax_scale must be a finite positive float", softmax_scale=-1.0)
     expect(TypeError, r"causal must be a bool", causal=1)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1e-3, np.float32("nan"),
+                                   np.float64(0.0), np.float32(-1.0)], ids=repr)
+def test_softmax_scale_must_be_finite_and_positive(scale):
+    expect(ValueError, r"softmax_scale must be a finite positive float.*got", softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.07), np.float64(0.07), np.int64(1), 1], ids=repr)
+def test_numpy_scalars_are_accepted(scale):
+    a = args()
+    want_out, want_lse = call(**dict(a, softmax_scale=float(scale)))
+    out, lse = call(**dict(a, softmax_scale=scale, head_dim_v=np.int64(D_V)))
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    assert validate.DECODE.accepts(**dict(a, softmax_scale=scale, head_dim_v=np.int32(D_V)))
+    meta, ns = fb.get_mla_metadata(a["cache_seqlens"], np.int64(32), np.int32(1), num_heads_q=np.int64(16))
+    assert torch.equal(meta, a["tile_scheduler_metadata"]) and torch.equal(ns, a["num_splits"])
+
+
+def test_numpy_bool_and_float_head_dim_refused():
+    expect(ValueError, r"softmax_scale must be a finite positive float", softmax_scale=np.bool_(True))
+    expect(ValueError, rf"head_dim_v must be {D_V} \(an int\), got {float(D_V)}", head_dim_v=float(D_V))
 
 
 def test_not_a_tensor():
     expect(TypeError, r"q must be a torch.Tensor, got list", q=[1, 2])
 
 
+def test_device_mismatch_on_cpu():
+    """A tensor on another device (the meta device stands in for a GPU here) is named."""
+    a = args()
+    expect(ValueError, r"block_table is on meta but q is on cpu", block_table=a["block_table"].to("meta"))
+    meta_args = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    with pytest.raises(ValueError, match=r"q is on meta; only CUDA and CPU tensors work"):
+        call(**meta_args)
+
+
 def _mutations():
+    """name -> (changes, valid): every mutation but the valid ones is a bad input."""
     a = args()
     q, kc = a["q"], a["k_cache"]
-    return {
-        "valid": {},
+    meta = a["tile_scheduler_metadata"]
+    bad = {
         "q float32": dict(q=q.float()),
         "q fp16 vs bf16 cache": dict(q=q.half()),
         "q 3-D": dict(q=q[0]),
-        "q last dim 512": dict(q=q[..., :512].contiguous()),
-        "q strided last dim": dict(q=torch.empty(q.shape[:-1] + (1152,), dtype=q.dtype)[..., ::2]),
+        "q last dim D_V": dict(q=q[..., :D_V].contiguous()),
+        "q strided last dim": dict(q=torch.empty(q.shape[:-1] + (2 * D_K,), dtype=q.dtype)[..., ::2]),
         "q list": dict(q=[1, 2]),
+        "q seqlen 0": dict(q=q[:, :0]),
+        "q on meta": {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in a.items()},
+        "cache list": dict(k_cache=None),
+        "cache fp8": dict(k_cache=kc.to(torch.float8_e4m3fn)) if hasattr(torch, "float8_e4m3fn") else {},
         "cache 3-D": dict(k_cache=kc.squeeze(2)),
-        "page size 32": dict(k_cache=kc.reshape(-1, 32, 1, 576)),
+        "cache float32": dict(k_cache=kc.float()),
+        "cache strided last dim": dict(k_cache=torch.empty(kc.shape[:-1] + (2 * D_K,), dtype=kc.dtype)[..., ::2]),
+        "cache last dim D_V": dict(k_cache=kc[..., :D_V].contiguous()),
+        "cache no pages": dict(k_cache=kc[:0]),
+        "half pages": dict(k_cache=kc.reshape(-1, PAGE // 2, 1, D_K)),
         "cache h_kv 3 of 16": dict(k_cache=kc.expand(-1, -1, 3, -1)),
+        "cache h_kv 0": dict(k_cache=kc[:, :, :0]),
+        "cache on meta": dict(k_cache=kc.to("meta")),
         "head_dim_v 128": dict(head_dim_v=128),
+        "head_dim_v float": dict(head_dim_v=float(D_V)),
+        "head_dim_v None": dict(head_dim_v=None),
         "block_table int64": dict(block_table=a["block_table"].long()),
         "block_table short batch": dict(block_table=a["block_table"][:1]),
+        "block_table no columns": dict(block_table=a["block_table"][:, :0]),
         "block_table 1-D": dict(block_table=a["block_table"][0]),
+        "block_table strided": dict(block_table=a["block_table"].repeat(1, 2)[:, ::2]),
+        "block_table list": dict(block_table=[[0]]),
+        "block_table on meta": dict(block_table=a["block_table"].to("meta")),
         "seqlens int64": dict(cache_seqlens=a["cache_seqlens"].long()),
         "seqlens short": dict(cache_seqlens=a["cache_seqlens"][:1]),
+        "seqlens 2-D": dict(cache_seqlens=a["cache_seqlens"][None]),
         "seqlens strided": dict(cache_seqlens=torch.zeros(4, dtype=torch.int32)[::2]),
-        "meta 4 columns": dict(tile_scheduler_metadata=a["tile_scheduler_metadata"][:, :4].contiguous()),
-        "meta strided": dict(tile_scheduler_metadata=a["tile_scheduler_metadata"].repeat(1, 2)[:, ::2]),
+        "seqlens last-dim strided": dict(cache_seqlens=torch.zeros(2, 2, dtype=torch.int32)[:, 0]),
+        "seqlens list": dict(cache_seqlens=[70, 5]),
+        "seqlens on meta": dict(cache_seqlens=a["cache_seqlens"].to("meta")),
+        "meta 4 columns": dict(tile_scheduler_metadata=meta[:, :4].contiguous()),
+        "meta no rows": dict(tile_scheduler_metadata=meta[:0]),
+        "meta strided": dict(tile_scheduler_metadata=meta.repeat(1, 2)[:, ::2]),
+        "meta transposed": dict(tile_scheduler_metadata=meta.t().contiguous().t()),
+        "meta rows strided": dict(tile_scheduler_metadata=meta.repeat(1, 2)[:, :8]),
+        "meta int64": dict(tile_scheduler_metadata=meta.long()),
+        "meta 1-D": dict(tile_scheduler_metadata=meta[0]),
+        "meta None": dict(tile_scheduler_metadata=None),
+        "meta on meta": dict(tile_scheduler_metadata=meta.to("meta")),
         "num_splits short": dict(num_splits=a["num_splits"][:2]),
+        "num_splits int64": dict(num_splits=a["num_splits"].long()),
+        "num_splits 2-D": dict(num_splits=a["num_splits"][None]),
+        "num_splits strided": dict(num_splits=a["num_splits"].repeat(2)[::2]),
+        "num_splits last-dim strided": dict(num_splits=a["num_splits"][:, None].repeat(1, 2)[:, 0]),
+        "num_splits tuple": dict(num_splits=(0, 1, 2)),
+        "num_splits on meta": dict(num_splits=a["num_splits"].to("meta")),
         "scale negative": dict(softmax_scale=-1.0),
+        "scale zero": dict(softmax_scale=0.0),
+        "scale nan": dict(softmax_scale=float("nan")),
+        "scale inf": dict(softmax_scale=float("inf")),
+        "scale np nan": dict(softmax_scale=np.float32("nan")),
         "scale bool": dict(softmax_scale=True),
+        "scale np bool": dict(softmax_scale=np.bool_(True)),
         "scale string": dict(softmax_scale="0.1"),
+        "scale tensor": dict(softmax_scale=torch.tensor(0.1)),
         "causal int": dict(causal=1),
         "causal None": dict(causal=None),
+        "causal np bool": dict(causal=np.bool_(True)),
     }
+    good = {
+        "valid": {},
+        "scale None": dict(softmax_scale=None),
+        "scale np.float32": dict(softmax_scale=np.float32(0.05)),
+        "scale np.float64": dict(softmax_scale=np.float64(0.05)),
+        "scale int": dict(softmax_scale=1),
+        "scale np.int64": dict(softmax_scale=np.int64(1)),
+        "head_dim_v np.int64": dict(head_dim_v=np.int64(D_V)),
+        "causal False": dict(causal=False),
+    }
+    return {**{k: (v, False) for k, v in bad.items() if v}, **{k: (v, True) for k, v in good.items()}}
 
 
-@pytest.mark.parametrize("name", list(_mutations()))
+MUTATIONS = _mutations()
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
 def test_fast_path_never_accepts_what_the_checks_refuse(name):
-    """validate_decode_args first tries one cheap combined test (_decode_args_ok); it may send valid
-    calls to the step-by-step checks, but must never wave through a call those checks refuse."""
-    a = dict(args(), **_mutations()[name])
-    fast = validate._decode_args_ok(**a)  # must not raise, whatever it is given
+    """validate_decode_args first runs the DECODE table's fast path (accepts), then only if it says False the
+    step-by-step checks (check), which raise the error naming the argument. Both are compiled from the same
+    rows, so they must agree: accepts() is True exactly when check() raises nothing."""
+    changes, valid = MUTATIONS[name]
+    a = dict(args(), **changes)
+    fast = validate.DECODE.accepts(**a)  # must not raise, whatever it is given
     refused = None
     try:
-        _step_by_step(**a)
+        validate.DECODE.check(**a)
     except (TypeError, ValueError, NotImplementedError) as e:
         refused = e
     assert not (fast and refused), f"fast path accepted what the checks refuse: {refused}"
-    if name == "valid":
-        assert fast and refused is None
+    if valid:
+        assert fast and refused is None, refused
     else:
-        assert refused is not None, "every mutation is a bad input: the step-by-step checks must refuse it"
+        assert refused is not None, "a bad input: the step-by-step checks must refuse it"
+        assert refused.rule.arg in str(refused), (refused.rule, refused)
+        with pytest.raises(type(refused)):  # and the public entry point refuses it the same way
+            call(**a)
 
 
-def _step_by_step(**a):
-    with unittest.mock.patch.object(validate, "_decode_args_ok", return_value=False):
-        validate.validate_decode_args(**a)
+def test_every_decode_rule_is_exercised():
+    """Each row of the DECODE table refuses at least one of the mutations above (no dead or shadowed rule)."""
+    fired = set()
+    for changes, valid in MUTATIONS.values():
+        if valid:
+            continue
+        try:
+            validate.DECODE.check(**dict(args(), **changes))
+        except (TypeError, ValueError, NotImplementedError) as e:
+            fired.add(e.rule)
+    missing = [r for r in validate.DECODE.rules if r not in fired]
+    if not hasattr(torch, "float8_e4m3fn"):
+        missing = [r for r in missing if r.exc is not NotImplementedError]
+    assert not missing, "rules no mutation triggers:\n" + "\n".join(f"{r.arg}: {r.test}" for r in missing)
+
+
+def test_rule_tables_name_their_arguments():
+    for table in (validate.DECODE, validate.REFERENCE, validate.LAYOUT, validate.METADATA, validate.VALUES,
+                  validate.SCHEDULE):
+        assert table.rules, table
+        for rule in table.rules:
+            assert rule.arg in table.params and issubclass(rule.exc, Exception), rule
 
 
 def test_stale_metadata_in_checked_mode(monkeypatch):
@@ -189,8 +300,27 @@ def test_stale_metadata_in_checked_mode(monkeypatch):
     monkeypatch.setenv(validate.CHECK_ENV, "1")
     call(**a)  # fresh metadata passes
     stale = a["tile_scheduler_metadata"].clone()
-    stale[0, 3] += 64
+    stale[0, 3] += PAGE
     expect(ValueError, r"do not match cache_seqlens", tile_scheduler_metadata=stale)
+
+
+def test_stale_metadata_refused_on_cpu():
+    """CPU tensors always get the value checks, the metadata's included (no checked mode needed)."""
+    a = args()
+    stale = a["tile_scheduler_metadata"].clone()
+    stale[0, 3] += PAGE
+    expect(ValueError, r"tile_scheduler_metadata/num_splits do not match cache_seqlens .*: recompute them with "
+           r"get_mla_metadata", tile_scheduler_metadata=stale)
+    # metadata of other lengths (same batch): the split counts or the rows differ
+    old_meta, old_ns = fb.get_mla_metadata(torch.tensor([5000, 5], dtype=torch.int32), 32, 1)
+    with pytest.raises(ValueError, match=r"do not match cache_seqlens.*recompute"):
+        call(**dict(a, tile_scheduler_metadata=old_meta, num_splits=old_ns))
+    # metadata for another head count: another number of parts
+    other_meta, other_ns = fb.get_mla_metadata(a["cache_seqlens"], 2 * BLOCK_M * 16, 1)
+    with pytest.raises(ValueError, match=r"tile_scheduler_metadata has 4 parts, but get_mla_metadata gives 132 for "
+                                         r"seqlen_q=2, num_heads_q=16, num_heads_k=1 on cpu: recompute it with "
+                                         r"get_mla_metadata\(cache_seqlens, 32, 1\)"):
+        call(**dict(a, tile_scheduler_metadata=other_meta, num_splits=other_ns))
 
 
 def test_metadata_argument_errors():
@@ -215,7 +345,7 @@ def test_empty_batch():
     empty = dict(a, q=a["q"][:0], block_table=a["block_table"][:0], cache_seqlens=a["cache_seqlens"][:0])
     meta, ns = fb.get_mla_metadata(empty["cache_seqlens"], 16, 1)
     out, lse = call(**dict(empty, tile_scheduler_metadata=meta, num_splits=ns))
-    assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 16, 1)
+    assert out.shape == (0, 1, 16, D_V) and lse.shape == (0, 16, 1)
 
 
 # ---- device checks (need a CUDA device; the CPU cannot produce them) -------------------------------
