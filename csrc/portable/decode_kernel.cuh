@@ -48,6 +48,7 @@
 #include <cute/arch/mma_sm80.hpp>    // SM80_16x8x16_F32{BF16BF16,F16F16}F32_TN
 
 #include "common/check.h"
+#include "common/check_params.h"
 #include "params.h"
 #include "portable/config.h"
 #include "portable/decode.h"
@@ -566,38 +567,23 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
 }
 
 // ---- Launcher -----------------------------------------------------------------------------------------------
+// What the kernel needs of its arguments beyond check_decode_params()'s common rules.
+inline DecodeRequirements decode_requirements() {
+  DecodeRequirements r;
+  r.kernel = "portable decode";
+  r.pointers_set = true;
+  // cp.async moves 16 bytes: Q and KV rows start on 16-byte boundaries (every stride is checked).
+  r.q = AccessRule{kCopyBytes, kElemsPerCopy, false};
+  r.kv = AccessRule{kCopyBytes, kElemsPerCopy, false};
+  // The epilogue stores element pairs (4 bytes) and fp32 pairs (8 bytes).
+  r.out = AccessRule{2 * kElemBytes, 2, false};
+  r.o_accum = AccessRule{2 * static_cast<int>(sizeof(float)), 1, false};
+  return r;
+}
+
 template <typename T>
 void launch_decode(const DecodeParams& params) {
-  // Shapes (the Python layer validated the tensors; these guard the integers it derived).
-  FMLA_HOST_CHECK(params.batch >= 1 && params.seqlen_q >= 1 && params.num_heads_kv >= 1 && params.ngroups >= 1,
-                  "portable decode: empty problem (batch " << params.batch << ", s_q " << params.seqlen_q
-                                                          << ", h_kv " << params.num_heads_kv << ")");
-  FMLA_HOST_CHECK(params.num_heads_q == params.num_heads_kv * params.ngroups,
-                  "portable decode: h_q must equal h_kv * ngroups");
-  FMLA_HOST_CHECK(params.q_rows == params.seqlen_q * params.ngroups, "portable decode: q_rows != s_q * ngroups");
-  FMLA_HOST_CHECK(params.num_m_blocks == (params.q_rows + kBlockM - 1) / kBlockM,
-                  "portable decode: num_m_blocks != ceil(q_rows / 64)");
-  FMLA_HOST_CHECK(params.num_sm_parts >= 1 && params.num_sm_parts <= 65535 && params.num_heads_kv <= 65535,
-                  "portable decode: grid out of range (parts " << params.num_sm_parts << ", h_kv "
-                                                               << params.num_heads_kv << ")");
-  FMLA_HOST_CHECK(params.max_pages_per_seq >= 0 && params.num_pages >= 0, "portable decode: negative page counts");
-  FMLA_HOST_CHECK(params.q && params.kv && params.block_table && params.seqlens && params.sched_meta &&
-                      params.num_splits && params.out && params.lse && params.lse_accum && params.o_accum,
-                  "portable decode: null pointer in DecodeParams");
-  // cp.async moves 16 bytes: Q and KV rows must start on 16-byte boundaries.
-  const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-  FMLA_HOST_CHECK(aligned(params.q, 16) && params.q_stride_b % kElemsPerCopy == 0 &&
-                      params.q_stride_s % kElemsPerCopy == 0 && params.q_stride_h % kElemsPerCopy == 0,
-                  "portable decode: q must be 16-byte aligned with strides that are multiples of 8 elements");
-  FMLA_HOST_CHECK(aligned(params.kv, 16) && params.kv_stride_page % kElemsPerCopy == 0 &&
-                      params.kv_stride_token % kElemsPerCopy == 0 && params.kv_stride_h % kElemsPerCopy == 0,
-                  "portable decode: k_cache must be 16-byte aligned with strides that are multiples of 8 elements");
-  // The epilogue stores element pairs (4 bytes) and fp32 pairs (8 bytes).
-  FMLA_HOST_CHECK(aligned(params.out, 4) && params.out_stride_b % 2 == 0 && params.out_stride_s % 2 == 0 &&
-                      params.out_stride_h % 2 == 0,
-                  "portable decode: out must be 4-byte aligned with even strides");
-  FMLA_HOST_CHECK(aligned(params.o_accum, 8), "portable decode: o_accum must be 8-byte aligned");
-
+  check_decode_params(params, decode_requirements());
   const auto kernel = &portable_decode_kernel<T>;
   // Per call (cheap, and correct when several devices are used): the attribute is per device.
   FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));

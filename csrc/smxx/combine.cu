@@ -33,6 +33,7 @@
 #include <cmath>
 
 #include "../common/check.h"
+#include "../common/check_params.h"
 #include "../launch.h"
 #include "../params.h"
 
@@ -333,7 +334,9 @@ void launch_combine(const DecodeParams& p) {
 }  // namespace
 
 void run_combine(const DecodeParams& params) {
-  FMLA_HOST_CHECK(params.batch <= 65535, "combine supports batch <= 65535, got " << params.batch);
+  DecodeRequirements requirements;
+  requirements.kernel = "combine";
+  check_decode_params(params, requirements);  // includes the grid limit batch <= 65535
   switch (params.dtype) {
     case DType::kBF16: launch_combine<__nv_bfloat16>(params); break;
     case DType::kFP16: launch_combine<__half>(params); break;
