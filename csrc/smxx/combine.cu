@@ -24,8 +24,8 @@
 // Both accumulate in a fixed order (combine_kernel: split order; combine_splits_kernel: split order within
 // a warp, then warps 0..7), so a run is bitwise reproducible; the two orders differ in the last bits.
 // With PDL the kernels may start while the decode kernel still runs: they read num_splits (written by the
-// scheduler, which completed before the decode kernel started) and then wait with griddepcontrol.wait
-// before touching the accumulators.
+// scheduler, which completed before the decode kernel started) and then wait with pdl_wait_primary()
+// before touching the accumulators. Addressing and the empty-row rule: common/device.cuh.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -34,6 +34,7 @@
 
 #include "../common/check.h"
 #include "../common/check_params.h"
+#include "../common/device.cuh"
 #include "../launch.h"
 #include "../params.h"
 
@@ -46,12 +47,6 @@ constexpr int kColsPerLane = kHeadDimV / 32;  // 16
 constexpr int kVecsPerLane = kColsPerLane / 4;  // float4 loads per lane per split
 static_assert(kHeadDimV % 128 == 0, "combine assumes 512 = 4 x (32 lanes x 4 floats)");
 
-__device__ __forceinline__ void wait_for_primary_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
@@ -59,9 +54,9 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-// Where one (request, kv head, query row) lives in the accumulators and in the outputs: row r of kv head hk is
-// query token s = r / ngroups, head h = hk * ngroups + r % ngroups; the accumulator row of split i is
-// (first_split + i) * split_stride + hk * q_rows + r (lse_accum in floats, o_accum in rows of kHeadDimV).
+// Where one (request, kv head, query row) lives in the accumulators and in the outputs (common/device.cuh):
+// the accumulator row of split i is (first_split + i) * split_stride + hk * q_rows + r (lse_accum in floats,
+// o_accum in rows of kHeadDimV).
 template <typename T>
 struct CombineRow {
   long long split_stride;  // accumulator rows between one split and the next
@@ -72,14 +67,13 @@ struct CombineRow {
 
 template <typename T>
 __device__ __forceinline__ CombineRow<T> combine_row(const DecodeParams& p, int req, int hk, int row, int first_split) {
-  const int s = row / p.ngroups;
-  const int h = hk * p.ngroups + row % p.ngroups;
+  const QueryRow qr = query_row(p, hk, row);
   CombineRow<T> r;
-  r.split_stride = static_cast<long long>(p.num_heads_kv) * p.q_rows;
-  r.first = static_cast<long long>(first_split) * r.split_stride + static_cast<long long>(hk) * p.q_rows + row;
-  r.lse_out = p.lse + static_cast<long long>(req) * p.lse_stride_b + static_cast<long long>(h) * p.lse_stride_h + s;
-  r.out = static_cast<T*>(p.out) + static_cast<long long>(req) * p.out_stride_b + static_cast<long long>(s) * p.out_stride_s +
-          static_cast<long long>(h) * p.out_stride_h;
+  r.split_stride = accum_split_stride(p);
+  // accum_row(p, first_split, hk, row), written with the split stride computed just above.
+  r.first = static_cast<int64_t>(first_split) * r.split_stride + static_cast<int64_t>(hk) * p.q_rows + row;
+  r.lse_out = lse_at(p, req, qr.s, qr.h);
+  r.out = out_row<T>(p, req, qr.s, qr.h);
   return r;
 }
 
@@ -100,11 +94,11 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   const int n_splits = p.num_splits[req + 1] - first_split;
   if (n_splits <= 1 || row >= p.q_rows) return;
 
-  wait_for_primary_grid();
+  pdl_wait_primary();
 
   const CombineRow<T> cr = combine_row<T>(p, req, hk, row, first_split);
   const long long row_stride = cr.split_stride;
-  const float* lse_row = p.lse_accum + cr.first;
+  const float* lse_row = lse_accum_at(p, cr.first);
 
   // Pass 1: max and sum of exp over the splits' lse (each lane takes splits lane, lane+32, ...).
   float max_lse = -INFINITY;
@@ -115,9 +109,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   float* lse_out = cr.lse_out;
   T* out = cr.out;
 
-  if (max_lse == -INFINITY) {  // the row saw no key in any split
+  if (max_lse == kNoKeySplitLse) {  // the row saw no key in any split: the empty-row rule
     for (int c = chunk * kChunkCols + lane; c < (chunk + 1) * kChunkCols; c += 32) out[c] = from_float<T>(0.f);
-    if (lane == 0 && chunk == 0) *lse_out = INFINITY;
+    if (lane == 0 && chunk == 0) *lse_out = kNoKeyLse;
     return;
   }
 
@@ -131,7 +125,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   float acc[4 * kVecs];
 #pragma unroll
   for (int k = 0; k < 4 * kVecs; ++k) acc[k] = 0.f;
-  const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + cr.first * kHeadDimV) + chunk * kVecs * 32 + lane;
+  const float4* o_row = reinterpret_cast<const float4*>(o_accum_row(p, cr.first)) + chunk * kVecs * 32 + lane;
   const long long split_stride4 = row_stride * (kHeadDimV / 4);  // float4 between one split's row and the next's
   for (int base = 0; base < n_splits; base += 32) {
     const int i_mine = base + lane;
@@ -188,12 +182,12 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
   const int n_splits = p.num_splits[req + 1] - first_split;
   if (n_splits <= 1 || row >= p.q_rows) return;  // CTA-uniform
 
-  wait_for_primary_grid();
+  pdl_wait_primary();
 
   const CombineRow<T> cr = combine_row<T>(p, req, hk, row, first_split);
   const long long row_stride = cr.split_stride;
-  const float* lse_row = p.lse_accum + cr.first;
-  const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + cr.first * kHeadDimV) + chunk * 32 + lane;
+  const float* lse_row = lse_accum_at(p, cr.first);
+  const float4* o_row = reinterpret_cast<const float4*>(o_accum_row(p, cr.first)) + chunk * 32 + lane;
   const long long split_stride4 = row_stride * (kHeadDimV / 4);
 
   // This thread's partials and their lse in the round of splits [base, base + kRound): splits base + warp,
@@ -228,11 +222,11 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
   T* out = cr.out;
   const int col = chunk * (kHeadDimV / kSplitChunks) + 4 * lane;
 
-  if (max_lse == -INFINITY) {  // the row saw no key in any split (same value in every warp)
+  if (max_lse == kNoKeySplitLse) {  // the row saw no key in any split (same value in every warp)
     if (warp == 0) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) out[col + e] = from_float<T>(0.f);
-      if (lane == 0 && chunk == 0) *lse_out = INFINITY;
+      if (lane == 0 && chunk == 0) *lse_out = kNoKeyLse;
     }
     return;
   }

@@ -36,6 +36,7 @@
 #include <cuda_runtime.h>
 
 #include "../common/check.h"
+#include "../common/device.cuh"
 #include "../launch.h"
 #include "../params.h"
 
@@ -78,11 +79,6 @@ __device__ __forceinline__ long long warp_sum(long long v) {
 
 __device__ __forceinline__ long long ceil_div_ll(long long a, long long b) { return (a + b - 1) / b; }
 
-__device__ __forceinline__ int clamped_len(const int32_t* seqlens, int i) {
-  int v = seqlens[i];
-  return v > 0 ? v : 0;
-}
-
 // Writes the end fields of a row from the position (req, block) where the next part begins.
 __device__ __forceinline__ void write_end(int32_t* row, const int32_t* seqlens, int req, int block) {
   if (block > 0) {  // ends inside request `req`, before token block * kPageSize
@@ -90,7 +86,7 @@ __device__ __forceinline__ void write_end(int32_t* row, const int32_t* seqlens, 
     row[3] = block * kPageSize;
   } else {  // ends at the end of request req - 1
     row[2] = req - 1;
-    row[3] = req > 0 ? clamped_len(seqlens, req - 1) : 0;
+    row[3] = req > 0 ? scheduled_seqlen(seqlens, req - 1) : 0;
   }
 }
 
@@ -103,7 +99,7 @@ __device__ __forceinline__ void write_empty_row(int32_t* row, const int32_t* seq
 }
 
 __device__ __forceinline__ int num_blocks_of(const int32_t* seqlens, int i) {
-  return (clamped_len(seqlens, i) + kPageSize - 1) / kPageSize;
+  return (scheduled_seqlen(seqlens, i) + kPageSize - 1) / kPageSize;
 }
 
 // Piece mode: the number of pieces of a request of nb >= 0 blocks at the given grain.
@@ -155,7 +151,7 @@ __device__ bool try_piece_mode(const SchedParams& p, int per_part) {
     if (nb[k] >= 0) {
       // piece j = blocks [j q + min(j, r), (j + 1) q + min(j + 1, r)): q = nb / s, the first r = nb % s get one more
       const int q = nb[k] / s, r = nb[k] % s;
-      const int len = clamped_len(p.seqlens, i);
+      const int len = scheduled_seqlen(p.seqlens, i);
       int4* row = reinterpret_cast<int4*>(p.metadata + (part_base + incl - s) * kSchedMetaInts);
       for (int j = 0; j < s; ++j, row += 2) {
         const int end = j == s - 1 ? len : ((j + 1) * q + min(j + 1, r)) * kPageSize;
@@ -198,7 +194,7 @@ __device__ bool try_whole_mode(const SchedParams& p, long long per_part) {
   for (int chunk = 0; chunk < batch; chunk += 32) {
     const int i = chunk + lane;
     const bool valid = i < batch;
-    const int len = valid ? clamped_len(p.seqlens, i) : 0;
+    const int len = valid ? scheduled_seqlen(p.seqlens, i) : 0;
     const long long w = valid ? (len + kPageSize - 1) / kPageSize + kFixedOverheadBlocks : 0;
     const long long incl = warp_inclusive_scan(w, lane);
     const long long c_begin = unit_base + incl - w;
@@ -258,7 +254,7 @@ __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   for (int chunk = 0; chunk < batch; chunk += 32) {
     const int i = chunk + lane;
     const bool valid = i < batch;
-    const int len = valid ? clamped_len(p.seqlens, i) : 0;
+    const int len = valid ? scheduled_seqlen(p.seqlens, i) : 0;
     const int nb = (len + kPageSize - 1) / kPageSize;
     const long long w = valid ? nb + kFixedOverheadBlocks : 0;
     const long long incl = warp_inclusive_scan(w, lane);
