@@ -44,42 +44,13 @@
 
 // Only the arch atoms (inline-PTX wrappers), not cute/tensor.hpp: keeps the compile time low.
 #include <cute/arch/copy_sm75.hpp>   // SM75_U32x4_LDSM_N, SM75_U16x8_LDSM_T
-#include <cute/arch/mma_sm80.hpp>    // SM80_16x8x16_F32{BF16BF16,F16F16}F32_TN
 
-#include "common/check.h"
-#include "common/check_params.h"
 #include "common/device.cuh"
 #include "params.h"
 #include "portable/config.h"
-#include "portable/decode.h"
+#include "portable/traits.h"
 
 namespace flashmla_backend::portable {
-
-// ---- Element type: MMA atom and fp32 -> packed pair conversion ---------------------------------------
-template <typename T>
-struct ElementOps;
-
-template <>
-struct ElementOps<__nv_bfloat16> {
-  using Mma = cute::SM80_16x8x16_F32BF16BF16F32_TN;
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);   // .x = lo (lower address)
-    uint32_t u;
-    memcpy(&u, &v, sizeof(u));
-    return u;
-  }
-};
-
-template <>
-struct ElementOps<__half> {
-  using Mma = cute::SM80_16x8x16_F32F16F16F32_TN;
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    uint32_t u;
-    memcpy(&u, &v, sizeof(u));
-    return u;
-  }
-};
 
 // ---- Thin wrappers over the CuTe arch atoms ------------------------------------------------------
 // d += a * b for one m16n8k16 tile. a: 4 regs (A fragment), b0/b1: B fragment, d: 4 fp32.
@@ -548,32 +519,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
       }
     }
   }
-}
-
-// ---- Launcher -----------------------------------------------------------------------------------------------
-// What the kernel needs of its arguments beyond check_decode_params()'s common rules.
-inline DecodeRequirements decode_requirements() {
-  DecodeRequirements r;
-  r.kernel = "portable decode";
-  r.pointers_set = true;
-  // cp.async moves 16 bytes: Q and KV rows start on 16-byte boundaries (every stride is checked).
-  r.q = AccessRule{kCopyBytes, kElemsPerCopy, false};
-  r.kv = AccessRule{kCopyBytes, kElemsPerCopy, false};
-  // The epilogue stores element pairs (4 bytes) and fp32 pairs (8 bytes).
-  r.out = AccessRule{2 * kElemBytes, 2, false};
-  r.o_accum = AccessRule{2 * static_cast<int>(sizeof(float)), 1, false};
-  return r;
-}
-
-template <typename T>
-void launch_decode(const DecodeParams& params) {
-  check_decode_params(params, decode_requirements());
-  const auto kernel = &portable_decode_kernel<T>;
-  // Per call (cheap, and correct when several devices are used): the attribute is per device.
-  FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const dim3 grid(params.num_m_blocks, params.num_heads_kv, params.num_sm_parts);
-  kernel<<<grid, kNumThreads, kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(params);
-  FMLA_CHECK_LAUNCH("portable_decode_kernel");
 }
 
 }  // namespace flashmla_backend::portable
