@@ -8,18 +8,16 @@
 // query row and column chunk, the splits in sequence. kChunks = 1: lane j owns the 16 output columns
 // {4j..4j+3} + 128 k, k = 0..3 (float4 loads, coalesced across the warp). kChunks = 4: CTA chunk c covers
 // columns 128c .. 128c + 127 and lane j owns 4 of them; picked when the grid would otherwise leave most SMs
-// idle. Each lane keeps 16 float4 loads in flight; with one split at a time, b = 1, h_q = 128, 8192 keys
-// (43 splits) spent 24 us here next to a 32 us decode kernel (ncu, H200).
+// idle. Each lane keeps 16 float4 loads in flight, one split at a time: for a request cut into tens of
+// splits this kernel takes a large share of the decode step (docs/perf/journal.md).
 //
 // combine_splits_kernel (splits in parallel), for few requests cut into many splits (b = 1: 66 splits at
 // h_q = 128, 132 at h_q = 16): grid (q_rows * 4, h_kv, batch), one CTA per row and 128-column chunk, 8 warps;
 // warp w takes splits w, w + 8, ..., lane j the float4 j of the chunk. Every thread issues the loads of all
 // its splits (up to kPerWarp, a template parameter sized on the host from the largest possible split count)
 // together with the log-sum-exp inputs, so the partials are read in one round trip, and the 8 warps' sums
-// are added in shared memory. Measured on the H100 (CUDA-graph replays, time from the decode kernel's end to
-// the combine's end, torch.profiler): with combine_kernel, b = 1, 8192 keys took 10.2 us at h_q = 128 (66
-// splits of 128 rows) and 13.7 us at h_q = 16 (132 splits of 16 rows, 16 CTAs): a warp walked its splits
-// in 5-9 dependent rounds of loads after two passes over the lse values.
+// are added in shared memory. combine_kernel walks the same splits in several dependent rounds of loads
+// after two passes over the lse values, which is what makes it slower there (docs/perf/journal.md).
 //
 // Both accumulate in a fixed order (combine_kernel: split order; combine_splits_kernel: split order within
 // a warp, then warps 0..7), so a run is bitwise reproducible; the two orders differ in the last bits.
@@ -298,9 +296,9 @@ void launch_combine(const DecodeParams& p, dim3 grid) {
 }
 
 // Splits in parallel when a request can have at least this many splits on average (num_sm_parts / batch):
-// b = 1 at h_q = 128 (66 parts), b <= 2 at h_q = 16 (132 parts). H100, CUDA-graph replays, 8192 keys, against
-// combine_kernel: b1-h128 35.3 -> 31.2 us, b1-h16 31.8 -> 24.1 us, but b2-h128 (33 splits per request)
-// 41.0 -> 41.7, b4-h128 48.3 -> 55.9 and b8-h16 56.3 -> 62.8 (most warps idle, several waves of CTAs).
+// b = 1 at h_q = 128 (66 parts), b <= 2 at h_q = 16 (132 parts). Against combine_kernel it wins at b = 1 and
+// loses from 33 splits per request down (b = 2 at h_q = 128, b >= 4, b = 8 at h_q = 16), where most of its
+// warps idle and its CTAs run in several waves (docs/perf/journal.md).
 constexpr int kManySplits = 48;
 
 template <typename T>

@@ -7,7 +7,7 @@
 //   part p starts at unit u_p = p * P with P = max(1, ceil((T - kFixedOverheadBlocks) / num_sm_parts))
 //   (u_p >= T: empty part). The last request's trailing overhead is left out of P: the last part always
 //   runs to the end of the batch, and counting it made b = 1 with 128 blocks on 66 parts take P = 3
-//   (43 parts busy) instead of P = 2 (64 parts busy): 39.1 us instead of 35.6 us on an H100 (h_q 128).
+//   (43 parts busy) instead of P = 2 (64 parts busy), measurably slower (docs/perf/journal.md).
 //   Unit u = C_i + k maps to a position (request, block): (i, k) when k < nb_i or k == 0 (the first
 //   unit of a request is its start, also for a zero-length request); (i + 1, 0) in the rest of its
 //   overhead. Part p covers positions
@@ -25,14 +25,14 @@
 // request goes whole to the part p = min(floor(C_i / P), num_sm_parts - 1) in which it starts, so no request is
 // cut and no combine runs; chosen when the largest part then costs at most kWholeSlackPercent % more than the
 // line model's bound P + overhead. For a uniform batch of 128 x 8192 keys on 66 parts the parts get two whole
-// requests (266 units against 263), where the line model cut 63 of them: on an H100 (CUDA-graph replays, A/B
-// in one device call) b128-sk8192-h128 took 559 us instead of 594, b256-sk4096-h128 587 instead of 615. A batch
-// that fails the bound after the pass (e.g. 200 x 8192 keys on 66 parts) pays that pass: get_mla_metadata 16 us
-// instead of 11; one request costlier than the bound (a varlen batch) skips it.
+// requests (266 units against 263), where the line model cut 63 of them, and uniform batches decode faster
+// without the combine (docs/perf/journal.md). A batch that fails the bound after the pass (e.g. 200 x 8192
+// keys on 66 parts) pays for that pass in get_mla_metadata; one request costlier than the bound (a varlen
+// batch) skips it.
 //
 // Grid: one warp. Lane j of chunk c handles request i = 32c + j: it finds the parts whose start
 // unit falls inside [C_i, C_i + w_i) and writes their begin fields and their predecessors' end
-// fields. Loop trip count ~ batch / 32, so b in the thousands costs a few microseconds.
+// fields. Loop trip count ~ batch / 32, so b in the thousands stays cheap.
 #include <cuda_runtime.h>
 
 #include "../common/check.h"
