@@ -1,6 +1,7 @@
-// Launcher declarations: one per kernel family. Each launcher checks its launch and throws
-// std::runtime_error on failure. All launches are asynchronous on params.stream, allocate nothing
-// and never synchronize the host, so they can be captured in CUDA graphs.
+// Launcher declarations: one per kernel family. Each launcher checks its arguments with
+// check_decode_params() (common/check_params.h) and its launch, and throws std::runtime_error on
+// failure. All launches are asynchronous on params.stream, allocate nothing and never synchronize the
+// host, so they can be captured in CUDA graphs.
 #pragma once
 
 #include "params.h"

@@ -5,6 +5,7 @@
 // All strides count ELEMENTS, not bytes. The innermost dimension of every tensor is contiguous.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace flashmla_backend {
@@ -48,65 +49,106 @@ struct SchedParams {
 // ---- Decode (split-KV) + combine ------------------------------------------------------------------
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 
+// The decode arguments, listed once. Each entry is ARG(type, name) -- set by the caller (Python sets it
+// on _C.DecodeArgs under the same name; pointers as integers, dtype as its int code) -- or
+// DERIVED(type, name) -- computed from the ARG fields by derive_decode_params() below, nowhere else.
+// The list generates DecodeParams (in this order: it is the kernels' parameter layout, which the
+// static_asserts below pin) and the Python binding (csrc/binding/module.cpp), which exports the ARG
+// names as _C.decode_fields. A new kernel argument is one line here, the line of
+// flashmla_backend/ops.py that sets it and the kernel code that reads it.
+//
+// Tensors (strides in elements; the innermost dimension of each is contiguous):
+//   q           [b, s_q, h_q, 576]                   q's dtype
+//   kv          [num_pages, kPageSize, h_kv, 576]    q's dtype (V = columns 0..511 of the same row)
+//   block_table [b, max_pages_per_seq] int32         page ids
+//   seqlens     [b] int32                            cache_seqlens. The kernels clamp each length to
+//                                                    [0, kPageSize * max_pages_per_seq] so that no read
+//                                                    leaves the block table; the opt-in checked mode in
+//                                                    Python raises instead.
+//   sched_meta  [num_sm_parts, 8] int32, num_splits [b + 1] int32: the tile scheduler's output
+//   out         [b, s_q, h_q, 512]                   q's dtype
+//   lse         [b, h_q, s_q] fp32, natural log; innermost (s_q) stride 1
+//   Split accumulators, contiguous, indexed by global split id sid = num_splits[req] + split_index:
+//   lse_accum   [b + num_sm_parts, h_kv, q_rows]      fp32, natural log, -inf for "no keys in split"
+//   o_accum     [b + num_sm_parts, h_kv, q_rows, 512] fp32, already divided by the split's row sum
+//   (b + num_sm_parts bounds the number of splits: every part boundary adds at most one.)
+#define FMLA_DECODE_PARAMS(ARG, DERIVED)                                                                      \
+  ARG(DType, dtype)                     /* element type of q, kv and out */                                    \
+  ARG(int, device)                      /* CUDA device ordinal the pointers live on */                         \
+                                                                                                              \
+  ARG(int, batch)                       /* b */                                                                \
+  ARG(int, seqlen_q)                    /* s_q: query tokens per request */                                    \
+  ARG(int, num_heads_q)                 /* h_q */                                                              \
+  ARG(int, num_heads_kv)                /* h_kv, divides h_q */                                                \
+  DERIVED(int, ngroups)                 /* h_q / h_kv */                                                       \
+  DERIVED(int, q_rows)                  /* s_q * ngroups: query rows per (request, kv head); row r <->       \
+                                           (s = r / ngroups, head = kv_head * ngroups + r % ngroups) */        \
+  DERIVED(int, num_m_blocks)            /* ceil(q_rows / kBlockM) */                                           \
+  ARG(int, num_sm_parts)                /* rows of the scheduler metadata (grid.z of the decode kernel) */     \
+                                                                                                              \
+  ARG(int, num_pages)                   /* k_cache.shape[0] */                                                 \
+  ARG(int, max_pages_per_seq)           /* block_table.shape[1] */                                             \
+                                                                                                              \
+  ARG(float, scale)                     /* softmax scale (natural-log domain) */                               \
+  DERIVED(float, scale_log2)            /* scale * log2(e) */                                                  \
+  ARG(bool, causal)                     /* query token s of a request with n keys sees keys [0, n - s_q + s] */ \
+                                                                                                              \
+  ARG(const void*, q)                                                                                         \
+  ARG(int64_t, q_stride_b)                                                                                    \
+  ARG(int64_t, q_stride_s)                                                                                    \
+  ARG(int64_t, q_stride_h)                                                                                    \
+  ARG(const void*, kv)                                                                                        \
+  ARG(int64_t, kv_stride_page)                                                                                \
+  ARG(int64_t, kv_stride_token)                                                                               \
+  ARG(int64_t, kv_stride_h)                                                                                   \
+  ARG(const int32_t*, block_table)                                                                            \
+  ARG(int64_t, block_table_stride_b)                                                                          \
+  ARG(const int32_t*, seqlens)                                                                                \
+  ARG(const int32_t*, sched_meta)                                                                             \
+  ARG(const int32_t*, num_splits)                                                                             \
+                                                                                                              \
+  ARG(void*, out)                                                                                             \
+  ARG(int64_t, out_stride_b)                                                                                  \
+  ARG(int64_t, out_stride_s)                                                                                  \
+  ARG(int64_t, out_stride_h)                                                                                  \
+  ARG(float*, lse)                                                                                            \
+  ARG(int64_t, lse_stride_b)                                                                                  \
+  ARG(int64_t, lse_stride_h)                                                                                  \
+  ARG(float*, lse_accum)                                                                                      \
+  ARG(float*, o_accum)                                                                                        \
+                                                                                                              \
+  ARG(void*, stream)                    /* cudaStream_t */                                                     \
+  ARG(bool, pdl)                        /* launch combine with programmatic dependent launch (sm_90+) */
+
+#define FMLA_DECODE_PARAMS_MEMBER(type, name) type name;
 struct DecodeParams {
-  DType dtype;
-  int device;               // CUDA device ordinal the pointers live on
-
-  int batch;                // b
-  int seqlen_q;             // s_q (query tokens per request)
-  int num_heads_q;          // h_q
-  int num_heads_kv;         // h_kv (divides h_q)
-  int ngroups;              // h_q / h_kv
-  int q_rows;               // s_q * ngroups: query rows per (request, kv head); row r <-> (s = r / ngroups,
-                            // head = kv_head * ngroups + r % ngroups)
-  int num_m_blocks;         // ceil(q_rows / kBlockM)
-  int num_sm_parts;         // rows of the scheduler metadata (grid.z of the decode kernel)
-
-  int num_pages;            // k_cache.shape[0]
-  int max_pages_per_seq;    // block_table.shape[1]
-
-  float scale;              // softmax scale (natural-log domain)
-  float scale_log2;         // scale * log2(e)
-  bool causal;              // query token s of a request with n keys sees keys [0, n - s_q + s]
-
-  // q [b, s_q, h_q, 576]
-  const void* q;
-  int64_t q_stride_b, q_stride_s, q_stride_h;
-  // k_cache [num_pages, kPageSize, h_kv, 576]
-  const void* kv;
-  int64_t kv_stride_page, kv_stride_token, kv_stride_h;
-  // block_table [b, max_pages_per_seq] int32, page ids
-  const int32_t* block_table;
-  int64_t block_table_stride_b;
-  // cache_seqlens [b] int32. The kernels clamp each length to [0, kPageSize * max_pages_per_seq]
-  // so that no read leaves the block table; the opt-in checked mode in Python raises instead.
-  const int32_t* seqlens;
-  // scheduler output
-  const int32_t* sched_meta;  // [num_sm_parts, 8]
-  const int32_t* num_splits;  // [b + 1]
-
-  // out [b, s_q, h_q, 512], q's dtype
-  void* out;
-  int64_t out_stride_b, out_stride_s, out_stride_h;
-  // lse [b, h_q, s_q] fp32, natural log; innermost (s_q) stride 1
-  float* lse;
-  int64_t lse_stride_b, lse_stride_h;
-
-  // Split accumulators, contiguous, indexed by global split id sid = num_splits[req] + split_index:
-  //   lse_accum [b + num_sm_parts, h_kv, q_rows]        fp32, natural log, -inf for "no keys in split"
-  //   o_accum   [b + num_sm_parts, h_kv, q_rows, 512]   fp32, already divided by the split's row sum
-  // (b + num_sm_parts bounds the number of splits: every part boundary adds at most one.)
-  float* lse_accum;
-  float* o_accum;
-
-  void* stream;             // cudaStream_t
-  bool pdl;                 // launch combine with programmatic dependent launch (sm_90+)
+  FMLA_DECODE_PARAMS(FMLA_DECODE_PARAMS_MEMBER, FMLA_DECODE_PARAMS_MEMBER)
 };
+#undef FMLA_DECODE_PARAMS_MEMBER
+
+// DecodeParams is passed by value as a kernel parameter: its layout is part of every kernel's binary.
+// These asserts pin it (x86-64 / aarch64 LP64 layout): reordering, retyping or inserting a field fails here.
+static_assert(sizeof(DecodeParams) == 256 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
+static_assert(offsetof(DecodeParams, num_sm_parts) == 36 && offsetof(DecodeParams, causal) == 56 &&
+                  offsetof(DecodeParams, q) == 64 && offsetof(DecodeParams, seqlens) == 144 &&
+                  offsetof(DecodeParams, o_accum) == 232 && offsetof(DecodeParams, pdl) == 248,
+              "DecodeParams layout changed");
+
+// Fills the DERIVED fields from the ARG fields. The one place they are computed; safe on any input
+// (num_heads_kv <= 0 gives ngroups 0), check_decode_params() refuses what makes no sense.
+inline void derive_decode_params(DecodeParams& p) {
+  p.ngroups = p.num_heads_kv > 0 ? p.num_heads_q / p.num_heads_kv : 0;
+  p.q_rows = p.seqlen_q * p.ngroups;
+  p.num_m_blocks = (p.q_rows + kBlockM - 1) / kBlockM;
+  p.scale_log2 = p.scale * 1.4426950408889634f;
+}
 
 // Conventions every kernel and the Python reference share:
 //  * a query row that sees no key at all (cache_seqlens == 0, or causal with fewer keys than s_q)
-//    gets out = 0 and lse = +inf (FlashMLA's convention), never NaN;
+//    gets out = 0 and lse = +inf (the Python API's convention), never NaN;
 //  * a split in which a row sees no key writes lse_accum = -inf and o_accum = 0;
 //  * a request with exactly one split writes out/lse directly; the combine kernel skips it.
+// csrc/common/device.cuh holds the device side of these rules (lengths, causal limit, output addressing,
+// the no-key lse values) for every kernel.
 
 }  // namespace flashmla_backend

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../common/check.h"
+#include "../common/check_params.h"
 #include "../launch.h"
 #include "../params.h"
 #ifdef FLASHMLA_BACKEND_WITH_SM90
@@ -48,78 +49,57 @@ T* as_ptr(std::uintptr_t v) {
   return reinterpret_cast<T*>(v);
 }
 
-// Decode arguments as Python sets them: pointers as integers. Field meanings: params.h.
-struct DecodeArgs {
-  std::string kernel = "portable";  // "portable" or "sm90"
-  int dtype = 0;
-  int device = 0;
-  std::uintptr_t stream = 0;
-  int batch = 0, seqlen_q = 0, num_heads_q = 0, num_heads_kv = 0;
-  int num_pages = 0, max_pages_per_seq = 0, num_sm_parts = 0;
-  float scale = 0.f;
-  bool causal = false;
-  bool pdl = false;
-  std::uintptr_t q = 0;
-  int64_t q_stride_b = 0, q_stride_s = 0, q_stride_h = 0;
-  std::uintptr_t kv = 0;
-  int64_t kv_stride_page = 0, kv_stride_token = 0, kv_stride_h = 0;
-  std::uintptr_t block_table = 0;
-  int64_t block_table_stride_b = 0;
-  std::uintptr_t seqlens = 0, sched_meta = 0, num_splits = 0;
-  std::uintptr_t out = 0;
-  int64_t out_stride_b = 0, out_stride_s = 0, out_stride_h = 0;
-  std::uintptr_t lse = 0;
-  int64_t lse_stride_b = 0, lse_stride_h = 0;
-  std::uintptr_t lse_accum = 0, o_accum = 0;
+// How a DecodeParams field looks from Python: pointers (and the stream) as integers, the dtype as its
+// int code (params.h), everything else as itself.
+template <typename T>
+struct PyField {
+  using type = T;
+  static type get(T v) { return v; }
+  static T set(type v) { return v; }
+};
+template <typename T>
+struct PyField<T*> {
+  using type = std::uintptr_t;
+  static type get(T* v) { return reinterpret_cast<std::uintptr_t>(v); }
+  static T* set(type v) { return as_ptr<T>(v); }
+};
+template <>
+struct PyField<DType> {
+  using type = int;
+  static type get(DType v) { return static_cast<int>(v); }
+  static DType set(type v) { return static_cast<DType>(v); }  // check_decode_params() refuses unknown codes
 };
 
-DecodeParams to_params(const DecodeArgs& a) {
-  FMLA_HOST_CHECK(a.dtype == static_cast<int>(DType::kBF16) || a.dtype == static_cast<int>(DType::kFP16),
-                  "dtype code must be 0 (bf16) or 1 (fp16), got " << a.dtype);
-  FMLA_HOST_CHECK(a.batch >= 1 && a.seqlen_q >= 1 && a.num_heads_kv >= 1 && a.num_heads_q >= a.num_heads_kv &&
-                      a.num_heads_q % a.num_heads_kv == 0 && a.num_sm_parts >= 1 && a.max_pages_per_seq >= 1,
-                  "inconsistent decode sizes");
-  DecodeParams p{};
-  p.dtype = static_cast<DType>(a.dtype);
-  p.device = a.device;
-  p.batch = a.batch;
-  p.seqlen_q = a.seqlen_q;
-  p.num_heads_q = a.num_heads_q;
-  p.num_heads_kv = a.num_heads_kv;
-  p.ngroups = a.num_heads_q / a.num_heads_kv;
-  p.q_rows = a.seqlen_q * p.ngroups;
-  p.num_m_blocks = (p.q_rows + kBlockM - 1) / kBlockM;
-  p.num_sm_parts = a.num_sm_parts;
-  p.num_pages = a.num_pages;
-  p.max_pages_per_seq = a.max_pages_per_seq;
-  p.scale = a.scale;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.causal = a.causal;
-  p.q = as_ptr<const void>(a.q);
-  p.q_stride_b = a.q_stride_b;
-  p.q_stride_s = a.q_stride_s;
-  p.q_stride_h = a.q_stride_h;
-  p.kv = as_ptr<const void>(a.kv);
-  p.kv_stride_page = a.kv_stride_page;
-  p.kv_stride_token = a.kv_stride_token;
-  p.kv_stride_h = a.kv_stride_h;
-  p.block_table = as_ptr<const int32_t>(a.block_table);
-  p.block_table_stride_b = a.block_table_stride_b;
-  p.seqlens = as_ptr<const int32_t>(a.seqlens);
-  p.sched_meta = as_ptr<const int32_t>(a.sched_meta);
-  p.num_splits = as_ptr<const int32_t>(a.num_splits);
-  p.out = as_ptr<void>(a.out);
-  p.out_stride_b = a.out_stride_b;
-  p.out_stride_s = a.out_stride_s;
-  p.out_stride_h = a.out_stride_h;
-  p.lse = as_ptr<float>(a.lse);
-  p.lse_stride_b = a.lse_stride_b;
-  p.lse_stride_h = a.lse_stride_h;
-  p.lse_accum = as_ptr<float>(a.lse_accum);
-  p.o_accum = as_ptr<float>(a.o_accum);
-  p.stream = as_ptr<void>(a.stream);
-  p.pdl = a.pdl;
-  return p;
+// _C.DecodeArgs: the ARG fields of DecodeParams (params.h, FMLA_DECODE_PARAMS), plus which kernel runs.
+// The DERIVED fields are filled by mla_decode.
+struct DecodeArgs {
+  std::string kernel = "portable";  // "portable" or "sm90"
+  DecodeParams params{};
+};
+
+// Names Python sets on DecodeArgs: "kernel" and every ARG field, in params.h order.
+std::vector<std::string> decode_fields() {
+  std::vector<std::string> names = {"kernel"};
+#define FMLA_ARG_NAME(type, name) names.emplace_back(#name);
+#define FMLA_SKIP(type, name)
+  FMLA_DECODE_PARAMS(FMLA_ARG_NAME, FMLA_SKIP)
+#undef FMLA_SKIP
+#undef FMLA_ARG_NAME
+  return names;
+}
+
+void bind_decode_args(py::module_& m) {
+  py::class_<DecodeArgs> cls(m, "DecodeArgs");
+  cls.def(py::init<>());
+  cls.def_readwrite("kernel", &DecodeArgs::kernel);
+#define FMLA_ARG_PROPERTY(T_, name)                                                         \
+  cls.def_property(                                                                         \
+      #name, [](const DecodeArgs& a) { return PyField<T_>::get(a.params.name); },           \
+      [](DecodeArgs& a, typename PyField<T_>::type v) { a.params.name = PyField<T_>::set(v); });
+#define FMLA_SKIP(type, name)
+  FMLA_DECODE_PARAMS(FMLA_ARG_PROPERTY, FMLA_SKIP)
+#undef FMLA_SKIP
+#undef FMLA_ARG_PROPERTY
 }
 
 bool sm90_compiled() {
@@ -131,7 +111,9 @@ bool sm90_compiled() {
 }
 
 void mla_decode(const DecodeArgs& args) {
-  const DecodeParams p = to_params(args);
+  DecodeParams p = args.params;
+  derive_decode_params(p);
+  check_decode_params(p, DecodeRequirements{});  // the launchers add their kernel's own requirements
   DeviceGuard guard(p.device);
   if (args.kernel == "portable") {
     run_portable_decode(p);
@@ -182,23 +164,8 @@ py::dict device_info(int device) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "flashmla_backend CUDA kernels (torch-free binding; see flashmla_backend/ops.py)";
 
-  py::class_<DecodeArgs>(m, "DecodeArgs")
-      .def(py::init<>())
-#define FMLA_FIELD(name) .def_readwrite(#name, &DecodeArgs::name)
-      FMLA_FIELD(kernel) FMLA_FIELD(dtype) FMLA_FIELD(device) FMLA_FIELD(stream)
-      FMLA_FIELD(batch) FMLA_FIELD(seqlen_q) FMLA_FIELD(num_heads_q) FMLA_FIELD(num_heads_kv)
-      FMLA_FIELD(num_pages) FMLA_FIELD(max_pages_per_seq) FMLA_FIELD(num_sm_parts)
-      FMLA_FIELD(scale) FMLA_FIELD(causal) FMLA_FIELD(pdl)
-      FMLA_FIELD(q) FMLA_FIELD(q_stride_b) FMLA_FIELD(q_stride_s) FMLA_FIELD(q_stride_h)
-      FMLA_FIELD(kv) FMLA_FIELD(kv_stride_page) FMLA_FIELD(kv_stride_token) FMLA_FIELD(kv_stride_h)
-      FMLA_FIELD(block_table) FMLA_FIELD(block_table_stride_b)
-      FMLA_FIELD(seqlens) FMLA_FIELD(sched_meta) FMLA_FIELD(num_splits)
-      FMLA_FIELD(out) FMLA_FIELD(out_stride_b) FMLA_FIELD(out_stride_s) FMLA_FIELD(out_stride_h)
-      FMLA_FIELD(lse) FMLA_FIELD(lse_stride_b) FMLA_FIELD(lse_stride_h)
-      FMLA_FIELD(lse_accum) FMLA_FIELD(o_accum)
-#undef FMLA_FIELD
-      ;
-
+  bind_decode_args(m);
+  m.attr("decode_fields") = py::tuple(py::cast(decode_fields()));
   m.def("mla_decode", &mla_decode, py::arg("args"),
         "Split-KV decode followed by the combine kernel, asynchronously on args.stream.");
   m.def("tile_scheduler", &tile_scheduler, py::arg("seqlens"), py::arg("batch"), py::arg("num_sm_parts"),

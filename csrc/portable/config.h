@@ -1,12 +1,12 @@
-// Tile constants and shared-memory plan of the portable split-KV MLA decode kernel
+// Tile constants of the portable split-KV MLA decode kernel
 // (mma.sync m16n8k16 + ldmatrix + cp.async; sm_80 and newer with >= 160 KB of shared memory per block).
 //
 // Supported: sm_80 (A100, 163 KB opt-in), sm_90 (H100/H200, 227 KB). NOT supported: sm_86 / sm_89
 // (99 KB per block): the Q tile plus one KV block alone need ~146 KB. Python compares
 // portable_decode_smem_bytes() with the device's sharedMemPerBlockOptin and refuses with a clear message.
+// The shared-memory plan and the MMA atoms are in traits.h.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 
 #include "params.h"
@@ -85,25 +85,5 @@ static_assert(kNumThreads % kBlockM == 0 && (kHeadDimK / kElemsPerCopy) % kQThre
 static_assert(kNumThreads % kKvThreadsPerRow == 0 && kBlockN % kKvRowsPerPass == 0,
               "KV chunk copies divide evenly over the threads");
 static_assert(kBlockM == kWarpsM * kWarpRows, "M tile");
-
-// ---- Shared-memory plan (one CTA); the launch is sized with sizeof(SharedStorage) ------------------
-// Elements are stored as raw 16-bit patterns (bf16 or fp16), so the plan does not depend on the type.
-// No unions: the Q tile stays resident for a whole request and is overwritten by the next request's Q
-// only after the last Q K^T of the current one; the KV block is refilled chunk by chunk (see the
-// commit groups above) while P V still reads the other chunks.
-struct alignas(128) SharedStorage {
-  uint16_t q[kBlockM][kRowElems];      // Q tile, 64 query rows x 576 (+pad); invalid rows are zeros
-  uint16_t kv[kBlockN][kRowElems];     // one KV block, 64 keys x 576 (+pad); keys outside [start, stop) are zeros
-  uint16_t p[kBlockM][kPRowElems];     // P = exp2(S - max) in the element type, 64 rows x 64 keys (+pad)
-  float row_max[kWarpsN][kBlockM];     // per warp column half: max over its 32 keys of the block (log2 units)
-  float row_sum[kWarpsN][kBlockM];     // per warp column half: running row sum, exchanged in the epilogue
-};
-
-constexpr int kSmemBytes = static_cast<int>(sizeof(SharedStorage));
-constexpr int kMaxSmemSm80 = 163 * 1024;   // cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_80
-static_assert(kSmemBytes <= kMaxSmemSm80, "shared-memory plan must fit sm_80");
-static_assert(sizeof(SharedStorage) % 16 == 0 && offsetof(SharedStorage, kv) % 16 == 0 &&
-                  offsetof(SharedStorage, p) % 16 == 0,
-              "16-byte alignment of every tile (cp.async / ldmatrix)");
 
 }  // namespace flashmla_backend::portable

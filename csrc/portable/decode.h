@@ -11,7 +11,7 @@ namespace flashmla_backend::portable {
 
 // Launches the decode kernel for element type T (__nv_bfloat16 or __half) on params.stream.
 // Asynchronous, allocation-free, CUDA-graph capturable; throws std::runtime_error on bad input or
-// a failed launch. Defined in decode_kernel.cuh.
+// a failed launch. Defined in launch.cuh (device code: kernel.cuh).
 template <typename T>
 void launch_decode(const DecodeParams& params);
 

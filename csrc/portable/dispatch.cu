@@ -1,8 +1,9 @@
-// Entry points of the portable decode kernel declared in launch.h.
+// dtype switch of the portable decode kernel (the entry points declared in csrc/launch.h). Includes no
+// kernel code: the kernels live in instantiations/{bf16,fp16}.cu, one translation unit each.
 #include "common/check.h"
 #include "launch.h"
-#include "portable/config.h"
 #include "portable/decode.h"
+#include "portable/traits.h"
 
 namespace flashmla_backend {
 

@@ -8,24 +8,22 @@
 // query row and column chunk, the splits in sequence. kChunks = 1: lane j owns the 16 output columns
 // {4j..4j+3} + 128 k, k = 0..3 (float4 loads, coalesced across the warp). kChunks = 4: CTA chunk c covers
 // columns 128c .. 128c + 127 and lane j owns 4 of them; picked when the grid would otherwise leave most SMs
-// idle. Each lane keeps 16 float4 loads in flight; with one split at a time, b = 1, h_q = 128, 8192 keys
-// (43 splits) spent 24 us here next to a 32 us decode kernel (ncu, H200).
+// idle. Each lane keeps 16 float4 loads in flight, one split at a time: for a request cut into tens of
+// splits this kernel takes a large share of the decode step (docs/perf/journal.md).
 //
 // combine_splits_kernel (splits in parallel), for few requests cut into many splits (b = 1: 66 splits at
 // h_q = 128, 132 at h_q = 16): grid (q_rows * 4, h_kv, batch), one CTA per row and 128-column chunk, 8 warps;
 // warp w takes splits w, w + 8, ..., lane j the float4 j of the chunk. Every thread issues the loads of all
 // its splits (up to kPerWarp, a template parameter sized on the host from the largest possible split count)
 // together with the log-sum-exp inputs, so the partials are read in one round trip, and the 8 warps' sums
-// are added in shared memory. Measured on the H100 (CUDA-graph replays, time from the decode kernel's end to
-// the combine's end, torch.profiler): with combine_kernel, b = 1, 8192 keys took 10.2 us at h_q = 128 (66
-// splits of 128 rows) and 13.7 us at h_q = 16 (132 splits of 16 rows, 16 CTAs): a warp walked its splits
-// in 5-9 dependent rounds of loads after two passes over the lse values.
+// are added in shared memory. combine_kernel walks the same splits in several dependent rounds of loads
+// after two passes over the lse values, which is what makes it slower there (docs/perf/journal.md).
 //
 // Both accumulate in a fixed order (combine_kernel: split order; combine_splits_kernel: split order within
 // a warp, then warps 0..7), so a run is bitwise reproducible; the two orders differ in the last bits.
 // With PDL the kernels may start while the decode kernel still runs: they read num_splits (written by the
-// scheduler, which completed before the decode kernel started) and then wait with griddepcontrol.wait
-// before touching the accumulators.
+// scheduler, which completed before the decode kernel started) and then wait with pdl_wait_primary()
+// before touching the accumulators. Addressing and the empty-row rule: common/device.cuh.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -33,6 +31,8 @@
 #include <cmath>
 
 #include "../common/check.h"
+#include "../common/check_params.h"
+#include "../common/device.cuh"
 #include "../launch.h"
 #include "../params.h"
 
@@ -45,12 +45,6 @@ constexpr int kColsPerLane = kHeadDimV / 32;  // 16
 constexpr int kVecsPerLane = kColsPerLane / 4;  // float4 loads per lane per split
 static_assert(kHeadDimV % 128 == 0, "combine assumes 512 = 4 x (32 lanes x 4 floats)");
 
-__device__ __forceinline__ void wait_for_primary_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
@@ -58,9 +52,9 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-// Where one (request, kv head, query row) lives in the accumulators and in the outputs: row r of kv head hk is
-// query token s = r / ngroups, head h = hk * ngroups + r % ngroups; the accumulator row of split i is
-// (first_split + i) * split_stride + hk * q_rows + r (lse_accum in floats, o_accum in rows of kHeadDimV).
+// Where one (request, kv head, query row) lives in the accumulators and in the outputs (common/device.cuh):
+// the accumulator row of split i is (first_split + i) * split_stride + hk * q_rows + r (lse_accum in floats,
+// o_accum in rows of kHeadDimV).
 template <typename T>
 struct CombineRow {
   long long split_stride;  // accumulator rows between one split and the next
@@ -71,14 +65,13 @@ struct CombineRow {
 
 template <typename T>
 __device__ __forceinline__ CombineRow<T> combine_row(const DecodeParams& p, int req, int hk, int row, int first_split) {
-  const int s = row / p.ngroups;
-  const int h = hk * p.ngroups + row % p.ngroups;
+  const QueryRow qr = query_row(p, hk, row);
   CombineRow<T> r;
-  r.split_stride = static_cast<long long>(p.num_heads_kv) * p.q_rows;
-  r.first = static_cast<long long>(first_split) * r.split_stride + static_cast<long long>(hk) * p.q_rows + row;
-  r.lse_out = p.lse + static_cast<long long>(req) * p.lse_stride_b + static_cast<long long>(h) * p.lse_stride_h + s;
-  r.out = static_cast<T*>(p.out) + static_cast<long long>(req) * p.out_stride_b + static_cast<long long>(s) * p.out_stride_s +
-          static_cast<long long>(h) * p.out_stride_h;
+  r.split_stride = accum_split_stride(p);
+  // accum_row(p, first_split, hk, row), written with the split stride computed just above.
+  r.first = static_cast<int64_t>(first_split) * r.split_stride + static_cast<int64_t>(hk) * p.q_rows + row;
+  r.lse_out = lse_at(p, req, qr.s, qr.h);
+  r.out = out_row<T>(p, req, qr.s, qr.h);
   return r;
 }
 
@@ -99,11 +92,11 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   const int n_splits = p.num_splits[req + 1] - first_split;
   if (n_splits <= 1 || row >= p.q_rows) return;
 
-  wait_for_primary_grid();
+  pdl_wait_primary();
 
   const CombineRow<T> cr = combine_row<T>(p, req, hk, row, first_split);
   const long long row_stride = cr.split_stride;
-  const float* lse_row = p.lse_accum + cr.first;
+  const float* lse_row = lse_accum_at(p, cr.first);
 
   // Pass 1: max and sum of exp over the splits' lse (each lane takes splits lane, lane+32, ...).
   float max_lse = -INFINITY;
@@ -114,9 +107,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   float* lse_out = cr.lse_out;
   T* out = cr.out;
 
-  if (max_lse == -INFINITY) {  // the row saw no key in any split
+  if (max_lse == kNoKeySplitLse) {  // the row saw no key in any split: the empty-row rule
     for (int c = chunk * kChunkCols + lane; c < (chunk + 1) * kChunkCols; c += 32) out[c] = from_float<T>(0.f);
-    if (lane == 0 && chunk == 0) *lse_out = INFINITY;
+    if (lane == 0 && chunk == 0) *lse_out = kNoKeyLse;
     return;
   }
 
@@ -130,7 +123,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   float acc[4 * kVecs];
 #pragma unroll
   for (int k = 0; k < 4 * kVecs; ++k) acc[k] = 0.f;
-  const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + cr.first * kHeadDimV) + chunk * kVecs * 32 + lane;
+  const float4* o_row = reinterpret_cast<const float4*>(o_accum_row(p, cr.first)) + chunk * kVecs * 32 + lane;
   const long long split_stride4 = row_stride * (kHeadDimV / 4);  // float4 between one split's row and the next's
   for (int base = 0; base < n_splits; base += 32) {
     const int i_mine = base + lane;
@@ -187,12 +180,12 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
   const int n_splits = p.num_splits[req + 1] - first_split;
   if (n_splits <= 1 || row >= p.q_rows) return;  // CTA-uniform
 
-  wait_for_primary_grid();
+  pdl_wait_primary();
 
   const CombineRow<T> cr = combine_row<T>(p, req, hk, row, first_split);
   const long long row_stride = cr.split_stride;
-  const float* lse_row = p.lse_accum + cr.first;
-  const float4* o_row = reinterpret_cast<const float4*>(p.o_accum + cr.first * kHeadDimV) + chunk * 32 + lane;
+  const float* lse_row = lse_accum_at(p, cr.first);
+  const float4* o_row = reinterpret_cast<const float4*>(o_accum_row(p, cr.first)) + chunk * 32 + lane;
   const long long split_stride4 = row_stride * (kHeadDimV / 4);
 
   // This thread's partials and their lse in the round of splits [base, base + kRound): splits base + warp,
@@ -227,11 +220,11 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
   T* out = cr.out;
   const int col = chunk * (kHeadDimV / kSplitChunks) + 4 * lane;
 
-  if (max_lse == -INFINITY) {  // the row saw no key in any split (same value in every warp)
+  if (max_lse == kNoKeySplitLse) {  // the row saw no key in any split (same value in every warp)
     if (warp == 0) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) out[col + e] = from_float<T>(0.f);
-      if (lane == 0 && chunk == 0) *lse_out = INFINITY;
+      if (lane == 0 && chunk == 0) *lse_out = kNoKeyLse;
     }
     return;
   }
@@ -303,9 +296,9 @@ void launch_combine(const DecodeParams& p, dim3 grid) {
 }
 
 // Splits in parallel when a request can have at least this many splits on average (num_sm_parts / batch):
-// b = 1 at h_q = 128 (66 parts), b <= 2 at h_q = 16 (132 parts). H100, CUDA-graph replays, 8192 keys, against
-// combine_kernel: b1-h128 35.3 -> 31.2 us, b1-h16 31.8 -> 24.1 us, but b2-h128 (33 splits per request)
-// 41.0 -> 41.7, b4-h128 48.3 -> 55.9 and b8-h16 56.3 -> 62.8 (most warps idle, several waves of CTAs).
+// b = 1 at h_q = 128 (66 parts), b <= 2 at h_q = 16 (132 parts). Against combine_kernel it wins at b = 1 and
+// loses from 33 splits per request down (b = 2 at h_q = 128, b >= 4, b = 8 at h_q = 16), where most of its
+// warps idle and its CTAs run in several waves (docs/perf/journal.md).
 constexpr int kManySplits = 48;
 
 template <typename T>
@@ -333,7 +326,9 @@ void launch_combine(const DecodeParams& p) {
 }  // namespace
 
 void run_combine(const DecodeParams& params) {
-  FMLA_HOST_CHECK(params.batch <= 65535, "combine supports batch <= 65535, got " << params.batch);
+  DecodeRequirements requirements;
+  requirements.kernel = "combine";
+  check_decode_params(params, requirements);  // includes the grid limit batch <= 65535
   switch (params.dtype) {
     case DType::kBF16: launch_combine<__nv_bfloat16>(params); break;
     case DType::kFP16: launch_combine<__half>(params); break;

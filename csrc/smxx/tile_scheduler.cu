@@ -7,7 +7,7 @@
 //   part p starts at unit u_p = p * P with P = max(1, ceil((T - kFixedOverheadBlocks) / num_sm_parts))
 //   (u_p >= T: empty part). The last request's trailing overhead is left out of P: the last part always
 //   runs to the end of the batch, and counting it made b = 1 with 128 blocks on 66 parts take P = 3
-//   (43 parts busy) instead of P = 2 (64 parts busy): 39.1 us instead of 35.6 us on an H100 (h_q 128).
+//   (43 parts busy) instead of P = 2 (64 parts busy), measurably slower (docs/perf/journal.md).
 //   Unit u = C_i + k maps to a position (request, block): (i, k) when k < nb_i or k == 0 (the first
 //   unit of a request is its start, also for a zero-length request); (i + 1, 0) in the rest of its
 //   overhead. Part p covers positions
@@ -25,17 +25,18 @@
 // request goes whole to the part p = min(floor(C_i / P), num_sm_parts - 1) in which it starts, so no request is
 // cut and no combine runs; chosen when the largest part then costs at most kWholeSlackPercent % more than the
 // line model's bound P + overhead. For a uniform batch of 128 x 8192 keys on 66 parts the parts get two whole
-// requests (266 units against 263), where the line model cut 63 of them: on an H100 (CUDA-graph replays, A/B
-// in one device call) b128-sk8192-h128 took 559 us instead of 594, b256-sk4096-h128 587 instead of 615. A batch
-// that fails the bound after the pass (e.g. 200 x 8192 keys on 66 parts) pays that pass: get_mla_metadata 16 us
-// instead of 11; one request costlier than the bound (a varlen batch) skips it.
+// requests (266 units against 263), where the line model cut 63 of them, and uniform batches decode faster
+// without the combine (docs/perf/journal.md). A batch that fails the bound after the pass (e.g. 200 x 8192
+// keys on 66 parts) pays for that pass in get_mla_metadata; one request costlier than the bound (a varlen
+// batch) skips it.
 //
 // Grid: one warp. Lane j of chunk c handles request i = 32c + j: it finds the parts whose start
 // unit falls inside [C_i, C_i + w_i) and writes their begin fields and their predecessors' end
-// fields. Loop trip count ~ batch / 32, so b in the thousands costs a few microseconds.
+// fields. Loop trip count ~ batch / 32, so b in the thousands stays cheap.
 #include <cuda_runtime.h>
 
 #include "../common/check.h"
+#include "../common/device.cuh"
 #include "../launch.h"
 #include "../params.h"
 
@@ -78,11 +79,6 @@ __device__ __forceinline__ long long warp_sum(long long v) {
 
 __device__ __forceinline__ long long ceil_div_ll(long long a, long long b) { return (a + b - 1) / b; }
 
-__device__ __forceinline__ int clamped_len(const int32_t* seqlens, int i) {
-  int v = seqlens[i];
-  return v > 0 ? v : 0;
-}
-
 // Writes the end fields of a row from the position (req, block) where the next part begins.
 __device__ __forceinline__ void write_end(int32_t* row, const int32_t* seqlens, int req, int block) {
   if (block > 0) {  // ends inside request `req`, before token block * kPageSize
@@ -90,7 +86,7 @@ __device__ __forceinline__ void write_end(int32_t* row, const int32_t* seqlens, 
     row[3] = block * kPageSize;
   } else {  // ends at the end of request req - 1
     row[2] = req - 1;
-    row[3] = req > 0 ? clamped_len(seqlens, req - 1) : 0;
+    row[3] = req > 0 ? scheduled_seqlen(seqlens, req - 1) : 0;
   }
 }
 
@@ -103,7 +99,7 @@ __device__ __forceinline__ void write_empty_row(int32_t* row, const int32_t* seq
 }
 
 __device__ __forceinline__ int num_blocks_of(const int32_t* seqlens, int i) {
-  return (clamped_len(seqlens, i) + kPageSize - 1) / kPageSize;
+  return (scheduled_seqlen(seqlens, i) + kPageSize - 1) / kPageSize;
 }
 
 // Piece mode: the number of pieces of a request of nb >= 0 blocks at the given grain.
@@ -155,7 +151,7 @@ __device__ bool try_piece_mode(const SchedParams& p, int per_part) {
     if (nb[k] >= 0) {
       // piece j = blocks [j q + min(j, r), (j + 1) q + min(j + 1, r)): q = nb / s, the first r = nb % s get one more
       const int q = nb[k] / s, r = nb[k] % s;
-      const int len = clamped_len(p.seqlens, i);
+      const int len = scheduled_seqlen(p.seqlens, i);
       int4* row = reinterpret_cast<int4*>(p.metadata + (part_base + incl - s) * kSchedMetaInts);
       for (int j = 0; j < s; ++j, row += 2) {
         const int end = j == s - 1 ? len : ((j + 1) * q + min(j + 1, r)) * kPageSize;
@@ -198,7 +194,7 @@ __device__ bool try_whole_mode(const SchedParams& p, long long per_part) {
   for (int chunk = 0; chunk < batch; chunk += 32) {
     const int i = chunk + lane;
     const bool valid = i < batch;
-    const int len = valid ? clamped_len(p.seqlens, i) : 0;
+    const int len = valid ? scheduled_seqlen(p.seqlens, i) : 0;
     const long long w = valid ? (len + kPageSize - 1) / kPageSize + kFixedOverheadBlocks : 0;
     const long long incl = warp_inclusive_scan(w, lane);
     const long long c_begin = unit_base + incl - w;
@@ -258,7 +254,7 @@ __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   for (int chunk = 0; chunk < batch; chunk += 32) {
     const int i = chunk + lane;
     const bool valid = i < batch;
-    const int len = valid ? clamped_len(p.seqlens, i) : 0;
+    const int len = valid ? scheduled_seqlen(p.seqlens, i) : 0;
     const int nb = (len + kPageSize - 1) / kPageSize;
     const long long w = valid ? nb + kFixedOverheadBlocks : 0;
     const long long incl = warp_inclusive_scan(w, lane);

@@ -1,5 +1,5 @@
 // Portable decode kernel, fp16 Q / KV cache / output.
-#include "portable/decode_kernel.cuh"
+#include "portable/launch.cuh"
 
 namespace flashmla_backend::portable {
 template void launch_decode<__half>(const DecodeParams& params);

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/check.h"
+#include "common/check_params.h"
 #include "params.h"
 #include "sm90/decode/decode.h"
 #include "sm90/decode/kernel.cuh"
@@ -62,7 +63,21 @@ CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
   return tmap;
 }
 
-inline bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+// What the kernel needs of its arguments beyond check_decode_params()'s common rules. Strides of size-1
+// dimensions are never used (index 0) and are not checked, except the KV page and token strides, which the
+// tensor map encodes.
+inline DecodeRequirements decode_requirements() {
+  DecodeRequirements r;
+  r.kernel = "sm90 decode";
+  r.min_num_pages = 1;  // the KV tensor map needs a non-empty cache
+  // cp.async of Q needs 16-byte aligned rows; TMA needs a 16-byte aligned base and strides.
+  r.q = AccessRule{16, 8, true};
+  r.kv = AccessRule{16, 8, true};
+  // Outputs are written as element pairs (out) and float pairs (o_accum).
+  r.out = AccessRule{4, 2, true};
+  r.o_accum = AccessRule{8, 1, false};
+  return r;
+}
 
 template <typename Element>
 int decode_smem_bytes() {
@@ -72,27 +87,7 @@ int decode_smem_bytes() {
 template <typename Element>
 void run_decode_kernel(const DecodeParams& p) {
   using T = Traits<Element>;
-  FMLA_HOST_CHECK(p.batch >= 1 && p.seqlen_q >= 1 && p.num_heads_kv >= 1 && p.ngroups >= 1, "bad problem size");
-  FMLA_HOST_CHECK(p.q_rows == p.seqlen_q * p.ngroups && p.num_heads_q == p.ngroups * p.num_heads_kv,
-                  "q_rows must be s_q * h_q / h_kv");
-  FMLA_HOST_CHECK(p.num_m_blocks == (p.q_rows + kBlockM - 1) / kBlockM, "num_m_blocks must be ceil(q_rows / 64)");
-  FMLA_HOST_CHECK(p.num_sm_parts >= 1 && p.num_sm_parts <= 65535 && p.num_heads_kv <= 65535,
-                  "grid dimensions out of range");
-  FMLA_HOST_CHECK(p.num_pages >= 1 && p.max_pages_per_seq >= 0, "sm90 decode: empty KV cache");
-  // Strides of size-1 dimensions are never used (index 0) and are not checked.
-  auto stride_ok = [](int64_t stride, int64_t size, int64_t multiple) { return size == 1 || stride % multiple == 0; };
-  // cp.async of Q needs 16-byte aligned rows; TMA needs a 16-byte aligned base and strides.
-  FMLA_HOST_CHECK(aligned16(p.q) && stride_ok(p.q_stride_b, p.batch, 8) && stride_ok(p.q_stride_s, p.seqlen_q, 8) &&
-                      stride_ok(p.q_stride_h, p.num_heads_q, 8),
-                  "sm90 decode: q must be 16-byte aligned with strides that are multiples of 8 elements");
-  FMLA_HOST_CHECK(aligned16(p.kv) && p.kv_stride_page % 8 == 0 && p.kv_stride_token % 8 == 0 &&
-                      stride_ok(p.kv_stride_h, p.num_heads_kv, 8),
-                  "sm90 decode: k_cache must be 16-byte aligned with strides that are multiples of 8 elements");
-  // Outputs are written as element pairs (out) and float pairs (o_accum).
-  FMLA_HOST_CHECK((reinterpret_cast<uintptr_t>(p.out) & 3u) == 0 && stride_ok(p.out_stride_b, p.batch, 2) &&
-                      stride_ok(p.out_stride_s, p.seqlen_q, 2) && stride_ok(p.out_stride_h, p.num_heads_q, 2),
-                  "sm90 decode: out must be 4-byte aligned with even strides");
-  FMLA_HOST_CHECK((reinterpret_cast<uintptr_t>(p.o_accum) & 7u) == 0, "sm90 decode: o_accum must be 8-byte aligned");
+  check_decode_params(p, decode_requirements());
 
   const CUtensorMap tmap = make_kv_tensor_map<Element>(p);
 

@@ -44,43 +44,13 @@
 
 // Only the arch atoms (inline-PTX wrappers), not cute/tensor.hpp: keeps the compile time low.
 #include <cute/arch/copy_sm75.hpp>   // SM75_U32x4_LDSM_N, SM75_U16x8_LDSM_T
-#include <cute/arch/copy_sm80.hpp>   // SM80_CP_ASYNC_CACHEGLOBAL_ZFILL, cp_async_fence, cp_async_wait
-#include <cute/arch/mma_sm80.hpp>    // SM80_16x8x16_F32{BF16BF16,F16F16}F32_TN
 
-#include "common/check.h"
+#include "common/device.cuh"
 #include "params.h"
 #include "portable/config.h"
-#include "portable/decode.h"
+#include "portable/traits.h"
 
 namespace flashmla_backend::portable {
-
-constexpr float kLn2 = 0.6931471805599453f;   // ln(2): lse = max_log2 * ln(2) + ln(sum)
-
-// ---- Element type: MMA atom and fp32 -> packed pair conversion ---------------------------------------
-template <typename T>
-struct ElementOps;
-
-template <>
-struct ElementOps<__nv_bfloat16> {
-  using Mma = cute::SM80_16x8x16_F32BF16BF16F32_TN;
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);   // .x = lo (lower address)
-    uint32_t u;
-    memcpy(&u, &v, sizeof(u));
-    return u;
-  }
-};
-
-template <>
-struct ElementOps<__half> {
-  using Mma = cute::SM80_16x8x16_F32F16F16F32_TN;
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    uint32_t u;
-    memcpy(&u, &v, sizeof(u));
-    return u;
-  }
-};
 
 // ---- Thin wrappers over the CuTe arch atoms ------------------------------------------------------
 // d += a * b for one m16n8k16 tile. a: 4 regs (A fragment), b0/b1: B fragment, d: 4 fp32.
@@ -99,24 +69,22 @@ __device__ __forceinline__ void ldsm_x4_trans(const uint16_t* smem, uint32_t (&r
   cute::SM75_U16x8_LDSM_T::copy(*reinterpret_cast<const cute::uint128_t*>(smem), r[0], r[1], r[2], r[3]);
 }
 
-// 16-byte cp.async (L2 only). pred == false: reads nothing (src-size 0) and writes 16 zero bytes;
-// src must still be a valid address, callers pass the tensor's base pointer.
-__device__ __forceinline__ void cp_async_16(uint16_t* smem_dst, const void* gmem_src, bool pred) {
-  cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>::copy(
-      *reinterpret_cast<const cute::uint128_t*>(gmem_src), *reinterpret_cast<cute::uint128_t*>(smem_dst), pred);
+// 16-byte cp.async of one Q / KV unit (common/device.cuh), with the 128-byte L2 prefetch: the other
+// units of the same 128 bytes are loaded by the neighbouring threads.
+__device__ __forceinline__ void cp_async_unit(uint16_t* smem_dst, const void* gmem_src, bool pred) {
+  cp_async_16<L2Prefetch::k128B>(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst)), gmem_src, pred);
 }
 
-__device__ __forceinline__ void cp_async_commit() { cute::cp_async_fence(); }
-
 // Waits until at most n of this thread's committed groups are pending. n is a constant after unrolling.
+// n = 0 waits for everything (the last group of a block).
 __device__ __forceinline__ void cp_async_wait_pending(int n) {
   static_assert(kNumLoadGroups == 5, "update the cases below");
   switch (n) {
-    case 0: cute::cp_async_wait<0>(); break;
-    case 1: cute::cp_async_wait<1>(); break;
-    case 2: cute::cp_async_wait<2>(); break;
-    case 3: cute::cp_async_wait<3>(); break;
-    default: cute::cp_async_wait<4>(); break;
+    case 0: cp_async_wait_all(); break;
+    case 1: cp_async_wait_group<1>(); break;
+    case 2: cp_async_wait_group<2>(); break;
+    case 3: cp_async_wait_group<3>(); break;
+    default: cp_async_wait_group<4>(); break;
   }
 }
 
@@ -126,14 +94,13 @@ struct PartRange {
 };
 
 __device__ __forceinline__ PartRange load_part_range(const DecodeParams& params, int part) {
-  const int32_t* row = params.sched_meta + static_cast<int64_t>(part) * kSchedMetaInts;
+  const SchedMetaRow row = load_sched_meta_row(params, part);   // clamped to the batch
   PartRange pr;
-  // Defensive clamps: a corrupt metadata row must not index outside [0, batch).
-  pr.begin_req = max(row[0], 0);
-  pr.begin_token = max(row[1], 0);
-  pr.end_req = min(row[2], params.batch - 1);
-  pr.end_token = row[3];
-  pr.begin_split = max(row[4], 0);
+  pr.begin_req = row.begin_req;
+  pr.begin_token = row.begin_token;
+  pr.end_req = row.end_req;
+  pr.end_token = row.end_token;
+  pr.begin_split = row.begin_split;
   return pr;
 }
 
@@ -146,7 +113,7 @@ struct TokenRange {
 
 __device__ __forceinline__ TokenRange token_range(const DecodeParams& params, const PartRange& pr, int req) {
   TokenRange tr;
-  tr.len = min(max(params.seqlens[req], 0), kPageSize * params.max_pages_per_seq);
+  tr.len = clamp_seqlen(params.seqlens[req], params.max_pages_per_seq);
   const int stop = (req == pr.end_req) ? pr.end_token : tr.len;
   tr.stop = min(max(stop, 0), tr.len);
   const int start = (req == pr.begin_req) ? pr.begin_token : 0;
@@ -216,7 +183,7 @@ __device__ __forceinline__ void issue_kv_chunk(SharedStorage& ss, const KvRowSou
   for (int i = 0; i < kKvRowsPerThread; ++i) {
     const int row = tid / kKvThreadsPerRow + i * kKvRowsPerPass;
     const int col = chunk * kChunkCols + (tid % kKvThreadsPerRow) * kElemsPerCopy;
-    cp_async_16(&ss.kv[row][col], rows.ok[i] ? rows.src[i] + chunk * kChunkCols : rows.src[i], rows.ok[i]);
+    cp_async_unit(&ss.kv[row][col], rows.ok[i] ? rows.src[i] + chunk * kChunkCols : rows.src[i], rows.ok[i]);
   }
 }
 
@@ -231,7 +198,7 @@ __device__ __forceinline__ void issue_q_tile(SharedStorage& ss, const DecodePara
 #pragma unroll
   for (int k = 0; k < kQCopiesPerThread; ++k) {
     const int col = (tid % kQThreadsPerRow + k * kQThreadsPerRow) * kElemsPerCopy;
-    cp_async_16(&ss.q[row][col], q_row_ok ? src + col : q, q_row_ok);
+    cp_async_unit(&ss.q[row][col], q_row_ok ? src + col : q, q_row_ok);
   }
 }
 
@@ -292,8 +259,8 @@ __device__ __forceinline__ void pv_step(const uint16_t* v_lds, int step, const u
 }
 
 // ---- Outputs of a request with no key in this part's range (e.g. cache_seqlens == 0) --------------------
-// Single split: out = 0, lse = +inf. Split: o_accum = 0, lse_accum = -inf. All threads cooperate; no
-// shared memory, no barrier.
+// The empty-row rule (common/device.cuh). Single split: out = 0, lse = +inf. Split: o_accum = 0,
+// lse_accum = -inf. All threads cooperate; no shared memory, no barrier.
 template <typename T>
 __device__ void write_empty_rows(const DecodeParams& params, int req, bool is_split, int64_t sid, int row0, int hk,
                                  int tid) {
@@ -304,18 +271,13 @@ __device__ void write_empty_rows(const DecodeParams& params, int req, bool is_sp
     const int r = row0 + i;
     const int col = 2 * tid;
     if (!is_split) {
-      const int s = r / params.ngroups;
-      const int h = hk * params.ngroups + r % params.ngroups;
-      T* out = static_cast<T*>(params.out) + static_cast<int64_t>(req) * params.out_stride_b +
-               static_cast<int64_t>(s) * params.out_stride_s + static_cast<int64_t>(h) * params.out_stride_h;
-      *reinterpret_cast<uint32_t*>(out + col) = 0u;
-      if (tid == 0)
-        params.lse[static_cast<int64_t>(req) * params.lse_stride_b + static_cast<int64_t>(h) * params.lse_stride_h + s] =
-            INFINITY;
+      const QueryRow qr = query_row(params, hk, r);
+      *reinterpret_cast<uint32_t*>(out_row<T>(params, req, qr.s, qr.h) + col) = 0u;
+      if (tid == 0) *lse_at(params, req, qr.s, qr.h) = kNoKeyLse;
     } else {
-      const int64_t acc_row = (sid * params.num_heads_kv + hk) * params.q_rows + r;
-      *reinterpret_cast<float2*>(params.o_accum + acc_row * kHeadDimV + col) = make_float2(0.f, 0.f);
-      if (tid == 0) params.lse_accum[acc_row] = -INFINITY;
+      const int64_t acc_row = accum_row(params, sid, hk, r);
+      *reinterpret_cast<float2*>(o_accum_row(params, acc_row) + col) = make_float2(0.f, 0.f);
+      if (tid == 0) *lse_accum_at(params, acc_row) = kNoKeySplitLse;
     }
   }
 }
@@ -324,11 +286,9 @@ __device__ void write_empty_rows(const DecodeParams& params, int req, bool is_sp
 template <typename T>
 __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const __grid_constant__ DecodeParams params) {
   static_assert(sizeof(T) == kElemBytes, "16-bit element types only");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // Let the combine kernel (launched with PDL) get scheduled; its griddepcontrol.wait still waits for
-  // this whole grid to complete and its memory to be visible.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+  // Let the combine kernel (launched with PDL) get scheduled; its pdl_wait_primary() still waits for
+  // this whole grid to complete and its memory to be visible. (No-op below sm_90.)
+  pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
@@ -398,7 +358,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
     int key_limit[2];
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi)
-      key_limit[hi] = params.causal ? min(tr.stop, tr.len - params.seqlen_q + frag_s[hi] + 1) : tr.stop;
+      key_limit[hi] = params.causal ? min(tr.stop, causal_key_end(tr.len, params.seqlen_q, frag_s[hi])) : tr.stop;
 
     float o_acc[kWarpOTiles][4];
 #pragma unroll
@@ -537,73 +497,28 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
         const float l = ss.row_sum[0][row] + ss.row_sum[1][row];
         const bool no_key = row_max[hi] == -INFINITY;   // otherwise l >= 1 (the max term is 2^0)
         const float inv_l = no_key ? 0.f : 1.f / l;
-        const float lse = row_max[hi] * kLn2 + logf(l);   // used only when !no_key
-        const int s = r / params.ngroups;
-        const int h = hk * params.ngroups + r % params.ngroups;
+        const float lse = row_lse(row_max[hi], l);   // used only when !no_key
+        const QueryRow qr = query_row(params, hk, r);
         const int col0 = warp_n * kWarpOCols + 2 * frag_col;
         if (!is_split) {
-          T* out = static_cast<T*>(params.out) + static_cast<int64_t>(req) * params.out_stride_b +
-                   static_cast<int64_t>(s) * params.out_stride_s + static_cast<int64_t>(h) * params.out_stride_h;
+          T* out = out_row<T>(params, req, qr.s, qr.h);
 #pragma unroll
           for (int t = 0; t < kWarpOTiles; ++t)
             *reinterpret_cast<uint32_t*>(out + col0 + t * kMmaN) =
                 ElementOps<T>::pack(o_acc[t][2 * hi] * inv_l, o_acc[t][2 * hi + 1] * inv_l);
-          if (warp_n == 0 && frag_col == 0)
-            params.lse[static_cast<int64_t>(req) * params.lse_stride_b + static_cast<int64_t>(h) * params.lse_stride_h +
-                       s] = no_key ? INFINITY : lse;
+          if (warp_n == 0 && frag_col == 0) *lse_at(params, req, qr.s, qr.h) = no_key ? kNoKeyLse : lse;
         } else {
-          const int64_t acc_row = (sid * params.num_heads_kv + hk) * params.q_rows + r;
-          float* o_acc_out = params.o_accum + acc_row * kHeadDimV + col0;
+          const int64_t acc_row = accum_row(params, sid, hk, r);
+          float* o_acc_out = o_accum_row(params, acc_row) + col0;
 #pragma unroll
           for (int t = 0; t < kWarpOTiles; ++t)
             *reinterpret_cast<float2*>(o_acc_out + t * kMmaN) =
                 make_float2(o_acc[t][2 * hi] * inv_l, o_acc[t][2 * hi + 1] * inv_l);
-          if (warp_n == 0 && frag_col == 0) params.lse_accum[acc_row] = no_key ? -INFINITY : lse;
+          if (warp_n == 0 && frag_col == 0) *lse_accum_at(params, acc_row) = no_key ? kNoKeySplitLse : lse;
         }
       }
     }
   }
-}
-
-// ---- Launcher -----------------------------------------------------------------------------------------------
-template <typename T>
-void launch_decode(const DecodeParams& params) {
-  // Shapes (the Python layer validated the tensors; these guard the integers it derived).
-  FMLA_HOST_CHECK(params.batch >= 1 && params.seqlen_q >= 1 && params.num_heads_kv >= 1 && params.ngroups >= 1,
-                  "portable decode: empty problem (batch " << params.batch << ", s_q " << params.seqlen_q
-                                                          << ", h_kv " << params.num_heads_kv << ")");
-  FMLA_HOST_CHECK(params.num_heads_q == params.num_heads_kv * params.ngroups,
-                  "portable decode: h_q must equal h_kv * ngroups");
-  FMLA_HOST_CHECK(params.q_rows == params.seqlen_q * params.ngroups, "portable decode: q_rows != s_q * ngroups");
-  FMLA_HOST_CHECK(params.num_m_blocks == (params.q_rows + kBlockM - 1) / kBlockM,
-                  "portable decode: num_m_blocks != ceil(q_rows / 64)");
-  FMLA_HOST_CHECK(params.num_sm_parts >= 1 && params.num_sm_parts <= 65535 && params.num_heads_kv <= 65535,
-                  "portable decode: grid out of range (parts " << params.num_sm_parts << ", h_kv "
-                                                               << params.num_heads_kv << ")");
-  FMLA_HOST_CHECK(params.max_pages_per_seq >= 0 && params.num_pages >= 0, "portable decode: negative page counts");
-  FMLA_HOST_CHECK(params.q && params.kv && params.block_table && params.seqlens && params.sched_meta &&
-                      params.num_splits && params.out && params.lse && params.lse_accum && params.o_accum,
-                  "portable decode: null pointer in DecodeParams");
-  // cp.async moves 16 bytes: Q and KV rows must start on 16-byte boundaries.
-  const auto aligned = [](const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
-  FMLA_HOST_CHECK(aligned(params.q, 16) && params.q_stride_b % kElemsPerCopy == 0 &&
-                      params.q_stride_s % kElemsPerCopy == 0 && params.q_stride_h % kElemsPerCopy == 0,
-                  "portable decode: q must be 16-byte aligned with strides that are multiples of 8 elements");
-  FMLA_HOST_CHECK(aligned(params.kv, 16) && params.kv_stride_page % kElemsPerCopy == 0 &&
-                      params.kv_stride_token % kElemsPerCopy == 0 && params.kv_stride_h % kElemsPerCopy == 0,
-                  "portable decode: k_cache must be 16-byte aligned with strides that are multiples of 8 elements");
-  // The epilogue stores element pairs (4 bytes) and fp32 pairs (8 bytes).
-  FMLA_HOST_CHECK(aligned(params.out, 4) && params.out_stride_b % 2 == 0 && params.out_stride_s % 2 == 0 &&
-                      params.out_stride_h % 2 == 0,
-                  "portable decode: out must be 4-byte aligned with even strides");
-  FMLA_HOST_CHECK(aligned(params.o_accum, 8), "portable decode: o_accum must be 8-byte aligned");
-
-  const auto kernel = &portable_decode_kernel<T>;
-  // Per call (cheap, and correct when several devices are used): the attribute is per device.
-  FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const dim3 grid(params.num_m_blocks, params.num_heads_kv, params.num_sm_parts);
-  kernel<<<grid, kNumThreads, kSmemBytes, static_cast<cudaStream_t>(params.stream)>>>(params);
-  FMLA_CHECK_LAUNCH("portable_decode_kernel");
 }
 
 }  // namespace flashmla_backend::portable
