@@ -53,13 +53,13 @@ def test_extension_targets():
 
 def test_schedule_constants_match_python():
     _module_path()
-    from flashmla_backend import scheduler, validate
+    from flashmla_backend import geometry, scheduler
     c = _ext.ext().schedule_constants
-    assert c["page_size"] == scheduler.PAGE_SIZE == validate.PAGE_SIZE
+    assert c["page_size"] == scheduler.PAGE_SIZE == geometry.PAGE_SIZE
     assert c["block_m"] == scheduler.BLOCK_M
     assert c["fixed_overhead_blocks"] == scheduler.FIXED_OVERHEAD_BLOCKS
     assert c["meta_ints"] == scheduler.META_INTS
-    assert (c["head_dim_k"], c["head_dim_v"]) == (validate.HEAD_DIM_K, validate.HEAD_DIM_V)
+    assert (c["head_dim_k"], c["head_dim_v"]) == (geometry.HEAD_DIM_K, geometry.HEAD_DIM_V)
 
 
 def test_build_without_nvcc_says_what_is_missing(tmp_path):
@@ -114,7 +114,7 @@ def test_ops_sets_every_decode_field(monkeypatch):
     _decode_cuda is called with CPU tensors (it only allocates outputs and reads pointers and strides).
     """
     import torch
-    from flashmla_backend import ops, validate
+    from flashmla_backend import geometry, ops, validate
 
     calls = []
     fake = types.SimpleNamespace(DecodeArgs=_RecordingArgs, mla_decode=calls.append)
@@ -125,8 +125,8 @@ def test_ops_sets_every_decode_field(monkeypatch):
     monkeypatch.setattr(ops.validate, "check_kernel_layout", lambda q, k: None)
 
     b, s_q, h_q, h_kv, pages, parts = 2, 1, 16, 1, 4, 3
-    q = torch.zeros((b, s_q, h_q, validate.HEAD_DIM_K), dtype=torch.bfloat16)
-    k_cache = torch.zeros((pages, validate.PAGE_SIZE, h_kv, validate.HEAD_DIM_K), dtype=torch.bfloat16)
+    q = torch.zeros((b, s_q, h_q, geometry.HEAD_DIM_K), dtype=torch.bfloat16)
+    k_cache = torch.zeros((pages, geometry.PAGE_SIZE, h_kv, geometry.HEAD_DIM_K), dtype=torch.bfloat16)
     block_table = torch.zeros((b, 2), dtype=torch.int32)
     seqlens = torch.full((b,), 10, dtype=torch.int32)
     meta = torch.zeros((parts, 8), dtype=torch.int32)
