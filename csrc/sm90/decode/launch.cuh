@@ -38,8 +38,7 @@ inline EncodeTiledFn get_encode_tiled() {
 // (576 columns, h_kv, 64 tokens, num_pages): strides grow in this order for a contiguous cache.
 // Box = (64 columns, 1 head, 64 tokens, 1 page) = one 8 KB piece, 128B swizzle (the smem piece layout).
 // No L2 promotion: a piece row is 128 bytes of a 1152-byte token row, and 256-byte promotion measured
-// slower on the memory-bound shapes (H100, b128-sk8192: h16 462.6 -> 460.0 us, h32 257.0 -> 254.5 us,
-// varlen h16 267.2 -> 263.5 us without it; h128 unchanged).
+// slower on the memory-bound shapes and no faster on h_q = 128 (figures: docs/perf/journal.md).
 template <typename Element>
 CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
   constexpr int64_t kE = sizeof(Element);

@@ -1,5 +1,6 @@
 // Types of the sm90 decode kernel: wgmma tiled MMAs, shared-memory layouts, the shared-memory plan
-// and the named barriers. Device-side only (included by kernel.cuh and launch.cuh).
+// and the named barriers. Included by the kernel's role headers, launch.cuh and the host-only
+// checks/layout_check.cu.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -2,7 +2,8 @@
 // CuTe layouts they must agree with. Needs no GPU:
 //   nvcc -std=c++17 --expt-relaxed-constexpr -I csrc -I <cutlass include> \
 //        csrc/sm90/decode/checks/layout_check.cu -o /tmp/layout_check && /tmp/layout_check
-// Not part of the extension build. Exits non-zero on the first mismatch.
+// Not part of the extension build; tests/test_device_checks.py compiles and runs it. Exits non-zero after
+// reporting the mismatches.
 #include <cstdio>
 #include <cstdlib>
 

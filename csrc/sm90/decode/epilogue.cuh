@@ -1,0 +1,65 @@
+// Epilogue of the sm90 decode kernel: a request piece's output rows. Unsplit requests get O / l (in the output
+// dtype) and lse; a split writes its partial O / l (fp32) and lse into o_accum / lse_accum for the combine
+// kernel. Each warpgroup stores its own 256 output columns; warpgroup 0 writes lse.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+
+#include <cstdint>
+
+#include "params.h"
+#include "sm90/decode/config.h"
+#include "sm90/decode/tile_work.cuh"
+
+namespace flashmla_backend::sm90::decode {
+
+using namespace cute;
+
+constexpr float kLn2 = 0.69314718055994530942f;
+
+// l: final row sums, m: running max (log2 domain, scaled) of the thread's two rows (softmax.cuh).
+template <class T, class FragO>
+__device__ __forceinline__ void store_output(const DecodeParams& p, const RequestPiece& w, const RowInfo& ri,
+                                             int m_block, int hk, int wg, int tid, const FragO& tOrO,
+                                             const float (&l)[2], const float (&m)[2]) {
+  using Element = typename T::Element;
+  const int lane = tid & 31;
+  const int col0 = wg * kHalfDimV + 2 * (lane & 3);
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) {
+    const int r = m_block * kBlockM + ri.row[v];
+    if (r >= p.q_rows) continue;
+    const int s = r / p.ngroups;
+    const int h = hk * p.ngroups + (r - s * p.ngroups);
+    const bool has_key = l[v] > 0.f;
+    const float inv = has_key ? 1.f / l[v] : 0.f;
+    if (!w.split) {
+      Element* out = reinterpret_cast<Element*>(p.out) + int64_t(w.req) * p.out_stride_b + int64_t(s) * p.out_stride_s +
+                     int64_t(h) * p.out_stride_h + col0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size(tOrO) / 4; ++c) {
+        const int i = 4 * c + 2 * v;
+        Element pair[2] = {static_cast<Element>(tOrO(i) * inv), static_cast<Element>(tOrO(i + 1) * inv)};
+        *reinterpret_cast<uint32_t*>(out + 8 * c) = *reinterpret_cast<const uint32_t*>(pair);
+      }
+      if (wg == 0 && (lane & 3) == 0) {
+        p.lse[int64_t(w.req) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + s] =
+            has_key ? m[v] * kLn2 + logf(l[v]) : INFINITY;
+      }
+    } else {
+      const int64_t row_id = (int64_t(w.split_id) * p.num_heads_kv + hk) * p.q_rows + r;
+      float* oacc = p.o_accum + row_id * kHeadDimV + col0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size(tOrO) / 4; ++c) {
+        const int i = 4 * c + 2 * v;
+        *reinterpret_cast<float2*>(oacc + 8 * c) = make_float2(tOrO(i) * inv, tOrO(i + 1) * inv);
+      }
+      if (wg == 0 && (lane & 3) == 0) {
+        p.lse_accum[row_id] = has_key ? m[v] * kLn2 + logf(l[v]) : -INFINITY;
+      }
+    }
+  }
+}
+
+}  // namespace flashmla_backend::sm90::decode

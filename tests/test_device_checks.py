@@ -1,0 +1,147 @@
+"""The standalone check programs of the sm90 kernel, run as tests.
+
+- csrc/sm90/decode/checks/protocol_model.py: pure-Python model of the KV load / mbarrier protocol (CPU).
+- csrc/sm90/decode/checks/layout_check.cu: host-only check of the kernel's hand-written index formulas against
+  the CuTe layouts (needs nvcc and the CUTLASS headers, no GPU).
+- tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
+  isolation (compiled on the CPU; run on a GPU).
+"""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKS = ROOT / "csrc" / "sm90" / "decode" / "checks"
+PROTOCOL_MODEL = CHECKS / "protocol_model.py"
+LAYOUT_CHECK = CHECKS / "layout_check.cu"
+NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
+
+
+# ---- protocol model ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    spec = importlib.util.spec_from_file_location("protocol_model", PROTOCOL_MODEL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_protocol_model_accepts_the_kernel_schedule():
+    res = subprocess.run([sys.executable, str(PROTOCOL_MODEL)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "consistent" in res.stdout
+
+
+def test_protocol_model_reads_the_refill_masks_of_config_h(model):
+    masks = model.read_refill_masks()
+    assert set(masks) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for stage in (0, 1):  # every piece of a stage is refilled by exactly one warpgroup
+        assert masks[(stage, 0)] | masks[(stage, 1)] == (1 << model.NUM_PIECES) - 1
+        assert masks[(stage, 0)] & masks[(stage, 1)] == 0
+
+
+def _drop_tail(steps):
+    def mutated(nblk):
+        return steps(nblk)[:-1] if nblk % 2 == 1 and nblk > 1 else steps(nblk)
+    return mutated
+
+
+def _one_step_for_three(steps):
+    def mutated(nblk):  # the last three blocks in one step that claims a next block of stage 1
+        out = steps(nblk)
+        if nblk - out[-1][3] == 1 and len(out) > 1 and out[-2][1] and not out[-2][2]:
+            out = out[:-2] + [(True, True, True, out[-2][3])]
+        return out
+    return mutated
+
+
+@pytest.mark.parametrize("mutation", ["piece 8 of stage 0 never refilled", "piece 0 of stage 1 refilled twice",
+                                      "tail step dropped", "wrong step specialization"])
+def test_protocol_model_rejects_a_broken_schedule(model, mutation):
+    refill, steps = dict(model.read_refill_masks()), model.steps
+    if mutation == "piece 8 of stage 0 never refilled":
+        refill[(0, 1)] &= ~(1 << 8)
+    elif mutation == "piece 0 of stage 1 refilled twice":
+        refill[(1, 1)] |= 1
+    elif mutation == "tail step dropped":
+        steps = _drop_tail(steps)
+    else:
+        steps = _one_step_for_three(steps)
+    with pytest.raises(model.ProtocolError):
+        for nblk in range(12):
+            model.run([nblk, 3, nblk], refill, steps)
+
+
+def test_protocol_model_rejects_a_changed_config_h(model, tmp_path):
+    text = (CHECKS.parent / "config.h").read_text()
+    assert "{0x10Fu, 0x0F0u}" in text, "update this test to the refill masks of config.h"
+    config = tmp_path / "config.h"
+    config.write_text(text.replace("{0x10Fu, 0x0F0u}", "{0x00Fu, 0x0F0u}"))  # stage 1's piece 8 never refilled
+    with pytest.raises(model.ProtocolError):
+        model.run([5], model.read_refill_masks(config))
+
+
+# ---- CUDA check programs ----------------------------------------------------------------------------------------
+def _nvcc() -> str | None:
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var) and (Path(os.environ[var]) / "bin" / "nvcc").exists():
+            return str(Path(os.environ[var]) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _cutlass_include() -> str | None:
+    env = os.environ.get("FLASHMLA_BACKEND_CUTLASS_INCLUDE")
+    if env:
+        return env
+    try:
+        import cutlass_library
+    except ImportError:
+        return None
+    path = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    return str(path) if (path / "cute").is_dir() else None
+
+
+def _compile(args: list[str], what: str) -> None:
+    res = subprocess.run(args, capture_output=True, text=True)
+    assert res.returncode == 0, f"{what} does not compile:\n{' '.join(args)}\n{res.stdout}{res.stderr[-4000:]}"
+
+
+def test_layout_check_compiles_and_agrees(tmp_path):
+    nvcc, cutlass = _nvcc(), _cutlass_include()
+    if nvcc is None or cutlass is None:
+        pytest.skip("needs nvcc and the CUTLASS headers (nvidia-cutlass)")
+    exe = tmp_path / "layout_check"
+    _compile([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
+              str(LAYOUT_CHECK), "-o", str(exe)], "layout_check.cu")
+    res = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert res.returncode == 0 and "all layouts agree" in res.stdout, res.stdout + res.stderr
+
+
+def test_named_barrier_war_compiles(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    _compile([nvcc, "-arch=sm_90a", "-c", str(NAMED_BARRIER_WAR), "-o", str(tmp_path / "probe.o")],
+             "named_barrier_war.cu")
+
+
+@pytest.mark.gpu
+def test_named_barrier_war_runs_on_the_gpu(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    exe = tmp_path / "named_barrier_war"
+    _compile([nvcc, "-arch=sm_90a", str(NAMED_BARRIER_WAR), "-o", str(exe)], "named_barrier_war.cu")
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "0 wrong values" in res.stdout, res.stdout + res.stderr
+    # What the probe is for: whether racecheck reports this (correct) hand-off. Informational: the verdict
+    # is the tool's, and the kernel's racecheck reports are judged against it (see the probe's header).
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer:
+        rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe)], capture_output=True, text=True, timeout=300)
+        print(f"racecheck on the named-barrier hand-off (rc {rc.returncode}):\n{rc.stdout[-2000:]}")
