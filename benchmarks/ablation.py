@@ -180,7 +180,7 @@ def time_shapes(tag: str, shapes: str, sustain_s: float) -> None:
     import torch
 
     import flashmla_backend as fb
-    from flashmla_backend.bench import capture_graphs, make_inputs, make_seqlens, parse_shapes
+    from mla_bench import capture_graphs, make_inputs, make_seqlens, parse_shapes
 
     dev = torch.device("cuda")
     flush_buf = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=dev)
@@ -232,7 +232,7 @@ def main() -> None:
     ap.add_argument("--variants", default="0,1,2,4,7",
                     help="variant masks (1 no KV refills, 2 Q K^T on 2 of 9 pieces, 4 no P V), comma separated "
                          "(default 0,1,2,4,7)")
-    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="benchmark shapes (flashmla_backend.bench syntax)")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="benchmark shapes (the syntax of benchmarks/bench.py)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4, help="compile jobs in total (default: all CPUs)")
     ap.add_argument("--work-dir", default="/tmp/fmla-ablation", help="where the variant trees are built")
     ap.add_argument("--sustain-s", type=float, default=1.2, help="seconds of back-to-back replays per shape")
