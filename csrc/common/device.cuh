@@ -217,8 +217,23 @@ __device__ __forceinline__ float* lse_accum_at(const DecodeParams& p, int64_t ro
 // lse = +inf, never NaN; a split in which a row sees no key gets o_accum = 0 and lse_accum = -inf, so
 // that the combine gives it weight exp(-inf - lse) = 0. The combine writes out = 0, lse = +inf for a
 // row whose splits all have lse_accum = -inf.
+// A row whose scores are NaN (NaN in q) is not such a row: the running max skips NaN (fmaxf) and stays
+// -inf, but the row sum is NaN, so the decision is taken on the sum (row_has_key) and the row gets NaN
+// out and lse, as in the reference; the combine propagates a NaN lse_accum (nan_max).
 constexpr float kNoKeyLse = INFINITY;
 constexpr float kNoKeySplitLse = -INFINITY;
+
+// Whether a row saw a key, from its final row sum: 0 exactly when every score was masked (the sum of
+// 2^-inf terms), >= 1 otherwise (the max term is 2^0), NaN when its scores were NaN (counted as seen).
+__device__ __forceinline__ bool row_has_key(float row_sum) { return !(row_sum <= 0.f); }
+
+// max(a, b) that returns NaN when either is NaN (fmaxf returns the other operand): the combine's max
+// over the splits' lse, so that a NaN split makes the row NaN instead of vanishing.
+__device__ __forceinline__ float nan_max(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
 
 // lse (natural log) of a row that saw at least one key, from its running max in log2 units and its
 // row sum (>= 1: the max term is 2^0). Rows without a key take kNoKeyLse / kNoKeySplitLse instead.

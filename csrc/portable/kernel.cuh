@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
         const int r = row0 + row;
         if (r >= params.q_rows) continue;
         const float l = ss.row_sum[0][row] + ss.row_sum[1][row];
-        const bool no_key = row_max[hi] == -INFINITY;   // otherwise l >= 1 (the max term is 2^0)
+        const bool no_key = !row_has_key(l);   // the empty-row rule (common/device.cuh): NaN rows are not empty
         const float inv_l = no_key ? 0.f : 1.f / l;
         const float lse = row_lse(row_max[hi], l);   // used only when !no_key
         const QueryRow qr = query_row(params, hk, r);

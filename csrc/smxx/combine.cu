@@ -100,9 +100,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
 
   // Pass 1: max and sum of exp over the splits' lse (each lane takes splits lane, lane+32, ...).
   float max_lse = -INFINITY;
-  for (int i = lane; i < n_splits; i += 32) max_lse = fmaxf(max_lse, lse_row[i * row_stride]);
+  for (int i = lane; i < n_splits; i += 32) max_lse = nan_max(max_lse, lse_row[i * row_stride]);
 #pragma unroll
-  for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
+  for (int d = 16; d > 0; d >>= 1) max_lse = nan_max(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
 
   float* lse_out = cr.lse_out;
   T* out = cr.out;
@@ -211,10 +211,10 @@ __global__ void __launch_bounds__(32 * kSplitWarps) combine_splits_kernel(Decode
   }
   float max_lse = -INFINITY;
 #pragma unroll
-  for (int t = 0; t < kLsePerLane; ++t) max_lse = fmaxf(max_lse, lse_lane[t]);
-  for (int k = lane + 32 * kLsePerLane; k < n_splits; k += 32) max_lse = fmaxf(max_lse, lse_row[k * row_stride]);
+  for (int t = 0; t < kLsePerLane; ++t) max_lse = nan_max(max_lse, lse_lane[t]);
+  for (int k = lane + 32 * kLsePerLane; k < n_splits; k += 32) max_lse = nan_max(max_lse, lse_row[k * row_stride]);
 #pragma unroll
-  for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
+  for (int d = 16; d > 0; d >>= 1) max_lse = nan_max(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
 
   float* lse_out = cr.lse_out;
   T* out = cr.out;

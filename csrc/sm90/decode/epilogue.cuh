@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "common/device.cuh"
 #include "params.h"
 #include "sm90/decode/config.h"
 #include "sm90/decode/tile_work.cuh"
@@ -32,7 +33,7 @@ __device__ __forceinline__ void store_output(const DecodeParams& p, const Reques
     if (r >= p.q_rows) continue;
     const int s = r / p.ngroups;
     const int h = hk * p.ngroups + (r - s * p.ngroups);
-    const bool has_key = l[v] > 0.f;
+    const bool has_key = row_has_key(l[v]);  // the empty-row rule (common/device.cuh): NaN rows are not empty
     const float inv = has_key ? 1.f / l[v] : 0.f;
     if (!w.split) {
       Element* out = reinterpret_cast<Element*>(p.out) + int64_t(w.req) * p.out_stride_b + int64_t(s) * p.out_stride_s +
