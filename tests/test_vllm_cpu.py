@@ -599,5 +599,32 @@ def test_builder_refuses_a_non_64_kernel_block():
         FlashMLAPluginBackend.get_builder_cls()(spec, [LAYER_NAME], cfg, torch.device("cpu"))
 
 
+def test_builder_plans_for_the_head_count_vllm_gives_the_group():
+    """vLLM 0.31+ counts a KV-cache group's query heads on its layers (a draft model's group may have
+    fewer heads than the target); the tile-scheduler plan must use that count, 0.26's model-wide one there."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    from flashmla_backend._versions import in_range
+
+    class DraftLayer(LayerDouble, AttentionLayerBase):
+        def get_attn_backend(self):
+            return FlashMLAPluginBackend
+
+        def get_kv_cache_spec(self, vllm_config):
+            return None
+
+    cfg = vllm_config(64)
+    model_heads = cfg.model_config.get_num_attention_heads(cfg.parallel_config)
+    layer = DraftLayer(cfg, layer_scale(cfg))
+    layer.num_heads = model_heads // 2
+    cfg.compilation_config.static_forward_context[LAYER_NAME] = layer
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=HEAD, dtype=torch.bfloat16)
+    with set_current_vllm_config(cfg):
+        builder = FlashMLAPluginBackend.get_builder_cls()(spec, [LAYER_NAME], cfg, torch.device("cpu"))
+    per_layer = in_range(vllm.__version__, (0, 31, 0), (1, 0, 0))  # read in 0.26 (model-wide) and 0.31-0.33
+    assert builder.num_q_heads == builder.num_heads == (layer.num_heads if per_layer else model_heads)
+    assert builder.plan.num_q_heads == builder.num_q_heads
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
