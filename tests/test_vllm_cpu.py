@@ -408,8 +408,7 @@ def stand_in_cuda_platform(monkeypatch, major: int = 9):
 
     platform = StandInGPU()
     monkeypatch.setattr(vllm.platforms, "current_platform", platform, raising=False)
-    selector._cached_get_attn_backend.cache_clear()
-    monkeypatch.setattr(selector, "_cached_get_attn_backend", selector._cached_get_attn_backend)  # cleared again
+    selector._cached_get_attn_backend.cache_clear()  # selections made for the real platform
     return platform
 
 
