@@ -6,7 +6,10 @@ builder and impl run as vLLM would run them. On CPU tensors flashmla_backend run
 reference, so forward_mqa checks the plugin's plumbing end to end: page mapping, null block, uniform
 query lengths, causal masks, the layer's scale, CUDA-graph buffers. Test doubles: a layer object
 (vLLM's own MLA tests use one too) and a prefill stage that fails if called (vLLM's prefill
-backends import only on GPU builds; decode-only batches never reach them).
+backends import only on GPU builds; decode-only batches never reach them), and, for the selector tests
+(named backends, the opt-in automatic choice), a stand-in GPU: vLLM's own CUDA platform class, with its
+real selection code, reporting compute capability 9.0 (its compiled ops' import stubbed where libcuda is
+missing).
 
 Run them with `bash tests/run.sh --engines` (vLLM in its own environment under .test-envs/).
 """
