@@ -37,12 +37,13 @@ RECIPE_VERSION=1   # raise when the way the environments are made changes: every
 #   name            test file (tests/)   installed with --no-deps (comma-separated)   then: pip install -r tests/...
 ENGINES=(
   "vllm-0.26.0      test_vllm_cpu.py     vllm==0.26.0,xgrammar==0.2.7                  requirements-vllm-cpu.txt"
+  "vllm-0.33.0      test_vllm_cpu.py     vllm==0.33.0,xgrammar==0.2.8                  requirements-vllm-0.33-cpu.txt"
   "sglang-0.5.21    test_sglang_cpu.py   sglang==0.5.21                                requirements-sglang-cpu.txt"
 )
 # Why --no-deps: the engines' wheels pin a CUDA torch and CUDA-only packages the CPU tests do not need;
 # the requirement files hold the rest (see their headers). xgrammar: all of its requirements are in
-# vLLM's file except triton (1 GB, GPU-only); 0.2.7 because 0.2.8 needs apache-tvm-ffi 0.1.11 and
-# vLLM 0.26.0 pins 0.1.10.
+# vLLM's file except triton (1 GB, GPU-only); 0.2.7 with vLLM 0.26.0 because 0.2.8 needs apache-tvm-ffi
+# 0.1.11 and vLLM 0.26.0 pins 0.1.10; vLLM 0.33.0 pins xgrammar 0.2.8 and apache-tvm-ffi 0.1.11.
 
 say() { echo "tests/run.sh: $*"; }
 

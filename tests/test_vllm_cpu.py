@@ -6,7 +6,10 @@ builder and impl run as vLLM would run them. On CPU tensors flashmla_backend run
 reference, so forward_mqa checks the plugin's plumbing end to end: page mapping, null block, uniform
 query lengths, causal masks, the layer's scale, CUDA-graph buffers. Test doubles: a layer object
 (vLLM's own MLA tests use one too) and a prefill stage that fails if called (vLLM's prefill
-backends import only on GPU builds; decode-only batches never reach them).
+backends import only on GPU builds; decode-only batches never reach them), and, for the selector tests
+(named backends, the opt-in automatic choice), a stand-in GPU: vLLM's own CUDA platform class, with its
+real selection code, reporting compute capability 9.0 (its compiled ops' import stubbed where libcuda is
+missing).
 
 Run them with `bash tests/run.sh --engines` (vLLM in its own environment under .test-envs/).
 """
@@ -29,6 +32,7 @@ import flashmla_backend  # noqa: E402
 from flashmla_backend import geometry  # noqa: E402
 from flashmla_backend.reference import mla_decode_reference  # noqa: E402
 from flashmla_backend.vllm import BACKEND_CLASS_PATH, BACKEND_NAME, DEBUG_BREAK_SCALE_ENV, _compat, register  # noqa: E402
+from flashmla_backend.vllm import default_choice  # noqa: E402
 from flashmla_backend.vllm.backend import FlashMLAPluginBackend  # noqa: E402
 from flashmla_backend.vllm.builder import FlashMLAPluginDecodeMetadata, uniform_query_len  # noqa: E402
 from flashmla_backend.vllm.unsupported import UnsupportedVLLMVersionBackend  # noqa: E402
@@ -381,6 +385,115 @@ def test_supported_versions(version):
     assert _compat.unsupported_reason(version) is None
 
 
+# ---- vLLM's automatic choice (selector) on a stand-in Hopper ----------------------------------
+
+def stand_in_cuda_platform(monkeypatch, major: int = 9):
+    """vLLM's own CUDA platform class (its real get_attn_backend_cls and MLA priority list) reporting
+    compute capability major.0, made vLLM's current platform. Make the VllmConfig before calling this:
+    config checks expect the platform the process really has."""
+    import importlib
+    import types
+
+    import vllm.platforms
+    from vllm.v1.attention import selector
+
+    try:
+        cuda = importlib.import_module("vllm.platforms.cuda")
+    except ImportError:  # its compiled ops need libcuda; the selection logic does not
+        monkeypatch.setitem(sys.modules, "vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+        cuda = importlib.import_module("vllm.platforms.cuda")
+        monkeypatch.setitem(sys.modules, "vllm.platforms.cuda", cuda)  # dropped again after the test
+
+    class StandInGPU(cuda.NonNvmlCudaPlatform):
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0):
+            return DeviceCapability(major, 0)
+
+    platform = StandInGPU()
+    monkeypatch.setattr(vllm.platforms, "current_platform", platform, raising=False)
+    selector._cached_get_attn_backend.cache_clear()  # selections made for the real platform
+    return platform
+
+
+def selected_backend(cfg: VllmConfig, *, kv_cache_dtype: str = "auto", use_mla: bool = True, head_size=HEAD):
+    """The backend class vLLM's selector returns for one attention layer, or the ValueError's text."""
+    from vllm.v1.attention import selector
+
+    selector._cached_get_attn_backend.cache_clear()
+    with set_current_vllm_config(cfg):
+        try:
+            return selector.get_attn_backend(head_size, cfg.model_config.dtype, kv_cache_dtype, use_mla=use_mla)
+        except ValueError as e:  # no backend of vLLM's imports on this CPU-only machine
+            return str(e)
+
+
+@pytest.fixture
+def clean_selector():
+    from vllm.v1.attention import selector
+
+    yield
+    selector._cached_get_attn_backend.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["CUSTOM", BACKEND_NAME])
+def test_named_selection_reaches_the_plugin_through_vllms_selector(name, monkeypatch, clean_selector):
+    if name not in AttentionBackendEnum.__members__:
+        pytest.skip(f"vLLM {vllm.__version__} does not accept new backend names")
+    cfg = vllm_config(64)
+    cfg.attention_config.backend = AttentionBackendEnum[name]
+    stand_in_cuda_platform(monkeypatch)
+    assert selected_backend(cfg) is FlashMLAPluginBackend
+
+
+def test_default_choice_is_vllms_without_the_opt_in(monkeypatch, clean_selector):
+    monkeypatch.delenv(default_choice.ENV, raising=False)
+    cfg = vllm_config(64)
+    platform = stand_in_cuda_platform(monkeypatch)
+    register()
+    assert not default_choice.is_installed(platform)
+    chosen = selected_backend(cfg)
+    assert chosen is not FlashMLAPluginBackend, chosen
+    assert AttentionBackendEnum.CUSTOM.get_class() is FlashMLAPluginBackend  # still selectable by name
+
+
+def test_default_choice_opt_in_picks_the_plugin_for_mla_on_hopper(monkeypatch, clean_selector):
+    monkeypatch.setenv(default_choice.ENV, "1")
+    cfg, fp8, block32 = vllm_config(64), vllm_config(64, kv_cache_dtype="fp8"), vllm_config(32)
+    block32.cache_config.user_specified_block_size = True  # as `--block-size 32` sets it (0.33 reads it)
+    explicit = vllm_config(64)
+    explicit.attention_config.backend = AttentionBackendEnum.TRITON_MLA
+    platform = stand_in_cuda_platform(monkeypatch)
+    register()
+    register()  # idempotent: one wrapper
+    assert default_choice.is_installed(platform)
+    assert not default_choice.is_installed(platform.get_attn_backend_cls.__wrapped__.__self__)
+    assert selected_backend(cfg) is FlashMLAPluginBackend
+    # Layers the plugin refuses, named backends and non-MLA layers keep vLLM's choice.
+    assert selected_backend(fp8, kv_cache_dtype="fp8") is not FlashMLAPluginBackend
+    if hasattr(block32.cache_config, "user_specified_block_size"):
+        assert selected_backend(block32) is not FlashMLAPluginBackend
+    assert selected_backend(explicit) is AttentionBackendEnum.TRITON_MLA.get_class()
+    assert selected_backend(cfg, use_mla=False, head_size=128) is not FlashMLAPluginBackend
+
+
+def test_default_choice_opt_in_leaves_other_gpus_alone(monkeypatch, clean_selector):
+    monkeypatch.setenv(default_choice.ENV, "1")
+    cfg = vllm_config(64)
+    platform = stand_in_cuda_platform(monkeypatch, major=8)
+    register()
+    assert default_choice.is_installed(platform)
+    assert selected_backend(cfg) is not FlashMLAPluginBackend
+
+
+def test_default_choice_opt_in_does_nothing_off_cuda(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setenv(default_choice.ENV, "1")
+    assert not current_platform.is_cuda()
+    register()  # must not raise
+    assert not default_choice.is_installed(current_platform)
+
+
 # ---- refusals, through vLLM's selector check ---------------------------------------------------
 
 def selector_reasons(cfg: VllmConfig | None = None, *, model: ModelConfig | None = None, block_size=None,
@@ -597,6 +710,33 @@ def test_builder_refuses_a_non_64_kernel_block():
     cfg.compilation_config.static_forward_context[LAYER_NAME] = LayerDouble(cfg, layer_scale(cfg))
     with set_current_vllm_config(cfg), pytest.raises(ValueError, match="64"):
         FlashMLAPluginBackend.get_builder_cls()(spec, [LAYER_NAME], cfg, torch.device("cpu"))
+
+
+def test_builder_plans_for_the_head_count_vllm_gives_the_group():
+    """vLLM 0.31+ counts a KV-cache group's query heads on its layers (a draft model's group may have
+    fewer heads than the target); the tile-scheduler plan must use that count, 0.26's model-wide one there."""
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    from flashmla_backend._versions import in_range
+
+    class DraftLayer(LayerDouble, AttentionLayerBase):
+        def get_attn_backend(self):
+            return FlashMLAPluginBackend
+
+        def get_kv_cache_spec(self, vllm_config):
+            return None
+
+    cfg = vllm_config(64)
+    model_heads = cfg.model_config.get_num_attention_heads(cfg.parallel_config)
+    layer = DraftLayer(cfg, layer_scale(cfg))
+    layer.num_heads = model_heads // 2
+    cfg.compilation_config.static_forward_context[LAYER_NAME] = layer
+    spec = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=HEAD, dtype=torch.bfloat16)
+    with set_current_vllm_config(cfg):
+        builder = FlashMLAPluginBackend.get_builder_cls()(spec, [LAYER_NAME], cfg, torch.device("cpu"))
+    per_layer = in_range(vllm.__version__, (0, 31, 0), (1, 0, 0))  # read in 0.26 (model-wide) and 0.31-0.33
+    assert builder.num_q_heads == builder.num_heads == (layer.num_heads if per_layer else model_heads)
+    assert builder.plan.num_q_heads == builder.num_q_heads
 
 
 if __name__ == "__main__":

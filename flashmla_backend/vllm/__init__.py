@@ -8,7 +8,9 @@ Installed packages register it through the entry point (pyproject.toml)
 which vLLM calls in its front end, engine core and every worker. Then select it with
 `vllm serve MODEL --attention-backend CUSTOM` or `LLM(MODEL, attention_backend="CUSTOM")`
 (vLLM releases that accept named backends, 0.32 and later, also take
-`--attention-backend FLASHMLA_BACKEND`). vLLM never picks it on its own.
+`--attention-backend FLASHMLA_BACKEND`). By default vLLM never picks it on its own; with
+FLASHMLA_BACKEND_VLLM_DEFAULT=1 in the environment of every vLLM process it becomes the automatic choice
+for dense MLA layers on Hopper that it supports (opt-in, see flashmla_backend.vllm.default_choice).
 
 What runs: decode tokens (query length 1, or a uniform length > 1 for MTP / speculative decoding)
 go to flashmla_backend.flash_mla_with_kvcache on 64-token pages; prefill stays with vLLM's MLA
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from . import _compat
+from . import _compat, default_choice
 
 BACKEND_CLASS_PATH = "flashmla_backend.vllm.backend.FlashMLAPluginBackend"
 UNSUPPORTED_CLASS_PATH = "flashmla_backend.vllm.unsupported.UnsupportedVLLMVersionBackend"
@@ -58,7 +60,8 @@ def register() -> None:
     reason = _compat.unsupported_reason(version)
     if reason is not None:
         register_backend(AttentionBackendEnum.CUSTOM, UNSUPPORTED_CLASS_PATH)
-        logger.warning("%s Selecting CUSTOM will fail with this message.", reason)
+        logger.warning("%s Selecting CUSTOM will fail with this message.%s", reason,
+                       f" {default_choice.ENV}=1 is ignored." if default_choice.requested() else "")
         return
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_CLASS_PATH)
@@ -72,6 +75,19 @@ def register() -> None:
         "Select it with --attention-backend %s.",
         BACKEND_CLASS_PATH, " and ".join(names), version, names[-1],
     )
+    if default_choice.requested():
+        _install_default_choice()
+
+
+def _install_default_choice() -> None:
+    """The opt-in automatic choice (FLASHMLA_BACKEND_VLLM_DEFAULT=1); logs instead of raising."""
+    try:
+        from vllm.platforms import current_platform
+
+        default_choice.install(current_platform, BACKEND_CLASS_PATH)
+    except Exception as e:
+        logger.warning("flashmla_backend: %s=1 could not be applied (%s: %s); vLLM chooses attention "
+                       "backends as usual.", default_choice.ENV, type(e).__name__, e)
 
 
 __all__ = ["register", "BACKEND_CLASS_PATH", "BACKEND_NAME", "DEBUG_BREAK_SCALE_ENV"]

@@ -2,15 +2,31 @@
 
 Checked with the CPU conformance tests (tests/test_vllm_cpu.py: registration, refusals, build(),
 forward_mqa against the reference) on every release from 0.26.0 to 0.33.0 (0.26.0, 0.27.1, 0.28.0,
-0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0, the newest when this was written). The GPU end-to-end tests run
-0.26.0 (it pins torch 2.11, which the GPU machines have; 0.27-0.29 pin torch 2.13, 0.33 torch 2.14).
-Interface differences the plugin meets (read from the wheels):
-  - 0.33 passes `max_query_len` to `MLACommonMetadataBuilder._build_decode` (0.26 does not);
-  - 0.33 calls `get_supported_kernel_block_sizes(kv_cache_spec)` with an argument;
-  - 0.33 drops `get_kv_cache_shape`/`get_kv_cache_stride_order` from backends (the plugin defines neither)
-    and moves the kernel-block split of block tables from BlockTable to AttentionGroup;
-  - 0.32+ `register_backend` also accepts a new string name (0.26-0.31 only enum members);
-  - 0.33 reads the MLA dimensions from the layer object in the builder.
+0.29.0, 0.30.0, 0.31.0, 0.32.0, 0.33.0, the newest when this was written); the later tests (vLLM's selector
+with the named backends and the opt-in automatic choice, the builder's head count) on 0.26.0 and 0.33.0,
+the two releases CI runs them on (tests/run.sh --engines). The GPU end-to-end tests run 0.26.0 (it pins
+torch 2.11, which the GPU machines have; 0.27-0.29 pin torch 2.13, 0.33 torch 2.14).
+Interface differences the plugin meets (read in the 0.26.0 and 0.33.0 wheels; "0.31-0.33" where the
+0.31.0 and 0.32.0 sources were read too):
+  - MLACommonBackend, MLACommonMetadataBuilder, MLACommonImpl and their metadata classes live in
+    vllm.model_executor.layers.attention.mla_attention in 0.26 and 0.33 alike (the plugin imports them
+    from there; 0.26 no longer has vllm/v1/attention/backends/mla/common.py);
+  - 0.31-0.33 pass `max_query_len` to `MLACommonMetadataBuilder._build_decode`, by keyword, before
+    `dcp_tot_seq_lens_device` (0.26 does not pass it): the plugin takes it as an optional keyword;
+  - 0.33 calls `get_supported_kernel_block_sizes(kv_cache_spec)` with the spec (worker block-size
+    selection) and without it (`supports_block_size`); 0.26 always without: the plugin's takes an
+    optional argument;
+  - 0.33 drops `get_kv_cache_shape`/`get_kv_cache_stride_order` from backends (the plugin defines neither;
+    0.26 takes MLACommonBackend's) and moves the kernel-block split of block tables from BlockTable to
+    AttentionGroup;
+  - 0.31-0.33 count a KV-cache group's query heads on its layers in the MLA builder (`self.num_heads`),
+    0.26 on the model: the plugin plans with the builder's count;
+  - 0.33 reads the MLA dimensions from the layer object in the builder;
+  - 0.33 asks `supports_device_cpu_query_lens_mismatch` (adaptive verification): the plugin says no;
+  - 0.32+ `register_backend` also accepts a new string name (0.26-0.31 only enum members): the plugin
+    adds FLASHMLA_BACKEND there;
+  - `Platform.get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)` has the same
+    signature in 0.26, 0.31, 0.32 and 0.33 (the opt-in automatic choice wraps it: default_choice.py).
 Releases outside [MIN_VERSION, MAX_VERSION_EXCLUSIVE) are refused when the backend is selected, with a
 message naming the supported range (see flashmla_backend.vllm.unsupported).
 """

@@ -90,7 +90,10 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
             raise NotImplementedError(
                 "flashmla_backend: decode context parallelism (--decode-context-parallel-size > 1) is not supported"
             )
-        self.num_q_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
+        # Query heads per rank as vLLM's MLA builder counts them: the model's count on 0.26, the layers' own
+        # count on later releases (0.31-0.33 read), where a draft model's KV-cache group may have another
+        # head count than the target's.
+        self.num_q_heads = self.num_heads
 
         # With full CUDA graphs every decode build writes into the plan's persistent buffers (see the
         # module docstring); without them the plan hands out fresh tensors.
@@ -109,7 +112,7 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
         query_start_loc_device: torch.Tensor,
         num_decode_tokens: int,
         dcp_tot_seq_lens_device: torch.Tensor | None,
-        max_query_len: int | None = None,  # passed by vLLM >= 0.33; s_q is derived exactly below instead
+        max_query_len: int | None = None,  # passed (by keyword) by 0.31-0.33, not 0.26; s_q is derived below
     ) -> FlashMLAPluginDecodeMetadata:
         s_q = uniform_query_len(query_start_loc_cpu, num_decode_tokens)
         tile_md, num_splits = self.plan.schedule(
