@@ -15,7 +15,13 @@ torchvision: SGLang imports it at module import (0.5.17-0.5.20: sglang.srt.utils
 of vision models), but PyPI's torchvision wheels are CUDA builds that cannot load with the CPU torch.
 Where torchvision is not installed, SGLang's modules are imported with a stand-in package whose every
 attribute raises when used (no attention code uses it); it is removed from sys.modules right after,
-and transformers' torchvision check is cached beforehand, so nothing else sees it.
+and transformers' torchvision check is cached beforehand, so nothing else sees it. SGLang 0.5.17 also
+registers "qwen3_asr" configs that transformers 5.18+ ship (and older transformers need torchvision):
+while its modules are imported, AutoConfig.register replaces existing names instead of raising.
+
+Engine versions and their requirement files: the ENGINES and ENGINES_EXTRA tables of tests/run.sh
+(0.5.21, 0.5.23; 0.5.17 with FLASHMLA_BACKEND_EXTRA_ENGINES=1). Tests of interfaces a release lacks skip
+with the reason (the KVWriteLoc physical check before 0.5.22, the metadata glue graph in 0.5.17).
 
 Run them with `bash tests/run.sh --engines` (SGLang in its own environment under .test-envs/).
 """
@@ -92,10 +98,37 @@ def torchvision_stand_in():
             del sys.modules[name]
 
 
+@contextlib.contextmanager
+def config_names_taken_by_transformers():
+    """SGLang 0.5.17 registers its own "qwen3_asr" configs with AutoConfig.register, which raises since
+    transformers 5.18 ships that model type; the transformers 0.5.17 pins (5.12.1), and every release before
+    5.18, need torchvision for image_processing_auto, which SGLang imports too. While SGLang's modules are
+    imported (SGLang 0.5.17 only), AutoConfig.register replaces an existing name instead of raising
+    (exist_ok=True); the tests use none of those configs. Restored right after."""
+    from importlib.metadata import version as dist_version
+
+    if not dist_version("sglang").startswith("0.5.17"):
+        yield
+        return
+    from transformers import AutoConfig
+
+    original = AutoConfig.__dict__["register"]  # a staticmethod
+    register = AutoConfig.register
+
+    def register_replacing(model_type, config, exist_ok=False):
+        return register(model_type, config, exist_ok=True)
+
+    AutoConfig.register = staticmethod(register_replacing)
+    try:
+        yield
+    finally:
+        AutoConfig.register = original
+
+
 if importlib.util.find_spec("sglang") is None:  # before the stand-in, which needs SGLang's transformers
     pytest.skip("SGLang is not installed", allow_module_level=True)
 
-with torchvision_stand_in():
+with torchvision_stand_in(), config_names_taken_by_transformers():
     sglang = pytest.importorskip("sglang")
     from sglang.srt.layers.attention import attention_registry  # noqa: E402
     from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
