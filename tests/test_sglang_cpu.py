@@ -16,8 +16,9 @@ of vision models), but PyPI's torchvision wheels are CUDA builds that cannot loa
 Where torchvision is not installed, SGLang's modules are imported with a stand-in package whose every
 attribute raises when used (no attention code uses it); it is removed from sys.modules right after,
 and transformers' torchvision check is cached beforehand, so nothing else sees it. SGLang 0.5.17 also
-registers "qwen3_asr" configs that transformers 5.18+ ship (and older transformers need torchvision):
-while its modules are imported, AutoConfig.register replaces existing names instead of raising.
+registers "qwen3_asr" configs that transformers 5.18+ ship (and older transformers need torchvision), as
+do 0.5.18 and 0.5.19: while SGLang's modules are imported, AutoConfig.register replaces existing names
+instead of raising.
 
 Engine versions and their requirement files: the ENGINES and ENGINES_EXTRA tables of tests/run.sh
 (0.5.21, 0.5.23; 0.5.17 with FLASHMLA_BACKEND_EXTRA_ENGINES=1). Tests of interfaces a release lacks skip
@@ -100,16 +101,11 @@ def torchvision_stand_in():
 
 @contextlib.contextmanager
 def config_names_taken_by_transformers():
-    """SGLang 0.5.17 registers its own "qwen3_asr" configs with AutoConfig.register, which raises since
-    transformers 5.18 ships that model type; the transformers 0.5.17 pins (5.12.1), and every release before
-    5.18, need torchvision for image_processing_auto, which SGLang imports too. While SGLang's modules are
-    imported (SGLang 0.5.17 only), AutoConfig.register replaces an existing name instead of raising
-    (exist_ok=True); the tests use none of those configs. Restored right after."""
-    from importlib.metadata import version as dist_version
-
-    if not dist_version("sglang").startswith("0.5.17"):
-        yield
-        return
+    """SGLang 0.5.17-0.5.19 register their own "qwen3_asr" configs with AutoConfig.register, which raises
+    since transformers 5.18 ships that model type; the transformers they pin (5.12.1), and every release
+    before 5.18, need torchvision for image_processing_auto, which SGLang imports too. While SGLang's modules
+    are imported, AutoConfig.register replaces an existing name instead of raising (exist_ok=True; the tests
+    use none of those configs; releases that register no taken name are unaffected). Restored right after."""
     from transformers import AutoConfig
 
     original = AutoConfig.__dict__["register"]  # a staticmethod

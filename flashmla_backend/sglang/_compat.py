@@ -20,14 +20,15 @@ Differences inside the supported range that the plugin handles (read from the wh
   - 0.5.22+: read page tables of translating pools come from the batch's `kv_loc_plan`
     (`KVIndexTranslator.copy_page_table`, `reads_are_translated`); the plugin reads `req_to_token`
     directly and still refuses translating pools (`is_translating`, present in every release).
-  - 0.5.22+: `sglang.kernels.ops.communication.all_reduce` (imported with ForwardBatch) imports
-    `tvm_ffi` at module import: the CPU test environment needs apache-tvm-ffi
-    (tests/requirements-sglang-0.5.23-cpu.txt).
+  - CPU test environments (not the plugin): 0.5.22+ import `tvm_ffi` with ForwardBatch
+    (`sglang.kernels.ops.communication.all_reduce`), 0.5.17 and 0.5.20 import xgrammar (0.5.18 and
+    0.5.19 run with it too), 0.5.17-0.5.19 register a "qwen3_asr" config that transformers 5.18+ ship:
+    tests/requirements-sglang-*-cpu.txt and tests/test_sglang_cpu.py.
   - 0.5.23: backends may opt in to the metadata glue graph (`glue_target_verify_metadata`,
     `glue_draft_metadata`; off by default, as the plugin leaves them). Whenever a glue graph runs
-    (also with `SGLANG_ENABLE_METADATA_GLUE_GRAPH=1`, in 0.5.21-0.5.23 at least; 0.5.17 has no glue
-    graph), SGLang snapshots and reinstalls each
-    backend's `forward_metadata` per replay key, so the plugin keeps its per-batch metadata there.
+    (also with `SGLANG_ENABLE_METADATA_GLUE_GRAPH=1`, in 0.5.19+; 0.5.17 and 0.5.18 have no glue graph),
+    SGLang snapshots and reinstalls each backend's `forward_metadata` per replay key, so the plugin keeps
+    its per-batch metadata there.
   - Unchanged from 0.5.17 to 0.5.23 and relied on: the attention registry, `HookRegistry` and the
     hook targets (flashmla_backend.sglang.hooks), `SharedReadEnds` and the default read ends
     (decode / target verify: IN_REPLAY; the plugin reads req_to_token and seq_lens only while building
