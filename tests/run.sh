@@ -204,7 +204,12 @@ import importlib, torch, pytest
 for spec in '${nodeps}'.split(','):
     name = spec.split('==')[0]
     if name in ('vllm', 'sglang'):
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:  # no environment holds torchvision (PyPI: CUDA builds only);
+            if e.name != 'torchvision':   # the test files stand in for it (SGLang 0.5.17-0.5.20 import it)
+                raise
+            print(name, 'imports torchvision at import; the tests stand in for it')
 print('imports OK with torch', torch.__version__)" || return 1
   printf '%s\n' "$recipe" >"$dir/.recipe"   # written last: marks the environment complete
   say "[$name] ready in $((SECONDS - start)) s: $dir ($(du -sh "$dir" | cut -f1))"
