@@ -12,6 +12,7 @@ exit-code"); everything else goes to the real interpreter. Nothing is downloaded
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,24 +25,17 @@ ENGINE_FILES = ("test_vllm_cpu.py", "test_sglang_cpu.py")
 PYVER = "%d.%d" % sys.version_info[:2]
 
 
-def engine_table() -> list[tuple[str, str]]:
-    """(environment name, test file) of each line of run.sh's ENGINES table."""
+def _table(name: str) -> list[str]:
+    """The environment names of a table of tests/run.sh (ENGINES or ENGINES_EXTRA)."""
     text = (REPO / "tests" / "run.sh").read_text()
-    body = text[text.index("\nENGINES=(") + 1:]
-    body = body[: body.index("\n)")]
-    return [tuple(line.strip().strip('"').split()[:2]) for line in body.splitlines()[1:] if line.strip()]
+    body = re.search(rf"^{name}=\(\n(.*?)^\)", text, flags=re.S | re.M).group(1)
+    return [line.split()[0].strip('"') for line in body.splitlines() if line.strip().startswith('"')]
 
 
-ENGINES = engine_table()
-VLLM_ENVS = [name for name, f in ENGINES if f == "test_vllm_cpu.py"]
-SGLANG_ENVS = [name for name, f in ENGINES if f == "test_sglang_cpu.py"]
-
-
-def closing(core: tuple[int, int, int], per_file: dict[str, tuple[int, int, int]]) -> str:
-    """The closing line for the stand-in counts: the core run plus one run per ENGINES line."""
-    runs = [core] + [per_file.get(f, (3, 0, 1)) for _, f in ENGINES]
-    p, f, s = (sum(r[i] for r in runs) for i in range(3))
-    return f"{p} passed, {f} failed, {s} skipped"
+ENVS = _table("ENGINES")
+VLLM_ENVS = [e for e in ENVS if e.startswith("vllm-")]
+SGLANG_ENVS = [e for e in ENVS if e.startswith("sglang-")]
+EXTRA_ENVS = _table("ENGINES_EXTRA")
 
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 me="$0"
@@ -149,28 +143,29 @@ def test_engine_envs_are_made_once_reused_and_remade_when_the_recipe_changes(run
     envs = run.root / ".test-envs"
     assert run("--engines", "-x") == 0, run.out
     assert not run.by_active("-m pip"), "pip ran on the active interpreter"
-    assert len(run.by_active("-m venv")) == len(ENGINES)
+    assert len(run.by_active("-m venv")) == len(ENVS)
     pip_calls = run.by_envs("-m pip install")
-    assert len(pip_calls) == 3 * len(ENGINES) and all(c[0].startswith(str(envs)) for c in pip_calls)
+    assert len(pip_calls) == 3 * len(ENVS) and all(c[0].startswith(str(envs)) for c in pip_calls)
     assert any("--no-deps" in c and "vllm==0.26.0" in c for c in pip_calls)
     assert any("--no-deps" in c and "vllm==0.33.0" in c for c in pip_calls)
     assert any("-r" in c and c[c.index("-r") + 1].endswith("requirements-vllm-0.33-cpu.txt") for c in pip_calls)
     assert any("-r" in c and c[c.index("-r") + 1].endswith("requirements-sglang-cpu.txt") for c in pip_calls)
-    for name, _ in ENGINES:
+    for name in ENVS:
         assert (envs / f"{name}-py{PYVER}" / ".recipe").read_text().startswith("recipe ")
         assert "dependency resolver" in (envs / f"{name}-py{PYVER}.log").read_text()
     assert "ERROR" not in run.out  # pip's resolver noise stays in the logs
     (core,) = run.by_active("-m pytest")
     engine_runs = run.by_envs("-m pytest")
     assert all(f"--ignore={f}" in core for f in ENGINE_FILES) and core[-1] == "SKIP="
-    assert [c[0].split("/.test-envs/")[1].split("/")[0] for c in engine_runs] == [f"{n}-py{PYVER}" for n, _ in ENGINES]
-    for (name, file), call in zip(ENGINES, engine_runs):
+    assert [c[0].split("/.test-envs/")[1].split("/")[0] for c in engine_runs] == [f"{e}-py{PYVER}" for e in ENVS]
+    for name, call in zip(ENVS, engine_runs):
+        file = "test_vllm_cpu.py" if name in VLLM_ENVS else "test_sglang_cpu.py"
         assert file in call and "-x" in call and call[-2] == f"PYTHONPATH={run.root}"
-    assert run.last_line() == closing((3, 0, 1), {})
+    assert run.last_line() == f"{3 * (1 + len(ENVS))} passed, 0 failed, {1 + len(ENVS)} skipped"
 
     assert run("--engines") == 0, run.out
     assert not run.by_active("-m venv") and not run.by_envs("-m pip"), "complete environments were made again"
-    assert len(run.by_envs("-m pytest")) == len(ENGINES)
+    assert len(run.by_envs("-m pytest")) == len(ENVS)
 
     req = run.root / "tests" / "requirements-vllm-cpu.txt"
     req.write_text(req.read_text() + "# a comment is not part of the recipe\n")
@@ -189,7 +184,18 @@ def test_an_incomplete_env_is_made_again(run):
     assert len(run.by_active("-m pytest")) == 1 and not run.by_envs("-m pytest")  # the core run still ran
     assert run.last_line() == "3 passed, 0 failed, 1 skipped"
     assert run("--engines") == 0, run.out
-    assert len(run.by_active("-m venv")) == len(ENGINES)
+    assert len(run.by_active("-m venv")) == len(ENVS)
+
+
+def test_extra_engine_envs_only_when_asked(run):
+    assert EXTRA_ENVS and not set(EXTRA_ENVS) & set(ENVS)
+    assert run("--engines") == 0, run.out
+    assert not any(e in run.out for e in EXTRA_ENVS)
+    assert run("--engines", FLASHMLA_BACKEND_EXTRA_ENGINES="1") == 0, run.out
+    made = [c[-3] for c in run.by_active("-m venv")]
+    assert [Path(m).name for m in made] == [f"{e}-py{PYVER}" for e in EXTRA_ENVS]  # the others are reused
+    assert len(run.by_envs("-m pytest")) == len(ENVS) + len(EXTRA_ENVS)
+    assert all(f"  {e}: 3 passed" in run.out for e in ENVS + EXTRA_ENVS)
 
 
 def test_missing_pytest_is_reported_not_installed(run):
@@ -198,19 +204,20 @@ def test_missing_pytest_is_reported_not_installed(run):
     assert not run.by_active("-m pip") and not run.by_active("-m pytest")
 
 
-@pytest.mark.parametrize("args, env, messages, counts", [
-    ((), {"FAKE_core": "0 0 0 5"}, ["collected no tests (exit code 5)"], "0 passed, 0 failed, 0 skipped"),
-    ((), {"FAKE_core": "0 0 4 0"}, ["core: no test passed"], "0 passed, 0 failed, 4 skipped"),
-    ((), {"FAKE_core": "2 1 0 1"}, ["core: pytest exited with 1"], "2 passed, 1 failed, 0 skipped"),
-    (("--engines",), {"FAKE_sglang": "0 0 1 0"}, [f"{n}: no test passed" for n in SGLANG_ENVS],
-     closing((3, 0, 1), {"test_sglang_cpu.py": (0, 0, 1)})),
-    (("--engines",), {"FAKE_vllm": "5 2 0 1"}, [f"{n}: pytest exited with 1" for n in VLLM_ENVS],
-     closing((3, 0, 1), {"test_vllm_cpu.py": (5, 2, 0)})),
+@pytest.mark.parametrize("args, env, message, closing", [
+    ((), {"FAKE_core": "0 0 0 5"}, "collected no tests (exit code 5)", "0 passed, 0 failed, 0 skipped"),
+    ((), {"FAKE_core": "0 0 4 0"}, "core: no test passed", "0 passed, 0 failed, 4 skipped"),
+    ((), {"FAKE_core": "2 1 0 1"}, "core: pytest exited with 1", "2 passed, 1 failed, 0 skipped"),
+    (("--engines",), {"FAKE_sglang": "0 0 1 0"}, "sglang-0.5.21: no test passed",
+     f"{3 * (1 + len(VLLM_ENVS))} passed, 0 failed, {1 + len(VLLM_ENVS) + len(SGLANG_ENVS)} skipped"),
+    (("--engines",), {"FAKE_vllm": "5 2 0 1"}, "vllm-0.26.0: pytest exited with 1",
+     f"{5 * len(VLLM_ENVS) + 3 * (1 + len(SGLANG_ENVS))} passed, {2 * len(VLLM_ENVS)} failed, "
+     f"{1 + len(SGLANG_ENVS)} skipped"),
 ])
-def test_failures(run, args, env, messages, counts):
+def test_failures(run, args, env, message, closing):
     assert run(*args, **env) == 1
-    assert messages and all(m in run.out for m in messages), run.out
-    assert run.last_line() == counts
+    assert message in run.out
+    assert run.last_line() == closing
 
 
 def test_an_installed_package_is_linked_alone_into_the_engine_envs(run, tmp_path):
@@ -219,11 +226,10 @@ def test_an_installed_package_is_linked_alone_into_the_engine_envs(run, tmp_path
     installed = _package(site)
     (site / "other_package").mkdir()
     assert run("--engines", PYTHONPATH=str(site)) == 0, run.out
-    (core,) = run.by_active("-m pytest")
+    core, *engines = run.by_active("-m pytest") + run.by_envs("-m pytest")
     assert core[-2] == f"PYTHONPATH={site}"                           # the user's environment as it is
     linked = run.root / ".test-envs" / f"package-py{PYVER}"
-    engine_runs = run.by_envs("-m pytest")
-    assert len(engine_runs) == len(ENGINES) and all(c[-2] == f"PYTHONPATH={linked}" for c in engine_runs)
+    assert engines and all(c[-2] == f"PYTHONPATH={linked}" for c in engines)
     assert sorted(p.name for p in linked.iterdir()) == ["flashmla_backend"]
     assert (linked / "flashmla_backend").resolve() == installed.resolve()
 

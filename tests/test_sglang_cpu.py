@@ -15,7 +15,14 @@ torchvision: SGLang imports it at module import (0.5.17-0.5.20: sglang.srt.utils
 of vision models), but PyPI's torchvision wheels are CUDA builds that cannot load with the CPU torch.
 Where torchvision is not installed, SGLang's modules are imported with a stand-in package whose every
 attribute raises when used (no attention code uses it); it is removed from sys.modules right after,
-and transformers' torchvision check is cached beforehand, so nothing else sees it.
+and transformers' torchvision check is cached beforehand, so nothing else sees it. SGLang 0.5.17 also
+registers "qwen3_asr" configs that transformers 5.18+ ship (and older transformers need torchvision), as
+do 0.5.18 and 0.5.19: while SGLang's modules are imported, AutoConfig.register replaces existing names
+instead of raising.
+
+Engine versions and their requirement files: the ENGINES and ENGINES_EXTRA tables of tests/run.sh
+(0.5.21, 0.5.23; 0.5.17 with FLASHMLA_BACKEND_EXTRA_ENGINES=1). Tests of interfaces a release lacks skip
+with the reason (the KVWriteLoc physical check before 0.5.22, the metadata glue graph in 0.5.17).
 
 Run them with `bash tests/run.sh --engines` (SGLang in its own environment under .test-envs/).
 """
@@ -92,10 +99,32 @@ def torchvision_stand_in():
             del sys.modules[name]
 
 
+@contextlib.contextmanager
+def config_names_taken_by_transformers():
+    """SGLang 0.5.17-0.5.19 register their own "qwen3_asr" configs with AutoConfig.register, which raises
+    since transformers 5.18 ships that model type; the transformers they pin (5.12.1), and every release
+    before 5.18, need torchvision for image_processing_auto, which SGLang imports too. While SGLang's modules
+    are imported, AutoConfig.register replaces an existing name instead of raising (exist_ok=True; the tests
+    use none of those configs; releases that register no taken name are unaffected). Restored right after."""
+    from transformers import AutoConfig
+
+    original = AutoConfig.__dict__["register"]  # a staticmethod
+    register = AutoConfig.register
+
+    def register_replacing(model_type, config, exist_ok=False):
+        return register(model_type, config, exist_ok=True)
+
+    AutoConfig.register = staticmethod(register_replacing)
+    try:
+        yield
+    finally:
+        AutoConfig.register = original
+
+
 if importlib.util.find_spec("sglang") is None:  # before the stand-in, which needs SGLang's transformers
     pytest.skip("SGLang is not installed", allow_module_level=True)
 
-with torchvision_stand_in():
+with torchvision_stand_in(), config_names_taken_by_transformers():
     sglang = pytest.importorskip("sglang")
     from sglang.srt.layers.attention import attention_registry  # noqa: E402
     from sglang.srt.layers.radix_attention import RadixAttention  # noqa: E402
@@ -309,7 +338,7 @@ def test_sglang_plugin_loader_runs_register(monkeypatch, tmp_path):
     assert attention_registry.ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
 
 
-@pytest.mark.parametrize("version", ["0.5.16", "0.5.22", "0.5.23", "0.6.0", "", "garbage"])
+@pytest.mark.parametrize("version", ["0.5.16", "0.5.24", "0.6.0", "", "garbage"])
 def test_unsupported_versions_fail_with_the_supported_range(version, monkeypatch):
     reason = _compat.unsupported_reason(version)
     assert reason is not None and _compat.SUPPORTED_RANGE in reason and "0.5.17" in reason
@@ -327,9 +356,16 @@ def test_unsupported_versions_fail_with_the_supported_range(version, monkeypatch
     assert attention_registry.ATTENTION_BACKENDS[BACKEND_NAME] is create_backend
 
 
-@pytest.mark.parametrize("version", ["0.5.17", "0.5.18", "0.5.21", "0.5.21.post1", "0.5.20rc0"])
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.18", "0.5.21", "0.5.21.post1", "0.5.20rc0", "0.5.22",
+                                     "0.5.23", "0.5.23.post1"])
 def test_supported_versions(version):
     assert _compat.unsupported_reason(version) is None
+
+
+def test_version_gates():
+    assert not _compat.draft_creators_return_stamp("0.5.17") and _compat.draft_creators_return_stamp("0.5.18")
+    assert not _compat.writes_take_kv_write_loc("0.5.21") and _compat.writes_take_kv_write_loc("0.5.22")
+    assert _compat.writes_take_kv_write_loc("0.5.23")
 
 
 # ---- hooks --------------------------------------------------------------------------------------------
@@ -665,6 +701,101 @@ def test_forward_without_metadata_fails_clearly(runners):
     fb = req.forward_batch(ForwardMode.DECODE, [11], locs, [10])
     with pytest.raises(RuntimeError, match="metadata"):
         backend.forward(req.queries(1), k, v, make_layer(), fb)
+
+
+# ---- interfaces that differ between releases ----------------------------------------------------------
+
+def test_kv_writes_use_this_releases_write_loc(runners, monkeypatch):
+    """0.5.22+: the pool's write door gets KVWriteLoc.for_batch(forward_batch); before, out_cache_loc."""
+    runner = runners()
+    backend = build_backend(runner)
+    req = Requests(runner, [30, 64], window=1, seed=13)
+    locs, k, v = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [31, 65], locs, [30, 64])
+    pool = runner.token_to_kv_pool
+    seen = []
+    original = type(pool).set_kv_buffer
+    monkeypatch.setattr(pool, "set_kv_buffer",
+                        lambda layer, loc, *a, **kw: seen.append(loc) or original(pool, layer, loc, *a, **kw))
+    backend.init_forward_metadata(fb)
+    backend.forward(req.queries(1), k, v, make_layer(), fb, save_kv_cache=True)
+    assert len(seen) == 1
+    if _compat.writes_take_kv_write_loc(sglang.__version__):
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        assert isinstance(seen[0], KVWriteLoc) and seen[0].loc is locs
+        assert seen[0].physical == fb.out_cache_loc_is_physical
+    else:
+        assert seen[0] is locs
+    assert torch.equal(pool.kv_buffer[0][locs, 0], k[:, 0])
+
+
+def test_pool_requiring_physical_write_locs_takes_our_writes(runners):
+    """0.5.22+: pools with requires_physical_write_loc refuse a bare location; the plugin's write carries the
+    batch's physical mark, as SGLang's own backends' writes do."""
+    if not _compat.writes_take_kv_write_loc(sglang.__version__):
+        pytest.skip(f"SGLang {sglang.__version__} has no physical write-location check")
+    runner = runners()
+    backend = build_backend(runner)
+    req = Requests(runner, [12, 100], window=1, seed=17)
+    locs, k, v = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [13, 101], locs, [12, 100])
+    fb.out_cache_loc_is_physical = True  # as a batch bound to a KV location plan
+    pool = runner.token_to_kv_pool
+    pool.requires_physical_write_loc = True
+    layer = make_layer()
+    with pytest.raises(ValueError, match="physical"):  # SGLang's own check, on a bare location
+        pool.set_kv_buffer(layer, locs, k, v)
+    backend.init_forward_metadata(fb)
+    q = req.queries(1)
+    out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    assert torch.equal(pool.kv_buffer[0][locs, 0], k[:, 0])
+    torch.testing.assert_close(out, req.expected(q, 1, [13, 101], layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+def test_metadata_glue_graph_reinstalls_our_metadata(runners):
+    """SGLang's metadata glue graph runs init_forward_metadata_out_graph once per replay key under capture,
+    keeps each backend's forward_metadata, and on later replays reinstalls it and replays only the device
+    ops. Driven through SGLang's MetadataGlueGraph with a stand-in for the captured graph whose replay does
+    what the captured ops do: rewrite the persistent buffers with that key's values."""
+    glue_mod = pytest.importorskip("sglang.srt.model_executor.runner.metadata_glue_graph",
+                                   reason="this SGLang has no metadata glue graph")
+    runner = runners()
+    backend = build_backend(runner)
+    backend.init_cuda_graph_state(max_bs=POOL_REQS, max_num_tokens=POOL_REQS)
+    cg = backend.decode_builder
+    buffers = (cg.cg_cache_seqlens, cg.cg_block_table, cg.plan.cg_tile_scheduler_metadata, cg.plan.cg_num_splits)
+
+    class CapturedPrep:  # what torch.cuda.CUDAGraph.replay does for the captured prep
+        def __init__(self):
+            self.values = [b.clone() for b in buffers]
+
+        def replay(self):
+            for b, val in zip(buffers, self.values):
+                b.copy_(val)
+
+    glue = glue_mod.MetadataGlueGraph("cpu")
+    first = Requests(runner, [5, 300, 64, 1], window=1, seed=51)
+    locs1, k1, v1 = first.new_tokens(1)
+    fb1 = first.forward_batch(ForwardMode.DECODE, [6, 301, 65, 2], locs1, [5, 300, 64, 1])
+    backend.init_forward_metadata_out_graph(fb1)
+    glue._states["bs4"] = {"warmups": glue.NUM_WARMUP, "graph": CapturedPrep(),
+                           "meta": [(backend, backend.forward_metadata)]}
+    assert backend.forward_metadata is backend.decode_metadata
+
+    other = Requests(runner, [700, 9], window=1, seed=52)  # another key: smaller batch, other pages
+    locs2, _, _ = other.new_tokens(1)
+    backend.init_forward_metadata_out_graph(other.forward_batch(ForwardMode.DECODE, [701, 10], locs2, [700, 9]))
+    assert backend.decode_metadata.batch_size == 2
+
+    first = Requests(runner, [5, 300, 64, 1], window=1, seed=51)  # the pool again as the first key left it
+    glue.run(backend, None, "bs4")  # a replay of the first key: reinstall, then the captured ops
+    md = backend.decode_metadata
+    assert md.batch_size == 4 and md.cache_seqlens.tolist() == [6, 301, 65, 2]
+    q = first.queries(1)
+    out = backend.forward(q, k1, v1, make_layer(), fb1)
+    torch.testing.assert_close(out, first.expected(q, 1, [6, 301, 65, 2], make_layer().scaling), atol=OUT_ATOL,
+                               rtol=OUT_RTOL)
 
 
 # ---- refusals -----------------------------------------------------------------------------------------

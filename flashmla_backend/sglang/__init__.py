@@ -51,10 +51,10 @@ def _unsupported_factory(reason: str):
 
 
 def _add_choice(name: str) -> None:
-    try:  # 0.5.17-0.5.21 define it in server_args (0.5.22+ re-export it there from arg_groups.choices)
-        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
-    except ImportError:
+    try:  # 0.5.21-0.5.23 define the choice lists here (server_args re-exports them)
         from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    except ImportError:  # 0.5.17: in server_args
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     if name not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([name])
 

@@ -11,7 +11,10 @@ Everything else (EXTEND, MIXED, ...) goes to the Triton parent unchanged, and De
 same attention form as under `--attention-backend triton` (flashmla_backend.sglang.hooks). For each
 batch the metadata (page table from req_to_token, key lengths, tile-scheduler plan) is built once, in
 `init_forward_metadata` (eager) or `init_forward_metadata_out_graph` (before CUDA-graph capture and
-each replay, into persistent buffers), and every layer reads SGLang's MLA KV pool in place.
+each replay, into persistent buffers), and every layer reads SGLang's MLA KV pool in place. The batch's
+DecodeMetadata is kept in `forward_metadata`, the attribute SGLang's metadata glue graph snapshots and
+reinstalls per replay key (`decode_metadata` reads it). New tokens are written through the pool's own
+`set_kv_buffer`, with a `KVWriteLoc` on SGLang 0.5.22+ (flashmla_backend.sglang._compat).
 
 FlashMLAPluginMultiStepDraftBackend is the speculative draft decoder (speculative_num_steps - 1 steps,
 topk 1): step i reads the i + 1 draft tokens written after seq_len.
@@ -30,6 +33,7 @@ import flashmla_backend
 from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE, ROPE_DIM
 
 from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
+from . import _compat
 from .metadata import MODE_DECODE, MODE_DRAFT_EXTEND, MODE_TARGET_VERIFY, DecodeMetadata, DecodeMetadataBuilder
 
 logger = logging.getLogger("sglang.flashmla_backend")
@@ -47,6 +51,19 @@ def decode_mode_of(forward_mode) -> Optional[str]:
     if forward_mode.is_draft_extend_v2():
         return MODE_DRAFT_EXTEND
     return None
+
+
+def kv_write_loc_of(version: str):
+    """`fn(forward_batch)`: what this SGLang's `set_kv_buffer` takes as the write location of the batch.
+
+    0.5.22+: `KVWriteLoc.for_batch(forward_batch)` (out_cache_loc with the batch's physical mark, which
+    the unified pools require); before: the bare `forward_batch.out_cache_loc`.
+    """
+    if _compat.writes_take_kv_write_loc(version):
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        return KVWriteLoc.for_batch
+    return lambda forward_batch: forward_batch.out_cache_loc
 
 
 def _runtime():
@@ -104,7 +121,8 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         self.decode_builder = DecodeMetadataBuilder(
             req_to_token=model_runner.req_to_token_pool.req_to_token, num_q_heads=self.num_q_heads,
             num_draft_tokens=self.num_draft_tokens, step_offset=step_offset)
-        self.decode_metadata: Optional[DecodeMetadata] = None
+        self.decode_metadata = None
+        self.kv_write_loc = kv_write_loc_of(_compat.installed_sglang_version())
         self.is_draft_runner = bool(getattr(model_runner, "is_draft_worker", False))
 
         device = torch.device(model_runner.device)
@@ -129,6 +147,21 @@ class FlashMLAPluginBackend(TritonAttnBackend):
                         flashmla_backend.__version__, where, self.num_q_heads)
 
     # ---- metadata -------------------------------------------------------------------------------
+
+    @property
+    def decode_metadata(self) -> Optional[DecodeMetadata]:
+        """This batch's DecodeMetadata (None for batches the Triton parent serves).
+
+        Stored as `forward_metadata`: SGLang's metadata glue graph (decode_cuda_graph_runner) snapshots
+        that attribute after capturing `init_forward_metadata_out_graph` and reinstalls it on each replay
+        of the same key, whose device ops refresh the buffers it points to.
+        """
+        md = getattr(self, "forward_metadata", None)
+        return md if isinstance(md, DecodeMetadata) else None
+
+    @decode_metadata.setter
+    def decode_metadata(self, md: Optional[DecodeMetadata]) -> None:
+        self.forward_metadata = md
 
     def _build_decode_metadata(self, forward_batch, mode: str, *, graph: bool) -> None:
         bs = forward_batch.batch_size
@@ -191,7 +224,7 @@ class FlashMLAPluginBackend(TritonAttnBackend):
                 f"for this batch; have {md.mode if md else None})")
         if k is not None and save_kv_cache:
             assert v is not None
-            self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+            self.token_to_kv_pool.set_kv_buffer(layer, self.kv_write_loc(forward_batch), k, v)
         bs, s_q = md.batch_size, md.query_len
         heads = layer.tp_q_head_num
         if layer.head_dim != HEAD_DIM_K or layer.v_head_dim != HEAD_DIM_V:
