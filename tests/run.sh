@@ -70,11 +70,12 @@ done
 
 # ---- the active environment: pytest and the package under test ---------------------------------
 cd "$ROOT/tests" || exit 1   # not the repo root: an installed package must not be shadowed by the sources
-if ! "$PYTHON" -c "import pytest" 2>/dev/null; then
+# The tests' own requirements (the package's `test` extra): pytest, and numpy for the numpy-scalar cases.
+if ! "$PYTHON" -c "import pytest, numpy" 2>/dev/null; then
   cat >&2 <<EOF
-tests/run.sh: pytest is not installed for $(command -v "$PYTHON" || echo "$PYTHON").
-  This command installs nothing into your environment. Add pytest to it yourself:
-      $PYTHON -m pip install pytest
+tests/run.sh: pytest and numpy (the package's test extra) are not both installed for $(command -v "$PYTHON" || echo "$PYTHON").
+  This command installs nothing into your environment. Add them to it yourself:
+      $PYTHON -m pip install pytest numpy
   or pick another interpreter: PYTHON=/path/to/python bash tests/run.sh
 EOF
   exit 2

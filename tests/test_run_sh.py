@@ -62,7 +62,7 @@ if [ "${1-}" = -m ]; then
   esac
 fi
 case "$me" in */.test-envs/*) exit 0 ;; esac   # an engine environment's checks
-if [ "${1-}" = -c ] && [ "${2-}" = "import pytest" ] && [ -n "${FAKE_NO_PYTEST-}" ]; then exit 1; fi
+if [ "${1-}" = -c ] && [ "${2-}" = "import pytest, numpy" ] && [ -n "${FAKE_NO_PYTEST-}" ]; then exit 1; fi
 exec "$FAKE_REAL_PYTHON" "$@"
 """
 
@@ -200,7 +200,7 @@ def test_extra_engine_envs_only_when_asked(run):
 
 def test_missing_pytest_is_reported_not_installed(run):
     assert run(FAKE_NO_PYTEST="1") == 2
-    assert "pip install pytest" in run.out
+    assert "pip install pytest numpy" in run.out
     assert not run.by_active("-m pip") and not run.by_active("-m pytest")
 
 
