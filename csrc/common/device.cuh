@@ -1,9 +1,8 @@
 // Device code every kernel of flashmla_backend shares: PTX helpers, the scheduler metadata row, the
 // length and causal rules, output addressing and the empty-row rule. Include it from .cu / .cuh
-// files only. Everything is __forceinline__. The portable decode kernel, the combine kernels and the
-// tile scheduler use it and compile to the same machine code as with their former private copies;
-// the sm90 kernel's private helpers have the same names and shapes (pdl_*, cp_async_*, fast_exp2,
-// mbarrier_try_wait, global_timer_ns), see the NOTE at cp.async for the one difference.
+// files only. Everything is __forceinline__. Every kernel uses it: the portable decode kernel, the
+// combine kernels, the tile scheduler and the sm90 decode kernel (which keeps only its Q tile's
+// cp.async with "memory" clobbers, see the NOTE at cp.async).
 //
 // Conventions (params.h): a query row r of kv head hk is query token s = r / ngroups and query head
 // h = hk * ngroups + r % ngroups; lengths, token bounds and key indices are request-local.
@@ -41,9 +40,9 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // ---- cp.async (sm_80+) ----------------------------------------------------------------------------
 // The asm statements carry no "memory" clobber: the compiler cannot see the shared-memory writes of
 // a cp.async anyway, and the readers are ordered by cp_async_wait_* followed by a barrier
-// (__syncthreads / a named barrier), which is what makes the data visible. NOTE: the sm90 kernel's
-// private cp_async_16 / commit / wait_all carry a "memory" clobber; switching it to these may move
-// instructions, so compare its SASS and register count when it does.
+// (__syncthreads / a named barrier), which is what makes the data visible. NOTE: the sm90 kernel keeps
+// its own cp_async_16 / commit / wait_all with a "memory" clobber (sm90/decode/copies.cuh): with these
+// its instruction schedule changes (same registers), and that schedule has not been timed.
 enum class L2Prefetch { kNone, k128B };  // .L2::128B: also fetch the rest of the 128-byte line into L2
 
 // 16-byte cp.async.cg (cached in L2 only) to the shared-memory address smem_addr (a .shared window

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "common/device.cuh"
 #include "params.h"
 #include "sm90/decode/config.h"
 #include "sm90/decode/tile_work.cuh"
@@ -39,48 +40,25 @@ constexpr uint64_t kEvictNormal = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMA
 // ------------------------------------------------------------------------------------------------
 // mbarrier waits
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar_addr, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-      "selp.u32 %0, 1, 0, p;\n\t}"
-      : "=r"(done)
-      : "r"(bar_addr), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-
-// Wait until phase `parity` of a KV piece barrier completed (its TMA bytes landed).
+// Wait until phase `parity` of a KV piece barrier completed (its TMA bytes landed); common/device.cuh's
+// mbarrier_wait, trapping after FMLA_SM90_WAIT_TIMEOUT_NS.
 __device__ __forceinline__ void wait_kv_piece(TmaBarrier& bar, uint32_t parity, int stage, int piece) {
-  const uint32_t addr = cute::cast_smem_ptr_to_uint(&bar);
-  if (mbarrier_try_wait(addr, parity)) return;
-#if FMLA_SM90_WAIT_TIMEOUT_NS > 0
-  const uint64_t t0 = global_timer_ns();
-#endif
-  while (!mbarrier_try_wait(addr, parity)) {
-#if FMLA_SM90_WAIT_TIMEOUT_NS > 0
-    if (global_timer_ns() - t0 > uint64_t(FMLA_SM90_WAIT_TIMEOUT_NS)) {
+  mbarrier_wait<uint64_t(FMLA_SM90_WAIT_TIMEOUT_NS)>(cute::cast_smem_ptr_to_uint(&bar), parity, [&] {
 #ifdef FMLA_SM90_HANG_PRINTF
-      printf("flashmla_backend sm90 decode: KV wait timed out: block (%d,%d,%d) thread %d stage %d piece %d "
-             "parity %u\n",
-             int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), int(threadIdx.x), stage, piece, parity);
+    printf("flashmla_backend sm90 decode: KV wait timed out: block (%d,%d,%d) thread %d stage %d piece %d "
+           "parity %u\n",
+           int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), int(threadIdx.x), stage, piece, parity);
 #endif
-      __trap();
-    }
-#endif
-  }
+  });
 }
 
 // ------------------------------------------------------------------------------------------------
 // Q tile (cp.async)
 // ------------------------------------------------------------------------------------------------
+// The Q tile's cp.async: these keep a "memory" clobber on each asm, unlike common/device.cuh's (whose portable
+// kernel was tuned without one). The clobbers pin these among the kernel's other shared-memory accesses;
+// the unclobbered ones compile this kernel to a different instruction schedule (same registers), which has not
+// been timed, so the one that was timed stays.
 __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool valid) {
   // src-size 0 zero-fills the 16 bytes without reading gmem.
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),

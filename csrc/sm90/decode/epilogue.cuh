@@ -17,8 +17,6 @@ namespace flashmla_backend::sm90::decode {
 
 using namespace cute;
 
-constexpr float kLn2 = 0.69314718055994530942f;
-
 // l: final row sums, m: running max (log2 domain, scaled) of the thread's two rows (softmax.cuh).
 template <class T, class FragO>
 __device__ __forceinline__ void store_output(const DecodeParams& p, const RequestPiece& w, const RowInfo& ri,
@@ -46,7 +44,7 @@ __device__ __forceinline__ void store_output(const DecodeParams& p, const Reques
       }
       if (wg == 0 && (lane & 3) == 0) {
         p.lse[int64_t(w.req) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + s] =
-            has_key ? m[v] * kLn2 + logf(l[v]) : INFINITY;
+            has_key ? row_lse(m[v], l[v]) : kNoKeyLse;
       }
     } else {
       const int64_t row_id = (int64_t(w.split_id) * p.num_heads_kv + hk) * p.q_rows + r;
@@ -57,7 +55,7 @@ __device__ __forceinline__ void store_output(const DecodeParams& p, const Reques
         *reinterpret_cast<float2*>(oacc + 8 * c) = make_float2(tOrO(i) * inv, tOrO(i + 1) * inv);
       }
       if (wg == 0 && (lane & 3) == 0) {
-        p.lse_accum[row_id] = has_key ? m[v] * kLn2 + logf(l[v]) : -INFINITY;
+        p.lse_accum[row_id] = has_key ? row_lse(m[v], l[v]) : kNoKeySplitLse;
       }
     }
   }

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 
+#include "common/device.cuh"
 #include "params.h"
 #include "sm90/decode/config.h"
 #include "sm90/decode/copies.cuh"
@@ -40,10 +41,8 @@ namespace flashmla_backend::sm90::decode {
 
 using namespace cute;
 
-// Programmatic dependent launch (sm_90): issued unconditionally (CUTLASS's wrappers compile to nothing
-// unless CUTLASS_ENABLE_GDC_FOR_SM90 is defined). Both are no-ops when the launch did not use PDL.
-__device__ __forceinline__ void pdl_wait_primary() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Programmatic dependent launch: common/device.cuh's pdl_wait_primary / pdl_launch_dependents, issued
+// unconditionally (CUTLASS's wrappers compile to nothing unless CUTLASS_ENABLE_GDC_FOR_SM90 is defined).
 
 template <typename Element>
 __global__ void __launch_bounds__(kNumThreads, 1)

@@ -12,17 +12,14 @@
 
 #include <cstdint>
 
+#include "common/device.cuh"
 #include "sm90/decode/config.h"
 
 namespace flashmla_backend::sm90::decode {
 
 using namespace cute;
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;  // ex2(-inf) = +0
-}
+// Exponentials: common/device.cuh's fast_exp2 (2^-inf = +0).
 
 // Reductions over the four lanes that hold one row of a wgmma accumulator fragment.
 __device__ __forceinline__ float quad_max(float x) {
