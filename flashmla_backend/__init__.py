@@ -8,7 +8,8 @@ Drop-in compatible with FlashMLA's dense decode API:
                                       num_splits, softmax_scale=scale, causal=True)
 
 The geometry (row widths, page size) is in flashmla_backend.geometry; argument rules in
-flashmla_backend.validate.
+flashmla_backend.validate. FlashMLA's newer convention (get_mla_metadata() with no arguments, num_splits=None)
+works too: flashmla_backend.sched_meta.
 
 CUDA tensors run the kernels (Hopper: wgmma/TMA; A100: portable mma.sync kernel); CPU tensors run
 the pure-PyTorch reference (flashmla_backend.reference). Engine plugins: flashmla_backend.vllm.
@@ -17,6 +18,7 @@ from . import geometry
 from .device import UnsupportedGPUError, is_supported
 from .ops import flash_mla_with_kvcache, get_mla_metadata
 from .reference import mla_decode_reference
+from .sched_meta import FlashMLASchedMeta
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,7 @@ __all__ = [
     "get_mla_metadata",
     "flash_mla_with_kvcache",
     "mla_decode_reference",
+    "FlashMLASchedMeta",
     "is_supported",
     "UnsupportedGPUError",
     "__version__",

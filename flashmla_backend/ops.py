@@ -15,6 +15,7 @@ import torch
 from . import _ext, device, scheduler, validate
 from .geometry import HEAD_DIM_K, HEAD_DIM_V, META_INTS
 from .reference import reference_decode
+from .sched_meta import FlashMLASchedMeta
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
 
@@ -49,16 +50,22 @@ def _(cache_seqlens, num_sm_parts):
     return (cache_seqlens.new_empty((num_sm_parts, META_INTS)), cache_seqlens.new_empty((b + 1,)))
 
 
-def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
-                     num_heads_q: int | None = None, is_fp8_kvcache: bool = False, topk: int | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per_head_k: int | None = None,
+                     num_heads_k: int | None = None, num_heads_q: int | None = None, is_fp8_kvcache: bool = False,
+                     topk: int | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor] | tuple[FlashMLASchedMeta, None]:
     """Tile-scheduler metadata for one decode step, computed on cache_seqlens' device without a host sync.
 
     cache_seqlens: [batch] int32. num_q_tokens_per_head_k: s_q * h_q // h_kv. num_heads_k: h_kv.
     Returns (tile_scheduler_metadata [num_sm_parts, META_INTS] int32, num_splits [batch + 1] int32); reuse
     them in every layer of the step. num_sm_parts = SMs // h_kv // ceil(num_q_tokens_per_head_k / BLOCK_M).
     The int arguments may be Python or numpy integers.
+
+    Without arguments (FlashMLA's newer convention): returns (FlashMLASchedMeta(), None), an empty object
+    that the first flash_mla_with_kvcache call fills (flashmla_backend.sched_meta).
     """
+    if cache_seqlens is None and num_q_tokens_per_head_k is None and num_heads_k is None and num_heads_q is None:
+        return FlashMLASchedMeta(), None
     validate.validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q,
                                     is_fp8_kvcache, topk)
     parts = scheduler.num_sm_parts(device.sm_count(cache_seqlens.device), int(num_heads_k),
@@ -154,9 +161,10 @@ def _(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_split
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                           cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
-                           num_splits: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
-                           is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
+                           cache_seqlens: torch.Tensor, head_dim_v: int,
+                           tile_scheduler_metadata: torch.Tensor | FlashMLASchedMeta,
+                           num_splits: torch.Tensor | None = None, softmax_scale: float | None = None,
+                           causal: bool = False, is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode over a paged KV cache (FlashMLA's dense decode API).
 
@@ -169,11 +177,17 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     that sees no key gets out 0 and lse +inf; NaN in a row's scores (e.g. in q) gives NaN out and lse.
     Arguments are checked by the rule tables of flashmla_backend.validate; on CPU tensors also the values
     (lengths, page ids, metadata), on CUDA tensors only with FLASHMLA_BACKEND_CHECK=1.
+    FlashMLA's newer convention is accepted too: tile_scheduler_metadata a FlashMLASchedMeta from
+    get_mla_metadata() and num_splits None (flashmla_backend.sched_meta).
     """
     if is_fp8_kvcache:
         raise NotImplementedError("flashmla_backend: FP8 KV cache is not supported yet (bf16 and fp16 caches are)")
     if indices is not None:
         raise NotImplementedError("flashmla_backend: sparse attention (indices) is not supported; only dense decode")
+    if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        tile_scheduler_metadata, num_splits = _from_sched_meta(
+            tile_scheduler_metadata, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
+            causal, is_fp8_kvcache)
     validate.validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal)
     scale = float(softmax_scale) if softmax_scale is not None else HEAD_DIM_K ** -0.5
@@ -181,3 +195,28 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         return torch.ops.flashmla_backend.mla_decode(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                                                      num_splits, scale, causal)
     return _decode_impl(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, scale, causal)
+
+
+def _from_sched_meta(meta: FlashMLASchedMeta, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v,
+                     softmax_scale, causal, is_fp8_kvcache):
+    """The (tile_scheduler_metadata, num_splits) tensors of a FlashMLASchedMeta, filling it on its first call."""
+    if num_splits is not None:
+        raise TypeError("flashmla_backend: num_splits must be None when tile_scheduler_metadata is a FlashMLASchedMeta "
+                        f"(from get_mla_metadata()), got {type(num_splits).__name__}")
+    if torch.compiler.is_compiling():
+        raise RuntimeError("flashmla_backend: torch.compile does not trace the FlashMLASchedMeta convention; pass the "
+                           "tensors of get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv) instead")
+    # The configuration is read from these arguments' shapes: check them first (the decode's own checks follow).
+    validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+    config = meta.config_of(q, k_cache, causal, is_fp8_kvcache, None)
+    if meta.have_initialized:
+        meta.check_matches(config)
+        return meta.tile_scheduler_metadata, meta.num_splits
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("flashmla_backend: a FlashMLASchedMeta is being filled during CUDA-graph capture; fill it "
+                           "with one call before capture (replays would otherwise read the capture-time metadata)")
+    tile_md, splits = get_mla_metadata(cache_seqlens, config.s_q * config.h_q // config.h_k, config.h_k)
+    meta.tile_scheduler_metadata, meta.num_splits = tile_md, splits
+    meta.config, meta.have_initialized = config, True
+    return tile_md, splits
+
