@@ -72,7 +72,15 @@ def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per
                                    int(num_q_tokens_per_head_k))
     if torch.compiler.is_compiling():
         return torch.ops.flashmla_backend.get_mla_metadata(cache_seqlens, parts)
-    return _metadata_impl(cache_seqlens, parts)
+    meta, num_splits = _metadata_impl(cache_seqlens, parts)
+    # Code written for FlashMLA's newer convention may call with this argument list, keep only the first element
+    # and pass num_splits=None (vLLM's own FLASHMLA backend does): the metadata tensor carries its num_splits
+    # and what it was computed for, so that flash_mla_with_kvcache can take it from there (_attached_splits).
+    setattr(meta, _SPLITS_ATTR, (num_splits, cache_seqlens.shape[0], int(num_q_tokens_per_head_k), int(num_heads_k)))
+    return meta, num_splits
+
+
+_SPLITS_ATTR = "_flashmla_backend_num_splits"
 
 
 # ---- flash_mla_with_kvcache -------------------------------------------------------------------
@@ -184,6 +192,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         raise NotImplementedError("flashmla_backend: FP8 KV cache is not supported yet (bf16 and fp16 caches are)")
     if indices is not None:
         raise NotImplementedError("flashmla_backend: sparse attention (indices) is not supported; only dense decode")
+    if num_splits is None and isinstance(tile_scheduler_metadata, torch.Tensor):
+        num_splits = _attached_splits(tile_scheduler_metadata, q, k_cache)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         tile_scheduler_metadata, num_splits = _from_sched_meta(
             tile_scheduler_metadata, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
@@ -219,4 +229,23 @@ def _from_sched_meta(meta: FlashMLASchedMeta, num_splits, q, k_cache, block_tabl
     meta.tile_scheduler_metadata, meta.num_splits = tile_md, splits
     meta.config, meta.have_initialized = config, True
     return tile_md, splits
+
+
+def _attached_splits(meta: torch.Tensor, q, k_cache) -> torch.Tensor:
+    """num_splits of a metadata tensor from get_mla_metadata(cache_seqlens, ...) passed with num_splits=None."""
+    attached = getattr(meta, _SPLITS_ATTR, None)
+    if attached is None:
+        raise TypeError("flashmla_backend: num_splits is None but tile_scheduler_metadata is a tensor that does not "
+                        "come from get_mla_metadata(cache_seqlens, ...): pass its num_splits, or use the object of "
+                        "get_mla_metadata() (FlashMLA's newer convention)")
+    num_splits, b, q_per_hk, h_k = attached
+    if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.dim() == 4 and k_cache.dim() == 4:
+        h_kv = k_cache.shape[2]
+        got = (q.shape[0], q.shape[1] * q.shape[2] // max(h_kv, 1), h_kv)
+        if got != (b, q_per_hk, h_k):
+            raise ValueError(
+                "flashmla_backend: tile_scheduler_metadata was computed by get_mla_metadata for batch "
+                f"{b}, num_q_tokens_per_head_k {q_per_hk}, num_heads_k {h_k}, but this call has {got[0]}, {got[1]}, "
+                f"{got[2]}: recompute it for this batch")
+    return num_splits
 

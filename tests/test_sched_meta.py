@@ -97,6 +97,8 @@ def test_graph_capture_with_a_filled_object_and_refusal_while_unfilled():
     eager_out, eager_lse = call(inp, meta)            # fills the object
     old_out, old_lse = call(inp, *old_convention(inp, case))
     assert torch.equal(eager_out, old_out) and torch.equal(eager_lse, old_lse)
+    arg_out, arg_lse = call(inp, old_convention(inp, case)[0], None)   # argument list, num_splits=None
+    assert torch.equal(arg_out, old_out) and torch.equal(arg_lse, old_lse)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out, g_lse = call(inp, meta)
@@ -109,3 +111,19 @@ def test_graph_capture_with_a_filled_object_and_refusal_while_unfilled():
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             call(inp, empty)
     assert not empty.have_initialized
+
+
+def test_newer_convention_with_the_argument_list_and_num_splits_none():
+    """FlashMLA's newer callers (vLLM's FLASHMLA backend among them) may still pass get_mla_metadata's argument
+    list, keep only the first element and pass num_splits=None: same outputs as with both tensors."""
+    case = Case(lengths=[70, 5, 0], s_q=2, h_q=16)
+    inp = make_inputs(case)
+    meta, ns = old_convention(inp, case)
+    out, lse = call(inp, meta, None)
+    want_out, want_lse = call(inp, meta, ns)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    other = make_inputs(Case(lengths=[70, 5, 0], s_q=1, h_q=16))
+    with pytest.raises(ValueError, match="computed by get_mla_metadata for batch 3, num_q_tokens_per_head_k 32"):
+        call(other, meta, None)
+    with pytest.raises(TypeError, match="num_splits is None but tile_scheduler_metadata is a tensor"):
+        call(inp, meta.clone(), None)
