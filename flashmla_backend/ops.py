@@ -216,8 +216,10 @@ def _from_sched_meta(meta: FlashMLASchedMeta, num_splits, q, k_cache, block_tabl
     if torch.compiler.is_compiling():
         raise RuntimeError("flashmla_backend: torch.compile does not trace the FlashMLASchedMeta convention; pass the "
                            "tensors of get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv) instead")
-    # The configuration is read from these arguments' shapes: check them first (the decode's own checks follow).
-    validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+    # The object is filled only from arguments that pass the checks; a reuse reads only q's and k_cache's shapes
+    # (the decode's own checks follow), so it runs the checks only when those are not 4-D tensors, to name them.
+    if not meta.have_initialized or not _both_4d(q, k_cache):
+        validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
     config = meta.config_of(q, k_cache, causal, is_fp8_kvcache, None)
     if meta.have_initialized:
         meta.check_matches(config)
@@ -239,7 +241,7 @@ def _attached_splits(meta: torch.Tensor, q, k_cache) -> torch.Tensor:
                         "come from get_mla_metadata(cache_seqlens, ...): pass its num_splits, or use the object of "
                         "get_mla_metadata() (FlashMLA's newer convention)")
     num_splits, b, q_per_hk, h_k = attached
-    if isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.dim() == 4 and k_cache.dim() == 4:
+    if _both_4d(q, k_cache):  # otherwise the decode's checks name the argument
         h_kv = k_cache.shape[2]
         got = (q.shape[0], q.shape[1] * q.shape[2] // max(h_kv, 1), h_kv)
         if got != (b, q_per_hk, h_k):
@@ -248,4 +250,8 @@ def _attached_splits(meta: torch.Tensor, q, k_cache) -> torch.Tensor:
                 f"{b}, num_q_tokens_per_head_k {q_per_hk}, num_heads_k {h_k}, but this call has {got[0]}, {got[1]}, "
                 f"{got[2]}: recompute it for this batch")
     return num_splits
+
+
+def _both_4d(q, k_cache) -> bool:
+    return isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.dim() == 4 and k_cache.dim() == 4
 

@@ -127,3 +127,11 @@ def test_newer_convention_with_the_argument_list_and_num_splits_none():
         call(other, meta, None)
     with pytest.raises(TypeError, match="num_splits is None but tile_scheduler_metadata is a tensor"):
         call(inp, meta.clone(), None)
+
+
+def test_a_malformed_q_on_reuse_is_named():
+    inp = make_inputs(Case(lengths=[70]))
+    meta, _ = fb.get_mla_metadata()
+    call(inp, meta)
+    with pytest.raises(ValueError, match="q must be"):
+        fb.flash_mla_with_kvcache(inp.q[0], inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, None)
