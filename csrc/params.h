@@ -59,7 +59,8 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
 //
 // Tensors (strides in elements; the innermost dimension of each is contiguous):
 //   q           [b, s_q, h_q, 576]                   q's dtype
-//   kv          [num_pages, kPageSize, h_kv, 576]    q's dtype (V = columns 0..511 of the same row)
+//   kv          [num_pages, kPageSize, h_kv, 576]    q's dtype, or float8_e4m3fn with kv_fp8 (V = columns
+//                                                    0..511 of the same row)
 //   block_table [b, max_pages_per_seq] int32         page ids
 //   seqlens     [b] int32                            cache_seqlens. The kernels clamp each length to
 //                                                    [0, kPageSize * max_pages_per_seq] so that no read
@@ -118,7 +119,16 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
   ARG(float*, o_accum)                                                                                        \
                                                                                                               \
   ARG(void*, stream)                    /* cudaStream_t */                                                     \
-  ARG(bool, pdl)                        /* launch combine with programmatic dependent launch (sm_90+) */
+  ARG(bool, pdl)                        /* launch combine with programmatic dependent launch (sm_90+) */       \
+                                                                                                              \
+  /* FP8 KV cache (sm90 kernel only). kv_fp8: kv is float8_e4m3fn, true value = stored * descale_k[0].       \
+     q_fp8 (needs kv_fp8): q is float8_e4m3fn, true value = stored * descale_q[0]; out is then bf16. The      \
+     descales are one-element fp32 device tensors read by the kernel (they may change between graph          \
+     replays); null when unused. With FP8 pieces, `dtype` is out's element type (q's when q is not FP8). */ \
+  ARG(bool, kv_fp8)                                                                                           \
+  ARG(bool, q_fp8)                                                                                            \
+  ARG(const float*, descale_q)                                                                                \
+  ARG(const float*, descale_k)
 
 #define FMLA_DECODE_PARAMS_MEMBER(type, name) type name;
 struct DecodeParams {
@@ -128,10 +138,11 @@ struct DecodeParams {
 
 // DecodeParams is passed by value as a kernel parameter: its layout is part of every kernel's binary.
 // These asserts pin it (x86-64 / aarch64 LP64 layout): reordering, retyping or inserting a field fails here.
-static_assert(sizeof(DecodeParams) == 256 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
+static_assert(sizeof(DecodeParams) == 272 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
 static_assert(offsetof(DecodeParams, num_sm_parts) == 36 && offsetof(DecodeParams, causal) == 56 &&
                   offsetof(DecodeParams, q) == 64 && offsetof(DecodeParams, seqlens) == 144 &&
-                  offsetof(DecodeParams, o_accum) == 232 && offsetof(DecodeParams, pdl) == 248,
+                  offsetof(DecodeParams, o_accum) == 232 && offsetof(DecodeParams, pdl) == 248 &&
+                  offsetof(DecodeParams, kv_fp8) == 249 && offsetof(DecodeParams, descale_k) == 264,
               "DecodeParams layout changed");
 
 // Fills the DERIVED fields from the ARG fields. The one place they are computed; safe on any input

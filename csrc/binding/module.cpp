@@ -113,7 +113,9 @@ bool sm90_compiled() {
 void mla_decode(const DecodeArgs& args) {
   DecodeParams p = args.params;
   derive_decode_params(p);
-  check_decode_params(p, DecodeRequirements{});  // the launchers add their kernel's own requirements
+  DecodeRequirements shared;
+  shared.fp8 = true;  // whether the chosen kernel reads FP8 is its launcher's check
+  check_decode_params(p, shared);  // the launchers add their kernel's own requirements
   DeviceGuard guard(p.device);
   if (args.kernel == "portable") {
     run_portable_decode(p);

@@ -27,6 +27,7 @@ struct DecodeRequirements {
   const char* kernel = "decode";  // names the kernel in messages
   bool pointers_set = false;      // every tensor pointer is non-null
   int min_num_pages = 0;
+  bool fp8 = false;               // the kernel reads FP8 caches (kv_fp8 / q_fp8)
   AccessRule q, kv, out, o_accum;  // o_accum: only its alignment is used (it is contiguous)
 };
 
@@ -52,7 +53,8 @@ inline void check_address(const DecodeRequirements& req, const AccessRule& rule,
 }  // namespace detail
 
 // Rules of every caller:
-//  * dtype is a known code; batch, s_q, h_kv, num_sm_parts, max_pages_per_seq >= 1; h_q a multiple of h_kv;
+//  * dtype is a known code; q_fp8 only with kv_fp8 and a bf16 output; the descales that the FP8 flags need are
+//    set; FP8 only for a kernel whose requirements say so (req.fp8); batch, s_q, h_kv, num_sm_parts, max_pages_per_seq >= 1; h_q a multiple of h_kv;
 //    num_pages >= req.min_num_pages (and >= 0);
 //  * the DERIVED fields are what derive_decode_params() computes from the ARG fields;
 //  * the launch grids fit: decode (num_m_blocks, h_kv, num_sm_parts), combine (.., h_kv, batch), so
@@ -73,6 +75,13 @@ inline void check_decode_params(const DecodeParams& p, const DecodeRequirements&
   FMLA_HOST_CHECK(p.num_pages >= 0 && p.num_pages >= req.min_num_pages,
                   k << ": num_pages must be >= " << (req.min_num_pages > 0 ? req.min_num_pages : 0) << ", got "
                     << p.num_pages);
+
+  FMLA_HOST_CHECK(!p.q_fp8 || p.kv_fp8, k << ": q_fp8 needs kv_fp8 (an FP8 q is only read against an FP8 KV cache)");
+  FMLA_HOST_CHECK(!p.q_fp8 || p.dtype == DType::kBF16,
+                  k << ": with q_fp8 the output dtype must be 0 (bf16), got " << static_cast<int>(p.dtype));
+  FMLA_HOST_CHECK(!p.kv_fp8 || p.descale_k != nullptr, k << ": kv_fp8 needs descale_k (a one-element fp32 tensor)");
+  FMLA_HOST_CHECK(!p.q_fp8 || p.descale_q != nullptr, k << ": q_fp8 needs descale_q (a one-element fp32 tensor)");
+  FMLA_HOST_CHECK(req.fp8 || !p.kv_fp8, k << ": this kernel has no FP8 KV cache support (kv_fp8 needs the sm90 kernel)");
 
   DecodeParams derived = p;
   derive_decode_params(derived);

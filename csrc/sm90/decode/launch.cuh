@@ -68,6 +68,7 @@ CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
 inline DecodeRequirements decode_requirements() {
   DecodeRequirements r;
   r.kernel = "sm90 decode";
+  r.fp8 = true;
   r.min_num_pages = 1;  // the KV tensor map needs a non-empty cache
   // cp.async of Q needs 16-byte aligned rows; TMA needs a 16-byte aligned base and strides.
   r.q = AccessRule{16, 8, true};
