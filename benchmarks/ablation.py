@@ -68,7 +68,7 @@ PV_SMEM = "cute::gemm(mma, tOsP(_, _, kb), tOrV(_, _, kb), tOrO);"
 EDITS: dict[int, list[Edit]] = {
     1: [Edit(COPIES,
              "                                                 int page, int hk) {\n"
-             "  issue_kv_pieces<kMask>(tmap, full, stage_base, page, hk);\n}\n",
+             "  issue_kv_pieces<T, kMask>(tmap, full, stage_base, page, hk);\n}\n",
              "                                                 int page, int hk) {\n"
              "  // ablation 1: no refill; the barriers complete on a plain arrive and the stage keeps stale data\n"
              "  CUTLASS_PRAGMA_UNROLL\n"

@@ -1,6 +1,5 @@
 // Launcher declarations of the sm90 (sm_90a) split-KV MLA decode kernel.
-// Definitions: launch.cuh, instantiated per dtype in instantiations/{bf16,fp16}.cu; the dtype switch
-// is in dispatch.cu.
+// Definitions: launch.cuh, instantiated per Variant in instantiations/; the switch is in dispatch.cu.
 #pragma once
 
 #include "params.h"
@@ -17,10 +16,18 @@ void run_sm90_decode(const DecodeParams& params);
 int sm90_decode_smem_bytes();
 
 namespace sm90::decode {
-// One instantiation per element type: cutlass::bfloat16_t (bf16.cu), cutlass::half_t (fp16.cu).
-template <typename Element>
+// The kernel instantiations, one translation unit each (instantiations/), chosen by dispatch.cu from
+// params.dtype / kv_fp8 / q_fp8.
+enum class Variant {
+  kBF16,          // bf16 q, cache and out
+  kFP16,          // fp16 q, cache and out
+  kFp8KvBF16Q,    // e4m3 cache, bf16 q and out (fp16 operands)
+  kFp8KvFP16Q,    // e4m3 cache, fp16 q and out
+  kFp8KvFp8Q,     // e4m3 cache and q, bf16 out
+};
+template <Variant V>
 void run_decode_kernel(const DecodeParams& params);
-template <typename Element>
+template <Variant V>
 int decode_smem_bytes();
 }  // namespace sm90::decode
 

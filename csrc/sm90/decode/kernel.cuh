@@ -44,11 +44,11 @@ using namespace cute;
 // Programmatic dependent launch: common/device.cuh's pdl_wait_primary / pdl_launch_dependents, issued
 // unconditionally (CUTLASS's wrappers compile to nothing unless CUTLASS_ENABLE_GDC_FOR_SM90 is defined).
 
-template <typename Element>
+// T: a Traits instantiation (traits.h): operand, output and q element types, FP8 cache or not.
+template <class T>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_decode_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using T = Traits<Element>;
   using SharedStorage = typename T::SharedStorage;
   const DecodeParams& p = params;
 
@@ -77,6 +77,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   }
 
   init_kv_barriers(&tmap_kv, ss.kv_full, tid);
+  if constexpr (T::kKvFp8) {
+    // The per-tensor scales fold into the scores' scale: S = (q . k_stored) * descale_k (* descale_q).
+    if (tid == 0) ss.scale_log2 = p.scale_log2 * __ldg(p.descale_k) * (T::kQFp8 ? __ldg(p.descale_q) : 1.f);
+  }
   __syncthreads();
 
   const uint32_t sq_addr = cute::cast_smem_ptr_to_uint(ss.q.data());
@@ -84,7 +88,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                      reinterpret_cast<uint8_t*>(ss.kv[1].data())};
 
   RequestPiece work = make_request_piece(p, meta, begin_req, m_block);
-  issue_request_loads<Element>(p, &tmap_kv, ss.kv_full, stage_base, work, m_block, hk, sq_addr, tid);
+  issue_request_loads<T>(p, &tmap_kv, ss.kv_full, stage_base, work, m_block, hk, sq_addr, tid);
 
   // Phase parity of the KV piece barriers of the stage this warpgroup multiplies by Q (stage wg).
   uint32_t kv_parity = 0;
@@ -105,6 +109,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     if (tid < kBlockM) ss.row_max[tid] = -INFINITY;
     cp_async_wait_all();
+    if constexpr (T::kQConvert) widen_q_tile<T>(sq_addr, tid);
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async, read by wgmma
     __syncthreads();
 
@@ -122,7 +127,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     if (req < end_req) {
       work = make_request_piece(p, meta, req + 1, m_block);
-      issue_request_loads<Element>(p, &tmap_kv, ss.kv_full, stage_base, work, m_block, hk, sq_addr, tid);
+      issue_request_loads<T>(p, &tmap_kv, ss.kv_full, stage_base, work, m_block, hk, sq_addr, tid);
     } else {
       pdl_launch_dependents();
     }

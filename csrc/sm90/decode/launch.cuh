@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/check.h"
 #include "common/check_params.h"
@@ -39,9 +40,11 @@ inline EncodeTiledFn get_encode_tiled() {
 // Box = (64 columns, 1 head, 64 tokens, 1 page) = one 8 KB piece, 128B swizzle (the smem piece layout).
 // No L2 promotion: a piece row is 128 bytes of a 1152-byte token row, and 256-byte promotion measured
 // slower on the memory-bound shapes and no faster on h_q = 128 (figures: docs/perf/journal.md).
-template <typename Element>
+// An e4m3 cache: the same box of 64 one-byte columns (4 KB), unswizzled (copies.cuh: widen_kv_piece).
+template <class T>
 CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
-  constexpr int64_t kE = sizeof(Element);
+  using KvElement = std::conditional_t<T::kKvFp8, uint8_t, typename T::Element>;
+  constexpr int64_t kE = sizeof(KvElement);
   CUtensorMap tmap;
   const cuuint64_t dims[4] = {cuuint64_t(kHeadDimK), cuuint64_t(p.num_heads_kv), cuuint64_t(kBlockN),
                               cuuint64_t(p.num_pages)};
@@ -51,10 +54,12 @@ CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
                                  cuuint64_t(p.kv_stride_page * kE)};
   const cuuint32_t box[4] = {cuuint32_t(kPieceCols), 1u, cuuint32_t(kBlockN), 1u};
   const cuuint32_t elem_strides[4] = {1u, 1u, 1u, 1u};
-  const CUtensorMapDataType dtype =
-      std::is_same_v<Element, cutlass::bfloat16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUtensorMapDataType dtype = T::kKvFp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                    : std::is_same_v<KvElement, cutlass::bfloat16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                                    : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult res = get_encode_tiled()(&tmap, dtype, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                          CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                          T::kKvFp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                                           CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FMLA_HOST_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the KV cache (CUresult "
                                            << int(res) << "; strides in elements: page " << p.kv_stride_page
@@ -64,34 +69,60 @@ CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
 
 // What the kernel needs of its arguments beyond check_decode_params()'s common rules. Strides of size-1
 // dimensions are never used (index 0) and are not checked, except the KV page and token strides, which the
-// tensor map encodes.
-inline DecodeRequirements decode_requirements() {
+// tensor map encodes. 16 bytes are 8 elements of a 16-bit tensor and 16 of an FP8 one.
+inline DecodeRequirements decode_requirements(int q_elem_bytes, int kv_elem_bytes) {
   DecodeRequirements r;
   r.kernel = "sm90 decode";
   r.fp8 = true;
   r.min_num_pages = 1;  // the KV tensor map needs a non-empty cache
   // cp.async of Q needs 16-byte aligned rows; TMA needs a 16-byte aligned base and strides.
-  r.q = AccessRule{16, 8, true};
-  r.kv = AccessRule{16, 8, true};
+  r.q = AccessRule{16, 16 / q_elem_bytes, true};
+  r.kv = AccessRule{16, 16 / kv_elem_bytes, true};
   // Outputs are written as element pairs (out) and float pairs (o_accum).
   r.out = AccessRule{4, 2, true};
   r.o_accum = AccessRule{8, 1, false};
   return r;
 }
 
-template <typename Element>
+// The Traits of each Variant (decode.h).
+template <Variant V>
+struct VariantTraits;
+template <>
+struct VariantTraits<Variant::kBF16> {
+  using type = Traits<cutlass::bfloat16_t>;
+};
+template <>
+struct VariantTraits<Variant::kFP16> {
+  using type = Traits<cutlass::half_t>;
+};
+template <>
+struct VariantTraits<Variant::kFp8KvBF16Q> {
+  using type = Traits<cutlass::half_t, cutlass::bfloat16_t, cutlass::bfloat16_t, true>;
+};
+template <>
+struct VariantTraits<Variant::kFp8KvFP16Q> {
+  using type = Traits<cutlass::half_t, cutlass::half_t, cutlass::half_t, true>;
+};
+template <>
+struct VariantTraits<Variant::kFp8KvFp8Q> {
+  using type = Traits<cutlass::half_t, cutlass::bfloat16_t, cutlass::float_e4m3_t, true>;
+};
+
+template <Variant V>
 int decode_smem_bytes() {
-  return Traits<Element>::kSmemBytes;
+  return VariantTraits<V>::type::kSmemBytes;
 }
 
-template <typename Element>
+template <Variant V>
 void run_decode_kernel(const DecodeParams& p) {
-  using T = Traits<Element>;
-  check_decode_params(p, decode_requirements());
+  using T = typename VariantTraits<V>::type;
+  FMLA_HOST_CHECK(p.kv_fp8 == T::kKvFp8 && p.q_fp8 == T::kQFp8,
+                  "sm90 decode: kv_fp8 / q_fp8 do not match the kernel variant " << int(V));
+  check_decode_params(p, decode_requirements(int(sizeof(typename T::QIn)), T::kKvFp8 ? 1 : int(sizeof(typename T::Element))));
 
-  const CUtensorMap tmap = make_kv_tensor_map<Element>(p);
+  const CUtensorMap tmap = make_kv_tensor_map<T>(p);
 
-  auto kernel = &sm90_decode_kernel<Element>;
+  auto kernel = &sm90_decode_kernel<T>;
   constexpr int kSmem = T::kSmemBytes;
   FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
 

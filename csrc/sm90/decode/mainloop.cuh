@@ -45,15 +45,22 @@ __device__ __forceinline__ uint32_t opaque_zero() {
 
 // Issue Q K^T k-blocks of the pieces in kPieces (in that order), waiting for each piece's TMA first;
 // one commit group. The first k-block overwrites the accumulator when kZeroInit.
-template <class T, bool kZeroInit, int... kPieces, class FragC>
+template <class T, int kStage, bool kZeroInit, int... kPieces, class FragC>
 __device__ __forceinline__ void qk_pieces(int tid, typename T::Element* q_smem, typename T::Element* k_smem,
-                                          FragC& tSrS, TmaBarrier* full, uint32_t parity, int stage) {
+                                          FragC& tSrS, TmaBarrier* full, uint32_t parity) {
+  constexpr int stage = kStage;
   typename T::TiledMmaQK mma;
   auto thr = mma.get_slice(tid);
   mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   auto one_piece = [&](auto piece_c) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr int j = decltype(piece_c)::value;
     wait_kv_piece(full[j], parity, stage, j);
+    if constexpr (T::kKvFp8) {
+      // The warpgroup that multiplies this stage by Q widens each piece before its first reader (the other
+      // warpgroup's later reads of it are ordered after this by the named barriers of the step).
+      widen_kv_piece<T, j>(reinterpret_cast<uint8_t*>(k_smem), tid,
+                                   uint32_t(NamedBarriers::kWG0Local) + uint32_t(kStage));
+    }
     const uint32_t z = opaque_zero();
     Tensor sQ = make_tensor(make_smem_ptr(q_smem + z), typename T::SmemLayoutQK{});  // (64, 576)
     Tensor sK = make_tensor(make_smem_ptr(k_smem + z), typename T::SmemLayoutKV{});  // (64, 576)
@@ -70,6 +77,14 @@ __device__ __forceinline__ void qk_pieces(int tid, typename T::Element* q_smem, 
   (one_piece(Int<kPieces>{}), ...);
   warpgroup_commit_batch();
   warpgroup_fence_operand(tSrS);
+}
+
+// S = Q K1^T of a stage-1 block (warpgroup 1). Its pieces 4..7 are refilled earliest (by this warpgroup), so
+// they go first; the order is the same for every block (determinism).
+template <class T, class FragC>
+__device__ __forceinline__ void qk_stage1(int tid, typename T::Element* q_smem, typename T::Element* k_smem,
+                                          FragC& tSrS, TmaBarrier* full, uint32_t parity) {
+  qk_pieces<T, 1, true, 4, 5, 6, 7, 0, 1, 2, 3, 8>(tid, q_smem, k_smem, tSrS, full, parity);
 }
 
 // O_half += P V_half over the 64 keys of a block (4 k-blocks of 16), one commit group.
@@ -174,10 +189,10 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
   TmaBarrier* full0 = ss.kv_full[0];
   TmaBarrier* full1 = ss.kv_full[1];
-  const float sl2 = p.scale_log2;
+  const float sl2 = T::kKvFp8 ? ss.scale_log2 : p.scale_log2;
 
   // S = Q K0^T for block 0.
-  qk_pieces<T, true, 0, 1, 2, 3, 4, 5, 6, 7, 8>(tid, q_smem, kv0_smem, tSrS, full0, parity0, 0);
+  qk_pieces<T, 0, true, 0, 1, 2, 3, 4, 5, 6, 7, 8>(tid, q_smem, kv0_smem, tSrS, full0, parity0);
   parity0 ^= 1u;
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
@@ -232,7 +247,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     warpgroup_fence_operand(tOrO);
     warpgroup_fence_operand(tOrP0);
     if constexpr (kNext0) {
-      if (tid == 0) refill_kv_pieces<kRefillMask[0][0]>(tmap, full0, stage0, page_next0, hk);
+      if (tid == 0) refill_kv_pieces<T, kRefillMask[0][0]>(tmap, full0, stage0, page_next0, hk);
     }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tSrS); ++i) rP0(i) = static_cast<Element>(tSrS(i) * sc1[(i >> 1) & 1]);
@@ -252,12 +267,12 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
     // ---- next S = Q K0^T (block b0 + 2); release stage 1's left pieces + P1 piece in between ----
     if constexpr (kNext0) {
-      qk_pieces<T, true, 0, 1, 2, 3>(tid, q_smem, kv0_smem, tSrS, full0, parity0, 0);
+      qk_pieces<T, 0, true, 0, 1, 2, 3>(tid, q_smem, kv0_smem, tSrS, full0, parity0);
       warpgroup_wait<1>();  // P1 V1L done
       if constexpr (kNext1) {
-        if (tid == 0) refill_kv_pieces<kRefillMask[1][0]>(tmap, full1, stage1, page_next1, hk);
+        if (tid == 0) refill_kv_pieces<T, kRefillMask[1][0]>(tmap, full1, stage1, page_next1, hk);
       }
-      qk_pieces<T, false, 4, 5, 6, 7, 8>(tid, q_smem, kv0_smem, tSrS, full0, parity0, 0);
+      qk_pieces<T, 0, false, 4, 5, 6, 7, 8>(tid, q_smem, kv0_smem, tSrS, full0, parity0);
       parity0 ^= 1u;
     }
     warpgroup_wait<0>();
@@ -300,7 +315,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
 
   TmaBarrier* full0 = ss.kv_full[0];
   TmaBarrier* full1 = ss.kv_full[1];
-  const float sl2 = p.scale_log2;
+  const float sl2 = T::kKvFp8 ? ss.scale_log2 : p.scale_log2;
 
   auto step = [&](auto has1_c, auto next0_c, auto next1_c, int b0) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr bool kHas1 = decltype(has1_c)::value;
@@ -372,18 +387,18 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
       warpgroup_wait<1>();
       warpgroup_fence_operand(tOrP1);
       if constexpr (kNext1) {
-        if (tid == 0) refill_kv_pieces<kRefillMask[1][1]>(tmap, full1, stage1, page_next1, hk);
+        if (tid == 0) refill_kv_pieces<T, kRefillMask[1][1]>(tmap, full1, stage1, page_next1, hk);
       }
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     if constexpr (kNext0) {
-      if (tid == 0) refill_kv_pieces<kRefillMask[0][1]>(tmap, full0, stage0, page_next0, hk);
+      if (tid == 0) refill_kv_pieces<T, kRefillMask[0][1]>(tmap, full0, stage0, page_next0, hk);
     }
 
     // ---- next S = Q K1^T (block b0 + 3) ----
     if constexpr (kNext1) {
-      qk_pieces<T, true, 4, 5, 6, 7, 0, 1, 2, 3, 8>(tid, q_smem, kv1_smem, tSrS, full1, parity1, 1);
+      qk_stage1<T>(tid, q_smem, kv1_smem, tSrS, full1, parity1);
       parity1 ^= 1u;
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
@@ -396,7 +411,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
   }
   // S = Q K1^T for block 1. Stage 1's pieces 4..7 are refilled by this warpgroup (earliest), so they go
   // first; the order is the same for every block (determinism).
-  qk_pieces<T, true, 4, 5, 6, 7, 0, 1, 2, 3, 8>(tid, q_smem, kv1_smem, tSrS, full1, parity1, 1);
+  qk_stage1<T>(tid, q_smem, kv1_smem, tSrS, full1, parity1);
   parity1 ^= 1u;
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);

@@ -2,6 +2,6 @@
 #include "sm90/decode/launch.cuh"
 
 namespace flashmla_backend::sm90::decode {
-template void run_decode_kernel<cutlass::half_t>(const DecodeParams& params);
-template int decode_smem_bytes<cutlass::half_t>();
+template void run_decode_kernel<Variant::kFP16>(const DecodeParams& params);
+template int decode_smem_bytes<Variant::kFP16>();
 }  // namespace flashmla_backend::sm90::decode
