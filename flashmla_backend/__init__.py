@@ -9,14 +9,15 @@ Drop-in compatible with FlashMLA's dense decode API:
 
 The geometry (row widths, page size) is in flashmla_backend.geometry; argument rules in
 flashmla_backend.validate. FlashMLA's newer convention (get_mla_metadata() with no arguments, num_splits=None)
-works too: flashmla_backend.sched_meta.
+works too: flashmla_backend.sched_meta. FP8 KV caches (float8_e4m3fn with descale_k): flash_mla_with_kvcache's
+docstring; flash_mla_with_kvcache_fp8 takes vLLM's FlashMLA-FP8 argument order.
 
 CUDA tensors run the kernels (Hopper: wgmma/TMA; A100: portable mma.sync kernel); CPU tensors run
 the pure-PyTorch reference (flashmla_backend.reference). Engine plugins: flashmla_backend.vllm.
 """
 from . import geometry
 from .device import UnsupportedGPUError, is_supported
-from .ops import flash_mla_with_kvcache, get_mla_metadata
+from .ops import flash_mla_with_kvcache, flash_mla_with_kvcache_fp8, get_mla_metadata
 from .reference import mla_decode_reference
 from .sched_meta import FlashMLASchedMeta
 
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "get_mla_metadata",
     "flash_mla_with_kvcache",
+    "flash_mla_with_kvcache_fp8",
     "mla_decode_reference",
     "FlashMLASchedMeta",
     "is_supported",

@@ -18,6 +18,12 @@ from .reference import reference_decode
 from .sched_meta import FlashMLASchedMeta
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
+_FP8 = torch.float8_e4m3fn
+
+
+def _out_dtype(q: torch.Tensor) -> torch.dtype:
+    """The output dtype: q's, or bf16 for an FP8 q (the fast mode)."""
+    return torch.bfloat16 if q.dtype == _FP8 else q.dtype
 
 
 # ---- get_mla_metadata -------------------------------------------------------------------------
@@ -58,7 +64,8 @@ def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per
 
     cache_seqlens: [batch] int32. num_q_tokens_per_head_k: s_q * h_q // h_kv. num_heads_k: h_kv.
     Returns (tile_scheduler_metadata [num_sm_parts, META_INTS] int32, num_splits [batch + 1] int32); reuse
-    them in every layer of the step. num_sm_parts = SMs // h_kv // ceil(num_q_tokens_per_head_k / BLOCK_M).
+    them in every layer of the step. The schedule does not depend on the cache format: metadata made with
+    either value of is_fp8_kvcache serves bf16, fp16 and float8_e4m3fn caches alike. num_sm_parts = SMs // h_kv // ceil(num_q_tokens_per_head_k / BLOCK_M).
     The int arguments may be Python or numpy integers.
 
     Without arguments (FlashMLA's newer convention): returns (FlashMLASchedMeta(), None), an empty object
@@ -93,12 +100,21 @@ def _raw_stream(dev: torch.device) -> int:
     return torch.cuda.current_stream(dev).cuda_stream
 
 
-def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes):
+def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes, descale_q=None,
+                 descale_k=None):
     validate.check_kernel_layout(q, k_cache)
     kernel = device.kernel_for(q.device)
+    kv_fp8 = k_cache.dtype == _FP8
+    if kv_fp8 and kernel != "sm90":
+        major, minor = device.device_props(q.device.index).major, device.device_props(q.device.index).minor
+        raise NotImplementedError(
+            f"flashmla_backend: the FP8 KV cache is read by the sm_90a kernel only (compute capability 9.0); "
+            f"{q.device} has compute capability {major}.{minor} and runs the portable kernel, which reads bf16 and "
+            f"fp16 caches (dequantize the cache, or use a Hopper GPU)")
     b, s_q, h_q, h_kv = shapes.batch, shapes.seqlen_q, shapes.num_heads_q, shapes.num_heads_kv
     parts, q_rows = shapes.num_sm_parts, shapes.q_rows
-    out = torch.empty((b, s_q, h_q, HEAD_DIM_V), dtype=q.dtype, device=q.device)
+    out_dtype = _out_dtype(q)
+    out = torch.empty((b, s_q, h_q, HEAD_DIM_V), dtype=out_dtype, device=q.device)
     lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     # Split accumulators (params.h), one allocation: o_accum [b + parts, h_kv, q_rows, HEAD_DIM_V] then
     # lse_accum [b + parts, h_kv, q_rows]; HEAD_DIM_V * 4 bytes keeps lse_accum 16-byte aligned.
@@ -111,7 +127,11 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     C = _ext.ext()
     a = C.DecodeArgs()
     a.kernel = kernel
-    a.dtype = _DTYPE_CODE[q.dtype]
+    a.dtype = _DTYPE_CODE[out_dtype]
+    a.kv_fp8 = kv_fp8
+    a.q_fp8 = q.dtype == _FP8
+    a.descale_q = descale_q.data_ptr() if descale_q is not None else 0
+    a.descale_k = descale_k.data_ptr() if descale_k is not None else 0
     a.device = index
     a.stream = _raw_stream(q.device)
     a.batch, a.seqlen_q, a.num_heads_q, a.num_heads_kv = b, s_q, h_q, h_kv
@@ -138,7 +158,8 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     return out, lse
 
 
-def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal):
+def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, descale_q=None,
+                 descale_k=None):
     shapes = validate.shapes_of(q, k_cache, block_table, meta)
     on_cuda = q.device.type == "cuda"
     # Value checks (lengths, page ids, metadata against the lengths and shapes): always on CPU tensors; on
@@ -147,25 +168,30 @@ def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
         validate.check_values(k_cache, block_table, cache_seqlens)
         validate.check_schedule(q, k_cache, cache_seqlens, meta, num_splits)
     if shapes.batch == 0:
-        return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, HEAD_DIM_V)),
+        return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, HEAD_DIM_V), dtype=_out_dtype(q)),
                 q.new_empty((0, shapes.num_heads_q, shapes.seqlen_q), dtype=torch.float32))
     if not on_cuda:
-        return reference_decode(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, scale, causal)
-    return _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes)
+        return reference_decode(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, scale, causal,
+                                descale_q=descale_q, descale_k=descale_k)
+    return _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes, descale_q,
+                        descale_k)
 
 
 @torch.library.custom_op("flashmla_backend::mla_decode", mutates_args=())
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor, softmax_scale: float,
-               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               causal: bool, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     return _decode_impl(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                        softmax_scale, causal)
+                        softmax_scale, causal, descale_q, descale_k)
 
 
 @_decode_op.register_fake
-def _(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale, causal):
+def _(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale, causal,
+      descale_q=None, descale_k=None):
     b, s_q, h_q, _ = q.shape
-    return (q.new_empty((b, s_q, h_q, HEAD_DIM_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32))
+    return (q.new_empty((b, s_q, h_q, HEAD_DIM_V), dtype=_out_dtype(q)),
+            q.new_empty((b, h_q, s_q), dtype=torch.float32))
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -173,6 +199,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                            tile_scheduler_metadata: torch.Tensor | FlashMLASchedMeta,
                            num_splits: torch.Tensor | None = None, softmax_scale: float | None = None,
                            causal: bool = False, is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
+                           *, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode over a paged KV cache (FlashMLA's dense decode API).
 
@@ -187,9 +214,19 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     (lengths, page ids, metadata), on CUDA tensors only with FLASHMLA_BACKEND_CHECK=1.
     FlashMLA's newer convention is accepted too: tile_scheduler_metadata a FlashMLASchedMeta from
     get_mla_metadata() and num_splits None (flashmla_backend.sched_meta).
+
+    FP8 KV cache: k_cache torch.float8_e4m3fn (same shape), true value = stored value x descale_k, a one-element
+    float32 tensor on the device (read by the kernel: it may change between CUDA-graph replays). With a bf16/fp16
+    q the output is that q's attention against the dequantized cache, in q's dtype (accurate mode); with a
+    float8_e4m3fn q and descale_q (vLLM's FlashMLA-FP8 convention) the output is bf16 (fast mode). The kernel
+    widens e4m3 to fp16 exactly and computes with fp16 operands (a bf16 q is rounded to fp16; |q| must stay below
+    65504). is_fp8_kvcache=True only asserts an FP8 cache of this layout. Needs the sm_90a kernel (Hopper).
     """
-    if is_fp8_kvcache:
-        raise NotImplementedError("flashmla_backend: FP8 KV cache is not supported yet (bf16 and fp16 caches are)")
+    if is_fp8_kvcache and not (isinstance(k_cache, torch.Tensor) and k_cache.dtype == _FP8):
+        raise ValueError(
+            "flashmla_backend: is_fp8_kvcache=True needs a float8_e4m3fn k_cache [num_pages, 64, num_heads_k, 576] with "
+            f"a per-tensor descale_k; got k_cache {getattr(k_cache, 'dtype', type(k_cache).__name__)} "
+            f"{tuple(getattr(k_cache, 'shape', ()))} (FlashMLA's 656-byte sparse FP8 layout is not supported)")
     if indices is not None:
         raise NotImplementedError("flashmla_backend: sparse attention (indices) is not supported; only dense decode")
     if num_splits is None and isinstance(tile_scheduler_metadata, torch.Tensor):
@@ -197,18 +234,32 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         tile_scheduler_metadata, num_splits = _from_sched_meta(
             tile_scheduler_metadata, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
-            causal, is_fp8_kvcache)
+            causal, is_fp8_kvcache, descale_q, descale_k)
     validate.validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                  num_splits, softmax_scale, causal)
+                                  num_splits, softmax_scale, causal, descale_q, descale_k)
     scale = float(softmax_scale) if softmax_scale is not None else HEAD_DIM_K ** -0.5
     if torch.compiler.is_compiling():
         return torch.ops.flashmla_backend.mla_decode(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
-                                                     num_splits, scale, causal)
-    return _decode_impl(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, scale, causal)
+                                                     num_splits, scale, causal, descale_q, descale_k)
+    return _decode_impl(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, scale, causal,
+                        descale_q, descale_k)
+
+
+def flash_mla_with_kvcache_fp8(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                               cache_seqlens: torch.Tensor, head_dim_v: int,
+                               tile_scheduler_metadata: torch.Tensor | FlashMLASchedMeta,
+                               num_splits: torch.Tensor | None = None, softmax_scale: float | None = None,
+                               causal: bool = False, descale_q: torch.Tensor | None = None,
+                               descale_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's FlashMLA-FP8 entry point, same argument order: flash_mla_with_kvcache with an FP8 k_cache.
+
+    q float8_e4m3fn with descale_q (fast mode, bf16 output) or bf16/fp16 q without it (accurate mode)."""
+    return flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                  num_splits, softmax_scale, causal, descale_q=descale_q, descale_k=descale_k)
 
 
 def _from_sched_meta(meta: FlashMLASchedMeta, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v,
-                     softmax_scale, causal, is_fp8_kvcache):
+                     softmax_scale, causal, is_fp8_kvcache, descale_q=None, descale_k=None):
     """The (tile_scheduler_metadata, num_splits) tensors of a FlashMLASchedMeta, filling it on its first call."""
     if num_splits is not None:
         raise TypeError("flashmla_backend: num_splits must be None when tile_scheduler_metadata is a FlashMLASchedMeta "
@@ -219,8 +270,10 @@ def _from_sched_meta(meta: FlashMLASchedMeta, num_splits, q, k_cache, block_tabl
     # The object is filled only from arguments that pass the checks; a reuse reads only q's and k_cache's shapes
     # (the decode's own checks follow), so it runs the checks only when those are not 4-D tensors, to name them.
     if not meta.have_initialized or not _both_4d(q, k_cache):
-        validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
-    config = meta.config_of(q, k_cache, causal, is_fp8_kvcache, None)
+        validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                                         descale_q, descale_k)
+    # The recorded format is the cache's own (an FP8 cache with or without the is_fp8_kvcache flag).
+    config = meta.config_of(q, k_cache, causal, bool(is_fp8_kvcache) or k_cache.dtype == _FP8, None)
     if meta.have_initialized:
         meta.check_matches(config)
         return meta.tile_scheduler_metadata, meta.num_splits

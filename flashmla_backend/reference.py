@@ -26,6 +26,9 @@ def mla_decode_reference(
     softmax_scale: float | None = None,
     causal: bool = False,
     compute_dtype: torch.dtype = torch.float32,
+    *,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference decode with the shapes of ``flash_mla_with_kvcache``, its arguments checked like it.
 
@@ -35,15 +38,32 @@ def mla_decode_reference(
     lse [b, h_q, s_q] float32. Arithmetic in ``compute_dtype`` (fp32 by default). The argument checks are
     those of the public API (flashmla_backend.validate: the REFERENCE and VALUES tables); the value checks
     copy the index tensors to the host.
+    FP8: a float8_e4m3fn k_cache with descale_k (and a float8_e4m3fn q with descale_q) is dequantized first
+    (stored value x descale, in compute_dtype); the output is then in q's dtype, or bf16 for an FP8 q.
     """
-    validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+    validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                                     descale_q, descale_k)
     validate.check_values(k_cache, block_table, cache_seqlens)
-    return reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, compute_dtype)
+    return reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, compute_dtype,
+                            descale_q=descale_q, descale_k=descale_k)
+
+
+def dequantize(x: torch.Tensor, descale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`; a float8_e4m3fn x times its one-element descale (the FP8 cache / fast-mode q convention)."""
+    if x.dtype != torch.float8_e4m3fn:
+        return x
+    return x.to(dtype) * descale.to(device=x.device, dtype=dtype).reshape(())
 
 
 def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM_V, softmax_scale=None,
-                     causal=False, compute_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                     causal=False, compute_dtype=torch.float32, *, descale_q=None, descale_k=None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_decode_reference without the argument checks (the public API calls it after its own)."""
+    if q.dtype == torch.float8_e4m3fn or k_cache.dtype == torch.float8_e4m3fn:
+        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+        out, lse = reference_decode(dequantize(q, descale_q, compute_dtype), dequantize(k_cache, descale_k, compute_dtype),
+                                    block_table, cache_seqlens, head_dim_v, softmax_scale, causal, compute_dtype)
+        return out.to(out_dtype), lse
     b, s_q, h_q, d = q.shape
     page_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     ngroups = h_q // h_kv

@@ -39,6 +39,7 @@ from . import _env, device, geometry, scheduler
 CHECK_ENV = "FLASHMLA_BACKEND_CHECK"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16)        # the kernels' q / k_cache / out dtypes
 REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float32, torch.float64)
+FP8 = torch.float8_e4m3fn                             # the FP8 KV cache (and fast-mode q) dtype
 LOAD_ALIGN_BYTES = 16                                 # cp.async / TMA vector loads
 LOAD_ALIGN_ELEMS = 8                                  # the same in 2-byte elements
 
@@ -151,7 +152,7 @@ def _bad_pages(table: torch.Tensor, used: torch.Tensor, num_pages: int) -> str:
 _ENV = dict(torch=torch, Tensor=torch.Tensor, math=math, INF=math.inf, scheduler=scheduler, device=device,
             FLOAT_DTYPES=FLOAT_DTYPES, HEAD_DIM_K=geometry.HEAD_DIM_K, HEAD_DIM_V=geometry.HEAD_DIM_V,
             ROPE_DIM=geometry.ROPE_DIM, PAGE_SIZE=geometry.PAGE_SIZE, META_INTS=geometry.META_INTS,
-            ALIGN_BYTES=LOAD_ALIGN_BYTES, ALIGN_ELEMS=LOAD_ALIGN_ELEMS, I32=torch.int32,
+            ALIGN_BYTES=LOAD_ALIGN_BYTES, ALIGN_ELEMS=LOAD_ALIGN_ELEMS, I32=torch.int32, FP8=FP8, F32=torch.float32,
             _describe=_describe, _dtype_names=_dtype_names, _is_int=_is_int, _is_real=_is_real,
             _PY_REAL=_PY_REAL, _pairs=_pairs, _bad_pages=_bad_pages)
 
@@ -182,15 +183,39 @@ def _same_device(name: str) -> Rule:
 # ---- flash_mla_with_kvcache (and mla_decode_reference) -------------------------------------------
 
 DECODE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
-                 "num_splits", "softmax_scale", "causal")
-REFERENCE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "softmax_scale", "causal")
+                 "num_splits", "softmax_scale", "causal", "descale_q", "descale_k")
+REFERENCE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "softmax_scale", "causal",
+                    "descale_q", "descale_k")
+
+
+def _descale(name: str, tensor: str, mode: str) -> list[Rule]:
+    """Rows for descale_q / descale_k: required exactly when `tensor` is FP8, a one-element fp32 tensor on q's device."""
+    return [
+        Rule(name, f"{name} is None or isinstance({name}, Tensor)", TypeError,
+             f"{name} must be None or a torch.Tensor, got {{type({name}).__name__}}"),
+        Rule(name, f"{tensor}.dtype != FP8 or {name} is not None", ValueError,
+             f"{tensor} is float8_e4m3fn ({mode}), which needs {name}: a one-element float32 tensor on {{q.device}} "
+             f"(true value = stored value x {name})"),
+        Rule(name, f"{name} is None or {tensor}.dtype == FP8", ValueError,
+             f"{name} is only used with a float8_e4m3fn {tensor}, but {tensor} is {{{tensor}.dtype}}: pass None"),
+        Rule(name, f"{name} is None or ({name}.dtype == F32 and {name}.numel() == 1)", ValueError,
+             f"{name} must be a one-element float32 tensor, got {{_describe({name})}}"),
+        Rule(name, f"{name} is None or {name}.device == q.device", ValueError,
+             f"{name} is on {{{name}.device}} but q is on {{q.device}}: all tensors must be on one device"),
+    ]
 
 DECODE_ROWS = [
-    *_tensor("q", 4, "Q_DTYPES", "[batch, seqlen_q, num_heads_q, {HEAD_DIM_K}]"),
+    Rule("q", "isinstance(q, Tensor)", TypeError, "q must be a torch.Tensor, got {type(q).__name__}"),
+    Rule("q", "q.dtype in Q_DTYPES or q.element_size() != 1", TypeError,
+         "q has dtype {q.dtype}: of the FP8 types only float8_e4m3fn is supported (with descale_q, against a "
+         "float8_e4m3fn k_cache)"),
+    *_tensor("q", 4, "Q_DTYPES", "[batch, seqlen_q, num_heads_q, {HEAD_DIM_K}]")[1:],
     Rule("k_cache", "isinstance(k_cache, Tensor)", TypeError,
          "k_cache must be a torch.Tensor, got {type(k_cache).__name__}"),
-    Rule("k_cache", "k_cache.dtype in Q_DTYPES or k_cache.element_size() != 1", NotImplementedError,
-         "k_cache has dtype {k_cache.dtype}: FP8 KV caches are not supported yet (use a bf16 or fp16 cache)"),
+    Rule("k_cache", "k_cache.dtype in Q_DTYPES or k_cache.element_size() != 1", TypeError,
+         "k_cache has dtype {k_cache.dtype}: the supported FP8 cache is float8_e4m3fn [num_pages, {PAGE_SIZE}, "
+         "num_heads_k, {HEAD_DIM_K}] with a per-tensor descale_k (FlashMLA's 656-byte sparse FP8 layout and "
+         "float8_e5m2 are not)"),
     *_tensor("k_cache", 4, "Q_DTYPES", "[num_pages, page_size, num_heads_k, {HEAD_DIM_K}] (a 3-D vLLM-style "
              "cache needs .unsqueeze(-2))")[1:],
     *_tensor("block_table", 2, "(I32,)", "[batch, max_pages] int32"),
@@ -205,8 +230,13 @@ DECODE_ROWS = [
          "{ROPE_DIM} rope), got {_describe(q)}"),
     Rule("k_cache", "d_k == HEAD_DIM_K", ValueError,
          "k_cache's last dimension must be {HEAD_DIM_K}, got {_describe(k_cache)}"),
-    Rule("k_cache", "k_cache.dtype == q.dtype", TypeError,
-         "q and k_cache must have the same dtype, got q {q.dtype} and k_cache {k_cache.dtype}"),
+    Rule("q", "q.dtype != FP8 or k_cache.dtype == FP8", TypeError,
+         "a float8_e4m3fn q (the fast FP8 mode) needs a float8_e4m3fn k_cache, got k_cache {k_cache.dtype}"),
+    Rule("k_cache", "k_cache.dtype == q.dtype or k_cache.dtype == FP8", TypeError,
+         "q and k_cache must have the same dtype, or k_cache float8_e4m3fn (with descale_k), got q {q.dtype} and "
+         "k_cache {k_cache.dtype}"),
+    *_descale("descale_k", "k_cache", "an FP8 KV cache"),
+    *_descale("descale_q", "q", "the fast FP8 mode"),
     Rule("head_dim_v", "(type(head_dim_v) is int or _is_int(head_dim_v)) and head_dim_v == HEAD_DIM_V", ValueError,
          "head_dim_v must be {HEAD_DIM_V} (an int), got {head_dim_v!r}"),
     Rule("k_cache", "page_size == PAGE_SIZE", ValueError,
@@ -233,24 +263,28 @@ DECODE_ROWS = [
     Rule("causal", "type(causal) is bool", TypeError, "causal must be a bool, got {causal!r}"),
 ]
 
-DECODE = RuleSet("flash_mla_with_kvcache", DECODE_PARAMS, DECODE_ROWS, dict(Q_DTYPES=FLOAT_DTYPES))
-REFERENCE = RuleSet("mla_decode_reference", REFERENCE_PARAMS, DECODE_ROWS, dict(Q_DTYPES=REFERENCE_DTYPES))
+DECODE = RuleSet("flash_mla_with_kvcache", DECODE_PARAMS, DECODE_ROWS, dict(Q_DTYPES=FLOAT_DTYPES + (FP8,)))
+REFERENCE = RuleSet("mla_decode_reference", REFERENCE_PARAMS, DECODE_ROWS,
+                    dict(Q_DTYPES=REFERENCE_DTYPES + (FP8,)))
 
 
 def validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                         softmax_scale, causal) -> None:
+                         softmax_scale, causal, descale_q=None, descale_k=None) -> None:
     # (torch.compile traces the step-by-step checks: its guards make them free after the first call)
     if not torch.compiler.is_compiling() and DECODE.accepts(
             q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
-            causal):
+            causal, descale_q, descale_k):
         return
     DECODE.check(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                 softmax_scale, causal)
+                 softmax_scale, causal, descale_q, descale_k)
 
 
-def validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal) -> None:
-    if not REFERENCE.accepts(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal):
-        REFERENCE.check(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+def validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                            descale_q=None, descale_k=None) -> None:
+    if not REFERENCE.accepts(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, descale_q,
+                             descale_k):
+        REFERENCE.check(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, descale_q,
+                        descale_k)
 
 
 def shapes_of(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -262,8 +296,9 @@ def shapes_of(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
 # ---- kernel layout (CUDA tensors, after DECODE) ---------------------------------------------------
 
 def _strides_test(name: str, stride: str) -> str:
-    """Strides of the three leading dimensions multiples of ALIGN_ELEMS (size-1 dimensions exempt)."""
-    return " and ".join(f"({stride}[{i}] % ALIGN_ELEMS == 0 or {name}.shape[{i}] == 1)" for i in range(3))
+    """Strides of the three leading dimensions multiples of ALIGN_BYTES bytes (size-1 dimensions exempt)."""
+    return " and ".join(f"(({stride}[{i}] * {name}.element_size()) % ALIGN_BYTES == 0 or {name}.shape[{i}] == 1)"
+                        for i in range(3))
 
 
 LAYOUT_ROWS = [
@@ -274,7 +309,7 @@ LAYOUT_ROWS = [
              f"{name}'s data pointer must be {{ALIGN_BYTES}}-byte aligned (got {{{name}.data_ptr() % ALIGN_BYTES}} "
              f"bytes past a {{ALIGN_BYTES}}-byte boundary; storage offset {{{name}.storage_offset()}})"),
         Rule(name, _strides_test(name, st), ValueError,
-             f"{name}'s strides must be multiples of {{ALIGN_ELEMS}} elements ({{ALIGN_BYTES}} bytes) for the kernels' "
+             f"{name}'s strides must be multiples of {{ALIGN_BYTES // {name}.element_size()}} elements ({{ALIGN_BYTES}} bytes) for the kernels' "
              f"vector loads, got {{_describe({name})}}"))],
 ]
 LAYOUT = RuleSet("kernel layout", ("q", "k_cache"), LAYOUT_ROWS)
@@ -297,8 +332,8 @@ METADATA_ROWS = [
     Rule("num_heads_q", "num_heads_q is None or (_is_int(num_heads_q) and num_heads_q >= 1 "
          "and num_heads_q % num_heads_k == 0)", ValueError,
          "num_heads_q must be a positive multiple of num_heads_k={num_heads_k}, got {num_heads_q!r}"),
-    Rule("is_fp8_kvcache", "not is_fp8_kvcache", NotImplementedError,
-         "FP8 KV cache is not supported yet (bf16 and fp16 caches are)"),
+    Rule("is_fp8_kvcache", "type(is_fp8_kvcache) in (bool, int)", TypeError,
+         "is_fp8_kvcache must be a bool, got {is_fp8_kvcache!r}"),
     Rule("topk", "topk is None", NotImplementedError, "sparse attention (topk) is not supported; only dense decode"),
 ]
 METADATA = RuleSet("get_mla_metadata", METADATA_PARAMS, METADATA_ROWS)

@@ -15,7 +15,7 @@ def args(case=None, device="cpu"):
     meta, num_splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
     return dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
                 head_dim_v=D_V, tile_scheduler_metadata=meta, num_splits=num_splits, softmax_scale=inp.scale,
-                causal=True)
+                causal=True, descale_q=None, descale_k=None)
 
 
 def call(**kw):
@@ -44,15 +44,38 @@ def test_q_and_cache_dtypes_differ():
     expect(TypeError, r"q and k_cache must have the same dtype", q=a["q"].half())
 
 
-def test_fp8_cache_refused():
+FP8 = torch.float8_e4m3fn
+ONE = torch.ones(1)
+
+
+def test_fp8_cache_errors_name_the_argument():
     a = args()
-    if not hasattr(torch, "float8_e4m3fn"):
-        pytest.skip("torch without float8")
-    expect(NotImplementedError, r"FP8", k_cache=a["k_cache"].to(torch.float8_e4m3fn))
-    with pytest.raises(NotImplementedError, match="FP8"):
+    k8 = a["k_cache"].to(FP8)
+    expect(ValueError, r"k_cache is float8_e4m3fn .* needs descale_k: a one-element float32 tensor", k_cache=k8)
+    expect(ValueError, r"descale_k must be a one-element float32 tensor", k_cache=k8, descale_k=ONE.double())
+    expect(ValueError, r"descale_k must be a one-element float32 tensor", k_cache=k8, descale_k=torch.ones(2))
+    expect(TypeError, r"descale_k must be None or a torch.Tensor, got float", k_cache=k8, descale_k=1.0)
+    expect(ValueError, r"descale_k is only used with a float8_e4m3fn k_cache, but k_cache is torch.bfloat16",
+           descale_k=ONE)
+    expect(TypeError, r"k_cache has dtype torch.float8_e5m2: the supported FP8 cache is float8_e4m3fn",
+           k_cache=a["k_cache"].to(torch.float8_e5m2))
+    expect(TypeError, r"a float8_e4m3fn q \(the fast FP8 mode\) needs a float8_e4m3fn k_cache",
+           q=a["q"].to(FP8), descale_q=ONE)
+    expect(ValueError, r"q is float8_e4m3fn .* needs descale_q", q=a["q"].to(FP8), k_cache=k8, descale_k=ONE)
+    expect(ValueError, r"descale_q is only used with a float8_e4m3fn q", k_cache=k8, descale_k=ONE, descale_q=ONE)
+    expect(TypeError, r"q has dtype torch.float8_e5m2", q=a["q"].to(torch.float8_e5m2))
+    with pytest.raises(ValueError, match=r"is_fp8_kvcache=True needs a float8_e4m3fn k_cache .* 656-byte"):
         fb.flash_mla_with_kvcache(**a, is_fp8_kvcache=True)
-    with pytest.raises(NotImplementedError, match="FP8"):
-        fb.get_mla_metadata(a["cache_seqlens"], 32, 1, is_fp8_kvcache=True)
+    u8 = torch.zeros(4, PAGE, 1, 656, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"656-byte sparse FP8 layout is not supported"):
+        fb.flash_mla_with_kvcache(**dict(a, k_cache=u8), is_fp8_kvcache=True)
+
+
+def test_metadata_is_the_same_for_both_cache_formats():
+    a = args()
+    m0, n0 = fb.get_mla_metadata(a["cache_seqlens"], 32, 1)
+    m1, n1 = fb.get_mla_metadata(a["cache_seqlens"], 32, 1, is_fp8_kvcache=True)
+    assert torch.equal(m0, m1) and torch.equal(n0, n1)
 
 
 def test_q_shape():
@@ -231,6 +254,21 @@ def _mutations():
         "causal int": dict(causal=1),
         "causal None": dict(causal=None),
         "causal np bool": dict(causal=np.bool_(True)),
+        "cache e5m2": dict(k_cache=kc.to(torch.float8_e5m2), descale_k=ONE),
+        "q e5m2": dict(q=a["q"].to(torch.float8_e5m2), k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE),
+        "cache fp8 without descale_k": dict(k_cache=kc.to(FP8)),
+        "cache fp8 descale_k float64": dict(k_cache=kc.to(FP8), descale_k=ONE.double()),
+        "cache fp8 descale_k two elements": dict(k_cache=kc.to(FP8), descale_k=torch.ones(2)),
+        "cache fp8 descale_k list": dict(k_cache=kc.to(FP8), descale_k=[1.0]),
+        "cache fp8 descale_k on meta": dict(k_cache=kc.to(FP8), descale_k=ONE.to("meta")),
+        "descale_k with a bf16 cache": dict(descale_k=ONE),
+        "q fp8 with a bf16 cache": dict(q=a["q"].to(FP8), descale_q=ONE),
+        "q fp8 without descale_q": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE),
+        "descale_q with a bf16 q": dict(k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE),
+        "q fp8 descale_q int32": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE,
+                                      descale_q=torch.ones(1, dtype=torch.int32)),
+        "q fp8 descale_q on meta": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE.to("meta")),
+        "q fp8 descale_q 0-d float": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=3.0),
     }
     good = {
         "valid": {},
@@ -241,6 +279,9 @@ def _mutations():
         "scale np.int64": dict(softmax_scale=np.int64(1)),
         "head_dim_v np.int64": dict(head_dim_v=np.int64(D_V)),
         "causal False": dict(causal=False),
+        "fp8 cache": dict(k_cache=kc.to(FP8), descale_k=ONE * 0.5),
+        "fp8 cache, 0-d descale_k": dict(k_cache=kc.to(FP8), descale_k=torch.tensor(0.5)),
+        "fp8 q and cache": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE * 2),
     }
     return {**{k: (v, False) for k, v in bad.items() if v}, **{k: (v, True) for k, v in good.items()}}
 

@@ -1,0 +1,76 @@
+"""FP8 KV cache through the public API on CPU tensors (the reference path): both modes against an fp64
+computation on the dequantized inputs, output dtypes, vLLM's FP8 entry point, the newer calling convention."""
+import pytest
+import torch
+
+import flashmla_backend as fb
+from fp8kit import FP8, dequantized, fp8_inputs
+from kit import D_V, Case, brute_force_fp64
+
+
+def _meta(inp, case):
+    return fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
+
+
+def _rel(a, b):
+    m = torch.isfinite(b)
+    return ((a.double()[m] - b[m]).norm() / b[m].norm()).item()
+
+
+@pytest.mark.parametrize("q_dtype,q_fp8", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)])
+def test_both_modes_match_fp64_on_the_dequantized_inputs(q_dtype, q_fp8):
+    case = Case(lengths=[70, 0, 130], s_q=2, h_q=16, dtype=q_dtype)
+    inp, dq, dk = fp8_inputs(case, q_fp8=q_fp8, k_gain=3.0)
+    meta, splits = _meta(inp, case)
+    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                         softmax_scale=inp.scale, causal=True, descale_q=dq, descale_k=dk)
+    assert out.dtype == (torch.bfloat16 if q_fp8 else q_dtype) and lse.dtype == torch.float32
+    ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), causal=True)
+    assert _rel(out, ref_out) < 1e-2
+    assert _rel(lse, ref_lse) < 2e-3
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))  # the empty request: out 0, lse +inf
+
+
+def test_descale_k_scales_the_values():
+    case = Case(lengths=[100], h_q=16)
+    inp, _, dk = fp8_inputs(case)
+    meta, splits = _meta(inp, case)
+    args = (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits)
+    out1, _ = fb.flash_mla_with_kvcache(*args, softmax_scale=inp.scale, descale_k=dk)
+    out2, _ = fb.flash_mla_with_kvcache(*args, softmax_scale=inp.scale, descale_k=dk * 2)
+    assert not torch.equal(out1, out2)
+    ref, _ = brute_force_fp64(dequantized(inp, None, dk * 2), causal=False)
+    assert _rel(out2, ref) < 1e-2
+
+
+def test_vllm_fp8_entry_point_matches():
+    case = Case(lengths=[64, 200], s_q=1, h_q=16)
+    inp, dq, dk = fp8_inputs(case, q_fp8=True)
+    meta, splits = _meta(inp, case)
+    a = fb.flash_mla_with_kvcache_fp8(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                      inp.scale, True, dq, dk)
+    b = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                  softmax_scale=inp.scale, causal=True, descale_q=dq, descale_k=dk)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_sched_meta_records_the_cache_format():
+    case = Case(lengths=[64, 200], h_q=16)
+    inp, _, dk = fp8_inputs(case)
+    sched, none = fb.get_mla_metadata()
+    fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, sched, none,
+                              descale_k=dk)
+    with pytest.raises(ValueError, match="is_fp8_kvcache"):
+        fb.flash_mla_with_kvcache(inp.q, inp.k_cache.to(torch.bfloat16), inp.block_table, inp.cache_seqlens, D_V,
+                                  sched, None)
+
+
+def test_reference_takes_descales():
+    case = Case(lengths=[64], h_q=16)
+    inp, _, dk = fp8_inputs(case)
+    out, _ = fb.mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale,
+                                     descale_k=dk)
+    ref, _ = brute_force_fp64(dequantized(inp, None, dk), causal=False)
+    assert out.dtype == torch.bfloat16 and _rel(out, ref) < 1e-2
+    with pytest.raises(ValueError, match="needs descale_k"):
+        fb.mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale)
