@@ -88,7 +88,7 @@ def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
                        "plugin sets it when --attention-backend/--decode-attention-backend names it")
     kv_dtype, dtype = model_runner.kv_cache_dtype, model_runner.dtype
     if kv_dtype not in SUPPORTED_DTYPES:
-        reasons.append(f"flashmla_backend has no FP8 KV cache yet: KV cache dtype {kv_dtype} is not supported; "
+        reasons.append(f"the flashmla_backend plugin does not serve FP8 KV caches yet (the API does): KV cache dtype {kv_dtype} is not supported; "
                        "use --kv-cache-dtype auto with a bf16 or fp16 model")
     elif kv_dtype != dtype:
         reasons.append(f"flashmla_backend needs the KV cache in the model dtype ({dtype}), got {kv_dtype}")

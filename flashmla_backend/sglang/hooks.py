@@ -42,7 +42,7 @@ def page_size_constraints(result, view, *args, **kwargs):
     kv_cache_dtype = getattr(view, "kv_cache_dtype", "auto") or "auto"
     if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
         raise ValueError(
-            f"flashmla_backend has no FP8 KV cache yet: --kv-cache-dtype {kv_cache_dtype} is not supported with "
+            f"the flashmla_backend plugin does not serve FP8 KV caches yet (the API does): --kv-cache-dtype {kv_cache_dtype} is not supported with "
             f"--attention-backend {BACKEND_NAME}; use --kv-cache-dtype auto (bf16 or fp16 models)")
     declared = dict(result or {})
     page_size = declared.get("page_size", getattr(view, "page_size", None))

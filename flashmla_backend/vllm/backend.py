@@ -84,7 +84,7 @@ class FlashMLAPluginBackend(MLACommonBackend):
                 "--block-size 64 or leave --block-size unset")
         if kv_cache_dtype is not None and kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
             reasons.append(
-                f"flashmla_backend does not support kv_cache_dtype {kv_cache_dtype!r} (no FP8 KV cache yet); "
+                f"flashmla_backend does not support kv_cache_dtype {kv_cache_dtype!r} (the plugin does not serve FP8 KV caches yet; the API does); "
                 f"use {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
         elif kv_cache_dtype in _KV_DTYPE_BY_NAME and _KV_DTYPE_BY_NAME[kv_cache_dtype] != dtype:
             reasons.append(

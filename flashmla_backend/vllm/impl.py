@@ -55,7 +55,7 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
                 f"flashmla_backend: only decoder self-attention is supported, got attention type {attn_type!r}")
         if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
             raise NotImplementedError(
-                f"flashmla_backend: KV cache dtype {kv_cache_dtype!r} is not supported (no FP8 KV cache yet); "
+                f"flashmla_backend: KV cache dtype {kv_cache_dtype!r} is not supported (the plugin does not serve FP8 KV caches yet; the API does); "
                 f"use --kv-cache-dtype {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
         if self.kv_lora_rank != HEAD_DIM_V or self.qk_rope_head_dim != ROPE_DIM or head_size != HEAD_DIM_K:
             raise NotImplementedError(
