@@ -108,7 +108,10 @@ def dequantized_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: t
         counts = [-(-n // page) for n in seqlens[start:end]]
         ids = torch.cat([block_table[i, :c].long() for i, c in zip(range(start, end), counts)] +
                         [torch.zeros(1, dtype=torch.long, device=block_table.device)])   # one spare page
-        kv = k_cache[ids].double() * dk
+        if k_cache.dtype == torch.float8_e4m3fn:    # gather the bytes (indexing of float8 is not everywhere)
+            kv = k_cache.view(torch.uint8)[ids].view(k_cache.dtype).double() * dk
+        else:
+            kv = k_cache[ids].double() * dk
         table = torch.zeros(end - start, max(1, max(counts)), dtype=torch.int32, device=block_table.device)
         offset = 0
         for j, c in enumerate(counts):
