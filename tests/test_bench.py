@@ -498,6 +498,292 @@ def test_vllm_impls_degrade_to_unavailable_on_cpu():
         assert rows[0]["status"] == "unavailable" and rows[0]["reason"], (impl, rows[0])
 
 
+# ---- FP8 (e4m3) KV cache ----------------------------------------------------------------------
+
+def test_parse_args_kv_dtype():
+    a = cli.parse_args(["--kv-dtype", "bf16,fp8"])
+    assert a.kv_dtype == ["bf16", "fp8"] and a.impls == list(impls.ALL_IMPLS)
+    cfg = cli.config_from_args(a)
+    assert cfg.kv_dtypes == ["bf16", "fp8"] and cfg.impls[-3:] == ["ours-fp8", "ours-fp8q", "flashmla-fp8"]
+    assert cli.parse_args(["--kv-dtype", "FP8"]).impls == list(impls.FP8_IMPLS)          # e4m3 rows only
+    assert cli.parse_args(["--kv-dtype", "e4m3 bf16", "--impls", "all"]).kv_dtype == ["bf16", "fp8"]
+    # without --kv-dtype: the dtypes of the implementations named (run order kept)
+    a = cli.parse_args(["--impls", "flashmla-fp8,ours-fp8q,ours"])
+    assert a.impls == ["ours", "ours-fp8q", "flashmla-fp8"] and a.kv_dtype == ["bf16", "fp8"]
+    assert cli.parse_args(["--impls", "ours-fp8"]).kv_dtype == ["fp8"]
+    assert cli.parse_args([]).kv_dtype == ["bf16"] and cli.parse_args([]).impls == list(impls.IMPLS)
+    a = cli.parse_args(["--dtype", "fp16", "--kv-dtype", "fp16,fp8", "--impls", "ours,ours-fp8"])
+    assert a.kv_dtype == ["fp16", "fp8"] and cli.config_from_args(a).dtype == torch.float16
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-dtype", "int4"], "unknown KV dtype"),
+    (["--kv-dtype", ""], "empty"),
+    (["--kv-dtype", "fp16"], "needs --dtype fp16"),                 # the 16-bit cache is in --dtype
+    (["--kv-dtype", "bf16", "--impls", "ours,ours-fp8q"], "ours-fp8q need(s) a fp8 cache"),
+    (["--kv-dtype", "fp8", "--impls", "ours"], "ours need(s) a bf16 cache"),
+    (["--impls", "ours-fp9"], "unknown implementation"),
+])
+def test_parse_args_kv_dtype_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_count_work_e4m3_by_hand():
+    lens, h_q, s_q = [100, 28], 16, 2
+    w8 = shapes.count_work(lens, h_q, s_q, True, 2, kv_elem_size=1)                # 16-bit q, e4m3 cache
+    q16, q8, out, lse = 2 * s_q * h_q * 576 * 2, 2 * s_q * h_q * 576, 2 * s_q * h_q * 512 * 2, 2 * h_q * s_q * 4
+    assert w8.kv_bytes == 128 * 576 and w8.bytes == 128 * 576 + q16 + out + lse
+    w8q = shapes.count_work(lens, h_q, s_q, True, 2, kv_elem_size=1, q_elem_size=1)  # e4m3 q too
+    assert w8q.bytes == 128 * 576 + q8 + out + lse
+    w16 = shapes.count_work(lens, h_q, s_q, True, 2)
+    assert w8.flops == w8q.flops == w16.flops and w16.bytes == 128 * 576 * 2 + q16 + out + lse
+    # the harness picks the count by implementation
+    assert run.work_of("ours-fp8", lens, shapes.Shape(2, 100, h_q, s_q), True, 2) == w8
+    assert run.work_of("ours-fp8q", lens, shapes.Shape(2, 100, h_q, s_q), True, 2) == w8q
+    assert run.work_of("flashmla-fp8", lens, shapes.Shape(2, 100, h_q, s_q), True, 2) == w8q
+    assert run.work_of("ours", lens, shapes.Shape(2, 100, h_q, s_q), True, 2) == w16
+    # % of the copy ceiling: the e4m3 bytes over the time (b128-sk8192-h128-sq1 by hand)
+    big = shapes.count_work([8192] * 128, 128, 1, True, 2, kv_elem_size=1)
+    assert big.bytes == 128 * 8192 * 576 + 128 * 128 * 576 * 2 + 128 * 128 * 512 * 2 + 128 * 128 * 4
+    m = timing.derive_metrics(big, 300.0, CEILINGS)
+    assert m["frac_bw"] == pytest.approx(big.bytes / 300e-6 / 1e9 / 3000)
+
+
+def test_quantize_e4m3():
+    x = torch.randn(7, 64, 1, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x8, descale = shapes.quantize_e4m3(x)
+    assert x8.dtype == torch.float8_e4m3fn and x8.shape == x.shape
+    assert descale.shape == (1,) and descale.dtype == torch.float32
+    assert float(descale) == pytest.approx(float(x.abs().max()) / 448)
+    assert float(x8.float().abs().max()) == 448.0                                 # amax maps to e4m3's max
+    back = x8.float() * descale
+    big = x.float().abs() > 2 ** -6 * float(descale)                              # normal e4m3 range
+    assert ((back - x.float()).abs()[big] <= 2 ** -4 * x.float().abs()[big] + 1e-12).all()   # half an ulp
+    rel = float((back - x.float()).norm() / x.float().norm())
+    assert 5e-3 < rel < 4e-2                                                      # e4m3 is coarse
+    chunked, d2 = shapes.quantize_e4m3(x, chunk_elems=2 * 64 * 576)               # 4 chunks: same bytes
+    assert torch.equal(chunked.view(torch.uint8), x8.view(torch.uint8)) and torch.equal(d2, descale)
+
+
+def test_make_fp8_inputs_and_rotation():
+    shape = shapes.Shape(3, 100, 16, 2, True)
+    lens = shapes.make_seqlens(shape, 0)
+    inputs = shapes.make_inputs(shape, lens, torch.bfloat16, CPU, seed=0, copies=2)
+    f8 = shapes.make_fp8_inputs(inputs)
+    assert len(f8) == 2 and f8[0].k_cache.shape == inputs[0].k_cache.shape and f8[0].q.shape == inputs[0].q.shape
+    assert f8[0].nbytes() == shapes.fp8_bytes_per_copy(shape, lens)
+    assert not torch.equal(f8[0].descale_k, f8[1].descale_k)                     # each copy its own descale
+    l2 = 50 << 20
+    # e4m3 copies are half the size: twice as many copies, capped by the memory of both sets
+    assert shapes.rotation_copies_for([10 << 20, 5 << 20], 15 << 20, l2, 4 << 30) == 40
+    assert shapes.rotation_copies_for([10 << 20, 5 << 20], 15 << 20, l2, 150 << 20) == 10
+    assert shapes.rotation_copies_for([10 << 20], 10 << 20, l2, 4 << 30) == shapes.rotation_copies(10 << 20, l2, 4 << 30)
+
+
+def test_dequantized_reference_matches_oracle():
+    lens = [1, 64, 65, 140, 7]
+    inp, seqlens = _inputs(lens, 2, 16, torch.bfloat16, seed=2)
+    f8 = shapes.make_fp8_inputs([inp])[0]
+    k = f8.k_cache.double() * f8.descale_k.double()
+    for q, dq in ((inp.q, None), (f8.q, f8.descale_q)):
+        want, want_lse = _oracle(q.double() * (dq.double() if dq is not None else 1), k, inp.block_table, lens,
+                                 True, 0.05)
+        for chunk in (1 << 28, 1):                                                 # one group; one request each
+            out, lse = check.dequantized_reference(q, f8.k_cache, inp.block_table, lens, 0.05, True, f8.descale_k,
+                                                   descale_q=dq, chunk_bytes=chunk)
+            assert out.dtype == torch.float64
+            torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_rel_norm_error():
+    out, _, rows = _guard_case()
+    assert check.rel_norm_error(out, out, rows) == 0.0
+    noisy = out.clone()
+    noisy[rows.unsqueeze(-1).expand(out.shape[:3])] *= 1.01
+    assert check.rel_norm_error(noisy, out, rows) == pytest.approx(0.01)
+    noisy[2] = float("nan")                                                        # a row without keys: ignored
+    assert check.rel_norm_error(noisy, out, rows) == pytest.approx(0.01)
+    assert check.rel_norm_error(out, out, torch.zeros_like(rows)) is None
+
+
+def _stub_fp8(fast: bool, scale_factor: float = 1.0):
+    """Stands in for an FP8 implementation: the fp32 naive decode of the dequantized inputs."""
+    def prepare(ctx):
+        assert len(ctx.fp8) == len(ctx.inputs)
+
+        def make(inp, f8):
+            q = f8.q.float() * f8.descale_q if fast else inp.q.float()
+            k = f8.k_cache.float() * f8.descale_k
+            return lambda: naive_mla_decode(q, k, inp.block_table, ctx.cache_seqlens, 512, ctx.max_seqlen,
+                                            softmax_scale=scale_factor * ctx.scale, causal=ctx.causal)
+        return [impls.Variant("", [make(i, f) for i, f in zip(ctx.inputs, ctx.fp8)], impls.standard)]
+    return prepare
+
+
+def test_run_shape_fp8_on_cpu(monkeypatch, capsys):
+    monkeypatch.setitem(impls.ADAPTERS, "ours-fp8", _stub_fp8(False))
+    monkeypatch.setitem(impls.ADAPTERS, "ours-fp8q", _stub_fp8(True))
+    monkeypatch.setitem(impls.ADAPTERS, "flashmla-fp8", _stub_fp8(True, 1.5))     # wrong scale
+    cfg = run.Config(shapes=[], impls=["ours", "ours-fp8", "ours-fp8q", "flashmla-fp8"], l2_bytes=1 << 16,
+                     kv_dtypes=["bf16", "fp8"])
+    shape = shapes.parse_shape("b3-varlen100-h16-sq2")
+    rows = run.run_shape(shape, cfg, CEILINGS, _fake_timer, CPU, 1, 1)
+    by = {r["impl"]: r for r in rows}
+    lens = shapes.make_seqlens(shape, 0)
+    for impl in ("ours-fp8", "ours-fp8q"):
+        r = by[impl]
+        assert r["status"] == "ok" and r["check"] == "ok" and r["kv_dtype"] == "fp8_e4m3", r
+        assert r["bytes"] == run.work_of(impl, lens, shape, True, 2).bytes
+        assert r["frac_bw"] == pytest.approx(r["bytes"] / 100e-6 / 1e9 / 3000)
+    assert by["ours-fp8"]["q_dtype"] == "bf16" and by["ours-fp8q"]["q_dtype"] == "fp8_e4m3"
+    # each mode is exact (fp32) against its own reference and off by e4m3's q rounding against the other
+    assert by["ours-fp8"]["err_vs_bf16q"] < 1e-5 < 1e-3 < by["ours-fp8"]["err_vs_fp8q"] < 5e-2
+    assert by["ours-fp8q"]["err_vs_fp8q"] < 1e-5 < 1e-3 < by["ours-fp8q"]["err_vs_bf16q"] < 5e-2
+    bad = by["flashmla-fp8"]
+    assert bad["check"] == "WRONG" and bad["err_vs_fp8q"] > 5e-2 and bad["speedup_vs_flashmla"] is None
+    assert by["ours-fp8q"]["speedup_vs_flashmla"] is None                          # baseline WRONG: no ratio
+    assert by["ours"]["kv_dtype"] == "bf16" and by["ours"]["err_vs_bf16q"] is None
+    printed = capsys.readouterr().out
+    assert "e4m3 inputs: descale_k" in printed and "err vs fp64 ref" in printed
+    assert "FP8 (plain): ours-fp8q vs FlashMLA-FP8 n/a" in printed and "ours-fp8 vs ours bf16 1.000x" in printed
+
+
+def test_run_shape_fp8_peer_is_ours_fp8q(monkeypatch):
+    """flashmla-fp8 is compared with ours-fp8q (same e4m3 q and cache) on the whole batch."""
+    monkeypatch.setitem(impls.ADAPTERS, "ours-fp8q", _stub_fp8(True, 1.5))        # wrong: no peer comparison
+    monkeypatch.setitem(impls.ADAPTERS, "flashmla-fp8", _stub_fp8(True))
+    cfg = run.Config(shapes=[], impls=["ours-fp8q", "flashmla-fp8"], l2_bytes=1 << 16)
+    rows = run.run_shape(shapes.parse_shape("b2-sk70-h16-sq1"), cfg, CEILINGS, _fake_timer, CPU)
+    by = {r["impl"]: r for r in rows}
+    assert by["ours-fp8q"]["check"] == "WRONG" and by["flashmla-fp8"]["check"] == "ok"
+    assert by["flashmla-fp8"]["vs_ours_max_row_err"] is None
+    monkeypatch.setitem(impls.ADAPTERS, "ours-fp8q", _stub_fp8(True))
+    rows = run.run_shape(shapes.parse_shape("b2-sk70-h16-sq1"), cfg, CEILINGS, _fake_timer, CPU)
+    assert {r["impl"]: r for r in rows}["flashmla-fp8"]["vs_ours_max_row_err"] == 0.0
+    assert not any(r["impl"] == "get_mla_metadata" for r in rows)
+
+
+def test_fp8_impls_degrade_cleanly(monkeypatch):
+    """The real FP8 adapters on the CPU: each row is ok (an API with the FP8 cache runs its CPU path) or
+    unavailable with a reason (no FP8 in the API yet, no vLLM, no CUDA); never an exception."""
+    cfg = run.Config(shapes=[], impls=list(impls.FP8_IMPLS), l2_bytes=1 << 16, kv_dtypes=["fp8"])
+    rows = run.run_shape(shapes.parse_shape("b2-sk100-h16-sq1"), cfg, CEILINGS, _fake_timer, CPU)
+    assert [r["impl"] for r in rows] == list(impls.FP8_IMPLS)
+    for r in rows:
+        assert (r["status"] == "ok" and r["check"] == "ok") or (r["status"] == "unavailable" and r["reason"]), r
+    assert rows[2]["status"] == "unavailable"                                     # vLLM's kernels need CUDA
+    # without e4m3 inputs (a context built for 16-bit rows only) the adapters refuse by name
+    shape = shapes.parse_shape("b2-sk100-h16-sq1")
+    lens = shapes.make_seqlens(shape, 0)
+    ctx = impls.ShapeContext(shape, lens, shapes.make_inputs(shape, lens, torch.bfloat16, CPU, 0, 1),
+                             torch.tensor(lens, dtype=torch.int32), max(lens), 576 ** -0.5, True, torch.bfloat16,
+                             CPU, [], 8)
+    for impl in impls.FP8_IMPLS:
+        with pytest.raises(impls.ImplUnavailable, match="e4m3 inputs"):
+            impls.ADAPTERS[impl](ctx)
+    # vLLM absent: the reason says so
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("no vllm here")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    monkeypatch.setattr("importlib.import_module", lambda name, package=None: no_vllm(name))
+    rows = run.run_shape(shape, run.Config(shapes=[], impls=["flashmla-fp8"], l2_bytes=1 << 16), CEILINGS,
+                         _fake_timer, CPU)
+    assert rows[0]["status"] == "unavailable" and "vllm import failed" in rows[0]["reason"]
+
+
+def test_ours_fp8_runs_when_the_api_has_it():
+    """Once flash_mla_with_kvcache takes descale_k, the CPU path of ours-fp8 / ours-fp8q passes the guard."""
+    import inspect
+    import flashmla_backend
+    if "descale_k" not in inspect.signature(flashmla_backend.flash_mla_with_kvcache).parameters:
+        pytest.skip("this flashmla_backend has no FP8 KV cache yet")
+    cfg = run.Config(shapes=[], impls=["ours-fp8", "ours-fp8q"], l2_bytes=1 << 16, kv_dtypes=["fp8"])
+    rows = run.run_shape(shapes.parse_shape("b3-varlen100-h16-sq2"), cfg, CEILINGS, _fake_timer, CPU)
+    by = {r["impl"]: r for r in rows}
+    assert by["ours-fp8"]["check"] == "ok" and by["ours-fp8"]["err_vs_bf16q"] < 1e-2
+    assert by["ours-fp8q"]["check"] == "ok" and by["ours-fp8q"]["err_vs_fp8q"] < 1e-2
+
+
+def _fp8_rows():
+    """Synthetic results of one shape: ours 100 µs, ours-fp8 60, ours-fp8q 50, flashmla-fp8 55 (plain)."""
+    cfg = run.Config(shapes=[], impls=["ours", "flashmla", "ours-fp8", "ours-fp8q", "flashmla-fp8"],
+                     kv_dtypes=["bf16", "fp8"])
+    shape = shapes.Shape(128, 8192, 128)
+    lens = [8192] * 128
+    rows = []
+    for impl, us in (("ours", 100.0), ("ours-fp8", 60.0), ("ours-fp8q", 50.0), ("flashmla-fp8", 55.0)):
+        work = run.work_of(impl, lens, shape, True, 2)
+        r = run.base_row(shape, cfg, work, 1, impl, "plain")
+        run.fill_timing(r, timing.Timing(us, us - 1, us + 1, "fake"), work, CEILINGS)
+        r.update(check="ok")
+        if impl in impls.FP8_IMPLS:
+            r.update(err_vs_bf16q=2.0e-3 if impl == "ours-fp8" else 1.5e-2,
+                     err_vs_fp8q=1.5e-2 if impl == "ours-fp8" else 2.5e-3)
+        rows.append(r)
+    fm = run.base_row(shape, cfg, run.work_of("flashmla", lens, shape, True, 2), 1, "flashmla", "plain")
+    fm.update(status="unavailable", reason="no vllm")
+    rows.append(fm)
+    run.add_speedups(rows)
+    return cfg, rows
+
+
+def test_fp8_summary_and_speedups():
+    cfg, rows = _fp8_rows()
+    s = run.fp8_summary(rows, "b128-sk8192-h128-sq1", "plain")
+    assert s["fp8q_vs_flashmla_fp8"] == pytest.approx(55 / 50)
+    assert s["fp8_over_fp8q"] == pytest.approx(60 / 50)
+    assert s["fp8_vs_16bit"] == pytest.approx(100 / 60)
+    ours8 = next(r for r in rows if r["impl"] == "ours-fp8")
+    assert s["fp8_frac_copy"] == pytest.approx(ours8["bytes"] / 60e-6 / 1e9 / 3000)
+    assert ours8["speedup_vs_flashmla"] == pytest.approx(55 / 60)                 # FP8 rows: vs FlashMLA-FP8
+    assert next(r for r in rows if r["impl"] == "ours")["speedup_vs_flashmla"] is None   # FlashMLA unavailable
+    assert run.fp8_summary(rows, "b128-sk8192-h128-sq1", "graph")["fp8_over_fp8q"] is None
+
+
+def test_markdown_report_fp8_from_results_json(tmp_path):
+    cfg, rows = _fp8_rows()
+    report.write_json(str(tmp_path / "r.json"), {"date_utc": "d", "command": "c"}, cfg, CEILINGS, rows)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    got = doc["results"]
+    assert {r["impl"]: r["err_vs_fp8q"] for r in got}["ours-fp8q"] == 2.5e-3
+    assert {r["impl"]: r["kv_dtype"] for r in got}["flashmla-fp8"] == "fp8_e4m3"
+    cfg2 = run.Config(shapes=[], impls=doc["config"]["impls"], kv_dtypes=doc["config"]["kv_dtypes"])
+    md = report.markdown_report(doc["environment"], cfg2, CEILINGS, got)
+    assert "KV cache bf16,fp8" in md and "FP8 (e4m3) KV cache, plain calls" in md
+    lines = [l for l in md.splitlines() if l.startswith("| b128-sk8192-h128-sq1")]
+    assert len(lines) == 3                                                        # 16-bit, FP8 timing, accuracy
+    timing_cells = [c.strip() for c in lines[1].strip("|").split("|")]
+    frac = 100 * next(r for r in got if r["impl"] == "ours-fp8")["frac_bw"]
+    frac_q = 100 * next(r for r in got if r["impl"] == "ours-fp8q")["frac_bw"]
+    assert timing_cells == ["b128-sk8192-h128-sq1", "60.0", "50.0", "55.0", "100.0", "1.10x", "1.20x", "1.67x",
+                            f"{frac:.0f}%", f"{frac_q:.0f}%"]
+    acc_cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert acc_cells == ["b128-sk8192-h128-sq1", "2.0e-03", "1.5e-02", "1.5e-02", "2.5e-03", "1.5e-02", "2.5e-03"]
+    # FP8 rows only: no 16-bit table, the FP8 ones still there
+    only8 = [r for r in got if r["impl"] in impls.FP8_IMPLS]
+    md8 = report.markdown_report({}, cfg2, CEILINGS, only8)
+    assert "ours TFLOP/s" not in md8 and "| ours-fp8 µs |" in md8
+    # no FP8 rows: no FP8 tables
+    assert "FP8" not in "".join(report.fp8_tables(cfg2, [r for r in got if r["impl"] == "ours"]))
+
+
+def test_write_chart_with_fp8_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    cfg, rows = _fp8_rows()
+    assert report.write_chart(str(tmp_path / "c.png"), rows, CEILINGS)
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(set(report.CHART_COLORS.values())) == len(impls.ALL_IMPLS)
+    assert {report.CHART_MARKERS[i] for i in impls.FP8_IMPLS}.isdisjoint({report.CHART_MARKERS[i] for i in impls.IMPLS})
+
+
 # ---- where the harness lives --------------------------------------------------------------------
 
 def test_harness_is_not_in_the_installed_package():

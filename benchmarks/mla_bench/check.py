@@ -70,3 +70,60 @@ def check_indices(seqlens: Sequence[int]) -> list[int]:
     shortest = min(range(b), key=lambda i: seqlens[i])
     return sorted({0, b - 1, longest, shortest})
 
+
+
+def rel_norm_error(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> Optional[float]:
+    """||out - ref|| / ||ref|| (Frobenius, fp64) over the query rows that see a key; None if none does.
+    Non-finite output gives NaN."""
+    mask = rows.to(out.device).unsqueeze(-1).expand(out.shape[:3])
+    if tuple(out.shape) != tuple(ref.shape) or not bool(mask.any()):
+        return None
+    o = out.double()[mask]
+    r = ref.double().to(out.device)[mask]
+    return float((o - r).norm() / r.norm().clamp_min(1e-300))
+
+
+def dequantized_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                          seqlens: Sequence[int], scale: float, causal: bool, descale_k: torch.Tensor,
+                          descale_q: Optional[torch.Tensor] = None, chunk_bytes: int = 1 << 28,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp64 decode of every request on dequantized inputs: the e4m3 cache times descale_k, and q as given
+    (16-bit) or, with descale_q, the e4m3 q times descale_q. Returns out [b, s_q, h_q, 512] fp64 and lse
+    [b, h_q, s_q] fp32. Requests go in groups whose fp64 pages take about chunk_bytes, each group's pages
+    gathered into a compact cache, so that the whole cache is never widened at once."""
+    from flashmla_backend.reference import mla_decode_reference
+
+    page = k_cache.shape[1]
+    row_bytes = page * k_cache.shape[2] * k_cache.shape[3] * 8
+    dk = descale_k.double().reshape(())
+    b, s_q, h_q, _ = q.shape
+    out = torch.zeros(b, s_q, h_q, 512, dtype=torch.float64, device=q.device)
+    lse = torch.full((b, h_q, s_q), float("inf"), dtype=torch.float32, device=q.device)
+    start = 0
+    while start < b:
+        end, pages = start, 0
+        while end < b and (end == start or (pages + -(-seqlens[end] // page)) * row_bytes <= chunk_bytes):
+            pages += -(-seqlens[end] // page)
+            end += 1
+        counts = [-(-n // page) for n in seqlens[start:end]]
+        ids = torch.cat([block_table[i, :c].long() for i, c in zip(range(start, end), counts)] +
+                        [torch.zeros(1, dtype=torch.long, device=block_table.device)])   # one spare page
+        if k_cache.dtype == torch.float8_e4m3fn:    # gather the bytes (indexing of float8 is not everywhere)
+            kv = k_cache.view(torch.uint8)[ids].view(k_cache.dtype).double() * dk
+        else:
+            kv = k_cache[ids].double() * dk
+        table = torch.zeros(end - start, max(1, max(counts)), dtype=torch.int32, device=block_table.device)
+        offset = 0
+        for j, c in enumerate(counts):
+            table[j, :c] = torch.arange(offset, offset + c, dtype=torch.int32, device=block_table.device)
+            offset += c
+        qd = q[start:end].double()
+        if descale_q is not None:
+            qd = qd * descale_q.double().reshape(())
+        lens = torch.tensor(list(seqlens[start:end]), dtype=torch.int32, device=q.device)
+        o, l = mla_decode_reference(qd, kv, table, lens, 512, softmax_scale=scale, causal=causal,
+                                    compute_dtype=torch.float64)
+        out[start:end] = o
+        lse[start:end] = l
+        start = end
+    return out, lse

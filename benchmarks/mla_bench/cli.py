@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .impls import IMPLS
+from .impls import ALL_IMPLS, FP8_IMPLS, kv_kind
 from .report import collect_environment, markdown_report, write_outputs
 from .run import Config, log, run_shape
 from .shapes import DEFAULT_L2_BYTES, DEFAULT_SHAPES, DTYPES, QUICK_SHAPES, SHAPE_SYNTAX, Shape, parse_shapes
@@ -37,17 +37,61 @@ def _arg_shapes(text: str) -> list[Shape]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+ALL = "all"
+
+
 def _arg_impls(text: str) -> list[str]:
+    """The implementations named, in run order; ['all'] for 'all' (resolved with --kv-dtype in parse_args)."""
     names = [t for t in re.split(r"[,\s]+", text.strip().lower()) if t]
     if not names:
         raise argparse.ArgumentTypeError("empty implementation list")
-    if names == ["all"]:
-        return list(IMPLS)
-    bad = [n for n in names if n not in IMPLS]
+    if names == [ALL]:
+        return [ALL]
+    bad = [n for n in names if n not in ALL_IMPLS]
     if bad:
         raise argparse.ArgumentTypeError(f"unknown implementation(s) {', '.join(map(repr, bad))}; "
-                                         f"choose from {', '.join(IMPLS)} or 'all'")
-    return [i for i in IMPLS if i in names]     # run order: ours first (others are compared with it)
+                                         f"choose from {', '.join(ALL_IMPLS)} or 'all'")
+    return [i for i in ALL_IMPLS if i in names]     # run order: ours first (others are compared with it)
+
+
+KV_DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
+             "fp8": "fp8", "e4m3": "fp8", "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8"}
+
+
+def _arg_kv_dtypes(text: str) -> list[str]:
+    items = [t for t in re.split(r"[,\s]+", text.strip().lower()) if t]
+    if not items:
+        raise argparse.ArgumentTypeError("empty KV dtype list")
+    bad = [t for t in items if t not in KV_DTYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown KV dtype(s) {', '.join(map(repr, bad))}; choose from bf16, fp16 "
+                                         "(the --dtype cache) and fp8 (e4m3)")
+    names = [KV_DTYPES[t] for t in items]
+    return [d for d in ("bf16", "fp16", "fp8") if d in names]
+
+
+def resolve_impls(impls: Optional[list[str]], kv_dtypes: Optional[list[str]], dtype16: str
+                  ) -> tuple[list[str], list[str]]:
+    """(implementations to run, KV dtypes) from --impls, --kv-dtype and the 16-bit --dtype; ValueError names
+    the conflict. Without --kv-dtype: the KV dtypes of the implementations named, or the 16-bit cache alone for
+    'all' / the default. 'all' means every implementation of the KV dtypes chosen."""
+    explicit = impls is not None and impls != [ALL]
+    for d in kv_dtypes or []:
+        if d not in ("fp8", dtype16):
+            raise ValueError(f"argument --kv-dtype: a {d} cache needs --dtype {d} (the 16-bit cache, q and out "
+                             f"are in --dtype, now {dtype16})")
+    if kv_dtypes is None:
+        kinds = {kv_kind(i) for i in impls} if explicit else {"16bit"}
+        kv_dtypes = [d for d, k in ((dtype16, "16bit"), ("fp8", "fp8")) if k in kinds]
+    kinds = {"fp8" if d == "fp8" else "16bit" for d in kv_dtypes}
+    if explicit:
+        off = [i for i in impls if kv_kind(i) not in kinds]
+        if off:
+            raise ValueError(f"argument --impls: {', '.join(off)} need(s) a "
+                             f"{'fp8' if kv_kind(off[0]) == 'fp8' else dtype16} cache, not in --kv-dtype "
+                             f"{','.join(kv_dtypes)}")
+        return list(impls), kv_dtypes
+    return [i for i in ALL_IMPLS if kv_kind(i) in kinds], kv_dtypes
 
 
 def _arg_positive_float(text: str) -> float:
@@ -89,9 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", type=_arg_shapes, default=None,
                    help=f"comma-separated shapes, each {SHAPE_SYNTAX} (default: the main serving shapes "
                         "and a few more sizes; with --quick: three small shapes)")
-    p.add_argument("--impls", type=_arg_impls, default=list(IMPLS),
-                   help=f"comma-separated subset of {','.join(IMPLS)}, or 'all' (default: all)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="q/KV/out dtype (default bf16)")
+    p.add_argument("--impls", type=_arg_impls, default=None,
+                   help=f"comma-separated subset of {','.join(ALL_IMPLS)}, or 'all' (default: all of the KV "
+                        f"dtypes chosen; {','.join(FP8_IMPLS)} read the e4m3 cache)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
+                   help="q/out dtype, and that of the 16-bit KV cache (default bf16)")
+    p.add_argument("--kv-dtype", type=_arg_kv_dtypes, default=None,
+                   help="comma-separated KV cache dtypes: the 16-bit one (= --dtype) and/or fp8 (e4m3, quantized "
+                        "from the same data); default: those of the --impls named, else the 16-bit one")
     p.add_argument("--no-causal", dest="causal", action="store_false", help="non-causal (default causal)")
     p.add_argument("--warmup", type=_arg_positive_float, default=None,
                    help="warm-up per measurement in ms, as do_bench's warmup (default 25; 5 with --quick)")
@@ -116,6 +165,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         parser.error(f"--out-dir {args.out_dir!r} exists and is not a folder")
+    dtype16 = "bf16" if DTYPES[args.dtype] == torch.bfloat16 else "fp16"
+    try:
+        args.impls, args.kv_dtype = resolve_impls(args.impls, args.kv_dtype, dtype16)
+    except ValueError as e:
+        parser.error(str(e))
     return args
 
 
@@ -132,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         seed=args.seed,
         triton_splits=args.triton_splits if args.triton_splits is not None else ([] if quick else [4, 8, 16, 32]),
         max_rotation_bytes=int(args.max_rotation_gib * 2 ** 30),
+        kv_dtypes=list(args.kv_dtype),
     )
 
 
@@ -149,7 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log(f"{env['gpu']} (sm {env['capability']}, {env['sm_count']} SMs, L2 {cfg.l2_bytes / 2 ** 20:.0f} MiB), "
         f"driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}, "
         f"vLLM {env['vllm']}; timer: {TIMER_NAMES.get(timer.__name__, timer.__name__)}")
-    log(f"{len(cfg.shapes)} shapes x {', '.join(cfg.impls)}; {cfg.dtype_name}, "
+    log(f"{len(cfg.shapes)} shapes x {', '.join(cfg.impls)}; {cfg.dtype_name}, KV {','.join(cfg.kv_dtypes)}, "
         f"{'causal' if cfg.causal else 'non-causal'}, modes {', '.join(cfg.modes)}")
     ceilings = measure_ceilings(device, cfg.dtype, cfg.dtype_name, timer, cfg.warmup_ms, cfg.rep_ms)
     log(f"ceilings: device copy {ceilings.copy_gbs:.0f} GB/s (read + write of {ceilings.copy_bytes >> 20} MiB), "

@@ -8,6 +8,11 @@
             q = rope part, q_v = latent part, k = rope columns, v = latent columns of the cache
   naive     batched PyTorch: gather pages, matmul, fp32 softmax, matmul (flashmla_backend.reference)
 
+FP8 (e4m3) KV cache, all three on the same e4m3 cache bytes and descale_k (shapes.make_fp8_inputs):
+  ours-fp8      flash_mla_with_kvcache, accurate mode: the 16-bit q against the e4m3 cache (descale_k)
+  ours-fp8q     flash_mla_with_kvcache, fast mode: the e4m3 q (descale_q) against the e4m3 cache
+  flashmla-fp8  vLLM's flash_mla_with_kvcache_fp8 (e4m3 q and cache), metadata from get_mla_metadata_dense_fp8
+
 An adapter turns a ShapeContext into Variants (zero-argument calls, one per rotated input copy) or raises
 ImplUnavailable. The vLLM ones are optional: a missing import or an unsupported call is reported, not fatal.
 """
@@ -20,18 +25,39 @@ import torch
 
 from flashmla_backend.reference import naive_mla_decode
 
-from .shapes import D_QK, D_V, PAGE_SIZE, DecodeInputs, Shape
+from .shapes import D_QK, D_V, PAGE_SIZE, DecodeInputs, Fp8Inputs, Shape
 
-IMPLS = ("ours", "flashmla", "triton", "fa3", "naive")    # also the order in which they run
+IMPLS = ("ours", "flashmla", "triton", "fa3", "naive")    # 16-bit cache; also the order in which they run
+FP8_IMPLS = ("ours-fp8", "ours-fp8q", "flashmla-fp8")       # e4m3 cache; run after the 16-bit ones
+ALL_IMPLS = IMPLS + FP8_IMPLS
+FP8_Q_IMPLS = ("ours-fp8q", "flashmla-fp8")                 # these read the e4m3 q
 IMPL_LABELS = {
     "ours": "ours",
     "flashmla": "vLLM FlashMLA",
     "triton": "vLLM Triton MLA",
     "fa3": "vLLM FA3 MLA",
     "naive": "naive PyTorch",
+    "ours-fp8": "ours FP8 cache (16-bit q)",
+    "ours-fp8q": "ours FP8 cache + e4m3 q",
+    "flashmla-fp8": "vLLM FlashMLA-FP8",
 }
 METADATA_IMPL = "get_mla_metadata"   # rows timing flashmla_backend.get_mla_metadata alone
-BASELINE_IMPL = "flashmla"           # speed-ups are relative to this one
+BASELINE_IMPL = "flashmla"           # speed-ups are relative to this one (FP8 rows: FP8_BASELINE_IMPL)
+FP8_BASELINE_IMPL = "flashmla-fp8"
+# Each implementation's full-batch output is compared with its peer's (same inputs), if the peer passed.
+PEERS = {"flashmla": "ours", "triton": "ours", "fa3": "ours", "naive": "ours", "flashmla-fp8": "ours-fp8q"}
+# The vLLM modules that have held the FlashMLA-FP8 op, in the order they are tried.
+VLLM_FP8_MODULES = ("vllm.attention.ops.flashmla", "vllm.v1.attention.ops.flashmla",
+                    "vllm.third_party.flashmla", "vllm.third_party.flashmla.flash_mla_interface")
+
+
+def kv_kind(impl: str) -> str:
+    """'fp8' for the implementations that read the e4m3 cache, '16bit' for the others."""
+    return "fp8" if impl in FP8_IMPLS else "16bit"
+
+
+def baseline_of(impl: str) -> str:
+    return FP8_BASELINE_IMPL if impl in FP8_IMPLS else BASELINE_IMPL
 
 
 class ImplUnavailable(Exception):
@@ -51,6 +77,7 @@ class ShapeContext:
     device: torch.device
     triton_splits: list[int]
     sm_count: int
+    fp8: list[Fp8Inputs] = dataclasses.field(default_factory=list)   # e4m3 form of each copy, if FP8 rows run
 
 
 @dataclasses.dataclass
@@ -193,11 +220,106 @@ def prepare_naive(ctx: ShapeContext) -> list[Variant]:
     return [Variant("", [make(i) for i in ctx.inputs], standard, "padded to the longest request")]
 
 
+def _need_fp8(ctx: ShapeContext) -> None:
+    if len(ctx.fp8) != len(ctx.inputs):
+        raise ImplUnavailable("no e4m3 inputs for this shape (FP8 rows run with --kv-dtype fp8)")
+
+
+def _ours_fp8(ctx: ShapeContext, fast: bool) -> list[Variant]:
+    _need_fp8(ctx)
+    try:
+        from flashmla_backend import flash_mla_with_kvcache, get_mla_metadata
+    except ImportError as e:
+        raise ImplUnavailable(f"flashmla_backend import failed: {e}") from e
+    shape = ctx.shape
+    sched, splits = get_mla_metadata(ctx.cache_seqlens, shape.s_q * shape.h_q, 1, is_fp8_kvcache=True)
+
+    def make(inp: DecodeInputs, f8: Fp8Inputs) -> Callable[[], Any]:
+        q, descale_q = (f8.q, f8.descale_q) if fast else (inp.q, None)
+        return lambda: flash_mla_with_kvcache(q, f8.k_cache, inp.block_table, ctx.cache_seqlens, D_V, sched, splits,
+                                              softmax_scale=ctx.scale, causal=ctx.causal, is_fp8_kvcache=True,
+                                              descale_q=descale_q, descale_k=f8.descale_k)
+    note = ("fast mode: e4m3 q + descale_q, bf16 out" if fast else "accurate mode: 16-bit q") + \
+        "; metadata computed once per shape"
+    return [Variant("", [make(i, f) for i, f in zip(ctx.inputs, ctx.fp8)], standard, note)]
+
+
+def prepare_ours_fp8(ctx: ShapeContext) -> list[Variant]:
+    return _ours_fp8(ctx, fast=False)
+
+
+def prepare_ours_fp8q(ctx: ShapeContext) -> list[Variant]:
+    return _ours_fp8(ctx, fast=True)
+
+
+def find_vllm_fp8_module() -> Any:
+    """The first of VLLM_FP8_MODULES that imports and has flash_mla_with_kvcache_fp8."""
+    import importlib
+    try:
+        importlib.import_module("vllm")
+    except Exception as e:
+        raise ImplUnavailable(f"vllm import failed: {type(e).__name__}: {e}") from e
+    why = []
+    for name in VLLM_FP8_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:   # ImportError, or an extension failing to load
+            why.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        if hasattr(mod, "flash_mla_with_kvcache_fp8"):
+            return mod
+        why.append(f"{name}: no flash_mla_with_kvcache_fp8")
+    raise ImplUnavailable("vLLM's FlashMLA-FP8 op not found (" + "; ".join(why) + ")")
+
+
+def prepare_flashmla_fp8(ctx: ShapeContext) -> list[Variant]:
+    """vLLM's FLASHMLA backend with an fp8 cache (vLLM 0.26): metadata tensors from
+    get_mla_metadata_dense_fp8(seq_lens, s_q * h_q, 1), then flash_mla_with_kvcache_fp8 with e4m3 q and cache,
+    descale_q and descale_k. Older layouts without the dense_fp8 metadata call get_mla_metadata(...,
+    is_fp8_kvcache=True) when that returns tensors."""
+    _need_fp8(ctx)
+    mod = find_vllm_fp8_module()
+    supported = getattr(mod, "is_flashmla_dense_supported", None)
+    if supported is not None:
+        ok, why = supported()
+        if not ok:
+            raise ImplUnavailable(f"FlashMLA dense not supported here: {why}")
+    shape = ctx.shape
+    n = shape.s_q * shape.h_q
+    if hasattr(mod, "get_mla_metadata_dense_fp8"):
+        sched, splits = mod.get_mla_metadata_dense_fp8(ctx.cache_seqlens, n, 1)
+        how = "get_mla_metadata_dense_fp8"
+    elif hasattr(mod, "get_mla_metadata"):
+        sched, splits = mod.get_mla_metadata(ctx.cache_seqlens, n, 1, is_fp8_kvcache=True)
+        how = "get_mla_metadata(is_fp8_kvcache=True)"
+    else:
+        raise ImplUnavailable(f"{mod.__name__} has no FP8 metadata function")
+    if not (isinstance(sched, torch.Tensor) and isinstance(splits, torch.Tensor)):
+        raise ImplUnavailable(f"{mod.__name__}.{how} did not return metadata tensors ({type(sched).__name__})")
+    fn = mod.flash_mla_with_kvcache_fp8
+    b, s_q, h_q = shape.b, shape.s_q, shape.h_q
+
+    def make(inp: DecodeInputs, f8: Fp8Inputs) -> Callable[[], Any]:
+        return lambda: fn(f8.q, f8.k_cache, inp.block_table, ctx.cache_seqlens, D_V, sched, splits,
+                          softmax_scale=ctx.scale, causal=ctx.causal, descale_q=f8.descale_q, descale_k=f8.descale_k)
+
+    def normalize(res: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        out, lse = res
+        if lse is not None and tuple(lse.shape) != (b, h_q, s_q):
+            lse = None          # another layout: compare out only
+        return out.view(b, s_q, h_q, D_V), lse
+    return [Variant("", [make(i, f) for i, f in zip(ctx.inputs, ctx.fp8)], normalize,
+                    f"{mod.__name__}, metadata from {how} once per shape")]
+
+
 ADAPTERS: dict[str, Callable[[ShapeContext], list[Variant]]] = {
     "ours": prepare_ours,
     "flashmla": prepare_flashmla,
     "triton": prepare_triton,
     "fa3": prepare_fa3,
     "naive": prepare_naive,
+    "ours-fp8": prepare_ours_fp8,
+    "ours-fp8q": prepare_ours_fp8q,
+    "flashmla-fp8": prepare_flashmla_fp8,
 }
 

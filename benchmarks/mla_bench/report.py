@@ -17,8 +17,8 @@ from typing import Any, Optional
 
 import torch
 
-from .impls import IMPL_LABELS, IMPLS, METADATA_IMPL
-from .run import Config, base_row
+from .impls import ALL_IMPLS, FP8_IMPLS, IMPL_LABELS, IMPLS, METADATA_IMPL
+from .run import Config, base_row, fp8_summary
 from .shapes import PAGE_SIZE, Shape, Work
 from .timing import Ceilings
 
@@ -118,6 +118,58 @@ def _cell_us(r: Optional[dict]) -> str:
     return text
 
 
+def _ratio_cell(x: Optional[float]) -> str:
+    return f"{x:.2f}x" if x is not None else "n/a"
+
+
+def _pct_cell(x: Optional[float]) -> str:
+    return f"{100 * x:.0f}%" if x is not None else "n/a"
+
+
+def _err_cell(r: Optional[dict], field: str) -> str:
+    if r is None or r.get(field) is None:
+        return "n/a"
+    return f"{r[field]:.1e}" + (" (WRONG)" if r["check"] == "WRONG" else "")
+
+
+def fp8_tables(cfg: Config, rows: list[dict]) -> list[str]:
+    """Markdown lines of the FP8 tables (one per mode, then the accuracy table); [] without FP8 rows."""
+    if not any(r["impl"] in FP8_IMPLS for r in rows):
+        return []
+    by = {(r["shape"], r["impl"], r["mode"]): r for r in rows}
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["impl"] in FP8_IMPLS))
+    d16 = cfg.dtype_name
+    lines = []
+    for mode in cfg.modes:
+        lines += ["", f"FP8 (e4m3) KV cache, {mode} calls" + (" (CUDA graph replays)" if mode == "graph" else
+                                                                 " (includes Python launch overhead)") +
+                  f": ours-fp8 = {d16} q (accurate mode), ours-fp8q = e4m3 q + descale_q (fast mode), "
+                  "FlashMLA-FP8 = vLLM's flash_mla_with_kvcache_fp8 (e4m3 q); all on the same e4m3 cache. "
+                  "% of copy = GB/s with the e4m3 byte count / device copy GB/s.", "",
+                  f"| shape | ours-fp8 µs | ours-fp8q µs | FlashMLA-FP8 µs | ours {d16} µs | ours-fp8q vs FlashMLA-FP8 "
+                  f"| ours-fp8 / ours-fp8q time | ours-fp8 vs ours {d16} | ours-fp8 % of copy | ours-fp8q % of copy |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for s in shapes:
+            sm = fp8_summary(rows, s, mode)
+            cells = [s, _cell_us(by.get((s, "ours-fp8", mode))), _cell_us(by.get((s, "ours-fp8q", mode))),
+                     _cell_us(by.get((s, "flashmla-fp8", mode))), _cell_us(by.get((s, "ours", mode))),
+                     _ratio_cell(sm["fp8q_vs_flashmla_fp8"]), _ratio_cell(sm["fp8_over_fp8q"]),
+                     _ratio_cell(sm["fp8_vs_16bit"]), _pct_cell(sm["fp8_frac_copy"]), _pct_cell(sm["fp8q_frac_copy"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    mode = cfg.modes[0]
+    lines += ["", f"FP8 accuracy: ||out - ref|| / ||ref|| over every row that sees a key, ref = fp64 decode of the "
+                  f"dequantized e4m3 cache with (a) the original {d16} q, (b) the dequantized e4m3 q.", "",
+              "| shape | ours-fp8 (a) | ours-fp8 (b) | ours-fp8q (a) | ours-fp8q (b) | FlashMLA-FP8 (a) "
+              "| FlashMLA-FP8 (b) |", "|---|---|---|---|---|---|---|"]
+    for s in shapes:
+        cells = [s]
+        for impl in FP8_IMPLS:
+            r = by.get((s, impl, mode))
+            cells += [_err_cell(r, "err_vs_bf16q"), _err_cell(r, "err_vs_fp8q")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: list[dict]) -> str:
     lines = [
         f"Date: {env.get('date_utc')}; GPU: {env.get('gpu', 'n/a')} (driver {env.get('driver', 'n/a')}); "
@@ -128,11 +180,12 @@ def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: 
     if ceilings:
         lines.append(f"Ceilings (same run): device copy {ceilings.copy_gbs:.0f} GB/s (read + write); "
                      f"{ceilings.dtype} matmul {ceilings.matmul_n}^3 {ceilings.matmul_tflops:.0f} TFLOP/s")
-    lines.append(f"{cfg.dtype_name}, {'causal' if cfg.causal else 'non-causal'}, random data, page size "
-                 f"{PAGE_SIZE}, shuffled block table; medians; speed-up = vLLM FlashMLA time / ours.")
+    lines.append(f"{cfg.dtype_name}, KV cache {','.join(cfg.kv_dtypes)}, {'causal' if cfg.causal else 'non-causal'}, "
+                 f"random data, page size {PAGE_SIZE}, shuffled block table; medians; speed-up = vLLM FlashMLA "
+                 "time / ours (FP8 rows: vLLM FlashMLA-FP8 time / theirs).")
     by = {(r["shape"], r["impl"], r["mode"]): r for r in rows}
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    for mode in cfg.modes:
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["impl"] not in FP8_IMPLS))
+    for mode in (cfg.modes if shapes else []):
         lines += ["", f"Timing: {mode} calls" + (" (CUDA graph replays)" if mode == "graph" else
                                                   " (includes Python launch overhead)"), "",
                   "| shape | ours µs | ours TFLOP/s | ours GB/s | ours % of ceiling | FlashMLA µs | Triton µs "
@@ -152,6 +205,7 @@ def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: 
                      f"{speed:.2f}x" if speed else "n/a",
                      f"{meta['us']:.1f}" if meta and meta["status"] == "ok" else "n/a"]
             lines.append("| " + " | ".join(cells) + " |")
+    lines += fp8_tables(cfg, rows)
     problems = [r for r in rows if r["status"] != "ok" or r["check"] == "WRONG"]
     if problems:
         lines += ["", "Notes:"]
@@ -165,8 +219,15 @@ def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: 
     return "\n".join(lines) + "\n"
 
 
+# FP8 rows: their own colours, non-circle markers and hatched bars; their intensity uses the e4m3 byte count.
+CHART_COLORS = dict(zip(ALL_IMPLS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:gray",
+                                    "darkred", "tab:orange", "tab:cyan")))
+CHART_MARKERS = dict(zip(ALL_IMPLS, ("o",) * len(IMPLS) + ("D", "^", "s")))
+
+
 def write_chart(path: str, rows: list[dict], ceilings: Optional[Ceilings]) -> bool:
-    """Roofline (intensity vs TFLOP/s with both ceilings) and grouped bars of µs per shape."""
+    """Roofline (intensity vs TFLOP/s with both ceilings) and grouped bars of µs per shape; FP8 rows, when
+    present, with distinct markers and hatched bars."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -175,23 +236,23 @@ def write_chart(path: str, rows: list[dict], ceilings: Optional[Ceilings]) -> bo
         warnings.warn(f"matplotlib unavailable, no chart written ({e})")
         return False
     mode = "plain"
-    data = [r for r in rows if r["impl"] in IMPLS and r["mode"] == mode and r["status"] == "ok"]
+    data = [r for r in rows if r["impl"] in ALL_IMPLS and r["mode"] == mode and r["status"] == "ok"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(17, 6.5))
-    colors = dict(zip(IMPLS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:gray")))
+    colors, markers = CHART_COLORS, CHART_MARKERS
     if ceilings and data:
         xs = [r["intensity"] for r in data]
         lo, hi = min(xs + [ceilings.ridge]) / 3, max(xs + [ceilings.ridge]) * 3
         grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
         ax1.plot(grid, [min(ceilings.matmul_tflops, x * ceilings.copy_gbs / 1e3) for x in grid], "k-",
                  label=f"ceilings: copy {ceilings.copy_gbs:.0f} GB/s, matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
-    for impl in IMPLS:
+    for impl in ALL_IMPLS:
         pts = [r for r in data if r["impl"] == impl]
         if not pts:
             continue
         good = [r for r in pts if r["check"] != "WRONG"]
         bad = [r for r in pts if r["check"] == "WRONG"]
         ax1.scatter([r["intensity"] for r in good], [r["tflops"] for r in good], color=colors[impl],
-                    label=IMPL_LABELS[impl], s=36, zorder=3)
+                    marker=markers[impl], label=IMPL_LABELS[impl], s=36, zorder=3)
         if bad:
             ax1.scatter([r["intensity"] for r in bad], [r["tflops"] for r in bad], color=colors[impl],
                         marker="x", s=60, zorder=3, label=f"{IMPL_LABELS[impl]} (WRONG output)")
@@ -207,7 +268,7 @@ def write_chart(path: str, rows: list[dict], ceilings: Optional[Ceilings]) -> bo
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=7, loc="lower right")
     shapes = list(dict.fromkeys(r["shape"] for r in data))
-    present = [i for i in IMPLS if any(r["impl"] == i for r in data)]
+    present = [i for i in ALL_IMPLS if any(r["impl"] == i for r in data)]
     width = 0.8 / max(1, len(present))
     for k, impl in enumerate(present):
         xs, ys = [], []
@@ -216,7 +277,8 @@ def write_chart(path: str, rows: list[dict], ceilings: Optional[Ceilings]) -> bo
             if r is not None:
                 xs.append(j + (k - (len(present) - 1) / 2) * width)
                 ys.append(r["us"])
-        ax2.bar(xs, ys, width=width, color=colors[impl], label=IMPL_LABELS[impl])
+        ax2.bar(xs, ys, width=width, color=colors[impl], label=IMPL_LABELS[impl],
+                hatch="//" if impl in FP8_IMPLS else None, edgecolor="white" if impl in FP8_IMPLS else None)
     ax2.set_xticks(range(len(shapes)))
     ax2.set_xticklabels(shapes, rotation=45, ha="right", fontsize=7)
     ax2.set_yscale("log")

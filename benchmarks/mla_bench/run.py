@@ -10,10 +10,11 @@ from typing import Optional
 
 import torch
 
-from .check import Check, check_indices, compare_outputs, visible_rows
-from .impls import ADAPTERS, BASELINE_IMPL, IMPLS, METADATA_IMPL, ImplUnavailable, ShapeContext, Variant, metadata_call
-from .shapes import (D_QK, D_V, DEFAULT_L2_BYTES, DTYPES, Shape, Work, bytes_per_copy, count_work, make_inputs,
-                     make_seqlens, rotation_copies)
+from .check import Check, check_indices, compare_outputs, dequantized_reference, rel_norm_error, visible_rows
+from .impls import (ADAPTERS, ALL_IMPLS, FP8_IMPLS, FP8_Q_IMPLS, METADATA_IMPL, PEERS, ImplUnavailable, ShapeContext,
+                    Variant, baseline_of, metadata_call)
+from .shapes import (D_QK, D_V, DEFAULT_L2_BYTES, DTYPES, Shape, Work, bytes_per_copy, count_work,
+                     fp8_bytes_per_copy, make_fp8_inputs, make_inputs, make_seqlens, rotation_copies_for)
 from .timing import Ceilings, Timer, Timing, capture_graphs, derive_metrics, rotating
 
 
@@ -33,6 +34,7 @@ class Config:
     seed: int = 0
     triton_splits: list[int] = dataclasses.field(default_factory=lambda: [4, 8, 16, 32])
     max_rotation_bytes: int = 4 << 30
+    kv_dtypes: list[str] = dataclasses.field(default_factory=lambda: ["bf16"])   # 16-bit (= dtype_name), fp8
     l2_bytes: int = DEFAULT_L2_BYTES
     sm_count: int = 132
 
@@ -54,14 +56,31 @@ def base_row(shape: Shape, cfg: Config, work: Work, copies: int, impl: str, mode
     """A result row with every column of results.csv, before timing (status ok, check unchecked)."""
     return {
         "shape": shape.name, "b": shape.b, "s_k": shape.s_k, "h_q": shape.h_q, "s_q": shape.s_q,
-        "varlen": shape.varlen, "causal": cfg.causal, "dtype": cfg.dtype_name, "impl": impl, "mode": mode,
+        "varlen": shape.varlen, "causal": cfg.causal, "dtype": cfg.dtype_name, "kv_dtype": kv_dtype_of(impl, cfg),
+        "q_dtype": q_dtype_of(impl, cfg), "impl": impl, "mode": mode,
         "status": "ok", "reason": "", "variant": "", "us": None, "us_p20": None, "us_p80": None,
         "timer": "", "tflops": None, "gbs": None, "frac_flops": None, "frac_bw": None, "bound": None,
         "frac_ceiling": None, "roofline_us": None, "check": "unchecked", "check_detail": "",
-        "max_row_err": None, "max_lse_err": None, "vs_ours_max_row_err": None, "speedup_vs_flashmla": None,
+        "max_row_err": None, "max_lse_err": None, "vs_ours_max_row_err": None, "err_vs_bf16q": None,
+        "err_vs_fp8q": None, "speedup_vs_flashmla": None,
         "flops": work.flops, "bytes": work.bytes, "intensity": work.intensity,
         "visible_keys": work.visible_keys, "sum_seqlen": work.sum_seqlen, "copies": copies, "note": "", "tried": "",
     }
+
+
+def kv_dtype_of(impl: str, cfg: Config) -> str:
+    return "fp8_e4m3" if impl in FP8_IMPLS else cfg.dtype_name
+
+
+def q_dtype_of(impl: str, cfg: Config) -> str:
+    return "fp8_e4m3" if impl in FP8_Q_IMPLS else cfg.dtype_name
+
+
+def work_of(impl: str, seqlens: list[int], shape: Shape, causal: bool, elem: int) -> Work:
+    """The byte count of an implementation's inputs: an e4m3 cache is 1 byte per element, and so is an e4m3 q;
+    out stays 16-bit (bf16 in the fast mode), lse fp32."""
+    return count_work(seqlens, shape.h_q, shape.s_q, causal, elem,
+                      kv_elem_size=1 if impl in FP8_IMPLS else None, q_elem_size=1 if impl in FP8_Q_IMPLS else None)
 
 
 def _reason(e: BaseException) -> str:
@@ -69,9 +88,9 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _guard(variant: Variant, ctx: ShapeContext, ref: Optional[tuple], ours_full: Optional[tuple]
-           ) -> tuple[Check, Optional[float], tuple[torch.Tensor, Optional[torch.Tensor]]]:
-    """Run the variant once on copy 0; compare with the reference slice, then with ours (whole batch)."""
+def _guard(variant: Variant, ctx: ShapeContext, ref: Optional[tuple], ours_full: Optional[tuple],
+           peer: str = "ours") -> tuple[Check, Optional[float], tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """Run the variant once on copy 0; compare with the reference slice, then with its peer (whole batch)."""
     out, lse = variant.normalize(variant.calls[0]())
     _sync(ctx.device)
     rows_all = visible_rows(ctx.cache_seqlens, ctx.shape.s_q, ctx.causal)
@@ -88,7 +107,7 @@ def _guard(variant: Variant, ctx: ShapeContext, ref: Optional[tuple], ours_full:
         vs_ours = agree.max_row_err
         if not agree.ok and check.ok:
             check = Check(False, check.max_row_err, check.max_lse_err,
-                          f"DISAGREES with ours on the full batch ({agree.detail}); vs reference: {check.detail}")
+                          f"DISAGREES with {peer} on the full batch ({agree.detail}); vs reference: {check.detail}")
     return check, vs_ours, (out, lse)
 
 
@@ -105,6 +124,10 @@ def fill_timing(row: dict, timing: Timing, work: Work, ceilings: Optional[Ceilin
     row.update(derive_metrics(work, timing.median_us, ceilings))
 
 
+def _sci(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.1e}"
+
+
 def progress_line(i: int, n: int, row: dict) -> str:
     head = f"[{i}/{n}] {row['shape']:<26} {row['impl']:<16} {row['mode']:<5}"
     if row["status"] != "ok":
@@ -118,6 +141,8 @@ def progress_line(i: int, n: int, row: dict) -> str:
         text += f"  check {row['check']}"
         if row["check_detail"]:
             text += f" ({row['check_detail']})"
+    if row.get("err_vs_bf16q") is not None or row.get("err_vs_fp8q") is not None:
+        text += f"  err vs fp64 ref: {_sci(row.get('err_vs_bf16q'))} (16-bit q), {_sci(row.get('err_vs_fp8q'))} (e4m3 q)"
     if row["variant"]:
         text += f"  [{row['variant']}]"
     if row["tried"]:
@@ -126,9 +151,12 @@ def progress_line(i: int, n: int, row: dict) -> str:
 
 
 def run_impl(impl: str, ctx: ShapeContext, cfg: Config, work: Work, ceilings: Optional[Ceilings],
-             timer: Timer, ref: Optional[tuple], ours_full: Optional[tuple], copies: int
-             ) -> tuple[list[dict], Optional[tuple]]:
-    """Rows (one per mode) for one implementation, and its full output (to compare others with)."""
+             timer: Timer, ref: Optional[tuple], ours_full: Optional[tuple], copies: int,
+             errs: Optional[dict] = None) -> tuple[list[dict], Optional[tuple]]:
+    """Rows (one per mode) for one implementation, and its full output (to compare others with).
+
+    ref: (indices, out, lse) the guard compares with; ours_full: the peer's full output (PEERS).
+    errs: {row field: full-batch reference out}; each field gets rel_norm_error of the chosen variant's out."""
     rows = {m: base_row(ctx.shape, cfg, work, copies, impl, m) for m in cfg.modes}
 
     def fail(status: str, reason: str) -> tuple[list[dict], None]:
@@ -147,7 +175,7 @@ def run_impl(impl: str, ctx: ShapeContext, cfg: Config, work: Work, ceilings: Op
     errors = []
     for v in variants:
         try:
-            check, vs_ours, result = _guard(v, ctx, ref, ours_full)
+            check, vs_ours, result = _guard(v, ctx, ref, ours_full, PEERS.get(impl, "ours"))
             timing = timer(rotating(v.calls), cfg.warmup_ms, cfg.rep_ms)
             tried.append((timing, v, check, vs_ours, result))
             if len(variants) > 1:
@@ -164,7 +192,10 @@ def run_impl(impl: str, ctx: ShapeContext, cfg: Config, work: Work, ceilings: Op
                            for t in tried) if len(tried) > 1 else ""
     if errors:
         tried_text = "; ".join(x for x in (tried_text, "failed: " + "; ".join(errors)) if x)
+    rows_all = visible_rows(ctx.cache_seqlens, ctx.shape.s_q, ctx.causal)
+    err_values = {field: rel_norm_error(result[0], full, rows_all) for field, full in (errs or {}).items()}
     for mode, row in rows.items():
+        row.update(err_values)
         row.update(variant=best.label, note=best.note, tried=tried_text, check=_check_label(check, ref is not None),
                    check_detail=check.detail, max_row_err=check.max_row_err,
                    max_lse_err=check.max_lse_err, vs_ours_max_row_err=vs_ours)
@@ -192,6 +223,14 @@ def run_metadata(ctx: ShapeContext, cfg: Config, work: Work, timer: Timer, copie
     return rows
 
 
+def _times(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.3f}x"
+
+
+def _pct(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
 def reference_slice(ctx: ShapeContext) -> tuple[Optional[tuple], str]:
     """(indices, out, lse) of flashmla_backend.reference on a few requests of copy 0."""
     try:
@@ -207,14 +246,49 @@ def reference_slice(ctx: ShapeContext) -> tuple[Optional[tuple], str]:
     return (idx, out, lse), ""
 
 
+def _usable(r: Optional[dict]) -> bool:
+    return r is not None and r["status"] == "ok" and r["check"] != "WRONG" and bool(r["us"])
+
+
 def add_speedups(rows: list[dict]) -> None:
-    """speedup_vs_flashmla = FlashMLA's median / this median, same shape and mode, both checked ok."""
-    base = {(r["shape"], r["mode"]): r["us"] for r in rows
-            if r["impl"] == BASELINE_IMPL and r["status"] == "ok" and r["check"] != "WRONG"}
+    """speedup_vs_flashmla = FlashMLA's median / this median, same shape and mode, both checked ok.
+    For the FP8 rows the baseline is vLLM's FlashMLA-FP8 (impls.baseline_of)."""
+    base = {(r["shape"], r["mode"], r["impl"]): r["us"] for r in rows if _usable(r)}
     for r in rows:
-        t = base.get((r["shape"], r["mode"]))
-        if t is not None and r["impl"] in IMPLS and r["status"] == "ok" and r["check"] != "WRONG":
+        if r["impl"] not in ALL_IMPLS or not _usable(r):
+            continue
+        t = base.get((r["shape"], r["mode"], baseline_of(r["impl"])))
+        if t is not None:
             r["speedup_vs_flashmla"] = t / r["us"]
+
+
+def fp8_summary(rows: list[dict], shape: str, mode: str) -> dict:
+    """The FP8 comparisons of one shape and mode, None where a row is missing, failed or WRONG:
+      fp8q_vs_flashmla_fp8  FlashMLA-FP8's time / ours-fp8q's (throughput ratio, > 1: ours faster)
+      fp8_over_fp8q         ours-fp8's time / ours-fp8q's (what the accurate mode costs, > 1: slower)
+      fp8_vs_16bit          ours' (16-bit cache) time / ours-fp8's (speed-up of the e4m3 cache)
+      fp8_frac_copy, fp8q_frac_copy  the fraction of the copy ceiling, with the e4m3 byte count"""
+    by = {r["impl"]: r for r in rows if r["shape"] == shape and r["mode"] == mode}
+
+    def ratio(num: str, den: str) -> Optional[float]:
+        a, b = by.get(num), by.get(den)
+        return a["us"] / b["us"] if _usable(a) and _usable(b) else None
+
+    def frac(impl: str) -> Optional[float]:
+        r = by.get(impl)
+        return r["frac_bw"] if _usable(r) else None
+    return {"fp8q_vs_flashmla_fp8": ratio("flashmla-fp8", "ours-fp8q"), "fp8_over_fp8q": ratio("ours-fp8", "ours-fp8q"),
+            "fp8_vs_16bit": ratio("ours", "ours-fp8"), "fp8_frac_copy": frac("ours-fp8"),
+            "fp8q_frac_copy": frac("ours-fp8q")}
+
+
+def fp8_references(ctx: ShapeContext) -> dict:
+    """Full-batch fp64 references on the dequantized e4m3 cache of copy 0: with the original 16-bit q
+    ('err_vs_bf16q') and with the dequantized e4m3 q ('err_vs_fp8q'); each (out, lse)."""
+    inp, f8 = ctx.inputs[0], ctx.fp8[0]
+    common = (inp.block_table, ctx.seqlens, ctx.scale, ctx.causal, f8.descale_k)
+    return {"err_vs_bf16q": dequantized_reference(inp.q, f8.k_cache, *common),
+            "err_vs_fp8q": dequantized_reference(f8.q, f8.k_cache, *common, descale_q=f8.descale_q)}
 
 
 def run_shape(shape: Shape, cfg: Config, ceilings: Optional[Ceilings], timer: Timer, device: torch.device,
@@ -222,9 +296,15 @@ def run_shape(shape: Shape, cfg: Config, ceilings: Optional[Ceilings], timer: Ti
     seqlens = make_seqlens(shape, cfg.seed)
     elem = torch.empty((), dtype=cfg.dtype).element_size()
     work = count_work(seqlens, shape.h_q, shape.s_q, cfg.causal, elem)
-    copies = rotation_copies(bytes_per_copy(shape, seqlens, elem), cfg.l2_bytes, cfg.max_rotation_bytes)
+    want16 = any(i not in FP8_IMPLS for i in cfg.impls)
+    want8 = any(i in FP8_IMPLS for i in cfg.impls)
+    size16 = bytes_per_copy(shape, seqlens, elem)
+    size8 = fp8_bytes_per_copy(shape, seqlens) if want8 else 0
+    timed = ([size16] if want16 else []) + ([size8] if want8 else [])
+    copies = rotation_copies_for(timed or [size16], size16 + size8, cfg.l2_bytes, cfg.max_rotation_bytes)
+    kv_text = f"{work.kv_bytes / 1e9:.3f} GB KV" + (f" ({work.kv_bytes / elem / 1e9:.3f} GB as e4m3)" if want8 else "")
     log(f"[{index}/{total}] {shape.name}: {shape.b} requests, {work.sum_seqlen} keys "
-        f"(min {min(seqlens)}, max {max(seqlens)}), {work.kv_bytes / 1e9:.3f} GB KV, "
+        f"(min {min(seqlens)}, max {max(seqlens)}), {kv_text}, "
         f"{work.flops / 1e9:.1f} GFLOP, {work.intensity:.1f} FLOP/byte, {copies} input cop"
         f"{'y' if copies == 1 else 'ies'} rotated")
     inputs = make_inputs(shape, seqlens, cfg.dtype, device, cfg.seed, copies)
@@ -234,12 +314,30 @@ def run_shape(shape: Shape, cfg: Config, ceilings: Optional[Ceilings], timer: Ti
     ref, why = reference_slice(ctx)
     if ref is None:
         log(f"    warning: no correctness reference ({why})")
+    refs8: dict = {}
+    if want8:
+        ctx.fp8 = make_fp8_inputs(inputs)
+        try:
+            refs8 = fp8_references(ctx)
+        except Exception as e:
+            log(f"    warning: no fp64 reference for the FP8 rows ({_reason(e)})")
+        f8 = ctx.fp8[0]
+        log(f"    e4m3 inputs: descale_k {float(f8.descale_k):.4g}, descale_q {float(f8.descale_q):.4g} "
+            f"(amax / 448, copy 0)")
     rows: list[dict] = []
-    ours_full = None
+    full: dict[str, tuple] = {}     # outputs of the implementations that passed, for their peers
     for impl in cfg.impls:
-        impl_rows, result = run_impl(impl, ctx, cfg, work, ceilings, timer, ref, ours_full, copies)
-        if impl == "ours" and result is not None and impl_rows[0]["check"] == "ok":
-            ours_full = result       # the others are compared with ours only if ours passed
+        impl_ref, errs = ref, None
+        if impl in FP8_IMPLS:
+            key = "err_vs_fp8q" if impl in FP8_Q_IMPLS else "err_vs_bf16q"
+            idx = check_indices(seqlens)
+            impl_ref = ((idx, refs8[key][0][idx], refs8[key][1][idx]) if refs8 else None)
+            errs = {k: v[0] for k, v in refs8.items()}
+        impl_work = work_of(impl, seqlens, shape, cfg.causal, elem)
+        impl_rows, result = run_impl(impl, ctx, cfg, impl_work, ceilings, timer, impl_ref, full.get(PEERS.get(impl)),
+                                     copies, errs)
+        if result is not None and impl_rows[0]["check"] == "ok":
+            full[impl] = result      # the others are compared with their peer only if it passed
         for r in impl_rows:
             log(progress_line(index, total, r))
         rows += impl_rows
@@ -252,7 +350,13 @@ def run_shape(shape: Shape, cfg: Config, ceilings: Optional[Ceilings], timer: Ti
         if r["impl"] == "ours" and r["speedup_vs_flashmla"] is not None:
             log(f"[{index}/{total}] {shape.name} ours vs vLLM FlashMLA ({r['mode']}): "
                 f"{r['speedup_vs_flashmla']:.3f}x")
-    del ctx, inputs, ours_full
+    if want8:
+        for mode in cfg.modes:
+            s = fp8_summary(rows, shape.name, mode)
+            log(f"[{index}/{total}] {shape.name} FP8 ({mode}): ours-fp8q vs FlashMLA-FP8 {_times(s['fp8q_vs_flashmla_fp8'])}, "
+                f"ours-fp8 / ours-fp8q time {_times(s['fp8_over_fp8q'])}, ours-fp8 vs ours {cfg.dtype_name} "
+                f"{_times(s['fp8_vs_16bit'])}, ours-fp8 {_pct(s['fp8_frac_copy'])} of copy (e4m3 bytes)")
+    del ctx, inputs, full, refs8
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows

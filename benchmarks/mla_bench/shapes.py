@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -22,10 +22,13 @@ ROTATE_L2_FACTOR = 4                  # rotated copies together hold >= 4x L2 (i
 MAX_COPIES = 64
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+FP8 = torch.float8_e4m3fn   # the FP8 KV cache format (and the fast mode's q): e4m3, finite max 448
+E4M3_MAX = 448.0
 
 __all__ = ["D_QK", "D_V", "PAGE_SIZE", "DTYPES", "Shape", "SHAPE_SYNTAX", "parse_shape", "parse_shapes",
            "DEFAULT_SHAPES", "QUICK_SHAPES", "make_seqlens", "visible_keys", "Work", "count_work",
-           "DecodeInputs", "make_block_table", "make_inputs", "bytes_per_copy", "rotation_copies"]
+           "DecodeInputs", "make_block_table", "make_inputs", "bytes_per_copy", "rotation_copies", "FP8", "E4M3_MAX",
+           "Fp8Inputs", "quantize_e4m3", "make_fp8_inputs", "fp8_bytes_per_copy", "rotation_copies_for"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +110,7 @@ def visible_keys(seqlens: Sequence[int], s_q: int, causal: bool) -> int:
 @dataclasses.dataclass(frozen=True)
 class Work:
     flops: int        # 2 * h_q * (576 + 512) * visible keys (QK^T over 576 columns, PV over 512)
-    bytes: int        # KV rows touched once (sum(len) * 576 * elem) + q + out + lse
+    bytes: int        # KV rows touched once (sum(len) * 576 * kv elem) + q + out + lse
     kv_bytes: int
     visible_keys: int
     sum_seqlen: int
@@ -117,11 +120,14 @@ class Work:
         return self.flops / self.bytes
 
 
-def count_work(seqlens: Sequence[int], h_q: int, s_q: int, causal: bool, elem_size: int) -> Work:
+def count_work(seqlens: Sequence[int], h_q: int, s_q: int, causal: bool, elem_size: int,
+               kv_elem_size: Optional[int] = None, q_elem_size: Optional[int] = None) -> Work:
+    """elem_size: bytes per element of the output (and, unless given separately, of the cache and q).
+    An e4m3 cache: kv_elem_size=1 (q_elem_size=1 too for an e4m3 q); the output stays 16-bit."""
     b = len(seqlens)
     keys = visible_keys(seqlens, s_q, causal)
-    kv = sum(seqlens) * D_QK * elem_size
-    q = b * s_q * h_q * D_QK * elem_size
+    kv = sum(seqlens) * D_QK * (elem_size if kv_elem_size is None else kv_elem_size)
+    q = b * s_q * h_q * D_QK * (elem_size if q_elem_size is None else q_elem_size)
     out = b * s_q * h_q * D_V * elem_size
     lse = b * h_q * s_q * LSE_BYTES
     return Work(2 * h_q * (D_QK + D_V) * keys, kv + q + out + lse, kv, keys, sum(seqlens))
@@ -173,7 +179,61 @@ def bytes_per_copy(shape: Shape, seqlens: Sequence[int], elem_size: int) -> int:
 
 def rotation_copies(copy_bytes: int, l2_bytes: int, max_total_bytes: int) -> int:
     """How many input copies to rotate so that one copy is out of L2 when it comes back."""
-    want = -(-ROTATE_L2_FACTOR * l2_bytes // max(1, copy_bytes))
-    cap = max(1, max_total_bytes // max(1, copy_bytes))
+    return rotation_copies_for([copy_bytes], copy_bytes, l2_bytes, max_total_bytes)
+
+
+def rotation_copies_for(timed_bytes: Sequence[int], held_bytes: int, l2_bytes: int, max_total_bytes: int) -> int:
+    """Copies to rotate when each copy holds several input sets (the 16-bit one, the e4m3 one): enough that
+    the smallest timed set's copies together hold ROTATE_L2_FACTOR x L2, with held_bytes (all the sets of
+    one copy) times the count within max_total_bytes."""
+    want = max(-(-ROTATE_L2_FACTOR * l2_bytes // max(1, n)) for n in timed_bytes)
+    cap = max(1, max_total_bytes // max(1, held_bytes))
     return max(1, min(want, cap, MAX_COPIES))
+
+
+# ---- FP8 (e4m3) KV cache ----------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Fp8Inputs:
+    """The e4m3 form of one DecodeInputs copy (same block table and lengths): true value = stored x descale."""
+    k_cache: torch.Tensor      # [num_pages, 64, 1, 576] float8_e4m3fn
+    descale_k: torch.Tensor    # [1] float32, amax(|k_cache 16-bit|) / 448
+    q: torch.Tensor            # [b, s_q, h_q, 576] float8_e4m3fn (the fast mode's q)
+    descale_q: torch.Tensor    # [1] float32, amax(|q|) / 448
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_cache, self.descale_k, self.q, self.descale_q))
+
+
+def quantize_e4m3(x: torch.Tensor, chunk_elems: int = 1 << 27) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor e4m3: descale = amax(|x|) / 448 (one-element fp32), stored = x / descale rounded to e4m3.
+    Works in chunks of the first dimension so that the fp32 temporaries stay small."""
+    amax = float(x.abs().amax().float()) if x.numel() else 0.0
+    descale = torch.tensor([max(amax, 1e-12) / E4M3_MAX], dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    rows = max(1, chunk_elems // max(1, x[0].numel())) if x.dim() and x.shape[0] else 1
+    for i in range(0, x.shape[0] if x.dim() else 1, rows):
+        part = x[i:i + rows] if x.dim() else x
+        res = (part.float() / descale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
+        if x.dim():
+            out[i:i + rows] = res
+        else:
+            out.copy_(res)
+    return out, descale
+
+
+def make_fp8_inputs(inputs: Sequence[DecodeInputs]) -> list[Fp8Inputs]:
+    """The same data in e4m3: each copy's cache and q quantized once, each with its own per-tensor descale."""
+    res = []
+    for inp in inputs:
+        k8, dk = quantize_e4m3(inp.k_cache)
+        q8, dq = quantize_e4m3(inp.q)
+        res.append(Fp8Inputs(k8, dk, q8, dq))
+    return res
+
+
+def fp8_bytes_per_copy(shape: Shape, seqlens: Sequence[int]) -> int:
+    """Memory of one Fp8Inputs copy (e4m3 cache pages, e4m3 q, two fp32 descales)."""
+    pages = max(1, sum(-(-n // PAGE_SIZE) for n in seqlens))
+    return pages * PAGE_SIZE * D_QK + shape.b * shape.s_q * shape.h_q * D_QK + 8
 
