@@ -1,0 +1,157 @@
+"""What the engine plugins accept: KV-cache dtypes, block sizes, features and the FP8 query mode.
+
+The one statement of it: the vLLM adapter (flashmla_backend.vllm: backend, impl, the opt-in automatic
+choice) and the SGLang adapter (flashmla_backend.sglang: backend, server-argument hook) read this module
+and nothing else to decide what they serve and what they refuse, and the README's tables say the same.
+
+KV-cache formats (`--kv-cache-dtype`):
+  * the model's 16-bit dtype (bf16 or fp16): "auto", or the dtype's own name;
+  * FP8 e4m3 with one per-tensor scale per layer (vLLM "fp8" / "fp8_e4m3", SGLang "fp8_e4m3"): the engine
+    writes e4m3 values x / k_scale through its own store path, and the decode kernel reads them in place
+    with descale_k = the layer's k scale, a device tensor (CUDA-graph replays read its current value).
+Refused, with a message naming what works: fp8_e5m2, DeepSeek's packed fp8_ds_mla (sparse MLA), fp4 /
+nvfp4 / mxfp8 / int8 formats, and anything else.
+
+FP8 query mode (FP8 caches only), chosen by FLASHMLA_BACKEND_FP8_MODE:
+  * "accurate" (default): the engine hands the 16-bit query, which the kernel multiplies against the
+    dequantized cache (no quantization of q; vLLM skips its concat + quant of q);
+  * "fast": vLLM quantizes q to e4m3 with the layer's q scale (its fused concat + quant) and the kernel
+    reads e4m3 q with descale_q (vLLM's FlashMLA-FP8 convention). SGLang runs the accurate mode always.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .geometry import PAGE_SIZE
+
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class KVCacheFormat:
+    """One accepted spelling of --kv-cache-dtype: its torch dtype (None: the model's own) and whether FP8."""
+
+    name: str
+    dtype: Optional[torch.dtype]
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
+
+def _formats(*pairs) -> dict[str, KVCacheFormat]:
+    return {name: KVCacheFormat(name, dtype) for name, dtype in pairs}
+
+
+# --kv-cache-dtype values each engine may pass, as the engine spells them.
+KV_CACHE_DTYPES: dict[str, dict[str, KVCacheFormat]] = {
+    "vllm": _formats(("auto", None), ("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                     ("fp8", FP8_DTYPE), ("fp8_e4m3", FP8_DTYPE)),
+    "sglang": _formats(("auto", None), ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
+                       ("fp16", torch.float16), ("float16", torch.float16), ("fp8_e4m3", FP8_DTYPE)),
+}
+# Model (activation) dtypes and the torch dtypes of a KV cache the decode kernel reads.
+MODEL_DTYPES = (torch.bfloat16, torch.float16)
+CACHE_TORCH_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
+# The decode kernel reads PAGE_SIZE-token pages; a KV block of any multiple is split into kernel blocks (vLLM).
+BLOCK_SIZE_MULTIPLE = PAGE_SIZE
+
+# Features, for the adapters' refusal messages and the README.
+SUPPORTED_FEATURES = ("decode with query length 1", "MTP / speculative verification with a uniform query length "
+                      "(causal)", "full CUDA graphs", "block sizes that are multiples of 64")
+REFUSED_FEATURES = ("decode context parallelism", "sparse MLA (DeepSeek-V3.2)", "ALiBi, sliding windows, logit "
+                    "soft-capping", "speculative decoding with topk > 1 (SGLang)")
+
+FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
+FP8_MODES = ("accurate", "fast")
+DEFAULT_FP8_MODE = "accurate"
+
+
+def accepted_names(engine: str) -> tuple[str, ...]:
+    return tuple(KV_CACHE_DTYPES[_engine(engine)])
+
+
+def kv_cache_format(engine: str, kv_cache_dtype: Optional[str]) -> Optional[KVCacheFormat]:
+    """The format of an engine's --kv-cache-dtype value (None -> "auto"), or None when refused."""
+    return KV_CACHE_DTYPES[_engine(engine)].get("auto" if kv_cache_dtype is None else kv_cache_dtype)
+
+
+def is_fp8(engine: str, kv_cache_dtype: Optional[str]) -> bool:
+    fmt = kv_cache_format(engine, kv_cache_dtype)
+    return fmt is not None and fmt.fp8
+
+
+def kv_cache_dtype_problem(engine: str, kv_cache_dtype: Optional[str],
+                           model_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when the plugin serves this --kv-cache-dtype (with this model dtype), else why and what works."""
+    fmt = kv_cache_format(engine, kv_cache_dtype)
+    flag = "--kv-cache-dtype"
+    if fmt is None:
+        return (f"flashmla_backend does not support {flag} {kv_cache_dtype!r}; it serves "
+                f"{', '.join(accepted_names(engine))} (FP8 is e4m3 with a per-tensor scale; fp8_e5m2, fp8_ds_mla "
+                "and fp4 formats are not supported)")
+    if fmt.dtype is not None and not fmt.fp8 and model_dtype is not None and fmt.dtype != model_dtype:
+        return (f"flashmla_backend needs a 16-bit KV cache in the model dtype ({model_dtype}), got {flag} "
+                f"{kv_cache_dtype!r}; use {flag} auto, or an FP8 cache ({', '.join(fp8_names(engine))})")
+    return None
+
+
+def fp8_names(engine: str) -> tuple[str, ...]:
+    return tuple(n for n, f in KV_CACHE_DTYPES[_engine(engine)].items() if f.fp8)
+
+
+def cache_dtype_problem(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> Optional[str]:
+    """The same statement for a resolved torch dtype (SGLang's model_runner.kv_cache_dtype)."""
+    if model_dtype not in MODEL_DTYPES:
+        return f"flashmla_backend serves bf16 and fp16 models, got model dtype {model_dtype}"
+    if kv_dtype == FP8_DTYPE:
+        return None
+    if kv_dtype not in CACHE_TORCH_DTYPES:
+        return (f"flashmla_backend does not support KV cache dtype {kv_dtype}; it reads the model's 16-bit dtype "
+                "or float8_e4m3fn (--kv-cache-dtype fp8_e4m3)")
+    if kv_dtype != model_dtype:
+        return f"flashmla_backend needs a 16-bit KV cache in the model dtype ({model_dtype}), got {kv_dtype}"
+    return None
+
+
+def block_size_problem(block_size: Optional[int]) -> Optional[str]:
+    if block_size is None or block_size % BLOCK_SIZE_MULTIPLE == 0:
+        return None
+    return (f"flashmla_backend needs a KV block size that is a multiple of {BLOCK_SIZE_MULTIPLE}: 64, 128 or 256 "
+            f"work (larger blocks are split into {PAGE_SIZE}-token kernel blocks), {block_size} does not; use "
+            f"--block-size {PAGE_SIZE} or leave --block-size unset")
+
+
+def fp8_mode() -> str:
+    """FLASHMLA_BACKEND_FP8_MODE: "accurate" (default when unset or empty) or "fast"; anything else raises."""
+    raw = os.environ.get(FP8_MODE_ENV, "").strip().lower()
+    if raw == "":
+        return DEFAULT_FP8_MODE
+    if raw not in FP8_MODES:
+        raise ValueError(f"{FP8_MODE_ENV}={os.environ[FP8_MODE_ENV]!r} is not a FP8 query mode; expected one of "
+                         f"{', '.join(FP8_MODES)} (default {DEFAULT_FP8_MODE})")
+    return raw
+
+
+def default_scale_message(engine: str) -> str:
+    """The start-up line logged when an FP8 cache runs with the default k scale 1.0."""
+    how = {
+        "vllm": ("the checkpoint carries no KV-cache scales. Calibrate them: `--calculate-kv-scales` (vLLM computes "
+                 "them from the first batch) or a checkpoint with KV-cache scales (e.g. quantized with "
+                 "llm-compressor's kv_cache_scheme)"),
+        "sglang": ("the checkpoint carries no KV-cache scales (SGLang reads `k_scale` from FP8-quantized checkpoints "
+                   "only). Calibrate them with a checkpoint that carries KV-cache scales"),
+    }[_engine(engine)]
+    return (f"flashmla_backend: FP8 KV cache with the default scale 1.0: {how}. Values whose magnitude is below "
+            "2^-6 lose precision in e4m3 and above 448 saturate; README \"FP8 KV cache in the engines\" shows the "
+            "accuracy with and without calibration.")
+
+
+def _engine(engine: str) -> str:
+    if engine not in KV_CACHE_DTYPES:
+        raise ValueError(f"engine must be one of {', '.join(KV_CACHE_DTYPES)}, got {engine!r}")
+    return engine
