@@ -58,7 +58,8 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
 // flashmla_backend/ops.py that sets it and the kernel code that reads it.
 //
 // Tensors (strides in elements; the innermost dimension of each is contiguous):
-//   q           [b, s_q, h_q, 576]                   q's dtype
+//   q           [b, s_q, h_q, 576]                   q's dtype; columns 512..575 are read through q_pe
+//   q_pe        [b, s_q, h_q, 64]                    q's dtype (q + 512 for a single q tensor)
 //   kv          [num_pages, kPageSize, h_kv, 576]    q's dtype, or float8_e4m3fn with kv_fp8 (V = columns
 //                                                    0..511 of the same row)
 //   block_table [b, max_pages_per_seq] int32         page ids
@@ -128,7 +129,17 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
   ARG(bool, kv_fp8)                                                                                           \
   ARG(bool, q_fp8)                                                                                            \
   ARG(const float*, descale_q)                                                                                \
-  ARG(const float*, descale_k)
+  ARG(const float*, descale_k)                                                                                \
+                                                                                                              \
+  /* The rope part of q (columns kHeadDimV .. kHeadDimK - 1) through a pointer of its own: q_pe [b, s_q, h_q,  \
+     64] in q's dtype, with its own strides. Engines hand q as two tensors (vLLM: the absorbed latent part and \
+     the rope part in separate buffers); reading them in place saves a concatenation per layer. The kernels   \
+     read columns 0..511 from q and 512..575 from q_pe; for one [.., 576] q the caller sets q_pe = q + 512    \
+     with q's strides. */                                                                                     \
+  ARG(const void*, q_pe)                                                                                      \
+  ARG(int64_t, q_pe_stride_b)                                                                                 \
+  ARG(int64_t, q_pe_stride_s)                                                                                 \
+  ARG(int64_t, q_pe_stride_h)
 
 #define FMLA_DECODE_PARAMS_MEMBER(type, name) type name;
 struct DecodeParams {
@@ -138,11 +149,12 @@ struct DecodeParams {
 
 // DecodeParams is passed by value as a kernel parameter: its layout is part of every kernel's binary.
 // These asserts pin it (x86-64 / aarch64 LP64 layout): reordering, retyping or inserting a field fails here.
-static_assert(sizeof(DecodeParams) == 272 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
+static_assert(sizeof(DecodeParams) == 304 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
 static_assert(offsetof(DecodeParams, num_sm_parts) == 36 && offsetof(DecodeParams, causal) == 56 &&
                   offsetof(DecodeParams, q) == 64 && offsetof(DecodeParams, seqlens) == 144 &&
                   offsetof(DecodeParams, o_accum) == 232 && offsetof(DecodeParams, pdl) == 248 &&
-                  offsetof(DecodeParams, kv_fp8) == 249 && offsetof(DecodeParams, descale_k) == 264,
+                  offsetof(DecodeParams, kv_fp8) == 249 && offsetof(DecodeParams, descale_k) == 264 &&
+                  offsetof(DecodeParams, q_pe) == 272 && offsetof(DecodeParams, q_pe_stride_h) == 296,
               "DecodeParams layout changed");
 
 // Fills the DERIVED fields from the ARG fields. The one place they are computed; safe on any input

@@ -101,8 +101,8 @@ def _raw_stream(dev: torch.device) -> int:
 
 
 def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes, descale_q=None,
-                 descale_k=None):
-    validate.check_kernel_layout(q, k_cache)
+                 descale_k=None, q_pe=None):
+    validate.check_kernel_layout(q, k_cache, q_pe)
     kernel = device.kernel_for(q.device)
     kv_fp8 = k_cache.dtype == _FP8
     if kv_fp8 and kernel != "sm90":
@@ -141,6 +141,13 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     a.pdl = device.device_props(index).major >= 9
     a.q = q.data_ptr()
     a.q_stride_b, a.q_stride_s, a.q_stride_h = qst[0], qst[1], qst[2]
+    if q_pe is None:  # one [.., 576] q: its rope columns start HEAD_DIM_V elements into each row
+        a.q_pe = q.data_ptr() + HEAD_DIM_V * q.element_size()
+        a.q_pe_stride_b, a.q_pe_stride_s, a.q_pe_stride_h = qst[0], qst[1], qst[2]
+    else:
+        pst = q_pe.stride()
+        a.q_pe = q_pe.data_ptr()
+        a.q_pe_stride_b, a.q_pe_stride_s, a.q_pe_stride_h = pst[0], pst[1], pst[2]
     a.kv = k_cache.data_ptr()
     a.kv_stride_page, a.kv_stride_token, a.kv_stride_h = kst[0], kst[1], kst[2]
     a.block_table = block_table.data_ptr()
@@ -159,7 +166,7 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
 
 
 def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, descale_q=None,
-                 descale_k=None):
+                 descale_k=None, q_pe=None):
     shapes = validate.shapes_of(q, k_cache, block_table, meta)
     on_cuda = q.device.type == "cuda"
     # Value checks (lengths, page ids, metadata against the lengths and shapes): always on CPU tensors; on
@@ -171,24 +178,24 @@ def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
         return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, HEAD_DIM_V), dtype=_out_dtype(q)),
                 q.new_empty((0, shapes.num_heads_q, shapes.seqlen_q), dtype=torch.float32))
     if not on_cuda:
-        return reference_decode(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, scale, causal,
-                                descale_q=descale_q, descale_k=descale_k)
+        return reference_decode(q if q_pe is None else torch.cat([q, q_pe], dim=-1), k_cache, block_table,
+                                cache_seqlens, HEAD_DIM_V, scale, causal, descale_q=descale_q, descale_k=descale_k)
     return _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes, descale_q,
-                        descale_k)
+                        descale_k, q_pe)
 
 
 @torch.library.custom_op("flashmla_backend::mla_decode", mutates_args=())
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor, softmax_scale: float,
                causal: bool, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               q_pe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return _decode_impl(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                        softmax_scale, causal, descale_q, descale_k)
+                        softmax_scale, causal, descale_q, descale_k, q_pe)
 
 
 @_decode_op.register_fake
 def _(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale, causal,
-      descale_q=None, descale_k=None):
+      descale_q=None, descale_k=None, q_pe=None):
     b, s_q, h_q, _ = q.shape
     return (q.new_empty((b, s_q, h_q, HEAD_DIM_V), dtype=_out_dtype(q)),
             q.new_empty((b, h_q, s_q), dtype=torch.float32))
@@ -200,7 +207,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                            num_splits: torch.Tensor | None = None, softmax_scale: float | None = None,
                            causal: bool = False, is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
                            *, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           q_pe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode over a paged KV cache (FlashMLA's dense decode API).
 
     Geometry (flashmla_backend.geometry): q [b, s_q, h_q, HEAD_DIM_K] bf16/fp16; k_cache [num_pages,
@@ -221,6 +228,10 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     float8_e4m3fn q and descale_q (vLLM's FlashMLA-FP8 convention) the output is bf16 (fast mode). The kernel
     widens e4m3 to fp16 exactly and computes with fp16 operands (a bf16 q is rounded to fp16; |q| must stay below
     65504). is_fp8_kvcache=True only asserts an FP8 cache of this layout. Needs the sm_90a kernel (Hopper).
+
+    q_pe (an extension of FlashMLA's API, for engines that hold q in two parts): q [b, s_q, h_q, HEAD_DIM_V] is the
+    latent part and q_pe [b, s_q, h_q, ROPE_DIM] (q's dtype, its own strides) the rope part; the kernels read both
+    in place, as if they were one [.., HEAD_DIM_K] q, saving the concatenation. Not with a FlashMLASchedMeta.
     """
     if is_fp8_kvcache and not (isinstance(k_cache, torch.Tensor) and k_cache.dtype == _FP8):
         raise ValueError(
@@ -232,17 +243,20 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     if num_splits is None and isinstance(tile_scheduler_metadata, torch.Tensor):
         num_splits = _attached_splits(tile_scheduler_metadata, q, k_cache)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        if q_pe is not None:
+            raise TypeError("flashmla_backend: q_pe works with the tensors of get_mla_metadata(cache_seqlens, ...), not "
+                            "with a FlashMLASchedMeta; pass one [.., 576] q, or compute the metadata tensors")
         tile_scheduler_metadata, num_splits = _from_sched_meta(
             tile_scheduler_metadata, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale,
             causal, is_fp8_kvcache, descale_q, descale_k)
     validate.validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                  num_splits, softmax_scale, causal, descale_q, descale_k)
+                                  num_splits, softmax_scale, causal, descale_q, descale_k, q_pe)
     scale = float(softmax_scale) if softmax_scale is not None else HEAD_DIM_K ** -0.5
     if torch.compiler.is_compiling():
         return torch.ops.flashmla_backend.mla_decode(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
-                                                     num_splits, scale, causal, descale_q, descale_k)
+                                                     num_splits, scale, causal, descale_q, descale_k, q_pe)
     return _decode_impl(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, scale, causal,
-                        descale_q, descale_k)
+                        descale_q, descale_k, q_pe)
 
 
 def flash_mla_with_kvcache_fp8(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,

@@ -183,7 +183,7 @@ def _same_device(name: str) -> Rule:
 # ---- flash_mla_with_kvcache (and mla_decode_reference) -------------------------------------------
 
 DECODE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
-                 "num_splits", "softmax_scale", "causal", "descale_q", "descale_k")
+                 "num_splits", "softmax_scale", "causal", "descale_q", "descale_k", "q_pe")
 REFERENCE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "softmax_scale", "causal",
                     "descale_q", "descale_k")
 
@@ -210,6 +210,19 @@ DECODE_ROWS = [
          "q has dtype {q.dtype}: of the FP8 types only float8_e4m3fn is supported (with descale_q, against a "
          "float8_e4m3fn k_cache)"),
     *_tensor("q", 4, "Q_DTYPES", "[batch, seqlen_q, num_heads_q, {HEAD_DIM_K}]")[1:],
+    # q_pe (flash_mla_with_kvcache only): q's rope columns in a tensor of their own, q then holds the latent part.
+    # The REFERENCE table has no q_pe argument: its env binds the name to None, so the shared rows below read it.
+    Rule("q_pe", "q_pe is None or isinstance(q_pe, Tensor)", TypeError,
+         "q_pe must be None or a torch.Tensor (the rope part of q, with q the latent part), got {type(q_pe).__name__}"),
+    Rule("q_pe", "q_pe is None or q_pe.dtype == q.dtype", TypeError,
+         "q_pe must have q's dtype ({q.dtype}), got {_describe(q_pe)}"),
+    Rule("q_pe", "q_pe is None or (q_pe.dim() == 4 and q_pe.dim() == q.dim())", ValueError,
+         "q_pe must be [batch, seqlen_q, num_heads_q, {ROPE_DIM}] like q's first three dimensions, got "
+         "{_describe(q_pe)}"),
+    Rule("q_pe", "q_pe is None or q_pe.stride(-1) == 1 or q_pe.numel() == 0", ValueError,
+         "q_pe must have a contiguous last dimension (stride 1), got {_describe(q_pe)}"),
+    Rule("q_pe", "q_pe is None or q_pe.device == q.device", ValueError,
+         "q_pe is on {q_pe.device} but q is on {q.device}: all tensors must be on one device"),
     Rule("k_cache", "isinstance(k_cache, Tensor)", TypeError,
          "k_cache must be a torch.Tensor, got {type(k_cache).__name__}"),
     Rule("k_cache", "k_cache.dtype in Q_DTYPES or k_cache.element_size() != 1", TypeError,
@@ -226,8 +239,12 @@ DECODE_ROWS = [
     Rule("q", "q.device.type in ('cuda', 'cpu')", ValueError, "q is on {q.device}; only CUDA and CPU tensors work"),
     Let("q", "b, s_q, h_q, d", "q.shape"),
     Let("k_cache", "num_pages, page_size, h_kv, d_k", "k_cache.shape"),
-    Rule("q", "d == HEAD_DIM_K", ValueError, "q's last dimension must be {HEAD_DIM_K} ({HEAD_DIM_V} latent + "
-         "{ROPE_DIM} rope), got {_describe(q)}"),
+    Rule("q", "d == (HEAD_DIM_K if q_pe is None else HEAD_DIM_V)", ValueError,
+         "q's last dimension must be {HEAD_DIM_K} ({HEAD_DIM_V} latent + {ROPE_DIM} rope), or {HEAD_DIM_V} when the "
+         "rope part comes as q_pe; got {_describe(q)}{'' if q_pe is None else ' with q_pe'}"),
+    Rule("q_pe", "q_pe is None or tuple(q_pe.shape) == (b, s_q, h_q, ROPE_DIM)", ValueError,
+         "q_pe must be [batch={b}, seqlen_q={s_q}, num_heads_q={h_q}, {ROPE_DIM}] (q's first three dimensions), "
+         "got {_describe(q_pe)}"),
     Rule("k_cache", "d_k == HEAD_DIM_K", ValueError,
          "k_cache's last dimension must be {HEAD_DIM_K}, got {_describe(k_cache)}"),
     Rule("q", "q.dtype != FP8 or k_cache.dtype == FP8", TypeError,
@@ -265,18 +282,18 @@ DECODE_ROWS = [
 
 DECODE = RuleSet("flash_mla_with_kvcache", DECODE_PARAMS, DECODE_ROWS, dict(Q_DTYPES=FLOAT_DTYPES + (FP8,)))
 REFERENCE = RuleSet("mla_decode_reference", REFERENCE_PARAMS, DECODE_ROWS,
-                    dict(Q_DTYPES=REFERENCE_DTYPES + (FP8,)))
+                    dict(Q_DTYPES=REFERENCE_DTYPES + (FP8,), q_pe=None))
 
 
 def validate_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                         softmax_scale, causal, descale_q=None, descale_k=None) -> None:
+                         softmax_scale, causal, descale_q=None, descale_k=None, q_pe=None) -> None:
     # (torch.compile traces the step-by-step checks: its guards make them free after the first call)
     if not torch.compiler.is_compiling() and DECODE.accepts(
             q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale,
-            causal, descale_q, descale_k):
+            causal, descale_q, descale_k, q_pe):
         return
     DECODE.check(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                 softmax_scale, causal, descale_q, descale_k)
+                 softmax_scale, causal, descale_q, descale_k, q_pe)
 
 
 def validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
@@ -301,24 +318,33 @@ def _strides_test(name: str, stride: str) -> str:
                         for i in range(3))
 
 
+def _layout_rules(name: str, st: str, optional: bool = False) -> list:
+    guard = f"{name} is None or " if optional else ""
+    return [
+        Rule(name, f"{guard}{name}.data_ptr() % ALIGN_BYTES == 0", ValueError,
+             f"{name}'s data pointer must be {{ALIGN_BYTES}}-byte aligned (got {{{name}.data_ptr() % ALIGN_BYTES}} "
+             f"bytes past a {{ALIGN_BYTES}}-byte boundary; storage offset {{{name}.storage_offset()}})"),
+        Rule(name, f"{guard}({_strides_test(name, st)})", ValueError,
+             f"{name}'s strides must be multiples of {{ALIGN_BYTES // {name}.element_size()}} elements "
+             f"({{ALIGN_BYTES}} bytes) for the kernels' vector loads, got {{_describe({name})}}"),
+    ]
+
+
 LAYOUT_ROWS = [
     Let("q", "qst", "q.stride()"),
     Let("k_cache", "kst", "k_cache.stride()"),
-    *[r for name, st in (("q", "qst"), ("k_cache", "kst")) for r in (
-        Rule(name, f"{name}.data_ptr() % ALIGN_BYTES == 0", ValueError,
-             f"{name}'s data pointer must be {{ALIGN_BYTES}}-byte aligned (got {{{name}.data_ptr() % ALIGN_BYTES}} "
-             f"bytes past a {{ALIGN_BYTES}}-byte boundary; storage offset {{{name}.storage_offset()}})"),
-        Rule(name, _strides_test(name, st), ValueError,
-             f"{name}'s strides must be multiples of {{ALIGN_BYTES // {name}.element_size()}} elements ({{ALIGN_BYTES}} bytes) for the kernels' "
-             f"vector loads, got {{_describe({name})}}"))],
+    Let("q_pe", "pst", "None if q_pe is None else q_pe.stride()"),
+    *_layout_rules("q", "qst"),
+    *_layout_rules("k_cache", "kst"),
+    *_layout_rules("q_pe", "pst", optional=True),
 ]
-LAYOUT = RuleSet("kernel layout", ("q", "k_cache"), LAYOUT_ROWS)
+LAYOUT = RuleSet("kernel layout", ("q", "k_cache", "q_pe"), LAYOUT_ROWS)
 
 
-def check_kernel_layout(q: torch.Tensor, k_cache: torch.Tensor) -> None:
+def check_kernel_layout(q: torch.Tensor, k_cache: torch.Tensor, q_pe: torch.Tensor | None = None) -> None:
     """Alignment the kernels' 16-byte loads (cp.async, TMA) need. Pointer values: call with real tensors."""
-    if not LAYOUT.accepts(q, k_cache):
-        LAYOUT.check(q, k_cache)
+    if not LAYOUT.accepts(q, k_cache, q_pe):
+        LAYOUT.check(q, k_cache, q_pe)
 
 
 # ---- get_mla_metadata --------------------------------------------------------------------------------

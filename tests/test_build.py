@@ -122,7 +122,7 @@ def test_ops_sets_every_decode_field(monkeypatch):
     monkeypatch.setattr(ops.device, "kernel_for", lambda dev: "portable")
     monkeypatch.setattr(ops.device, "device_props", lambda index: types.SimpleNamespace(major=9, minor=0))
     monkeypatch.setattr(ops, "_raw_stream", lambda dev: 0)
-    monkeypatch.setattr(ops.validate, "check_kernel_layout", lambda q, k: None)
+    monkeypatch.setattr(ops.validate, "check_kernel_layout", lambda q, k, q_pe=None: None)
 
     b, s_q, h_q, h_kv, pages, parts = 2, 1, 16, 1, 4, 3
     q = torch.zeros((b, s_q, h_q, geometry.HEAD_DIM_K), dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ def args(case=None, device="cpu"):
     meta, num_splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv)
     return dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
                 head_dim_v=D_V, tile_scheduler_metadata=meta, num_splits=num_splits, softmax_scale=inp.scale,
-                causal=True, descale_q=None, descale_k=None)
+                causal=True, descale_q=None, descale_k=None, q_pe=None)
 
 
 def call(**kw):
@@ -269,6 +269,14 @@ def _mutations():
                                       descale_q=torch.ones(1, dtype=torch.int32)),
         "q fp8 descale_q on meta": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE.to("meta")),
         "q fp8 descale_q 0-d float": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=3.0),
+        "q_pe list": dict(q=q[..., :D_V], q_pe=[0.0] * 64),
+        "q_pe with a 576-column q": dict(q_pe=q[..., D_V:]),
+        "q_pe fp16 with a bf16 q": dict(q=q[..., :D_V], q_pe=q[..., D_V:].half()),
+        "q_pe 3-D": dict(q=q[..., :D_V], q_pe=q[0, ..., D_V:]),
+        "q_pe 32 columns": dict(q=q[..., :D_V], q_pe=q[..., D_V:D_V + 32]),
+        "q_pe other heads": dict(q=q[..., :D_V], q_pe=q[:, :, :8, D_V:]),
+        "q_pe strided last dim": dict(q=q[..., :D_V], q_pe=torch.empty(q.shape[:-1] + (128,), dtype=q.dtype)[..., ::2]),
+        "q_pe on meta": dict(q=q[..., :D_V], q_pe=q[..., D_V:].to("meta")),
     }
     good = {
         "valid": {},
@@ -282,6 +290,8 @@ def _mutations():
         "fp8 cache": dict(k_cache=kc.to(FP8), descale_k=ONE * 0.5),
         "fp8 cache, 0-d descale_k": dict(k_cache=kc.to(FP8), descale_k=torch.tensor(0.5)),
         "fp8 q and cache": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE * 2),
+        "q in two parts": dict(q=q[..., :D_V], q_pe=q[..., D_V:]),
+        "q in two parts, fp8 cache": dict(q=q[..., :D_V], q_pe=q[..., D_V:].clone(), k_cache=kc.to(FP8), descale_k=ONE),
     }
     return {**{k: (v, False) for k, v in bad.items() if v}, **{k: (v, True) for k, v in good.items()}}
 

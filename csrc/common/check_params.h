@@ -105,6 +105,7 @@ inline void check_decode_params(const DecodeParams& p, const DecodeRequirements&
       const char* name;
       const void* ptr;
     } pointers[] = {{"q", p.q},
+                    {"q_pe", p.q_pe},
                     {"kv", p.kv},
                     {"block_table", p.block_table},
                     {"seqlens", p.seqlens},
@@ -121,6 +122,10 @@ inline void check_decode_params(const DecodeParams& p, const DecodeRequirements&
   detail::check_stride(req, req.q, "q_stride_b", p.q_stride_b, p.batch);
   detail::check_stride(req, req.q, "q_stride_s", p.q_stride_s, p.seqlen_q);
   detail::check_stride(req, req.q, "q_stride_h", p.q_stride_h, p.num_heads_q);
+  detail::check_address(req, req.q, "q_pe", p.q_pe);
+  detail::check_stride(req, req.q, "q_pe_stride_b", p.q_pe_stride_b, p.batch);
+  detail::check_stride(req, req.q, "q_pe_stride_s", p.q_pe_stride_s, p.seqlen_q);
+  detail::check_stride(req, req.q, "q_pe_stride_h", p.q_pe_stride_h, p.num_heads_q);
   // kv: the page and token strides are always checked (a TMA tensor map encodes them even for one page);
   // skip_unit_dims applies to the head stride only.
   detail::check_address(req, req.kv, "kv", p.kv);

@@ -187,18 +187,27 @@ __device__ __forceinline__ void issue_kv_chunk(SharedStorage& ss, const KvRowSou
   }
 }
 
+// Element offsets of one query row (token and head) inside one request: in q (columns 0..511) and in q_pe
+// (columns 512..575, which the kernels read through their own pointer and strides; params.h).
+struct QRowOffsets {
+  int64_t q;
+  int64_t pe;
+};
+
 // Q tile of request req: this thread copies row tid/4 (query row m_block*64 + tid/4), units tid%4 + 4k.
-// q_row_offset: element offset of that row inside one request (token and head); q_row_ok: row < q_rows.
+// q_row: offsets of that row; q_row_ok: row < q_rows.
 template <typename T>
 __device__ __forceinline__ void issue_q_tile(SharedStorage& ss, const DecodeParams& params, int req,
-                                             int64_t q_row_offset, bool q_row_ok, int tid) {
+                                             const QRowOffsets& q_row, bool q_row_ok, int tid) {
   const T* q = static_cast<const T*>(params.q);
-  const T* src = q + static_cast<int64_t>(req) * params.q_stride_b + q_row_offset;
+  const T* src = q + static_cast<int64_t>(req) * params.q_stride_b + q_row.q;
+  const T* src_pe = static_cast<const T*>(params.q_pe) + static_cast<int64_t>(req) * params.q_pe_stride_b + q_row.pe;
   const int row = tid / kQThreadsPerRow;
+  static_assert(kHeadDimV % kElemsPerCopy == 0, "no copy unit straddles the latent / rope boundary");
 #pragma unroll
   for (int k = 0; k < kQCopiesPerThread; ++k) {
     const int col = (tid % kQThreadsPerRow + k * kQThreadsPerRow) * kElemsPerCopy;
-    cp_async_unit(&ss.q[row][col], q_row_ok ? src + col : q, q_row_ok);
+    cp_async_unit(&ss.q[row][col], q_row_ok ? (col < kHeadDimV ? src + col : src_pe + (col - kHeadDimV)) : q, q_row_ok);
   }
 }
 
@@ -206,9 +215,9 @@ __device__ __forceinline__ void issue_q_tile(SharedStorage& ss, const DecodePara
 template <typename T>
 __device__ __forceinline__ void issue_load_group(SharedStorage& ss, const DecodeParams& params, int group,
                                                  const KvRowSources<T>& rows, bool load_q, int q_req,
-                                                 int64_t q_row_offset, bool q_row_ok, int tid) {
+                                                 const QRowOffsets& q_row, bool q_row_ok, int tid) {
   if (group == 0) {
-    if (load_q) issue_q_tile<T>(ss, params, q_req, q_row_offset, q_row_ok, tid);
+    if (load_q) issue_q_tile<T>(ss, params, q_req, q_row, q_row_ok, tid);
     issue_kv_chunk<T>(ss, rows, kRopeChunk, tid);
   } else {
     issue_kv_chunk<T>(ss, rows, group - 1, tid);
@@ -316,13 +325,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
   for (int hi = 0; hi < 2; ++hi) frag_s[hi] = (row0 + warp_m * kWarpRows + frag_row + 8 * hi) / params.ngroups;
 
   // The Q row this thread copies (same for every request).
-  int64_t q_row_offset = 0;
+  QRowOffsets q_row{0, 0};
   const int q_load_r = row0 + tid / kQThreadsPerRow;
   const bool q_row_ok = q_load_r < params.q_rows;
   if (q_row_ok) {
     const int s = q_load_r / params.ngroups;
     const int h = hk * params.ngroups + q_load_r % params.ngroups;
-    q_row_offset = static_cast<int64_t>(s) * params.q_stride_s + static_cast<int64_t>(h) * params.q_stride_h;
+    q_row.q = static_cast<int64_t>(s) * params.q_stride_s + static_cast<int64_t>(h) * params.q_stride_h;
+    q_row.pe = static_cast<int64_t>(s) * params.q_pe_stride_s + static_cast<int64_t>(h) * params.q_pe_stride_h;
   }
 
   // ldmatrix base addresses (element pointers into shared memory).
@@ -340,7 +350,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
     next_rows = kv_row_sources<T>(params, next, hk, tid);
 #pragma unroll
     for (int g = 0; g < kNumLoadGroups; ++g)
-      issue_load_group<T>(ss, params, g, next_rows, /*load_q=*/true, next.req, q_row_offset, q_row_ok, tid);
+      issue_load_group<T>(ss, params, g, next_rows, /*load_q=*/true, next.req, q_row, q_row_ok, tid);
   }
 
   for (int req = pr.begin_req; req <= pr.end_req; ++req) {
@@ -413,7 +423,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
 
       if (next.req >= 0) {
         next_rows = kv_row_sources<T>(params, next, hk, tid);
-        issue_load_group<T>(ss, params, 0, next_rows, /*load_q=*/next.req != req, next.req, q_row_offset,
+        issue_load_group<T>(ss, params, 0, next_rows, /*load_q=*/next.req != req, next.req, q_row,
                             q_row_ok, tid);
       }
 
@@ -470,7 +480,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) portable_decode_kernel(const _
         if (warp_active) pv_step<T>(v_lds, step, p_frag, o_acc);
         __syncthreads();   // V chunks `step` and `step + 4` are no longer read
         if (next.req >= 0)
-          issue_load_group<T>(ss, params, 1 + step, next_rows, false, next.req, q_row_offset, q_row_ok, tid);
+          issue_load_group<T>(ss, params, 1 + step, next_rows, false, next.req, q_row, q_row_ok, tid);
       }
     }
 

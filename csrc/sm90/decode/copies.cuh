@@ -83,7 +83,11 @@ __device__ __forceinline__ void load_q_async(const DecodeParams& p, int req, int
   constexpr int kChunksPerThread = kBlockM * kChunksPerRow / kNumThreads;
   static_assert(kBlockM * kChunksPerRow % kNumThreads == 0, "Q chunks split evenly over the CTA");
   const QIn* q = reinterpret_cast<const QIn*>(p.q);
+  const QIn* q_pe = reinterpret_cast<const QIn*>(p.q_pe);
   const int64_t req_off = int64_t(req) * p.q_stride_b;
+  const int64_t req_off_pe = int64_t(req) * p.q_pe_stride_b;
+  constexpr int kLatentChunks = kHeadDimV / kElemsPerChunk;  // chunks 0..kLatentChunks-1 from q, the rest from q_pe
+  static_assert(kHeadDimV % kElemsPerChunk == 0, "no chunk straddles the latent / rope boundary");
   // Not unrolled: this runs while the output accumulators are live (before the epilogue).
   CUTLASS_PRAGMA_NO_UNROLL
   for (int it = 0; it < kChunksPerThread; ++it) {
@@ -96,7 +100,10 @@ __device__ __forceinline__ void load_q_async(const DecodeParams& p, int req, int
     if (valid) {
       const int s = r / p.ngroups;
       const int h = hk * p.ngroups + (r - s * p.ngroups);
-      src = q + req_off + int64_t(s) * p.q_stride_s + int64_t(h) * p.q_stride_h + c * kElemsPerChunk;
+      src = c < kLatentChunks
+                ? q + req_off + int64_t(s) * p.q_stride_s + int64_t(h) * p.q_stride_h + c * kElemsPerChunk
+                : q_pe + req_off_pe + int64_t(s) * p.q_pe_stride_s + int64_t(h) * p.q_pe_stride_h +
+                      (c - kLatentChunks) * kElemsPerChunk;
     }
     uint32_t dst;
     if constexpr (T::kQFp8) {
