@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import flashmla_backend  # noqa: E402
-from flashmla_backend import geometry  # noqa: E402
+from flashmla_backend import engine_support, geometry  # noqa: E402
 from flashmla_backend.reference import mla_decode_reference  # noqa: E402
 from flashmla_backend.vllm import BACKEND_CLASS_PATH, BACKEND_NAME, DEBUG_BREAK_SCALE_ENV, _compat, register  # noqa: E402
 from flashmla_backend.vllm import default_choice  # noqa: E402
@@ -55,6 +55,7 @@ LAYER_NAME = "model.layers.0.self_attn.attn"
 HOPPER = DeviceCapability(9, 0)
 # Both sides compute in fp32 from the same bf16/fp16 inputs; the outputs are rounded to 16 bits.
 OUT_ATOL, OUT_RTOL = 1e-2, 1e-2
+FP8, E4M3_MAX = torch.float8_e4m3fn, 448.0
 
 
 # ---- vLLM objects ------------------------------------------------------------------------------
@@ -120,6 +121,14 @@ class LayerDouble:
         self._q_scale = torch.tensor(1.0)
         self._k_scale = torch.tensor(1.0)
         self._v_scale = torch.tensor(1.0)
+        self._q_scale_float = self._k_scale_float = 1.0
+        self.calculate_kv_scales = False
+
+    def set_scales(self, k_scale: float, q_scale: float = 1.0) -> None:
+        """As vLLM's scale loading or --calculate-kv-scales leaves a layer: device tensors and host copies."""
+        self._k_scale.fill_(k_scale)
+        self._q_scale.fill_(q_scale)
+        self._k_scale_float, self._q_scale_float = k_scale, q_scale
 
 
 def layer_scale(cfg: VllmConfig) -> float:
@@ -273,23 +282,43 @@ class DecodeBatch:
     def q(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ql_nope, self.q_pe
 
-    def expected(self, scale: float) -> torch.Tensor:
-        """The reference on a dense cache built from the raw token rows (independent of vLLM's paging)."""
+    def expected(self, scale: float, *, k_scale: float | None = None, q8: torch.Tensor | None = None,
+                 q_scale: float | None = None) -> torch.Tensor:
+        """The reference on a dense cache built from the raw token rows (independent of vLLM's paging).
+
+        With k_scale: the rows as an FP8 cache stores them, e4m3(row / k_scale), read with descale_k = k_scale;
+        with q8 (an e4m3 [T, N, 576] query) and q_scale: that query, dequantized, instead of the 16-bit one."""
         B, s_q, H = len(self.seq_lens), self.query_len, self.num_heads
-        q = torch.cat([self.ql_nope, self.q_pe], dim=-1).reshape(B, s_q, H, HEAD)
+        q = (torch.cat([self.ql_nope, self.q_pe], dim=-1) if q8 is None else q8).reshape(B, s_q, H, HEAD)
         pages = [-(-n // KERNEL_BLOCK) for n in self.seq_lens]
-        dense = torch.zeros((max(sum(pages), 1), KERNEL_BLOCK, 1, HEAD), dtype=q.dtype)
+        cache_dtype = q.dtype if k_scale is None else FP8
+        dense = torch.zeros((max(sum(pages), 1), KERNEL_BLOCK, 1, HEAD), dtype=cache_dtype)
         table = torch.zeros((B, max(max(pages), 1)), dtype=torch.int32)
         start = 0
         for i, rows in enumerate(self.tokens):
             n = rows.shape[0]
             flat = dense[start: start + pages[i]].view(-1, HEAD)
-            flat[:n] = rows
+            flat[:n] = rows if k_scale is None else (rows.float() / k_scale).to(FP8)
             table[i, : pages[i]] = torch.arange(start, start + pages[i], dtype=torch.int32)
             start += pages[i]
+        scales = {}
+        if k_scale is not None:
+            scales["descale_k"] = torch.tensor([k_scale], dtype=torch.float32)
+        if q8 is not None:
+            scales["descale_q"] = torch.tensor([q_scale], dtype=torch.float32)
         out, _ = mla_decode_reference(q, dense, table, torch.tensor(self.seq_lens, dtype=torch.int32),
-                                      LATENT, softmax_scale=scale, causal=True)
+                                      LATENT, softmax_scale=scale, causal=True, **scales)
         return out.reshape(B * s_q, H, LATENT)
+
+    def fp8_cache(self, k_scale: float) -> torch.Tensor:
+        """The cache as vLLM's FP8 cache op leaves it: e4m3(value / k_scale) bytes in vLLM's uint8 allocation
+        (the never-written slots, NaN here, stay NaN)."""
+        return (self.kv_cache.float() / k_scale).to(FP8).view(torch.uint8)
+
+    def fp8_query(self, q_scale: float) -> torch.Tensor:
+        """The fast mode's query: vLLM's fused concat + quant, one e4m3 [T, N, 576] tensor (saturating)."""
+        q = torch.cat(self.q(), dim=-1).float() / q_scale
+        return q.clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
 # ---- fixtures ----------------------------------------------------------------------------------
@@ -469,7 +498,9 @@ def test_default_choice_opt_in_picks_the_plugin_for_mla_on_hopper(monkeypatch, c
     assert not default_choice.is_installed(platform.get_attn_backend_cls.__wrapped__.__self__)
     assert selected_backend(cfg) is FlashMLAPluginBackend
     # Layers the plugin refuses, named backends and non-MLA layers keep vLLM's choice.
-    assert selected_backend(fp8, kv_cache_dtype="fp8") is not FlashMLAPluginBackend
+    assert selected_backend(fp8, kv_cache_dtype="fp8") is FlashMLAPluginBackend  # FP8 (e4m3) caches too
+    e5m2 = vllm_config(64, kv_cache_dtype="fp8_e5m2")
+    assert selected_backend(e5m2, kv_cache_dtype="fp8_e5m2") is not FlashMLAPluginBackend
     if hasattr(block32.cache_config, "user_specified_block_size"):
         assert selected_backend(block32) is not FlashMLAPluginBackend
     assert selected_backend(explicit) is AttentionBackendEnum.TRITON_MLA.get_class()
@@ -530,11 +561,21 @@ def test_vllm_splits_manager_blocks_into_64_token_kernel_blocks(manager_block_si
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
-def test_fp8_kv_cache_refused(kv_cache_dtype):
+def test_fp8_kv_cache_accepted(kv_cache_dtype):
+    assert selector_reasons(model=model_config(), kv_cache_dtype=kv_cache_dtype) == []
+    cfg = vllm_config(kv_cache_dtype=kv_cache_dtype)
+    with set_current_vllm_config(cfg):
+        impl = make_impl(FlashMLAPluginBackend, cfg, layer_scale(cfg), kv_cache_dtype)
+    assert impl.kv_fp8 and impl.fp8_mode == engine_support.DEFAULT_FP8_MODE
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e5m2", "fp8_ds_mla", "int8"])
+def test_other_kv_cache_formats_refused_naming_what_works(kv_cache_dtype):
     reasons = " ".join(selector_reasons(model=model_config(), kv_cache_dtype=kv_cache_dtype))
-    assert "kv_cache_dtype not supported" in reasons and "FP8" in reasons
+    assert "kv_cache_dtype not supported" in reasons  # vLLM's own reason, and ours naming what works
+    assert kv_cache_dtype in reasons and "fp8_e4m3" in reasons and "auto" in reasons
     cfg = vllm_config()
-    with set_current_vllm_config(cfg), pytest.raises(NotImplementedError, match="FP8|fp8"):
+    with set_current_vllm_config(cfg), pytest.raises(NotImplementedError, match="fp8, fp8_e4m3"):
         make_impl(FlashMLAPluginBackend, cfg, layer_scale(cfg), kv_cache_dtype)
 
 
@@ -646,6 +687,173 @@ def test_forward_mqa_uses_the_layers_scale():
     out, _ = plugin.forward_mqa(batch.q(), batch.kv_cache, plugin.build(batch.common))
     torch.testing.assert_close(out, batch.expected(scale), atol=OUT_ATOL, rtol=OUT_RTOL)
     assert (out.float() - batch.expected(HEAD ** -0.5).float()).abs().max() > 0.05
+
+
+# ---- FP8 KV cache ------------------------------------------------------------------------------
+
+def fp8_plugin(monkeypatch, mode: str | None, manager_block_size: int = 64, query_len: int = 1,
+               kv_cache_dtype: str = "fp8", **kw) -> Plugin:
+    if mode is None:
+        monkeypatch.delenv(engine_support.FP8_MODE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(engine_support.FP8_MODE_ENV, mode)
+    return Plugin(vllm_config(manager_block_size, kv_cache_dtype=kv_cache_dtype, query_len=query_len, **kw))
+
+
+@pytest.mark.parametrize("mode,expect_quant_q", [(None, False), ("accurate", False), ("fast", True),
+                                                 (" FAST ", True)])
+def test_fp8_mode_switch(monkeypatch, mode, expect_quant_q):
+    """vLLM's layer quantizes q before forward_mqa exactly when the impl says supports_quant_query_input."""
+    plugin = fp8_plugin(monkeypatch, mode)
+    assert plugin.impl.supports_quant_query_input is expect_quant_q
+    assert plugin.impl.fp8_mode == ("fast" if expect_quant_q else "accurate")
+    bf16 = Plugin(vllm_config(64))  # the variable does not matter for a 16-bit cache
+    assert bf16.impl.supports_quant_query_input is False and bf16.impl.fp8_mode is None
+
+
+def test_fp8_mode_switch_refuses_unknown_values(monkeypatch):
+    monkeypatch.setenv(engine_support.FP8_MODE_ENV, "turbo")
+    with pytest.raises(ValueError, match=f"{engine_support.FP8_MODE_ENV}='turbo'.*accurate, fast"):
+        Plugin(vllm_config(64, kv_cache_dtype="fp8"))
+
+
+FP8_CASES = {  # name: (manager block size, s_q, seq_lens, k_scale, cache handed as uint8 bytes)
+    "decode_bs64": (64, 1, [1, 33, 64, 65, 700, 1500], 0.05, True),
+    "decode_bs256_scale1": (256, 1, [5, 255, 257, 2500], 1.0, False),
+    "spec2_bs64": (64, 2, [2, 70, 300, 999], 0.02, True),
+    "spec4_bs128": (128, 4, [4, 130, 1024], 0.05, False),
+    "padded_spec2": (128, 2, [64, 500, 0], 0.05, True),
+}
+
+
+@pytest.mark.parametrize("mode", ["accurate", "fast"])
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_fp8_forward_mqa_matches_the_dequantized_reference(monkeypatch, case, mode):
+    """Both modes on the bytes vLLM's FP8 cache op writes, with the layer's scales (k_scale != 1 included)."""
+    manager_block_size, s_q, seq_lens, k_scale, as_bytes = FP8_CASES[case]
+    plugin = fp8_plugin(monkeypatch, mode, manager_block_size, s_q)
+    q_scale = 0.03
+    plugin.layer.set_scales(k_scale, q_scale)
+    batch = DecodeBatch(plugin, seq_lens, s_q, seed=sum(seq_lens) + s_q)
+    md = plugin.build(batch.common)
+    cache = batch.fp8_cache(k_scale)
+    if not as_bytes:
+        cache = cache.view(FP8)  # as vLLM's layer hands it (it views the uint8 allocation)
+    if mode == "fast":
+        q8 = batch.fp8_query(q_scale)
+        out, _ = plugin.forward_mqa(q8, cache, md)
+        expected = batch.expected(plugin.scale, k_scale=k_scale, q8=q8, q_scale=q_scale)
+    else:
+        out, _ = plugin.forward_mqa(batch.q(), cache, md)
+        expected = batch.expected(plugin.scale, k_scale=k_scale)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=OUT_RTOL)
+    # The scale matters: reading the bytes with another descale gives another answer.
+    wrong = batch.expected(plugin.scale, k_scale=k_scale * 1.5) if mode == "accurate" else None
+    if wrong is not None and k_scale != 1.0:
+        assert (out.float() - wrong.float()).abs().max() > 0.02
+
+
+def test_fp8_adapter_hands_the_kernel_the_layers_tensors_in_place(monkeypatch):
+    """No copy of q (its two parts go to the kernel as they are), the cache viewed not converted, and the
+    descales are views of the layer's own scale tensors, so a CUDA-graph replay reads their current values."""
+    plugin = fp8_plugin(monkeypatch, "accurate")
+    plugin.layer.set_scales(0.05)
+    batch = DecodeBatch(plugin, [70, 300], 1, seed=21)
+    md = plugin.build(batch.common)
+    seen = {}
+    real = flashmla_backend.flash_mla_with_kvcache
+
+    def spy(q, k_cache, *args, **kw):
+        seen.update(q=q, k_cache=k_cache, **kw)
+        return real(q, k_cache, *args, **kw)
+
+    monkeypatch.setattr(flashmla_backend, "flash_mla_with_kvcache", spy)
+    cache = batch.fp8_cache(0.05)
+    plugin.forward_mqa(batch.q(), cache, md)
+    ql_nope, q_pe = batch.q()
+    assert seen["q"].data_ptr() == ql_nope.data_ptr() and seen["q_pe"].data_ptr() == q_pe.data_ptr()
+    assert seen["k_cache"].dtype == FP8 and seen["k_cache"].data_ptr() == cache.data_ptr()
+    assert seen["descale_k"].data_ptr() == plugin.layer._k_scale.data_ptr() and seen["descale_q"] is None
+    monkeypatch.setenv(engine_support.FP8_MODE_ENV, "fast")
+    fast = Plugin(vllm_config(64, kv_cache_dtype="fp8"))
+    fast.layer.set_scales(0.05, 0.03)
+    seen.clear()
+    fast.forward_mqa(batch.fp8_query(0.03), cache, fast.build(batch.common))
+    assert seen["descale_q"].data_ptr() == fast.layer._q_scale.data_ptr() and seen.get("q_pe") is None
+
+
+def test_16bit_decode_passes_q_in_two_parts_without_a_copy(monkeypatch):
+    plugin = Plugin(vllm_config(64))
+    batch = DecodeBatch(plugin, [40, 900], 1, seed=22)
+    seen = {}
+    real = flashmla_backend.flash_mla_with_kvcache
+
+    def spy(q, *args, **kw):
+        seen.update(q=q, **kw)
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(flashmla_backend, "flash_mla_with_kvcache", spy)
+    out, _ = plugin.forward_mqa(batch.q(), batch.kv_cache, plugin.build(batch.common))
+    assert seen["q"].data_ptr() == batch.ql_nope.data_ptr() and seen["q_pe"].data_ptr() == batch.q_pe.data_ptr()
+    assert seen["descale_k"] is None
+    torch.testing.assert_close(out, batch.expected(plugin.scale), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+class _Records(list):
+    """The records one logger emits (whatever vLLM's logging configuration does with propagation)."""
+
+    def messages(self, text: str) -> list[str]:
+        return [r.getMessage() for r in self if text in r.getMessage()]
+
+
+@pytest.fixture
+def plugin_log():
+    import logging
+
+    from flashmla_backend.vllm import impl as impl_module
+
+    records = _Records()
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.flashmla_backend")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    impl_module._default_scale_logged = False
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+    impl_module._default_scale_logged = False
+
+
+def test_fp8_default_scale_is_reported_once(monkeypatch, plugin_log):
+    plugin = fp8_plugin(monkeypatch, None)
+    batch = DecodeBatch(plugin, [70, 300], 1, seed=23)
+    md = plugin.build(batch.common)
+    for _ in range(3):
+        plugin.forward_mqa(batch.q(), batch.fp8_cache(1.0), md)
+    lines = plugin_log.messages("default scale 1.0")
+    assert len(lines) == 1 and "--calculate-kv-scales" in lines[0]
+
+
+def test_fp8_calibrated_scale_is_not_reported(monkeypatch, plugin_log):
+    plugin = fp8_plugin(monkeypatch, None)
+    plugin.layer.set_scales(0.05)
+    batch = DecodeBatch(plugin, [70, 300], 1, seed=24)
+    plugin.forward_mqa(batch.q(), batch.fp8_cache(0.05), plugin.build(batch.common))
+    bf16 = Plugin(vllm_config(64))
+    bf16.forward_mqa(batch.q(), batch.kv_cache, bf16.build(batch.common))
+    assert not plugin_log.messages("default scale")
+
+
+def test_fp8_start_up_line_names_the_cache_and_mode(monkeypatch, plugin_log):
+    from flashmla_backend.vllm import impl as impl_module
+
+    monkeypatch.setattr(impl_module, "_announced", False)
+    fp8_plugin(monkeypatch, "fast")
+    line, = plugin_log.messages("MLA decode attention runs on")
+    assert "FP8 KV cache" in line and "mode fast" in line
 
 
 def test_cuda_graph_buffers_are_persistent_and_refreshed():

@@ -14,7 +14,9 @@ for dense MLA layers on Hopper that it supports (opt-in, see flashmla_backend.vl
 
 What runs: decode tokens (query length 1, or a uniform length > 1 for MTP / speculative decoding)
 go to flashmla_backend.flash_mla_with_kvcache on 64-token pages; prefill stays with vLLM's MLA
-prefill backend. Supported vLLM versions: see flashmla_backend.vllm._compat.
+prefill backend. KV caches: the model's 16-bit dtype or FP8 e4m3 (`--kv-cache-dtype fp8`), with the
+query mode chosen by FLASHMLA_BACKEND_FP8_MODE (flashmla_backend.engine_support states what is accepted).
+Supported vLLM versions: see flashmla_backend.vllm._compat.
 
 Test hook: FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 multiplies the softmax scale by 1.5 in this plugin's
 decode path only (nothing else reads it). It exists so that the end-to-end comparison tests can

@@ -3,7 +3,8 @@
 vLLM calls `validate_configuration` on the selected backend at start-up (in the process that builds
 the model) and stops with "Selected backend CUSTOM is not valid for this configuration. Reason:
 [...]" when the list is not empty; `supports_combination` adds this plugin's own explanations
-(which block sizes and KV-cache dtypes work) to vLLM's generic reasons.
+(which block sizes and KV-cache dtypes work, from flashmla_backend.engine_support) to vLLM's generic
+reasons. The opt-in automatic choice (default_choice.py) asks the same method.
 """
 from __future__ import annotations
 
@@ -13,17 +14,16 @@ import torch
 
 from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
 
+from flashmla_backend import engine_support
 from flashmla_backend.geometry import HEAD_DIM_K, PAGE_SIZE
 
 from .builder import FlashMLAPluginMetadataBuilder
-from .impl import SUPPORTED_KV_CACHE_DTYPES, FlashMLAPluginImpl
-
-_KV_DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+from .impl import FlashMLAPluginImpl
 
 
 class FlashMLAPluginBackend(MLACommonBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = list(SUPPORTED_KV_CACHE_DTYPES)
+    supported_dtypes: ClassVar[list[torch.dtype]] = list(engine_support.MODEL_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(engine_support.accepted_names("vllm"))
 
     @staticmethod
     def get_name() -> str:
@@ -77,19 +77,10 @@ class FlashMLAPluginBackend(MLACommonBackend):
             reasons.append("flashmla_backend serves only MLA models (DeepSeek-V2/V3 architecture)")
         if use_sparse:
             reasons.append("flashmla_backend has no sparse MLA (DeepSeek-V3.2 indexer) decode")
-        if block_size is not None and block_size % PAGE_SIZE != 0:
-            reasons.append(
-                f"flashmla_backend needs a KV block size that is a multiple of {PAGE_SIZE}: 64, 128 or 256 "
-                f"work (larger blocks are split into 64-token kernel blocks), {block_size} does not; use "
-                "--block-size 64 or leave --block-size unset")
-        if kv_cache_dtype is not None and kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-            reasons.append(
-                f"flashmla_backend does not support kv_cache_dtype {kv_cache_dtype!r} (the plugin does not serve FP8 KV caches yet; the API does); "
-                f"use {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
-        elif kv_cache_dtype in _KV_DTYPE_BY_NAME and _KV_DTYPE_BY_NAME[kv_cache_dtype] != dtype:
-            reasons.append(
-                f"flashmla_backend needs the KV cache in the model dtype ({dtype}), got kv_cache_dtype "
-                f"{kv_cache_dtype!r}; use --kv-cache-dtype auto")
+        for problem in (engine_support.block_size_problem(block_size),
+                        engine_support.kv_cache_dtype_problem("vllm", kv_cache_dtype, dtype)):
+            if problem is not None:
+                reasons.append(problem)
         if torch.cuda.is_available():
             import flashmla_backend
 

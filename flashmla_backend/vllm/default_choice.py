@@ -13,8 +13,9 @@ call site; same signature in 0.26-0.33) so that a selection with no backend name
 on a compute-capability-9.x GPU, returns this plugin when its own `validate_configuration` accepts the
 layer. Everything else goes to vLLM's function unchanged: a named backend (including
 `--attention-backend FLASH_ATTN_MLA` etc.), non-MLA layers, sparse MLA, other GPUs, and every layer the
-plugin refuses (FP8 KV cache, block sizes that are not multiples of 64, decode context parallelism,
-an unsupported GPU or a missing compiled module), which then get vLLM's usual choice.
+plugin refuses (KV-cache formats outside flashmla_backend.engine_support, such as fp8_e5m2 or fp8_ds_mla;
+block sizes that are not multiples of 64, decode context parallelism, an unsupported GPU or a missing
+compiled module), which then get vLLM's usual choice. FP8 (e4m3) KV caches are covered like 16-bit ones.
 
 Without the variable nothing is wrapped and vLLM's choice is untouched (tests/test_vllm_cpu.py checks
 both on a stand-in Hopper platform).

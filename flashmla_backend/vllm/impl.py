@@ -3,7 +3,17 @@
 vLLM's MLA layer (MLACommonImpl) runs prefill tokens through its MLA prefill backend (forward_mha,
 inherited unchanged) and hands the decode tokens, which come first in the batch, to forward_mqa in
 the absorbed form: q = (ql_nope [T, N, 512], q_pe [T, N, 64]) against the latent cache
-[num_kernel_blocks, 64, 576] (512 latent + 64 rope, K and V share it).
+[num_kernel_blocks, 64, 576] (512 latent + 64 rope, K and V share it). The two parts of q live in
+separate buffers (ql_nope is the output of vLLM's batched up-projection, q_pe a slice of the projected
+query); the kernel reads both in place (flash_mla_with_kvcache's q_pe), so no concatenation is made.
+
+FP8 KV cache (--kv-cache-dtype fp8 / fp8_e4m3; flashmla_backend.engine_support): vLLM's layer writes e4m3
+values k / _k_scale through its own cache op and hands forward_mqa the cache viewed as float8_e4m3fn; the
+kernel reads it in place with descale_k = the layer's _k_scale (a device tensor: a CUDA-graph replay reads
+the current value). The query mode comes from FLASHMLA_BACKEND_FP8_MODE:
+  accurate (default)  supports_quant_query_input = False: vLLM hands the 16-bit (ql_nope, q_pe);
+  fast                supports_quant_query_input = True: vLLM quantizes q with its fused concat + quant
+                      (scale _q_scale) and hands one e4m3 [T, N, 576] tensor; descale_q = _q_scale.
 """
 from __future__ import annotations
 
@@ -15,6 +25,7 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
 
 import flashmla_backend
+from flashmla_backend import engine_support
 from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, ROPE_DIM
 
 from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
@@ -22,8 +33,9 @@ from .builder import FlashMLAPluginMetadata
 
 logger = logging.getLogger("vllm.flashmla_backend")
 
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+_FP8 = engine_support.FP8_DTYPE
 _announced = False
+_default_scale_logged = False
 
 
 class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
@@ -53,10 +65,14 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(
                 f"flashmla_backend: only decoder self-attention is supported, got attention type {attn_type!r}")
-        if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-            raise NotImplementedError(
-                f"flashmla_backend: KV cache dtype {kv_cache_dtype!r} is not supported (the plugin does not serve FP8 KV caches yet; the API does); "
-                f"use --kv-cache-dtype {', '.join(SUPPORTED_KV_CACHE_DTYPES)}")
+        problem = engine_support.kv_cache_dtype_problem("vllm", kv_cache_dtype)
+        if problem is not None:
+            raise NotImplementedError(problem)
+        self.kv_fp8 = engine_support.is_fp8("vllm", kv_cache_dtype)
+        # The FP8 query mode (accurate: 16-bit q; fast: vLLM quantizes q). MLACommonImpl sets
+        # supports_quant_query_input True; the layer reads it per forward to choose what it hands forward_mqa.
+        self.fp8_mode = engine_support.fp8_mode() if self.kv_fp8 else None
+        self.supports_quant_query_input = self.fp8_mode == "fast"
         if self.kv_lora_rank != HEAD_DIM_V or self.qk_rope_head_dim != ROPE_DIM or head_size != HEAD_DIM_K:
             raise NotImplementedError(
                 f"flashmla_backend: the decode kernel needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim {ROPE_DIM} "
@@ -80,10 +96,12 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
         global _announced
         if not _announced:
             _announced = True
+            cache = (f"FP8 KV cache ({kv_cache_dtype}, e4m3), mode {self.fp8_mode} ({engine_support.FP8_MODE_ENV})"
+                     if self.kv_fp8 else f"KV cache {kv_cache_dtype}")
             logger.info(
                 "flashmla_backend: MLA decode attention runs on flashmla_backend %s (%s), %d heads per rank, "
-                "scale %.6g; prefill stays with vLLM's MLA prefill backend.",
-                flashmla_backend.__version__, where, num_heads, self.decode_scale)
+                "scale %.6g, %s; prefill stays with vLLM's MLA prefill backend.",
+                flashmla_backend.__version__, where, num_heads, self.decode_scale, cache)
 
     def forward_mqa(
         self,
@@ -94,25 +112,36 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode attention of the batch's first num_decode_tokens tokens.
 
-        q: (ql_nope [T, N, 512], q_pe [T, N, 64]) or one tensor [T, N, 576]; T = num_decodes * s_q, the
-        s_q tokens of each request consecutive. kv_c_and_k_pe_cache: [num_kernel_blocks, 64, 576].
-        Returns (o [T, N, 512], None): token s of a request with n cached tokens (these s_q included)
-        sees the keys 0 .. n - s_q + s (causal when s_q > 1).
+        q: (ql_nope [T, N, 512], q_pe [T, N, 64]) or one tensor [T, N, 576] (e4m3 in the fast FP8 mode);
+        T = num_decodes * s_q, the s_q tokens of each request consecutive. kv_c_and_k_pe_cache:
+        [num_kernel_blocks, 64, 576] (float8_e4m3fn, or uint8 bytes of it, for an FP8 cache). Returns
+        (o [T, N, 512], None): token s of a request with n cached tokens (these s_q included) sees the keys
+        0 .. n - s_q + s (causal when s_q > 1).
         """
         decode = attn_metadata.decode
         if decode is None:
             raise RuntimeError("flashmla_backend: forward_mqa called without decode metadata")
+        q_pe = None
         if isinstance(q, tuple):
-            q = torch.cat(q, dim=-1)
-        num_tokens, num_heads, head_dim = q.shape
+            q, q_pe = q
+        num_tokens, num_heads, _ = q.shape
         batch, s_q = decode.seq_lens.shape[0], decode.query_len
         if num_tokens != batch * s_q:
             raise RuntimeError(
                 f"flashmla_backend: forward_mqa got {num_tokens} decode tokens, but the metadata describes "
                 f"{batch} requests of {s_q} tokens")
+        descale_q = descale_k = None
+        cache = kv_c_and_k_pe_cache
+        if self.kv_fp8:
+            if cache.dtype == torch.uint8:  # the bytes of the e4m3 cache (vLLM's layer normally views them)
+                cache = cache.view(_FP8)
+            descale_k = layer._k_scale.reshape(1)
+            if q.dtype == _FP8:
+                descale_q = layer._q_scale.reshape(1)
+            self._log_default_scale(layer)
         out, _lse = flashmla_backend.flash_mla_with_kvcache(
-            q.reshape(batch, s_q, num_heads, head_dim),
-            kv_c_and_k_pe_cache.unsqueeze(-2),  # [blocks, 64, 1 latent head, 576]
+            q.reshape(batch, s_q, num_heads, q.shape[-1]),
+            cache.unsqueeze(-2),  # [blocks, 64, 1 latent head, 576]
             decode.block_table,
             decode.seq_lens,
             self.kv_lora_rank,
@@ -120,5 +149,21 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
             decode.num_splits,
             softmax_scale=self.decode_scale,
             causal=s_q > 1,
+            descale_q=descale_q,
+            descale_k=descale_k,
+            q_pe=None if q_pe is None else q_pe.reshape(batch, s_q, num_heads, q_pe.shape[-1]),
         )
         return out.view(num_tokens, num_heads, self.kv_lora_rank), None
+
+    @staticmethod
+    def _log_default_scale(layer) -> None:
+        """Once per process: an FP8 cache whose k scale is still vLLM's default 1.0 (no calibrated scales).
+
+        Reads the layer's host copy of the scale (no device sync, also during CUDA-graph capture); vLLM computes
+        --calculate-kv-scales before the attention of the same forward, so a calibrated layer is never reported."""
+        global _default_scale_logged
+        if _default_scale_logged or getattr(layer, "calculate_kv_scales", False):
+            return
+        if float(getattr(layer, "_k_scale_float", 1.0)) == 1.0:
+            _default_scale_logged = True
+            logger.warning(engine_support.default_scale_message("vllm"))
