@@ -243,7 +243,12 @@ DECODE_ROWS = [
          "k_cache has page size {page_size} (dimension 1 of {_describe(k_cache)}); only {PAGE_SIZE}-token pages are "
          "supported (engines: use block size {PAGE_SIZE}, or a multiple of it split into {PAGE_SIZE}-token kernel "
          "blocks)"),
-    Rule("k_cache", "h_kv >= 1 and h_q >= 1 and h_q % h_kv == 0", ValueError,
+    Rule("q", "h_q >= 1", ValueError,
+         "q must have num_heads_q >= 1 (dimension 2: the count of query heads must be positive), got {_describe(q)}"),
+    Rule("k_cache", "h_kv >= 1", ValueError,
+         "k_cache must have num_heads_k >= 1 (dimension 2: the count of KV heads must be positive), got "
+         "{_describe(k_cache)}"),
+    Rule("k_cache", "h_q % h_kv == 0", ValueError,
          "num_heads_q ({h_q}) must be a multiple of num_heads_k ({h_kv}) (dimension 2 of q and of k_cache)"),
     Rule("q", "s_q >= 1", ValueError, "q must have seqlen_q >= 1, got {_describe(q)}"),
     Rule("k_cache", "num_pages >= 1", ValueError, "k_cache must have at least one page, got {_describe(k_cache)}"),

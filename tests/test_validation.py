@@ -104,6 +104,15 @@ def test_heads_divisible():
         call(**a)
 
 
+def test_head_counts_must_be_positive():
+    """No heads is not a multiple of anything worth running: the message says the count must be positive."""
+    a = args()
+    expect(ValueError, r"q must have num_heads_q >= 1 \(dimension 2: the count of query heads must be positive\)",
+           q=a["q"][:, :, :0])
+    expect(ValueError, r"k_cache must have num_heads_k >= 1 \(dimension 2: the count of KV heads must be positive\)",
+           k_cache=a["k_cache"][:, :, :0])
+
+
 def test_last_dim_contiguous():
     a = args()
     q = torch.empty(a["q"].shape[:-1] + (D_K * 2,), dtype=a["q"].dtype)[..., ::2]
@@ -208,6 +217,7 @@ def _mutations():
         "half pages": dict(k_cache=kc.reshape(-1, PAGE // 2, 1, D_K)),
         "cache h_kv 3 of 16": dict(k_cache=kc.expand(-1, -1, 3, -1)),
         "cache h_kv 0": dict(k_cache=kc[:, :, :0]),
+        "q no heads": dict(q=q[:, :, :0]),
         "cache on meta": dict(k_cache=kc.to("meta")),
         "head_dim_v 128": dict(head_dim_v=128),
         "head_dim_v float": dict(head_dim_v=float(D_V)),
