@@ -162,11 +162,12 @@ def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
                  descale_k=None):
     shapes = validate.shapes_of(q, k_cache, block_table, meta)
     on_cuda = q.device.type == "cuda"
-    # Value checks (lengths, page ids, metadata against the lengths and shapes): always on CPU tensors; on
-    # CUDA only in the checked mode (a host sync), never in capture.
+    # Value checks (lengths, page ids, metadata against the lengths and shapes, descale values): always on CPU
+    # tensors; on CUDA only in the checked mode (a host sync), never in capture.
     if not on_cuda or (validate.checked_mode() and not torch.cuda.is_current_stream_capturing()):
         validate.check_values(k_cache, block_table, cache_seqlens)
         validate.check_schedule(q, k_cache, cache_seqlens, meta, num_splits)
+        validate.check_descales(descale_q, descale_k)
     if shapes.batch == 0:
         return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, HEAD_DIM_V), dtype=_out_dtype(q)),
                 q.new_empty((0, shapes.num_heads_q, shapes.seqlen_q), dtype=torch.float32))
@@ -211,7 +212,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     Returns out [b, s_q, h_q, HEAD_DIM_V] (q's dtype) and lse [b, h_q, s_q] float32 (natural log); a row
     that sees no key gets out 0 and lse +inf; NaN in a row's scores (e.g. in q) gives NaN out and lse.
     Arguments are checked by the rule tables of flashmla_backend.validate; on CPU tensors also the values
-    (lengths, page ids, metadata), on CUDA tensors only with FLASHMLA_BACKEND_CHECK=1.
+    (lengths, page ids, metadata, descale_q / descale_k finite and positive), on CUDA tensors only with
+    FLASHMLA_BACKEND_CHECK=1.
     FlashMLA's newer convention is accepted too: tile_scheduler_metadata a FlashMLASchedMeta from
     get_mla_metadata() and num_splits None (flashmla_backend.sched_meta).
 

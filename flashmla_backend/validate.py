@@ -17,12 +17,13 @@ that a test may rely on every earlier one (q.dim() only after q is known to be a
 Tables: DECODE (flash_mla_with_kvcache's arguments), REFERENCE (the same rows for mla_decode_reference,
 less the scheduler metadata, with float32/float64 inputs allowed as well), LAYOUT (the alignment the
 kernels' 16-byte loads need), METADATA (get_mla_metadata's arguments), VALUES (lengths and page ids, host
-copies of index tensors) and SCHEDULE (the tile-scheduler metadata matches the lengths and shapes).
+copies of index tensors), DESCALES (descale_q / descale_k finite and positive) and SCHEDULE (the
+tile-scheduler metadata matches the lengths and shapes).
 
 Shape, dtype, device and layout checks read only tensor metadata (no host sync, traceable by
-torch.compile). Checks of VALUES that live on the GPU (lengths against the block table, page ids,
-stale scheduler metadata) need a device-to-host copy, so on CUDA tensors they run only in the opt-in
-checked mode, FLASHMLA_BACKEND_CHECK=1 (and never while a CUDA graph is being captured). On CPU
+torch.compile). Checks of values that live on the GPU (lengths against the block table, page ids,
+stale scheduler metadata, the FP8 descales) need a device-to-host copy, so on CUDA tensors they run only in
+the opt-in checked mode, FLASHMLA_BACKEND_CHECK=1 (and never while a CUDA graph is being captured). On CPU
 tensors they always run. Without the checked mode the kernels clamp lengths to [0, PAGE_SIZE * max_pages]
 so that no read leaves the block table.
 """
@@ -369,6 +370,15 @@ VALUE_ROWS = [
 ]
 VALUES = RuleSet("values", ("k_cache", "block_table", "cache_seqlens"), VALUE_ROWS)
 
+DESCALE_ROWS = [
+    *[r for name in ("descale_q", "descale_k") for r in (
+        Let(name, f"{name}_value", f"None if {name} is None else float({name}.detach().reshape(-1)[0])"),
+        Rule(name, f"{name}_value is None or 0 < {name}_value < INF", ValueError,
+             f"{name} must be finite and positive (true value = stored value x {name}), got {{{name}_value!r}}"),
+    )],
+]
+DESCALES = RuleSet("descale values", ("descale_q", "descale_k"), DESCALE_ROWS)
+
 SCHEDULE_ROWS = [
     Let("q", "b, s_q, h_q, _", "q.shape"),
     Let("k_cache", "h_kv", "k_cache.shape[2]"),
@@ -392,6 +402,11 @@ SCHEDULE = RuleSet("scheduler metadata", ("q", "k_cache", "cache_seqlens", "tile
 def check_values(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
     """Lengths >= 0, covered by the block table, page ids in [0, num_pages) where a request reads them."""
     VALUES.check(k_cache, block_table, cache_seqlens)
+
+
+def check_descales(descale_q: torch.Tensor | None, descale_k: torch.Tensor | None) -> None:
+    """descale_q / descale_k, where given, finite and positive (each a one-element tensor read on the host)."""
+    DESCALES.check(descale_q, descale_k)
 
 
 def check_schedule(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor,

@@ -340,7 +340,7 @@ def test_every_decode_rule_is_exercised():
 
 def test_rule_tables_name_their_arguments():
     for table in (validate.DECODE, validate.REFERENCE, validate.LAYOUT, validate.METADATA, validate.VALUES,
-                  validate.SCHEDULE):
+                  validate.DESCALES, validate.SCHEDULE):
         assert table.rules, table
         for rule in table.rules:
             assert rule.arg in table.params and issubclass(rule.exc, Exception), rule
@@ -423,6 +423,16 @@ def test_checked_mode_on_gpu(monkeypatch):
     monkeypatch.setenv(validate.CHECK_ENV, "1")
     with pytest.raises(ValueError, match=r"block_table is too short"):
         call(**dict(a, cache_seqlens=torch.tensor([1000, 5], dtype=torch.int32, device="cuda")))
+
+
+@pytest.mark.gpu
+def test_descale_values_on_gpu_in_checked_mode(monkeypatch):
+    """On CUDA tensors a descale is read on the host only in the checked mode (like the other device values)."""
+    a = args(device="cuda")
+    monkeypatch.setenv(validate.CHECK_ENV, "1")
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"descale_k must be finite and positive .* got " + repr(bad)):
+            call(**dict(a, k_cache=a["k_cache"].to(FP8), descale_k=torch.full((1,), bad, device="cuda")))
 
 
 # ---- unsupported GPUs (the device properties are faked; needs the compiled module for its limits) ----
