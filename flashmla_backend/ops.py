@@ -255,7 +255,13 @@ def flash_mla_with_kvcache_fp8(q: torch.Tensor, k_cache: torch.Tensor, block_tab
                                descale_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's FlashMLA-FP8 entry point, same argument order: flash_mla_with_kvcache with an FP8 k_cache.
 
-    q float8_e4m3fn with descale_q (fast mode, bf16 output) or bf16/fp16 q without it (accurate mode)."""
+    q float8_e4m3fn with descale_q (fast mode, bf16 output) or bf16/fp16 q without it (accurate mode).
+    A k_cache that is not float8_e4m3fn is refused (a 16-bit cache goes to flash_mla_with_kvcache)."""
+    if not (isinstance(k_cache, torch.Tensor) and k_cache.dtype == _FP8):
+        raise TypeError(
+            "flashmla_backend: flash_mla_with_kvcache_fp8 needs k_cache of dtype torch.float8_e4m3fn (with "
+            f"descale_k), got k_cache {getattr(k_cache, 'dtype', type(k_cache).__name__)}; call "
+            "flash_mla_with_kvcache for a bf16/fp16 cache")
     return flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal, descale_q=descale_q, descale_k=descale_k)
 

@@ -56,6 +56,20 @@ def test_vllm_fp8_entry_point_matches():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_vllm_fp8_entry_point_refuses_a_16_bit_cache():
+    """Without this check a bf16 cache and no descales would quietly run the 16-bit path."""
+    case = Case(lengths=[64, 200], s_q=1, h_q=16)
+    inp, _, dk = fp8_inputs(case)
+    meta, splits = _meta(inp, case)
+    message = r"flash_mla_with_kvcache_fp8 needs k_cache of dtype torch.float8_e4m3fn .*got k_cache torch.bfloat16"
+    for q in (inp.q, inp.q.to(FP8)):
+        with pytest.raises(TypeError, match=message):
+            fb.flash_mla_with_kvcache_fp8(q, inp.k_cache.to(torch.bfloat16), inp.block_table, inp.cache_seqlens, D_V,
+                                          meta, splits, inp.scale, True)
+    with pytest.raises(TypeError, match=r"needs k_cache of dtype torch.float8_e4m3fn .*got k_cache list"):
+        fb.flash_mla_with_kvcache_fp8(inp.q, [], inp.block_table, inp.cache_seqlens, D_V, meta, splits)
+
+
 def test_sched_meta_records_the_cache_format():
     case = Case(lengths=[64, 200], h_q=16)
     inp, _, dk = fp8_inputs(case)
