@@ -66,7 +66,8 @@ def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per
     Returns (tile_scheduler_metadata [num_sm_parts, META_INTS] int32, num_splits [batch + 1] int32); reuse
     them in every layer of the step. The schedule does not depend on the cache format: metadata made with
     either value of is_fp8_kvcache serves bf16, fp16 and float8_e4m3fn caches alike. num_sm_parts = SMs // h_kv // ceil(num_q_tokens_per_head_k / BLOCK_M).
-    The int arguments may be Python or numpy integers.
+    The int arguments may be Python or numpy integers. Negative lengths are refused (on CUDA tensors only with
+    FLASHMLA_BACKEND_CHECK=1, as in flash_mla_with_kvcache).
 
     Without arguments (FlashMLA's newer convention): returns (FlashMLASchedMeta(), None), an empty object
     that the first flash_mla_with_kvcache call fills (flashmla_backend.sched_meta).
@@ -75,6 +76,11 @@ def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per
         return FlashMLASchedMeta(), None
     validate.validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q,
                                     is_fp8_kvcache, topk)
+    # Lengths >= 0, where the metadata is made: always on CPU tensors; on CUDA only in the checked mode (a host
+    # sync), never in capture (the decode checks them again, against the block table).
+    if not torch.compiler.is_compiling() and (cache_seqlens.device.type != "cuda" or (
+            validate.checked_mode() and not torch.cuda.is_current_stream_capturing())):
+        validate.check_lengths(cache_seqlens)
     parts = scheduler.num_sm_parts(device.sm_count(cache_seqlens.device), int(num_heads_k),
                                    int(num_q_tokens_per_head_k))
     if torch.compiler.is_compiling():

@@ -17,8 +17,8 @@ that a test may rely on every earlier one (q.dim() only after q is known to be a
 Tables: DECODE (flash_mla_with_kvcache's arguments), REFERENCE (the same rows for mla_decode_reference,
 less the scheduler metadata, with float32/float64 inputs allowed as well), LAYOUT (the alignment the
 kernels' 16-byte loads need), METADATA (get_mla_metadata's arguments), VALUES (lengths and page ids, host
-copies of index tensors), DESCALES (descale_q / descale_k finite and positive) and SCHEDULE (the
-tile-scheduler metadata matches the lengths and shapes).
+copies of index tensors), LENGTHS (VALUES' length rows alone, for get_mla_metadata), DESCALES (descale_q /
+descale_k finite and positive) and SCHEDULE (the tile-scheduler metadata matches the lengths and shapes).
 
 Shape, dtype, device and layout checks read only tensor metadata (no host sync, traceable by
 torch.compile). Checks of values that live on the GPU (lengths against the block table, page ids,
@@ -353,10 +353,15 @@ def validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, 
 
 # ---- values (host copies; CPU always, CUDA in the checked mode) -------------------------------------
 
-VALUE_ROWS = [
+LENGTH_ROWS = [
     Let("cache_seqlens", "lens", "cache_seqlens.detach().cpu().long()"),
     Rule("cache_seqlens", "not bool((lens < 0).any())", ValueError,
          "cache_seqlens must be >= 0, got negative lengths at (index, length) {_pairs(lens, lens < 0)}"),
+]
+LENGTHS = RuleSet("lengths", ("cache_seqlens",), LENGTH_ROWS)
+
+VALUE_ROWS = [
+    *LENGTH_ROWS,
     Let("block_table", "max_pages", "block_table.shape[1]"),
     Let("cache_seqlens", "need", "(lens + (PAGE_SIZE - 1)) // PAGE_SIZE"),
     Rule("block_table", "not bool((need > max_pages).any())", ValueError,
@@ -402,6 +407,11 @@ SCHEDULE = RuleSet("scheduler metadata", ("q", "k_cache", "cache_seqlens", "tile
 def check_values(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
     """Lengths >= 0, covered by the block table, page ids in [0, num_pages) where a request reads them."""
     VALUES.check(k_cache, block_table, cache_seqlens)
+
+
+def check_lengths(cache_seqlens: torch.Tensor) -> None:
+    """Lengths >= 0: get_mla_metadata's value check (check_values makes it again, with the block table)."""
+    LENGTHS.check(cache_seqlens)
 
 
 def check_descales(descale_q: torch.Tensor | None, descale_k: torch.Tensor | None) -> None:

@@ -142,6 +142,16 @@ def test_negative_length():
     expect(ValueError, r"cache_seqlens must be >= 0.*\(1, -3\)", cache_seqlens=torch.tensor([70, -3], dtype=torch.int32))
 
 
+def test_negative_length_refused_where_the_metadata_is_made():
+    """get_mla_metadata on CPU tensors refuses a negative length itself, not only the decode that follows."""
+    bad = torch.tensor([70, -3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0, got negative lengths at \(index, length\) "
+                                         r"\[\(1, -3\)\]"):
+        fb.get_mla_metadata(bad, 32, 1)
+    meta, num_splits = fb.get_mla_metadata(bad.clamp(min=0), 32, 1)  # the same lengths, none negative
+    assert num_splits.shape == (4,)
+
+
 def test_block_table_too_short():
     expect(ValueError, r"block_table is too short.*\(0, 1000\)", cache_seqlens=torch.tensor([1000, 5], dtype=torch.int32))
 
@@ -340,7 +350,7 @@ def test_every_decode_rule_is_exercised():
 
 def test_rule_tables_name_their_arguments():
     for table in (validate.DECODE, validate.REFERENCE, validate.LAYOUT, validate.METADATA, validate.VALUES,
-                  validate.DESCALES, validate.SCHEDULE):
+                  validate.LENGTHS, validate.DESCALES, validate.SCHEDULE):
         assert table.rules, table
         for rule in table.rules:
             assert rule.arg in table.params and issubclass(rule.exc, Exception), rule
@@ -423,6 +433,15 @@ def test_checked_mode_on_gpu(monkeypatch):
     monkeypatch.setenv(validate.CHECK_ENV, "1")
     with pytest.raises(ValueError, match=r"block_table is too short"):
         call(**dict(a, cache_seqlens=torch.tensor([1000, 5], dtype=torch.int32, device="cuda")))
+
+
+@pytest.mark.gpu
+def test_metadata_negative_length_on_gpu_in_checked_mode(monkeypatch):
+    lengths = torch.tensor([5, -1], dtype=torch.int32, device="cuda")
+    fb.get_mla_metadata(lengths, 16, 1)  # without the checked mode no host sync, no check
+    monkeypatch.setenv(validate.CHECK_ENV, "1")
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0, got negative lengths"):
+        fb.get_mla_metadata(lengths, 16, 1)
 
 
 @pytest.mark.gpu
