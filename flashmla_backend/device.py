@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import os
 
 import torch
@@ -99,15 +100,33 @@ def kernel_for(device: torch.device) -> str:
     return _kernel_for(index, os.environ.get(KERNEL_ENV, "").strip().lower())
 
 
+def _device_arg(device) -> torch.device | None:
+    """is_supported's argument as a torch.device (None stays None); TypeError / ValueError if it is none."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    expected = "None, a torch.device, a device string such as 'cuda', 'cuda:1' or 'cpu', or a CUDA device index"
+    if isinstance(device, numbers.Integral) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"flashmla_backend: device must be {expected} (>= 0), got {device!r}")
+        return torch.device("cuda", int(device))
+    if not isinstance(device, str):
+        raise TypeError(f"flashmla_backend: device must be {expected}, got {type(device).__name__} {device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"flashmla_backend: device must be {expected}, got {device!r}") from None
+
+
 def is_supported(device: torch.device | int | str | None = None) -> tuple[bool, str]:
     """(True, kernel name) when the decode kernels run on ``device`` (default: current CUDA device),
-    else (False, reason). Never raises."""
+    else (False, reason). Raises only for an argument that is not a device (TypeError / ValueError naming
+    it): is_supported("nonsense") is a mistake, not an unsupported GPU."""
+    dev = _device_arg(device)
     try:
         if not torch.cuda.is_available():
             return False, "no CUDA device (torch.cuda.is_available() is False)"
-        dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if isinstance(device, int):
-            dev = torch.device("cuda", device)
+        if dev is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         if dev.type != "cuda":
             return False, f"{dev} is not a CUDA device"
         return True, kernel_for(dev)

@@ -66,7 +66,8 @@ def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per
     Returns (tile_scheduler_metadata [num_sm_parts, META_INTS] int32, num_splits [batch + 1] int32); reuse
     them in every layer of the step. The schedule does not depend on the cache format: metadata made with
     either value of is_fp8_kvcache serves bf16, fp16 and float8_e4m3fn caches alike. num_sm_parts = SMs // h_kv // ceil(num_q_tokens_per_head_k / BLOCK_M).
-    The int arguments may be Python or numpy integers.
+    The int arguments may be Python or numpy integers. Negative lengths are refused (on CUDA tensors only with
+    FLASHMLA_BACKEND_CHECK=1, as in flash_mla_with_kvcache).
 
     Without arguments (FlashMLA's newer convention): returns (FlashMLASchedMeta(), None), an empty object
     that the first flash_mla_with_kvcache call fills (flashmla_backend.sched_meta).
@@ -75,6 +76,11 @@ def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per
         return FlashMLASchedMeta(), None
     validate.validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q,
                                     is_fp8_kvcache, topk)
+    # Lengths >= 0, where the metadata is made: always on CPU tensors; on CUDA only in the checked mode (a host
+    # sync), never in capture (the decode checks them again, against the block table).
+    if not torch.compiler.is_compiling() and (cache_seqlens.device.type != "cuda" or (
+            validate.checked_mode() and not torch.cuda.is_current_stream_capturing())):
+        validate.check_lengths(cache_seqlens)
     parts = scheduler.num_sm_parts(device.sm_count(cache_seqlens.device), int(num_heads_k),
                                    int(num_q_tokens_per_head_k))
     if torch.compiler.is_compiling():
@@ -169,11 +175,12 @@ def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
                  descale_k=None, q_pe=None):
     shapes = validate.shapes_of(q, k_cache, block_table, meta)
     on_cuda = q.device.type == "cuda"
-    # Value checks (lengths, page ids, metadata against the lengths and shapes): always on CPU tensors; on
-    # CUDA only in the checked mode (a host sync), never in capture.
+    # Value checks (lengths, page ids, metadata against the lengths and shapes, descale values): always on CPU
+    # tensors; on CUDA only in the checked mode (a host sync), never in capture.
     if not on_cuda or (validate.checked_mode() and not torch.cuda.is_current_stream_capturing()):
         validate.check_values(k_cache, block_table, cache_seqlens)
         validate.check_schedule(q, k_cache, cache_seqlens, meta, num_splits)
+        validate.check_descales(descale_q, descale_k)
     if shapes.batch == 0:
         return (q.new_empty((0, shapes.seqlen_q, shapes.num_heads_q, HEAD_DIM_V), dtype=_out_dtype(q)),
                 q.new_empty((0, shapes.num_heads_q, shapes.seqlen_q), dtype=torch.float32))
@@ -218,7 +225,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     Returns out [b, s_q, h_q, HEAD_DIM_V] (q's dtype) and lse [b, h_q, s_q] float32 (natural log); a row
     that sees no key gets out 0 and lse +inf; NaN in a row's scores (e.g. in q) gives NaN out and lse.
     Arguments are checked by the rule tables of flashmla_backend.validate; on CPU tensors also the values
-    (lengths, page ids, metadata), on CUDA tensors only with FLASHMLA_BACKEND_CHECK=1.
+    (lengths, page ids, metadata, descale_q / descale_k finite and positive), on CUDA tensors only with
+    FLASHMLA_BACKEND_CHECK=1.
     FlashMLA's newer convention is accepted too: tile_scheduler_metadata a FlashMLASchedMeta from
     get_mla_metadata() and num_splits None (flashmla_backend.sched_meta).
 
@@ -267,7 +275,13 @@ def flash_mla_with_kvcache_fp8(q: torch.Tensor, k_cache: torch.Tensor, block_tab
                                descale_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's FlashMLA-FP8 entry point, same argument order: flash_mla_with_kvcache with an FP8 k_cache.
 
-    q float8_e4m3fn with descale_q (fast mode, bf16 output) or bf16/fp16 q without it (accurate mode)."""
+    q float8_e4m3fn with descale_q (fast mode, bf16 output) or bf16/fp16 q without it (accurate mode).
+    A k_cache that is not float8_e4m3fn is refused (a 16-bit cache goes to flash_mla_with_kvcache)."""
+    if not (isinstance(k_cache, torch.Tensor) and k_cache.dtype == _FP8):
+        raise TypeError(
+            "flashmla_backend: flash_mla_with_kvcache_fp8 needs k_cache of dtype torch.float8_e4m3fn (with "
+            f"descale_k), got k_cache {getattr(k_cache, 'dtype', type(k_cache).__name__)}; call "
+            "flash_mla_with_kvcache for a bf16/fp16 cache")
     return flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal, descale_q=descale_q, descale_k=descale_k)
 

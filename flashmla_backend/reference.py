@@ -36,14 +36,15 @@ def mla_decode_reference(
     and here also fp32 or fp64), block_table [b, max_pages] int32, cache_seqlens [b] int32 (values >= 0,
     every page a request reads in [0, num_pages)). Returns out [b, s_q, h_q, head_dim_v] in q's dtype and
     lse [b, h_q, s_q] float32. Arithmetic in ``compute_dtype`` (fp32 by default). The argument checks are
-    those of the public API (flashmla_backend.validate: the REFERENCE and VALUES tables); the value checks
-    copy the index tensors to the host.
+    those of the public API (flashmla_backend.validate: the REFERENCE, VALUES and DESCALES tables); the
+    value checks copy the index tensors (and the descales) to the host.
     FP8: a float8_e4m3fn k_cache with descale_k (and a float8_e4m3fn q with descale_q) is dequantized first
     (stored value x descale, in compute_dtype); the output is then in q's dtype, or bf16 for an FP8 q.
     """
     validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                                      descale_q, descale_k)
     validate.check_values(k_cache, block_table, cache_seqlens)
+    validate.check_descales(descale_q, descale_k)
     return reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, compute_dtype,
                             descale_q=descale_q, descale_k=descale_k)
 

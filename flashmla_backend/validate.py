@@ -17,12 +17,13 @@ that a test may rely on every earlier one (q.dim() only after q is known to be a
 Tables: DECODE (flash_mla_with_kvcache's arguments), REFERENCE (the same rows for mla_decode_reference,
 less the scheduler metadata, with float32/float64 inputs allowed as well), LAYOUT (the alignment the
 kernels' 16-byte loads need), METADATA (get_mla_metadata's arguments), VALUES (lengths and page ids, host
-copies of index tensors) and SCHEDULE (the tile-scheduler metadata matches the lengths and shapes).
+copies of index tensors), LENGTHS (VALUES' length rows alone, for get_mla_metadata), DESCALES (descale_q /
+descale_k finite and positive) and SCHEDULE (the tile-scheduler metadata matches the lengths and shapes).
 
 Shape, dtype, device and layout checks read only tensor metadata (no host sync, traceable by
-torch.compile). Checks of VALUES that live on the GPU (lengths against the block table, page ids,
-stale scheduler metadata) need a device-to-host copy, so on CUDA tensors they run only in the opt-in
-checked mode, FLASHMLA_BACKEND_CHECK=1 (and never while a CUDA graph is being captured). On CPU
+torch.compile). Checks of values that live on the GPU (lengths against the block table, page ids,
+stale scheduler metadata, the FP8 descales) need a device-to-host copy, so on CUDA tensors they run only in
+the opt-in checked mode, FLASHMLA_BACKEND_CHECK=1 (and never while a CUDA graph is being captured). On CPU
 tensors they always run. Without the checked mode the kernels clamp lengths to [0, PAGE_SIZE * max_pages]
 so that no read leaves the block table.
 """
@@ -260,7 +261,12 @@ DECODE_ROWS = [
          "k_cache has page size {page_size} (dimension 1 of {_describe(k_cache)}); only {PAGE_SIZE}-token pages are "
          "supported (engines: use block size {PAGE_SIZE}, or a multiple of it split into {PAGE_SIZE}-token kernel "
          "blocks)"),
-    Rule("k_cache", "h_kv >= 1 and h_q >= 1 and h_q % h_kv == 0", ValueError,
+    Rule("q", "h_q >= 1", ValueError,
+         "q must have num_heads_q >= 1 (dimension 2: the count of query heads must be positive), got {_describe(q)}"),
+    Rule("k_cache", "h_kv >= 1", ValueError,
+         "k_cache must have num_heads_k >= 1 (dimension 2: the count of KV heads must be positive), got "
+         "{_describe(k_cache)}"),
+    Rule("k_cache", "h_q % h_kv == 0", ValueError,
          "num_heads_q ({h_q}) must be a multiple of num_heads_k ({h_kv}) (dimension 2 of q and of k_cache)"),
     Rule("q", "s_q >= 1", ValueError, "q must have seqlen_q >= 1, got {_describe(q)}"),
     Rule("k_cache", "num_pages >= 1", ValueError, "k_cache must have at least one page, got {_describe(k_cache)}"),
@@ -373,10 +379,15 @@ def validate_metadata_args(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, 
 
 # ---- values (host copies; CPU always, CUDA in the checked mode) -------------------------------------
 
-VALUE_ROWS = [
+LENGTH_ROWS = [
     Let("cache_seqlens", "lens", "cache_seqlens.detach().cpu().long()"),
     Rule("cache_seqlens", "not bool((lens < 0).any())", ValueError,
          "cache_seqlens must be >= 0, got negative lengths at (index, length) {_pairs(lens, lens < 0)}"),
+]
+LENGTHS = RuleSet("lengths", ("cache_seqlens",), LENGTH_ROWS)
+
+VALUE_ROWS = [
+    *LENGTH_ROWS,
     Let("block_table", "max_pages", "block_table.shape[1]"),
     Let("cache_seqlens", "need", "(lens + (PAGE_SIZE - 1)) // PAGE_SIZE"),
     Rule("block_table", "not bool((need > max_pages).any())", ValueError,
@@ -389,6 +400,15 @@ VALUE_ROWS = [
          "{_bad_pages(table, used, num_pages)}"),
 ]
 VALUES = RuleSet("values", ("k_cache", "block_table", "cache_seqlens"), VALUE_ROWS)
+
+DESCALE_ROWS = [
+    *[r for name in ("descale_q", "descale_k") for r in (
+        Let(name, f"{name}_value", f"None if {name} is None else float({name}.detach().reshape(-1)[0])"),
+        Rule(name, f"{name}_value is None or 0 < {name}_value < INF", ValueError,
+             f"{name} must be finite and positive (true value = stored value x {name}), got {{{name}_value!r}}"),
+    )],
+]
+DESCALES = RuleSet("descale values", ("descale_q", "descale_k"), DESCALE_ROWS)
 
 SCHEDULE_ROWS = [
     Let("q", "b, s_q, h_q, _", "q.shape"),
@@ -413,6 +433,16 @@ SCHEDULE = RuleSet("scheduler metadata", ("q", "k_cache", "cache_seqlens", "tile
 def check_values(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
     """Lengths >= 0, covered by the block table, page ids in [0, num_pages) where a request reads them."""
     VALUES.check(k_cache, block_table, cache_seqlens)
+
+
+def check_lengths(cache_seqlens: torch.Tensor) -> None:
+    """Lengths >= 0: get_mla_metadata's value check (check_values makes it again, with the block table)."""
+    LENGTHS.check(cache_seqlens)
+
+
+def check_descales(descale_q: torch.Tensor | None, descale_k: torch.Tensor | None) -> None:
+    """descale_q / descale_k, where given, finite and positive (each a one-element tensor read on the host)."""
+    DESCALES.check(descale_q, descale_k)
 
 
 def check_schedule(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor,

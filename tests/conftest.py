@@ -1,11 +1,13 @@
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/kit.py
+ROOT = Path(__file__).resolve().parent.parent
 
 # Engine conformance test files that tests/run.sh runs in their own environments (bash tests/run.sh
 # --engines): its core run names them here, and they are skipped whatever this environment holds.
@@ -58,7 +60,31 @@ def record_errors():
     return record
 
 
+def unbuilt_notice() -> str | None:
+    """What the run says once, at its end, when the package under test has no compiled module (else None)."""
+    try:
+        import flashmla_backend
+        from flashmla_backend import _ext
+    except ImportError:
+        return None
+    if _ext.available():
+        return None
+    folder = Path(flashmla_backend.__file__).resolve().parent
+    if folder == ROOT / "flashmla_backend":
+        how = ("build it in place with `python setup.py build_ext --inplace` (needs nvcc, no GPU) and run the tests "
+               "again; to test an installed package instead, run `bash tests/run.sh` (the checkout's sources then do "
+               "not shadow it)")
+    else:
+        how = "install the package with `pip install -v .` on a machine with nvcc (CUDA 12.8+, no GPU needed)"
+    return (f"flashmla_backend._C is not built: {folder} has no compiled module, so every test of the compiled "
+            f"module was skipped (only the pure-PyTorch parts ran). To run them, {how}.")
+
+
 def pytest_terminal_summary(terminalreporter):
+    notice = unbuilt_notice()
+    if notice:
+        terminalreporter.write_sep("!", "flashmla_backend: compiled module not built", red=True, bold=True)
+        terminalreporter.write_line(notice, red=True, bold=True)
     if not ERRORS:
         return
     terminalreporter.section("flashmla_backend worst errors vs reference")

@@ -75,3 +75,26 @@ def test_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.flashmla_backend.get_mla_metadata.default, (inp.cache_seqlens, 8),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("device,exc,match", [
+    ("nonsense", ValueError, r"device must be None, a torch.device, a device string .* got 'nonsense'"),
+    ("cuda:x", ValueError, r"got 'cuda:x'"),
+    (-1, ValueError, r"\(>= 0\), got -1"),
+    (1.5, TypeError, r"device must be None, .* got float 1.5"),
+    (True, TypeError, r"got bool True"),
+    ([0], TypeError, r"got list \[0\]"),
+], ids=repr)
+def test_is_supported_refuses_what_is_not_a_device(device, exc, match):
+    """A mistyped device is an error, not a reason to report (it used to answer with a GPU reason)."""
+    with pytest.raises(exc, match=match):
+        fb.is_supported(device)
+
+
+@pytest.mark.parametrize("device", [None, "cpu", "cuda", "cuda:0", 0, torch.device("cpu"), torch.device("cuda", 0)],
+                         ids=repr)
+def test_is_supported_answers_for_every_device(device):
+    ok, why = fb.is_supported(device)
+    assert isinstance(ok, bool) and isinstance(why, str) and why
+    if not torch.cuda.is_available():
+        assert not ok and "no CUDA device" in why

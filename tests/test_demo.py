@@ -23,6 +23,13 @@ def test_cpu_demo_compares_with_the_naive_decode(capsys):
     assert out.rstrip().endswith("ok")
 
 
+def test_cpu_demo_says_it_timed_nothing(capsys):
+    assert demo.main(SMALL) == 0
+    out = capsys.readouterr().out
+    assert "timed nothing: on the CPU the demo checks results only" in out
+    assert " us," not in out and "GB/s" not in out and "TFLOP/s" not in out
+
+
 def test_cpu_demo_detects_a_wrong_reference(monkeypatch, capsys):
     """The second implementation is independent of the reference: a wrong reference (wherever it is called from:
     the API's CPU path and mla_decode_reference) must fail the demo."""

@@ -106,6 +106,25 @@ def _cutlass_include() -> str | None:
     return str(path) if (path / "cute").is_dir() else None
 
 
+def _missing(nvcc: str | None, cutlass: str | None) -> str | None:
+    """The skip reason of the layout check: only what is missing, or None when both are there."""
+    missing = []
+    if nvcc is None:
+        missing.append("nvcc (CUDA toolkit: nvcc on PATH, or CUDA_HOME)")
+    if cutlass is None:
+        missing.append("the CUTLASS headers (pip install nvidia-cutlass==4.2.0.0, or FLASHMLA_BACKEND_CUTLASS_INCLUDE)")
+    return "needs " + " and ".join(missing) if missing else None
+
+
+def test_layout_check_skip_names_only_what_is_missing():
+    assert _missing("/usr/bin/nvcc", "/inc") is None
+    only_cutlass = _missing("/usr/bin/nvcc", None)
+    assert only_cutlass.startswith("needs the CUTLASS headers") and "nvcc" not in only_cutlass
+    only_nvcc = _missing(None, "/inc")
+    assert only_nvcc.startswith("needs nvcc") and "CUTLASS" not in only_nvcc
+    assert "nvcc" in _missing(None, None) and "CUTLASS" in _missing(None, None)
+
+
 def _compile(args: list[str], what: str) -> None:
     res = subprocess.run(args, capture_output=True, text=True)
     assert res.returncode == 0, f"{what} does not compile:\n{' '.join(args)}\n{res.stdout}{res.stderr[-4000:]}"
@@ -113,13 +132,22 @@ def _compile(args: list[str], what: str) -> None:
 
 def test_layout_check_compiles_and_agrees(tmp_path):
     nvcc, cutlass = _nvcc(), _cutlass_include()
-    if nvcc is None or cutlass is None:
-        pytest.skip("needs nvcc and the CUTLASS headers (nvidia-cutlass)")
+    reason = _missing(nvcc, cutlass)
+    if reason:
+        pytest.skip(reason)
     exe = tmp_path / "layout_check"
     _compile([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
               str(LAYOUT_CHECK), "-o", str(exe)], "layout_check.cu")
     res = subprocess.run([str(exe)], capture_output=True, text=True)
     assert res.returncode == 0 and "all layouts agree" in res.stdout, res.stdout + res.stderr
+
+
+def test_layout_check_skip_reason_without_cutlass(monkeypatch, tmp_path):
+    """With nvcc but no CUTLASS headers the skip names the headers (it used to say nvcc too)."""
+    monkeypatch.setitem(globals(), "_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setitem(globals(), "_cutlass_include", lambda: None)
+    with pytest.raises(pytest.skip.Exception, match=r"^needs the CUTLASS headers \(pip install nvidia-cutlass"):
+        test_layout_check_compiles_and_agrees(tmp_path)
 
 
 def test_named_barrier_war_compiles(tmp_path):

@@ -1,5 +1,7 @@
 """FP8 KV cache through the public API on CPU tensors (the reference path): both modes against an fp64
 computation on the dequantized inputs, output dtypes, vLLM's FP8 entry point, the newer calling convention."""
+import re
+
 import pytest
 import torch
 
@@ -54,6 +56,20 @@ def test_vllm_fp8_entry_point_matches():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_vllm_fp8_entry_point_refuses_a_16_bit_cache():
+    """Without this check a bf16 cache and no descales would quietly run the 16-bit path."""
+    case = Case(lengths=[64, 200], s_q=1, h_q=16)
+    inp, _, dk = fp8_inputs(case)
+    meta, splits = _meta(inp, case)
+    message = r"flash_mla_with_kvcache_fp8 needs k_cache of dtype torch.float8_e4m3fn .*got k_cache torch.bfloat16"
+    for q in (inp.q, inp.q.to(FP8)):
+        with pytest.raises(TypeError, match=message):
+            fb.flash_mla_with_kvcache_fp8(q, inp.k_cache.to(torch.bfloat16), inp.block_table, inp.cache_seqlens, D_V,
+                                          meta, splits, inp.scale, True)
+    with pytest.raises(TypeError, match=r"needs k_cache of dtype torch.float8_e4m3fn .*got k_cache list"):
+        fb.flash_mla_with_kvcache_fp8(inp.q, [], inp.block_table, inp.cache_seqlens, D_V, meta, splits)
+
+
 def test_sched_meta_records_the_cache_format():
     case = Case(lengths=[64, 200], h_q=16)
     inp, _, dk = fp8_inputs(case)
@@ -74,3 +90,42 @@ def test_reference_takes_descales():
     assert out.dtype == torch.bfloat16 and _rel(out, ref) < 1e-2
     with pytest.raises(ValueError, match="needs descale_k"):
         fb.mla_decode_reference(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, inp.scale)
+
+
+BAD_DESCALES = [0.0, -0.0, -0.5, float("nan"), float("inf"), -float("inf")]
+
+
+def _bad_descale_case(name, value):
+    case = Case(lengths=[64, 10], h_q=16)
+    inp, dq, dk = fp8_inputs(case, q_fp8=True)
+    meta, splits = _meta(inp, case)
+    descales = dict(descale_q=dq, descale_k=dk)
+    descales[name] = torch.full((1,), value)
+    message = re.escape(f"{name} must be finite and positive (true value = stored value x {name}), got {value!r}")
+    return inp, meta, splits, descales, message
+
+
+@pytest.mark.parametrize("value", BAD_DESCALES, ids=repr)
+@pytest.mark.parametrize("name", ["descale_k", "descale_q"])
+def test_descale_values_must_be_finite_and_positive(name, value):
+    """A zero, negative or non-finite descale is refused on CPU tensors (it would give zeros, garbage or NaN)."""
+    inp, meta, splits, descales, message = _bad_descale_case(name, value)
+    args = (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V)
+    with pytest.raises(ValueError, match=message):
+        fb.flash_mla_with_kvcache(*args, meta, splits, softmax_scale=inp.scale, causal=True, **descales)
+    with pytest.raises(ValueError, match=message):
+        fb.flash_mla_with_kvcache_fp8(*args, meta, splits, inp.scale, True, descales["descale_q"],
+                                      descales["descale_k"])
+    with pytest.raises(ValueError, match=message):
+        fb.mla_decode_reference(*args, inp.scale, True, **descales)
+    sched, none = fb.get_mla_metadata()
+    with pytest.raises(ValueError, match=message):
+        fb.flash_mla_with_kvcache(*args, sched, none, softmax_scale=inp.scale, causal=True, **descales)
+
+
+def test_descale_value_in_a_zero_dim_tensor_is_read():
+    inp, meta, splits, descales, message = _bad_descale_case("descale_k", 0.0)
+    descales["descale_k"] = torch.tensor(0.0)
+    with pytest.raises(ValueError, match=message):
+        fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                  softmax_scale=inp.scale, causal=True, **descales)

@@ -41,6 +41,40 @@ def api_example() -> str:
     return blocks[0]
 
 
+FP8_CHECKS = """
+assert device == "cpu", device
+assert k_cache_fp8.dtype == q_fp8.dtype == torch.float8_e4m3fn and descale_k.dtype == torch.float32
+assert tuple(out.shape) == tuple(out_fast.shape) == (b, s_q, h_q, 512), (out.shape, out_fast.shape)
+assert out.dtype == q.dtype and out_fast.dtype == torch.bfloat16 and lse.dtype == lse_fast.dtype == torch.float32
+ref, ref_lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, meta, num_splits,
+                                      softmax_scale=scale, causal=True)   # the same call on the 16-bit cache
+for got in (out, out_fast):                                              # e4m3 rounding: a few percent
+    err = float((got.float() - ref.float()).norm() / ref.float().norm())
+    assert 0 < err < 0.1, err
+print("README FP8 example ok")
+"""
+
+
+def fp8_example() -> str:
+    """The Python block of the README's FP8 KV cache subsection."""
+    text = README.read_text()
+    section = text.split("\n### FP8 KV cache\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    blocks = python_blocks(section)
+    assert blocks, "the FP8 KV cache section of README.md has no ```python block"
+    return blocks[0]
+
+
+def run_on_cpu(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run in a fresh interpreter with no GPU visible, as a user without a GPU would."""
+    script = tmp_path / "readme_example.py"
+    script.write_text(code)
+    package_parent = str(Path(flashmla_backend.__file__).resolve().parents[1])
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_api_example_is_the_flashmla_call():
     code = api_example()
     assert "get_mla_metadata(" in code and "flash_mla_with_kvcache(" in code
@@ -48,16 +82,38 @@ def test_api_example_is_the_flashmla_call():
 
 
 def test_api_example_runs_on_cpu(tmp_path):
-    """Run in a fresh interpreter with no GPU visible, as a user without a GPU would."""
-    script = tmp_path / "readme_example.py"
-    script.write_text(api_example() + CHECKS)
-    package_parent = str(Path(flashmla_backend.__file__).resolve().parents[1])
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p))
-    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = run_on_cpu(api_example() + CHECKS, tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "README example ok" in res.stdout
+
+
+def test_fp8_example_is_self_contained():
+    """It defines its inputs, quantizes a cache and imports what it calls; the FP8 entry point by keyword."""
+    code = fp8_example()
+    assert "import torch" in code and "flash_mla_with_kvcache_fp8" in code.split("\n\n", 1)[0]
+    assert "torch.float8_e4m3fn" in code and "descale_k=descale_k" in code and "descale_q=descale_q" in code
+
+
+def test_fp8_example_runs_on_cpu(tmp_path):
+    res = run_on_cpu(fp8_example() + FP8_CHECKS, tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "README FP8 example ok" in res.stdout
+
+
+def test_readme_errors_section_matches_the_fp8_api():
+    """The FP8 cache is served by the API: the errors section must not say it raises NotImplementedError."""
+    text = README.read_text()
+    errors = text.split("\n### Errors and the checked mode\n", 1)[1].split("\n### ", 1)[0]
+    assert "FP8 caches and sparse indices raise `NotImplementedError`" not in errors
+    assert "descale_k" in errors and "FLASHMLA_BACKEND_CHECK=1" in errors
+
+
+def test_license_matches_pyproject():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^license = "MIT"', pyproject, re.M)
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License\n") and "Copyright (c) 2026 The flashmla_backend authors" in text
+    assert "[`LICENSE`](LICENSE)" in README.read_text()
 
 
 def test_readme_commands():

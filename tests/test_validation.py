@@ -104,6 +104,15 @@ def test_heads_divisible():
         call(**a)
 
 
+def test_head_counts_must_be_positive():
+    """No heads is not a multiple of anything worth running: the message says the count must be positive."""
+    a = args()
+    expect(ValueError, r"q must have num_heads_q >= 1 \(dimension 2: the count of query heads must be positive\)",
+           q=a["q"][:, :, :0])
+    expect(ValueError, r"k_cache must have num_heads_k >= 1 \(dimension 2: the count of KV heads must be positive\)",
+           k_cache=a["k_cache"][:, :, :0])
+
+
 def test_last_dim_contiguous():
     a = args()
     q = torch.empty(a["q"].shape[:-1] + (D_K * 2,), dtype=a["q"].dtype)[..., ::2]
@@ -131,6 +140,16 @@ def test_metadata_shapes():
 
 def test_negative_length():
     expect(ValueError, r"cache_seqlens must be >= 0.*\(1, -3\)", cache_seqlens=torch.tensor([70, -3], dtype=torch.int32))
+
+
+def test_negative_length_refused_where_the_metadata_is_made():
+    """get_mla_metadata on CPU tensors refuses a negative length itself, not only the decode that follows."""
+    bad = torch.tensor([70, -3, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0, got negative lengths at \(index, length\) "
+                                         r"\[\(1, -3\)\]"):
+        fb.get_mla_metadata(bad, 32, 1)
+    meta, num_splits = fb.get_mla_metadata(bad.clamp(min=0), 32, 1)  # the same lengths, none negative
+    assert num_splits.shape == (4,)
 
 
 def test_block_table_too_short():
@@ -208,6 +227,7 @@ def _mutations():
         "half pages": dict(k_cache=kc.reshape(-1, PAGE // 2, 1, D_K)),
         "cache h_kv 3 of 16": dict(k_cache=kc.expand(-1, -1, 3, -1)),
         "cache h_kv 0": dict(k_cache=kc[:, :, :0]),
+        "q no heads": dict(q=q[:, :, :0]),
         "cache on meta": dict(k_cache=kc.to("meta")),
         "head_dim_v 128": dict(head_dim_v=128),
         "head_dim_v float": dict(head_dim_v=float(D_V)),
@@ -340,7 +360,7 @@ def test_every_decode_rule_is_exercised():
 
 def test_rule_tables_name_their_arguments():
     for table in (validate.DECODE, validate.REFERENCE, validate.LAYOUT, validate.METADATA, validate.VALUES,
-                  validate.SCHEDULE):
+                  validate.LENGTHS, validate.DESCALES, validate.SCHEDULE):
         assert table.rules, table
         for rule in table.rules:
             assert rule.arg in table.params and issubclass(rule.exc, Exception), rule
@@ -423,6 +443,25 @@ def test_checked_mode_on_gpu(monkeypatch):
     monkeypatch.setenv(validate.CHECK_ENV, "1")
     with pytest.raises(ValueError, match=r"block_table is too short"):
         call(**dict(a, cache_seqlens=torch.tensor([1000, 5], dtype=torch.int32, device="cuda")))
+
+
+@pytest.mark.gpu
+def test_metadata_negative_length_on_gpu_in_checked_mode(monkeypatch):
+    lengths = torch.tensor([5, -1], dtype=torch.int32, device="cuda")
+    fb.get_mla_metadata(lengths, 16, 1)  # without the checked mode no host sync, no check
+    monkeypatch.setenv(validate.CHECK_ENV, "1")
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0, got negative lengths"):
+        fb.get_mla_metadata(lengths, 16, 1)
+
+
+@pytest.mark.gpu
+def test_descale_values_on_gpu_in_checked_mode(monkeypatch):
+    """On CUDA tensors a descale is read on the host only in the checked mode (like the other device values)."""
+    a = args(device="cuda")
+    monkeypatch.setenv(validate.CHECK_ENV, "1")
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=r"descale_k must be finite and positive .* got " + repr(bad)):
+            call(**dict(a, k_cache=a["k_cache"].to(FP8), descale_k=torch.full((1,), bad, device="cuda")))
 
 
 # ---- unsupported GPUs (the device properties are faked; needs the compiled module for its limits) ----

@@ -59,6 +59,17 @@ def _add_choice(name: str) -> None:
         add_attention_backend_choices([name])
 
 
+def _import_failure(error: ImportError) -> str:
+    """The message when SGLang's attention registry does not import: SGLang missing, or which one failed."""
+    version = _compat.installed_sglang_version()
+    reason = _compat.unsupported_reason(version)
+    if not version:
+        return f"flashmla_backend: cannot register the SGLang attention backend: {reason}"
+    return (f"flashmla_backend: cannot register the SGLang attention backend: SGLang {version} is installed but "
+            f"sglang.srt.layers.attention.attention_registry does not import ({type(error).__name__}: {error})."
+            + (f" {reason}" if reason else ""))
+
+
 def _inside_load_plugins() -> bool:
     try:
         from sglang.srt.plugins.hook_registry import _current_plugin_source
@@ -75,9 +86,13 @@ def register(apply_hooks: bool | None = None) -> None:
     plugin loader applies hooks after every plugin ran; called from elsewhere (apply_hooks None) this
     applies them itself. Idempotent. On an unsupported SGLang it logs why and registers a backend whose
     creation raises that message (so the name is accepted and fails with an explanation, never silently).
+    Where SGLang cannot be imported (not installed, or a broken installation) it raises ImportError saying so.
     """
     global _hooks_registered
-    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    try:
+        from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    except ImportError as e:
+        raise ImportError(_import_failure(e)) from e
 
     version = _compat.installed_sglang_version()
     reason = _compat.unsupported_reason(version)

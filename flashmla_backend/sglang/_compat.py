@@ -60,10 +60,10 @@ def unsupported_reason(version: str) -> str | None:
     """None when `version` is supported, else a message naming the supported versions."""
     if in_range(version, MIN_VERSION, MAX_VERSION_EXCLUSIVE):
         return None
-    shown = version if version else "(not installed)"
+    installed = f"SGLang {version} is installed" if version else "SGLang is not installed"
     return (
         f"flashmla_backend's SGLang plugin supports SGLang {SUPPORTED_RANGE} (tested: "
-        f"{', '.join(TESTED_VERSIONS)}), but SGLang {shown} is installed. Install a supported SGLang "
+        f"{', '.join(TESTED_VERSIONS)}), but {installed}. Install a supported SGLang "
         "(e.g. `pip install sglang==0.5.17` with torch 2.11, sglang==0.5.21 with torch 2.13, or "
         "sglang==0.5.23 with torch 2.14.1) or choose another attention backend."
     )

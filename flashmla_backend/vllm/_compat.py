@@ -51,9 +51,9 @@ def unsupported_reason(version: str) -> str | None:
     """None when `version` is in the supported range, else a message that names the supported versions."""
     if in_range(version, MIN_VERSION, MAX_VERSION_EXCLUSIVE):
         return None
-    shown = version if version else "(not installed)"
+    installed = f"vLLM {version} is installed" if version else "vLLM is not installed"
     return (
         f"flashmla_backend's vLLM plugin supports vLLM {SUPPORTED_RANGE} (tested on each minor release from "
-        f"{TESTED_VERSIONS[0]} to {TESTED_VERSIONS[-1]}), but vLLM {shown} is installed. Install a supported vLLM "
+        f"{TESTED_VERSIONS[0]} to {TESTED_VERSIONS[-1]}), but {installed}. Install a supported vLLM "
         f"(e.g. `pip install vllm==0.26.0`) or choose another attention backend."
     )
