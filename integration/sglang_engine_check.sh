@@ -20,6 +20,12 @@
 #             model's scale broken (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=draft) must fail that check; when
 #             triton accepts almost no drafts (mean accept length < 1.3) the acceptance check says undecided
 #   serve     python -m sglang.launch_server --attention-backend flashmla_backend + 64 concurrent requests
+# FP8 (e4m3) KV cache: each step above with the suffix -fp8 runs the same with --kv-cache-dtype fp8_e4m3 on both
+# sides (ours-fp8, triton-fp8, baseline-fp8, compare-fp8, broken-fp8, mtp-fp8, serve-fp8; results *-fp8.json, the
+# tie gap from the FP8 baseline in calibration-fp8.json): ours FP8 vs SGLang's triton FP8 judged by the fp32 model as
+# the bf16 steps are, the broken-scale run must fail that judgment, serve-fp8 also checks the server log for the
+# plugin's FP8 line and its default-scale line (the tiny checkpoints carry no KV-cache scales). Step groups:
+# "fp8" (the FP8 steps), "all" (the default steps, then the FP8 steps).
 # Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s). Exit code 0 only if every step held.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,10 +34,19 @@ mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 cd "$ROOT/integration" || exit 1
 T=${SGLANG_RUN_TIMEOUT:-240}
-STEPS=("$@")
-[ ${#STEPS[@]} -gt 0 ] || STEPS=(ours triton baseline compare broken mtp serve)
+BF16_STEPS=(ours triton baseline compare broken mtp serve)
+FP8_STEPS=("${BF16_STEPS[@]/%/-fp8}")
+STEPS=()
+for s in "$@"; do
+  case $s in
+    fp8) STEPS+=("${FP8_STEPS[@]}") ;;
+    all) STEPS+=("${BF16_STEPS[@]}" "${FP8_STEPS[@]}") ;;
+    *) STEPS+=("$s") ;;
+  esac
+done
+[ ${#STEPS[@]} -gt 0 ] || STEPS=("${BF16_STEPS[@]}")
 for s in "${STEPS[@]}"; do
-  case $s in ours|triton|baseline|compare|broken|mtp|serve) ;; *) echo "unknown step '$s'" >&2; exit 2;; esac
+  case ${s%-fp8} in ours|triton|baseline|compare|broken|mtp|serve) ;; *) echo "unknown step '$s'" >&2; exit 2;; esac
 done
 
 say() { echo "[sglang_engine_check] $* ($(date +%T))"; }
@@ -55,58 +70,62 @@ run() {  # name backend [sglang_run options...] [-- env...]
     --prompts "$OUT/prompts.json" --out "$OUT/$name.json" --max-tokens 48 --logprobs 5 "${opts[@]}" \
     > "$OUT/$name.log" 2>&1
   local rc=$?
-  grep -E "sglang_run|MLA decode attention runs on" "$OUT/$name.log" | tail -4
+  grep -E "sglang_run|MLA decode attention runs on|FP8 KV cache with the default scale" "$OUT/$name.log" | tail -5
   [ $rc -eq 0 ] || { say "$name failed (exit $rc); last lines:"; tail -30 "$OUT/$name.log"; }
   return $rc
 }
 need() { for f in "$@"; do [ -f "$OUT/$f.json" ] || { say "missing $OUT/$f.json (run its step first)"; return 1; }; done; }
 cmp() { python3 sglang_run.py compare "$@"; }
-# Tie gap: calibrated by the baseline step when it ran; divergences beyond it are judged by the fp32 model.
-tie() { [ -f "$OUT/calibration.json" ] && echo --tie-gap-from "$OUT/calibration.json"; }
+# Tie gap: calibrated by the baseline step (of the same KV-cache format) when it ran; divergences beyond it are
+# judged by the fp32 model.
+tie() { [ -f "$OUT/calibration$X.json" ] && echo --tie-gap-from "$OUT/calibration$X.json"; }
 ADJ=(--fp32-model "$CKPT" --prompts "$OUT/prompts.json")
 
 status=0
 for s in "${STEPS[@]}"; do
-  case $s in
-    ours) run ours flashmla_backend -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 || status=1 ;;
-    triton) run triton triton || status=1 ;;
+  # X: the result-name suffix of the step's KV-cache format, KV: the sglang_run.py options that select it.
+  if [ "$s" != "${s%-fp8}" ]; then X=-fp8; KV=(--kv-cache-dtype fp8_e4m3); else X=; KV=(); fi
+  case ${s%-fp8} in
+    ours) run ours$X flashmla_backend "${KV[@]}" -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 || status=1 ;;
+    triton) run triton$X triton "${KV[@]}" || status=1 ;;
     baseline)
-      { run triton-splits16 triton --kv-splits 16 && run triton-eager triton --disable-cuda-graph && need triton &&
-        python3 sglang_run.py calibrate "$OUT/triton-splits16.json,$OUT/triton.json" \
-          "$OUT/triton-eager.json,$OUT/triton.json" --out "$OUT/calibration.json"; } || status=1 ;;
+      { run triton-splits16$X triton --kv-splits 16 "${KV[@]}" &&
+        run triton-eager$X triton --disable-cuda-graph "${KV[@]}" && need triton$X &&
+        python3 sglang_run.py calibrate "$OUT/triton-splits16$X.json,$OUT/triton$X.json" \
+          "$OUT/triton-eager$X.json,$OUT/triton$X.json" --out "$OUT/calibration$X.json"; } || status=1 ;;
     compare)
-      { need ours triton && cmp "$OUT/ours.json" "$OUT/triton.json" $(tie) "${ADJ[@]}"; } || status=1 ;;
+      { need ours$X triton$X && cmp "$OUT/ours$X.json" "$OUT/triton$X.json" $(tie) "${ADJ[@]}"; } || status=1 ;;
     broken)
-      { run broken flashmla_backend -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 && need triton &&
-        cmp "$OUT/broken.json" "$OUT/triton.json" --expect disagree $(tie) "${ADJ[@]}"; } || status=1 ;;
+      { run broken$X flashmla_backend "${KV[@]}" -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 && need triton$X &&
+        cmp "$OUT/broken$X.json" "$OUT/triton$X.json" --expect disagree $(tie) "${ADJ[@]}"; } || status=1 ;;
     mtp)
       # SGLang's NextN drafter needs hidden_size > 256 (fused_eh_norm): the 512-wide variant of the tiny model.
       CK512=$(python3 -c "import harness; print(harness.tiny_checkpoint(harness.MODELS / 'tiny-deepseek-v3-h512' / 'config.json', mtp=True))" | tail -1)
       ADJ512=(--fp32-model "$CK512" --prompts "$OUT/prompts.json")
-      { MODEL=$CK512 run triton-h512 triton &&
-        MODEL=$CK512 run ours-mtp flashmla_backend --mtp 3 -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 &&
-        MODEL=$CK512 run triton-mtp triton --mtp 3 &&
+      { MODEL=$CK512 run triton-h512$X triton "${KV[@]}" &&
+        MODEL=$CK512 run ours-mtp$X flashmla_backend --mtp 3 "${KV[@]}" -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 &&
+        MODEL=$CK512 run triton-mtp$X triton --mtp 3 "${KV[@]}" &&
         say "baseline: triton with speculation vs triton without" &&
-        { cmp "$OUT/triton-mtp.json" "$OUT/triton-h512.json" $(tie) "${ADJ512[@]}" || true; } &&
+        { cmp "$OUT/triton-mtp$X.json" "$OUT/triton-h512$X.json" $(tie) "${ADJ512[@]}" || true; } &&
         say "ours with speculation (target verify, draft extend and draft decode on our kernel) vs triton without" &&
-        cmp "$OUT/ours-mtp.json" "$OUT/triton-h512.json" $(tie) "${ADJ512[@]}"; } || status=1
-      if [ -f "$OUT/ours-mtp.json" ] && [ -f "$OUT/triton-mtp.json" ]; then
+        cmp "$OUT/ours-mtp$X.json" "$OUT/triton-h512$X.json" $(tie) "${ADJ512[@]}"; } || status=1
+      if [ -f "$OUT/ours-mtp$X.json" ] && [ -f "$OUT/triton-mtp$X.json" ]; then
         say "draft acceptance: ours vs triton, both speculative"
-        cmp "$OUT/ours-mtp.json" "$OUT/triton-mtp.json" --min-accept-ratio 0.9 $(tie) "${ADJ512[@]}"; rc=$?
+        cmp "$OUT/ours-mtp$X.json" "$OUT/triton-mtp$X.json" --min-accept-ratio 0.9 $(tie) "${ADJ512[@]}"; rc=$?
         if [ $rc -eq 2 ]; then
           say "acceptance check undecided (drafts of this random MTP layer are almost never accepted)"
         elif [ $rc -ne 0 ]; then
           status=1
         else
-          { MODEL=$CK512 run ours-mtp-broken-draft flashmla_backend --mtp 3 -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=draft &&
+          { MODEL=$CK512 run ours-mtp-broken-draft$X flashmla_backend --mtp 3 "${KV[@]}" -- FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=draft &&
             say "the acceptance check must fail when only the draft model's attention is wrong" &&
-            cmp "$OUT/ours-mtp-broken-draft.json" "$OUT/triton-mtp.json" --min-accept-ratio 0.9 --expect disagree \
+            cmp "$OUT/ours-mtp-broken-draft$X.json" "$OUT/triton-mtp$X.json" --min-accept-ratio 0.9 --expect disagree \
               $(tie); } || status=1
         fi
       fi ;;
     serve)
-      say "serve"
-      timeout $((T + 360)) python3 sglang_run.py serve --model "$CKPT" --log "$OUT/serve.log" || status=1 ;;
+      say "serve$X"
+      timeout $((T + 360)) python3 sglang_run.py serve --model "$CKPT" --log "$OUT/serve$X.log" "${KV[@]}" || status=1 ;;
   esac
 done
 say "exit $status"

@@ -2,10 +2,10 @@
 """One SGLang engine run (offline `sglang.Engine`), greedy, with logprobs; and the comparison of two runs.
 
     python integration/sglang_run.py run --model DIR --backend flashmla_backend --prompts prompts.json \
-        --out ours.json [--max-tokens 32] [--logprobs 5] [--disable-cuda-graph]
+        --out ours.json [--max-tokens 32] [--logprobs 5] [--disable-cuda-graph] [--kv-cache-dtype fp8_e4m3]
     python integration/sglang_run.py compare ours.json triton.json [--expect disagree] [--tie-gap-from calib.json]
     python integration/sglang_run.py calibrate a.json,b.json [c.json,d.json ...] --out calib.json
-    python integration/sglang_run.py serve --model DIR --log serve.log [--requests 64]
+    python integration/sglang_run.py serve --model DIR --log serve.log [--requests 64] [--kv-cache-dtype fp8_e4m3]
 
 prompts.json: a list of prompts, each a list of token ids. The result has the same format as
 integration/vllm_run.py's ({"outputs": [{"token_ids": [...], "logprobs": [{"<id>": logprob, ...}, ...]}]}),
@@ -16,6 +16,11 @@ pip-installed (the GPU machine: sources + an in-place build on PYTHONPATH), `run
 from a minimal dist-info folder put on PYTHONPATH before SGLang starts, so every SGLang process loads the
 plugin through its normal mechanism. Start-up options: page size is forced to 64 by the plugin; sampling
 runs in PyTorch and grammar is off (neither needs FlashInfer nor xgrammar's native library).
+
+--kv-cache-dtype (run, serve): SGLang's option, default auto (the model's 16-bit dtype, as before);
+fp8_e4m3 runs an FP8 KV cache (e4m3 with the layers' k scales; the tiny checkpoints carry none, so the default
+scale 1.0). `serve` with fp8_e4m3 and our backend also checks the server log for the plugin's FP8 line and for
+its default-scale line.
 """
 from __future__ import annotations
 
@@ -62,6 +67,8 @@ def run(args) -> int:
                      speculative_num_draft_tokens=args.mtp + 1)
     if args.kv_splits:
         extra["triton_attention_num_kv_splits"] = args.kv_splits
+    if args.kv_cache_dtype != "auto":  # the default runs as before: SGLang's own default
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
     engine = sglang.Engine(model_path=args.model, attention_backend=args.backend, skip_tokenizer_init=True,
                            sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.5,
                            disable_cuda_graph=args.disable_cuda_graph,
@@ -172,6 +179,10 @@ def compare(args) -> int:
     return 0 if ok == want else 1
 
 
+# The plugin's start-up lines that an FP8 server log must show (flashmla_backend.sglang.backend).
+FP8_LOG_LINE = "FP8 (e4m3) KV cache read in place"
+
+
 def serve(args) -> int:
     """`python -m sglang.launch_server --model-path M --attention-backend flashmla_backend` on 127.0.0.1 (plus
     this environment's sampling/grammar settings, see the module docstring), then `--requests` concurrent
@@ -193,6 +204,8 @@ def serve(args) -> int:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, "--attention-backend",
            args.backend, "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", "0.5",
            "--context-length", "4096", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+    if args.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     print(f"[sglang_run] serve: {' '.join(cmd)} (log {log_path})", flush=True)
 
     with open(log_path, "w") as log:
@@ -222,9 +235,18 @@ def serve(args) -> int:
                if r["meta_info"].get("completion_tokens") != m or not isinstance(r.get("text"), str)]
         print(f"[sglang_run] serve: {len(results)} concurrent requests in {wall:.1f} s (slowest "
               f"{max(dt for *_, dt in results):.1f} s), wrong token counts: {bad}", flush=True)
-        ours_logged = "MLA decode attention runs on flashmla_backend" in log_path.read_text()
+        log_text = log_path.read_text()
+        ours_logged = "MLA decode attention runs on flashmla_backend" in log_text
         if args.backend == "flashmla_backend":
             print(f"[sglang_run] serve: log shows flashmla_backend decode: {ours_logged}", flush=True)
+            if args.kv_cache_dtype == "fp8_e4m3":
+                from flashmla_backend.engine_support import default_scale_message
+
+                fp8_logged = FP8_LOG_LINE in log_text
+                default_scale_lines = log_text.count(default_scale_message("sglang"))
+                print(f"[sglang_run] serve: log shows the FP8 KV cache: {fp8_logged}; default-scale lines: "
+                      f"{default_scale_lines} (one per scheduler process expected)", flush=True)
+                ours_logged = ours_logged and fp8_logged and default_scale_lines >= 1
         ok = not bad and (ours_logged or args.backend != "flashmla_backend")
     except Exception as e:  # noqa: BLE001 - reported with the server log's tail
         print(f"[sglang_run] serve failed: {e}\n" + "".join(log_path.read_text().splitlines(True)[-30:]), flush=True)
@@ -254,6 +276,7 @@ def main(argv=None) -> int:
     r.add_argument("--mtp", type=int, default=0, metavar="STEPS",
                    help="speculative decoding with the checkpoint's MTP layer: STEPS draft steps, topk 1")
     r.add_argument("--kv-splits", type=int, default=0, help="triton_attention_num_kv_splits (triton backend)")
+    r.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (default auto; fp8_e4m3: FP8)")
     c = sub.add_parser("compare")
     c.add_argument("ours")
     c.add_argument("ref")
@@ -273,6 +296,7 @@ def main(argv=None) -> int:
     s.add_argument("--requests", type=int, default=64)
     s.add_argument("--log", required=True)
     s.add_argument("--start-timeout", type=float, default=300)
+    s.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (default auto; fp8_e4m3: FP8)")
     args = ap.parse_args(argv)
     return {"run": run, "compare": compare, "calibrate": calibrate, "serve": serve}[args.cmd](args)
 

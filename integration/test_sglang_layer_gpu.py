@@ -14,8 +14,19 @@ draft extend v2), re-preparing metadata for new lengths before each replay.
 
 DeepSeek-V3 shapes: kv_lora_rank 512, qk_rope_head_dim 64, page size 64, 16 and 128 heads, bf16 and fp16.
 
-Run on an H100 with SGLang 0.5.17 (22 passed; see integration/README.md, SGLang, for the numbers and for how
-to stage SGLang on a machine without a registry). The kit's functions used here have the same signatures
+FP8 (e4m3) KV cache (the `test_fp8_*` cases): the kit's FP8 fixture (an e4m3 MLATokenToKVPool written by the
+pool's own cast, the layer without a k_scale) for ours and Triton on the same inputs. The kit's reference
+attends over the unquantized latents, so each case also has the reference over the cache the backends read:
+the kit's computation with the keys taken from the pool (e4m3 bytes x k_scale in fp32). Ours must match that
+at the kit's tolerance and be at least as close to the kit's exact reference as Triton's FP8 decode (which
+casts q and the softmax weights to e4m3; ours keeps them in 16 bits); ours and Triton agree within the kit's
+FP8 tolerance. With a checkpoint-style k_scale != 1 (set by SGLang's BaseKVCacheMethod on the layer), new
+tokens go through each backend's own write (k / k_scale cast to e4m3, checked byte for byte) in decode,
+target verify and draft extend, and a captured CUDA graph replays with the layer's k_scale changed in place.
+
+Run on an H100 with SGLang 0.5.17 before the FP8 cases existed (22 passed; see integration/README.md, SGLang, for
+the numbers and for how to stage SGLang on a machine without a registry); the `test_fp8_*` cases have not run on
+a GPU yet. The kit's functions used here have the same signatures
 in 0.5.21.
 """
 from __future__ import annotations
@@ -35,7 +46,9 @@ _ok, _why = flashmla_backend.is_supported()
 if not _ok:
     pytest.skip(f"flashmla_backend does not run on this GPU: {_why}", allow_module_level=True)
 
+from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit  # noqa: E402
 from sglang.test.kits.attention_unittest.runner_modes import (  # noqa: E402
@@ -163,3 +176,253 @@ def test_broken_scale_hook_is_detected(monkeypatch):
     monkeypatch.setenv(plugin.DEBUG_BREAK_SCALE_ENV, "1")
     _, out, ref = run_eager("decode_long", OURS, torch.bfloat16)
     assert (out.float() - ref.float()).abs().max().item() > ATOL
+
+
+# ---- FP8 (e4m3) KV cache ------------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+# The kit's tolerance for FP8 KV caches (its DSA FP8 cases); used where an e4m3 rounding of q, of the softmax
+# weights (Triton) or of the cache (the kit's exact reference) separates the two sides.
+FP8_ATOL = FP8_RTOL = 0.2
+FP8_EAGER = [n for n, (mode, *_rest) in EAGER.items() if mode == ForwardMode.DECODE]
+
+
+def cache_values(pool, slots: torch.Tensor, k_scale: float) -> torch.Tensor:
+    """fp32 values of the pool's rows at `slots` as a correct decode reads them: e4m3 bytes x k_scale."""
+    assert pool.dtype == FP8 and pool.store_dtype == torch.uint8
+    return pool.kv_buffer[0][slots.long(), 0].view(FP8).float() * k_scale  # [n, 576]
+
+
+def dense_over_pool(q: torch.Tensor, pool, req_to_token, prefix_lens, input_lens, scaling: float,
+                    k_scale: float = 1.0) -> torch.Tensor:
+    """fp32 attention of latent-space queries q [tokens, heads, 576] (request-major) over the dequantized pool:
+    query i of request b (position prefix_lens[b] + i) sees keys 0 .. that position. Returns [tokens, heads, 512]."""
+    outs, t = [], 0
+    for b, (prefix, n_in) in enumerate(zip(prefix_lens, input_lens)):
+        kv = cache_values(pool, req_to_token[b, :prefix + n_in], k_scale)
+        for i in range(n_in):
+            keys = kv[:prefix + i + 1]
+            scores = torch.einsum("hd,nd->hn", q[t].float(), keys) * scaling
+            outs.append(scores.softmax(-1) @ keys[:, :LATENT])
+            t += 1
+    return torch.stack(outs)
+
+
+def dequantized_reference(fixture, case=None, input_hidden=None, k_scale: float = 1.0) -> torch.Tensor:
+    """The kit's reference computation (its module's queries, w_vc and o_proj) over the cache the backends read."""
+    case = case or fixture.case
+    input_hidden = fixture.input_hidden if input_hidden is None else input_hidden
+    ref = fixture.reference_module
+    q_nope, _, q_rope, _ = ref.project_latent_qk(input_hidden)
+    q = torch.cat([q_nope, q_rope], dim=-1)  # [tokens, heads, 576]
+    att = dense_over_pool(q, fixture.runner.token_to_kv_pool, fixture.runner.req_to_token_pool.req_to_token,
+                          case.prefix_lens, case.input_lens, ref.scaling, k_scale)
+    return ref.reconstruct_output(att.to(input_hidden.dtype))
+
+
+def run_eager_fp8(name, backend, dtype):
+    mode, prefix, extend, heads = EAGER[name]
+    c = case(name, backend, mode, prefix, extend, heads)
+    fixture = kit.build_mla_attention_fixture(_Case(), c, dtype=dtype, device="cuda", fp8_kv_cache=True,
+                                              **MLA_SHAPES)
+    assert fixture.runner.token_to_kv_pool.dtype == FP8
+    out = kit.run_mla_fixture_eager(fixture)
+    return fixture, out, kit.expected_mla_fixture_output(fixture), dequantized_reference(fixture)
+
+
+def diff(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", FP8_EAGER)
+def test_fp8_eager_matches_the_dequantized_cache(name, dtype):
+    fx, out, exact, deq = run_eager_fp8(name, OURS, dtype)
+    assert isinstance(fx.backend, FlashMLAPluginBackend) and fx.backend.kv_cache_fp8
+    md = fx.backend.decode_metadata
+    assert md is not None and md.mode == "decode"
+    fx_t, out_t, exact_t, deq_t = run_eager_fp8(name, TRITON, dtype)
+    torch.testing.assert_close(exact, exact_t)  # same seeds: same weights and inputs
+    torch.testing.assert_close(deq, deq_t)  # the same e4m3 bytes in both pools
+    print(f"\n[fp8 {name} {dtype}] max |ours - dequantized ref| {diff(out, deq):.3e}, |triton - dequantized ref| "
+          f"{diff(out_t, deq):.3e}; vs the kit's unquantized ref: ours {diff(out, exact):.3e}, triton "
+          f"{diff(out_t, exact):.3e}; |ours - triton| {diff(out, out_t):.3e}")
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, deq, atol=ATOL, rtol=RTOL)
+    # Against the exact (unquantized) model: ours no further than Triton's FP8 decode, within the FP8 tolerance.
+    assert diff(out, exact) <= diff(out_t, exact) + ATOL
+    torch.testing.assert_close(out, exact, atol=FP8_ATOL, rtol=FP8_RTOL)
+
+
+@pytest.mark.parametrize("name", FP8_EAGER)
+def test_fp8_eager_agrees_with_triton(name):
+    _, out, _, _ = run_eager_fp8(name, OURS, torch.bfloat16)
+    _, out_t, _, deq = run_eager_fp8(name, TRITON, torch.bfloat16)
+    torch.testing.assert_close(out_t, deq, atol=FP8_ATOL, rtol=FP8_RTOL)
+    torch.testing.assert_close(out, out_t, atol=FP8_ATOL, rtol=FP8_RTOL)
+
+
+def _fp8_expected_from_inputs(fixture, case, inputs, _state):
+    return dequantized_reference(fixture, case, inputs["input_hidden"])
+
+
+def test_fp8_decode_cuda_graph_replay():
+    """The kit's CUDA-graph decode procedure (capture-shaped batch, then a padded replay after new metadata) on the
+    FP8 fixture, judged against the dequantized reference."""
+    import functools
+
+    adapter = cuda_graph_decode_runner.CudaGraphDecodeAdapter(
+        build_fixture=functools.partial(kit.build_mla_attention_fixture, fp8_kv_cache=True),
+        make_case=kit.make_mla_case_with_prefix_lens,
+        make_forward_batch=kit._make_forward_batch,
+        fixture_inputs=kit.mla_fixture_inputs,
+        make_capture_inputs=kit.make_mla_random_inputs,
+        make_replay_inputs=kit.make_mla_padded_replay_inputs,
+        prepare_inputs=kit.prepare_mla_runner_inputs,
+        run_eager=kit.run_mla_fixture_eager,
+        run_forward=kit.run_mla_forward,
+        expected_output=_fp8_expected_from_inputs,
+        atol=ATOL,
+        rtol=RTOL,
+    )
+    c = case("cg_decode_fp8", OURS, ForwardMode.DECODE, (5, 64, 300, 1000))
+    cuda_graph_decode_runner._run_cuda_graph_decode_case(
+        _Case(), c, adapter=adapter,
+        build_kwargs=dict(hidden_size=kit.DEFAULT_HIDDEN_SIZE, dtype=torch.bfloat16, device="cuda", **MLA_SHAPES),
+        capture_batch_size=8, max_context_len=MAX_CONTEXT, dtype=torch.bfloat16, device="cuda")
+
+
+# ---- FP8 with a k_scale != 1: each backend's own write path ---------------------------------------------
+
+K_SCALE = 0.05
+
+
+def set_kv_scales(layer, value: float) -> None:
+    """The layer's KV-cache scales as SGLang's loading code sets them for an FP8 checkpoint: created on the device
+    (the model loader builds layers under the target device), the checkpoint's value copied, then processed."""
+    method = BaseKVCacheMethod(None)
+    with torch.device("cuda"):
+        method.create_weights(layer)
+    layer.k_scale.data.fill_(value)
+    layer.v_scale.data.fill_(value)
+    method.process_weights_after_loading(layer)
+    assert layer.k_scale.is_cuda and layer.k_scale.dtype == torch.float32 and layer.k_scale_float == pytest.approx(value)
+
+
+class ScaledStep:
+    """One step of `mode` written and run through a backend's forward with k given (as DeepSeek's absorbed MLA
+    calls it): the prefix written as SGLang's Triton prefill writes it (k / k_scale through the pool's
+    set_kv_buffer), the step's new rows through the backend's own write. Latent rows ~ 2 N(0, 1): e4m3 values
+    of k / 0.05 stay far below 448."""
+
+    def __init__(self, backend, mode, prefix_lens, extend_lens=(), seed=0):
+        c = case(f"kscale_{mode.name.lower()}", backend, mode, prefix_lens, extend_lens)
+        self.case = c
+        self.fx = kit.build_mla_attention_fixture(_Case(), c, dtype=torch.bfloat16, device="cuda", fp8_kv_cache=True,
+                                                  **MLA_SHAPES)
+        self.layer = self.fx.actual_module.attn_mqa
+        set_kv_scales(self.layer, K_SCALE)
+        runner = self.fx.runner
+        self.pool, self.req_to_token = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.rows = [2 * torch.randn((p + n, HEAD), generator=gen, device="cuda").to(torch.bfloat16)
+                     for p, n in zip(c.prefix_lens, c.input_lens)]
+        for b, p in enumerate(c.prefix_lens):
+            if p:
+                self.pool.set_kv_buffer(self.layer, self.req_to_token[b, :p].long(),
+                                        self.rows[b][:p].clone().div_(self.layer.k_scale).unsqueeze(1), None)
+        self.new_k = torch.cat([r[p:] for r, p in zip(self.rows, c.prefix_lens)]).unsqueeze(1)  # [T, 1, 576]
+        self.new_slots = torch.cat([self.req_to_token[b, p:p + n] for b, (p, n) in
+                                    enumerate(zip(c.prefix_lens, c.input_lens))]).long()
+        self.q = torch.randn((c.num_input_tokens, c.num_heads * HEAD), generator=gen, device="cuda").to(torch.bfloat16)
+        self.fb = self.fx.forward_batch
+        if mode == ForwardMode.TARGET_VERIFY:  # SGLang's verify batches: seq_lens without the drafts
+            self.fb.seq_lens = torch.tensor(c.prefix_lens, dtype=torch.int32, device="cuda")
+            self.fb.seq_lens_cpu = torch.tensor(c.prefix_lens, dtype=torch.int32)
+            self.fb.seq_lens_sum = sum(c.prefix_lens)
+
+    def run(self, save_kv_cache=True):
+        backend = self.fx.backend
+        with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+            backend.init_forward_metadata(self.fb)
+            k = self.new_k.clone()
+            return backend.forward(self.q, k, k[..., :LATENT], self.layer, self.fb, save_kv_cache=save_kv_cache)
+
+    def reference(self, k_scale=K_SCALE) -> torch.Tensor:
+        c = self.case
+        q = self.q.view(c.num_input_tokens, c.num_heads, HEAD)
+        out = dense_over_pool(q, self.pool, self.req_to_token, c.prefix_lens, c.input_lens, self.layer.scaling, k_scale)
+        return out.reshape(c.num_input_tokens, -1).to(torch.bfloat16)
+
+    def check_new_rows_stored(self):
+        want = self.new_k[:, 0].clone().div_(self.layer.k_scale).to(FP8).view(torch.uint8)
+        assert torch.equal(self.pool.kv_buffer[0][self.new_slots, 0], want)
+
+
+@pytest.mark.parametrize("backend", [OURS, TRITON])
+def test_fp8_k_scale_decode_writes_and_reads(backend):
+    step = ScaledStep(backend, ForwardMode.DECODE, (1, 63, 64, 700, 1500), seed=11)
+    out = step.run()
+    step.check_new_rows_stored()
+    ref = step.reference()
+    print(f"\n[fp8 k_scale {K_SCALE} decode {backend}] max |out - dequantized ref| {diff(out, ref):.3e}")
+    assert torch.isfinite(out).all()
+    tol = (ATOL, RTOL) if backend == OURS else (FP8_ATOL, FP8_RTOL)
+    torch.testing.assert_close(out, ref, atol=tol[0], rtol=tol[1])
+    # The scale matters: read as if it were 1, the same bytes give another result.
+    assert diff(out, step.reference(k_scale=1.0)) > FP8_ATOL
+
+
+def test_fp8_k_scale_decode_ours_vs_triton():
+    ours = ScaledStep(OURS, ForwardMode.DECODE, (5, 200, 1000), seed=12)
+    triton = ScaledStep(TRITON, ForwardMode.DECODE, (5, 200, 1000), seed=12)
+    out, out_t = ours.run(), triton.run()
+    assert torch.equal(ours.pool.kv_buffer[0][ours.new_slots], triton.pool.kv_buffer[0][triton.new_slots])
+    print(f"\n[fp8 k_scale {K_SCALE}] max |ours - triton| {diff(out, out_t):.3e}")
+    torch.testing.assert_close(out, out_t, atol=FP8_ATOL, rtol=FP8_RTOL)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2], ids=["verify", "draft_extend"])
+def test_fp8_k_scale_speculative_modes(mode):
+    """MTP / EAGLE verification (topk 1, 4 drafts after seq_len, causal) and draft extend on ours: the new rows are
+    stored from a copy of k (the caller's k unchanged) as k / k_scale in e4m3; outputs match the dequantized cache."""
+    step = ScaledStep(OURS, mode, (10, 200, 64, 1000), (4, 4, 4, 4), seed=13)
+    k_before = step.new_k.clone()
+    out = step.run()
+    assert torch.equal(step.new_k, k_before)
+    step.check_new_rows_stored()
+    ref = step.reference()
+    print(f"\n[fp8 k_scale {K_SCALE} {mode.name}] max |ours - dequantized ref| {diff(out, ref):.3e}")
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+
+
+def test_fp8_cuda_graph_replay_reads_the_current_k_scale():
+    """A captured decode replays with the layer's k_scale changed in place (the kernel reads it at each replay):
+    the same stored bytes then mean k_scale x bytes."""
+    step = ScaledStep(OURS, ForwardMode.DECODE, (7, 130, 640, 64), seed=14)
+    eager = step.run()  # writes the new rows and checks the eager path once
+    torch.testing.assert_close(eager, step.reference(), atol=ATOL, rtol=RTOL)
+    backend, layer, fb = step.fx.backend, step.layer, step.fb
+    bs = step.case.batch_size
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+        backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph, as SGLang's graph runner does
+            backend.forward(step.q, None, None, layer, fb, save_kv_cache=False)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = backend.forward(step.q, None, None, layer, fb, save_kv_cache=False)
+        backend.init_forward_metadata_out_graph(fb)  # a replay's preparation
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, step.reference(), atol=ATOL, rtol=RTOL)
+        layer.k_scale.copy_(torch.tensor(2 * K_SCALE))  # in place: the captured kernel holds its address
+        graph.replay()
+        torch.cuda.synchronize()
+    ref2 = step.reference(k_scale=2 * K_SCALE)
+    print(f"\n[fp8 graph replay, k_scale {K_SCALE} -> {2 * K_SCALE}] max |ours - dequantized ref| {diff(out, ref2):.3e}")
+    torch.testing.assert_close(out, ref2, atol=ATOL, rtol=RTOL)
+    assert diff(out, step.reference()) > FP8_ATOL

@@ -10,6 +10,10 @@ kernels do not run here, so extend batches are only checked to be handed to it. 
 flashmla_backend runs its PyTorch reference, so decode / target-verify / draft-extend outputs check
 the plugin's plumbing end to end (page table from req_to_token over shuffled pages, key lengths per
 mode, causal windows, the layer's scale, CUDA-graph buffers) against dense attention computed here.
+FP8 KV caches: the same on the kit's FP8 MLATokenToKVPool (e4m3 bytes in a uint8 buffer), with the layers'
+KV-cache scales set by SGLang's own loading code (BaseKVCacheMethod); the reference attends over the dequantized
+cache (stored e4m3 value x k_scale), and the stored bytes are checked against SGLang's write rule (k / k_scale
+cast to e4m3).
 
 torchvision: SGLang imports it at module import (0.5.17-0.5.20: sglang.srt.utils.common; all: configs
 of vision models), but PyPI's torchvision wheels are CUDA builds that cannot load with the CPU torch.
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.abc
+import logging
 import importlib.machinery
 import importlib.util
 import inspect
@@ -136,10 +141,14 @@ with torchvision_stand_in(), config_names_taken_by_transformers():
     from sglang.srt.arg_groups import overrides  # noqa: E402
     from sglang.srt import server_args as sgl_server_args  # noqa: E402
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend  # noqa: E402
+    from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod  # noqa: E402
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool  # noqa: E402
     from sglang.test.kits.attention_unittest.attention_methods import mla_attention as kit  # noqa: E402
 
     import flashmla_backend  # noqa: E402
+    from flashmla_backend import engine_support  # noqa: E402
     from flashmla_backend.sglang import BACKEND_NAME, DEBUG_BREAK_SCALE_ENV, _compat, create_backend, register  # noqa: E402
+    from flashmla_backend.sglang import backend as plugin_backend  # noqa: E402
     from flashmla_backend.sglang import hooks as plugin_hooks  # noqa: E402
     from flashmla_backend.sglang.backend import (  # noqa: E402
         FlashMLAPluginBackend,
@@ -158,6 +167,8 @@ MAX_CONTEXT = 1024
 POOL_REQS = 4
 # Both sides compute in fp32 from the same bf16/fp16 inputs; outputs are rounded to 16 bits.
 OUT_ATOL, OUT_RTOL = 1e-2, 1e-2
+FP8 = torch.float8_e4m3fn
+FP8_NAN_BYTE = 0x7F  # float8_e4m3fn NaN, the poison of an FP8 pool's unused rows
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,16 +183,22 @@ def single_rank():
 # ---- SGLang objects ----------------------------------------------------------------------------------
 
 def make_runner(mode=ForwardMode.DECODE, num_draft_tokens: int = 0, dtype=torch.bfloat16, backend=BACKEND_NAME,
-                kv_lora_rank: int = LATENT, rope: int = ROPE, page_size: int = PAGE_SIZE):
-    """The attention kit's MockMLAModelRunner (ReqToTokenPool + MLATokenToKVPool on CPU, server args published)."""
+                kv_lora_rank: int = LATENT, rope: int = ROPE, page_size: int = PAGE_SIZE, fp8: bool = False):
+    """The attention kit's MockMLAModelRunner (ReqToTokenPool + MLATokenToKVPool on CPU, server args published);
+    fp8: its FP8 KV cache (--kv-cache-dtype fp8_e4m3: an e4m3 MLATokenToKVPool, the model still in `dtype`)."""
     lens = (num_draft_tokens,) if num_draft_tokens else ()
     case = kit.MLAAttentionCase(name="flashmla_backend_cpu", backend=backend, forward_mode=mode, num_heads=HEADS,
                                 page_size=page_size, prefix_lens=(0,) * (1 if not lens else 1), extend_lens=lens)
     cfg = kit.TinyMLAModelConfig(num_heads=HEADS, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope,
                                  hidden_size=64, context_len=MAX_CONTEXT)
-    return kit.MockMLAModelRunner(case=case, model_config=cfg, dtype=dtype, device="cpu",
-                                  max_context_len=MAX_CONTEXT, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope,
-                                  runner_batch_size=POOL_REQS)
+    runner = kit.MockMLAModelRunner(case=case, model_config=cfg, dtype=dtype, device="cpu",
+                                    max_context_len=MAX_CONTEXT, kv_lora_rank=kv_lora_rank, qk_rope_head_dim=rope,
+                                    runner_batch_size=POOL_REQS, fp8_kv_cache=fp8)
+    if fp8:
+        pool = runner.token_to_kv_pool
+        assert isinstance(pool, MLATokenToKVPool) and pool.dtype == FP8 and pool.store_dtype == torch.uint8
+        assert runner.kv_cache_dtype == FP8 and runner.kv_cache_dtype_str == "fp8_e4m3"
+    return runner
 
 
 def make_layer(scale: float = (128 + 64) ** -0.5) -> RadixAttention:
@@ -189,21 +206,58 @@ def make_layer(scale: float = (128 + 64) ** -0.5) -> RadixAttention:
                           v_head_dim=LATENT)
 
 
+def layer_with_kv_scales(checkpoint_scale: float | None, scale: float = (128 + 64) ** -0.5) -> RadixAttention:
+    """A layer whose KV-cache scales SGLang's loading code set (BaseKVCacheMethod, as for an FP8 checkpoint):
+    k_scale / v_scale float32 parameters and k_scale_float; checkpoint_scale None: the checkpoint has none (1.0)."""
+    layer = make_layer(scale)
+    method = BaseKVCacheMethod(None)
+    method.create_weights(layer)
+    if checkpoint_scale is not None:  # what the weight loader copies from the checkpoint
+        layer.k_scale.data.fill_(checkpoint_scale)
+        layer.v_scale.data.fill_(checkpoint_scale)
+    method.process_weights_after_loading(layer)
+    assert layer.k_scale.dtype == torch.float32 and layer.k_scale.numel() == 1
+    assert layer.k_scale_float == (1.0 if checkpoint_scale is None else pytest.approx(checkpoint_scale))
+    return layer
+
+
+def scaled_for_store(k: torch.Tensor, layer) -> torch.Tensor:
+    """What SGLang's Triton backend hands MLATokenToKVPool.set_kv_buffer for MLA: k / k_scale when the layer has one."""
+    return k if layer.k_scale is None else k.clone().div_(layer.k_scale)
+
+
+def stored_values(k: torch.Tensor, layer, cache_dtype) -> torch.Tensor:
+    """The values a decode reads for rows k written with SGLang's rule: 16-bit as is; FP8 the e4m3 cast of
+    k / k_scale dequantized (x k_scale), in fp32."""
+    if cache_dtype != FP8:
+        return k.float()
+    scale = 1.0 if layer.k_scale is None else layer.k_scale.float()
+    return scaled_for_store(k, layer).to(FP8).float() * scale
+
+
 class Requests:
     """Requests whose tokens live on shuffled 64-token pages of the runner's MLA pool.
 
-    cached[b] tokens of request b are in the pool (written with the pool's own set_kv_buffer) and
-    req_to_token maps every position; `window[b]` more positions get slots (the tokens this step writes).
-    Every pool row no request owns holds NaN, so a wrong page read shows up.
+    cached[b] tokens of request b are in the pool (written with the pool's own set_kv_buffer, k / k_scale when
+    `layer` has a k_scale, as SGLang's Triton prefill writes them) and req_to_token maps every position;
+    `window[b]` more positions get slots (the tokens this step writes). Every pool row no request owns holds NaN,
+    so a wrong page read shows up. rows[b] are the model's (16-bit) latent rows, keys(b) what a correct decode
+    reads for them (the dequantized cache with an FP8 pool).
     """
 
-    def __init__(self, runner, cached: list[int], window: int, seed: int):
+    def __init__(self, runner, cached: list[int], window: int, seed: int, layer=None):
         gen = torch.Generator().manual_seed(seed)
         self.runner, self.cached, self.window = runner, cached, window
         pool = runner.token_to_kv_pool
-        self.dtype = pool.dtype
+        self.dtype = runner.dtype  # the model's: queries and new rows
+        self.cache_dtype = pool.dtype
+        self.layer = make_layer() if layer is None else layer
         kv = pool.kv_buffer[0]
-        kv.fill_(float("nan"))
+        if self.cache_dtype == FP8:
+            assert kv.dtype == torch.uint8
+            kv.fill_(FP8_NAN_BYTE)
+        else:
+            kv.fill_(float("nan"))
         num_pages = kv.shape[0] // PAGE_SIZE
         pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 is padding
         self.req_rows = torch.randperm(runner.req_to_token_pool.req_to_token.shape[0], generator=gen)[:len(cached)]
@@ -219,9 +273,13 @@ class Requests:
             self.rows.append(rows)
             locs.append(slots[:n])
             data.append(rows[:n])
-        layer = make_layer()
-        pool.set_kv_buffer(layer, torch.cat(locs).long(), torch.cat(data).unsqueeze(1), None)
+        pool.set_kv_buffer(self.layer, torch.cat(locs).long(), scaled_for_store(torch.cat(data), self.layer).unsqueeze(1),
+                           None)
         self.gen = gen
+
+    def keys(self, b: int, n: int) -> torch.Tensor:
+        """fp32 values of request b's first n rows as a correct decode reads them from the pool."""
+        return stored_values(self.rows[b][:n], self.layer, self.cache_dtype)
 
     def new_tokens(self, count: int):
         """(out_cache_loc, k [T, 1, 576], v [T, 1, 512]) of each request's next `count` positions after cached."""
@@ -245,7 +303,7 @@ class Requests:
         outs = []
         qf = q.float().view(len(kv_lens), s_q, HEADS, HEAD)
         for b, n in enumerate(kv_lens):
-            keys = self.rows[b][:n].float()
+            keys = self.keys(b, n)
             scores = torch.einsum("shd,nd->shn", qf[b], keys) * scale
             visible = torch.arange(n)[None, :] <= (n - s_q + torch.arange(s_q))[:, None]  # [s, n]
             scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
@@ -412,11 +470,61 @@ def test_page_size_through_sglangs_post_process_runner():
     assert server_args._resolved_overrides[-1][1] == {"page_size": 64}
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
-def test_fp8_kv_cache_refused_at_server_args(kv_cache_dtype):
-    with pytest.raises(ValueError, match="FP8"):
-        overrides._mla_backend_page_constraints(page_view(attention_backend=BACKEND_NAME,
-                                                          kv_cache_dtype=kv_cache_dtype))
+@pytest.mark.parametrize("field", ["attention_backend", "decode_attention_backend"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "auto", "bf16", "bfloat16"])
+def test_served_kv_cache_dtypes_pass_server_args(field, kv_cache_dtype):
+    """fp8_e4m3 (and the 16-bit spellings) pass SGLang's page-size pass with ours named; the page size still snaps."""
+    declared = overrides._mla_backend_page_constraints(page_view(**{field: BACKEND_NAME, "page_size": 1,
+                                                                    "kv_cache_dtype": kv_cache_dtype}))
+    assert declared == {"page_size": 64}
+
+
+def test_every_sglang_choice_engine_support_names_passes_the_hook():
+    """The hook serves exactly engine_support's SGLang names among SGLang's own --kv-cache-dtype choices."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sgl_server_args.ServerArgs.add_cli_args(parser)
+    choices = next(a.choices for a in parser._actions if "--kv-cache-dtype" in a.option_strings)
+    assert "fp8_e4m3" in choices and "fp8_e5m2" in choices
+    for name in choices:
+        view = page_view(attention_backend=BACKEND_NAME, kv_cache_dtype=name)
+        if name in engine_support.accepted_names("sglang"):
+            overrides._mla_backend_page_constraints(view)
+        else:
+            with pytest.raises(ValueError, match=name):
+                overrides._mla_backend_page_constraints(view)
+
+
+@pytest.mark.parametrize("field", ["attention_backend", "decode_attention_backend"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e5m2", "fp4_e2m1", "mxfp8", "nvfp4", "fp4_mx_block16"])
+def test_other_kv_cache_formats_refused_at_server_args(field, kv_cache_dtype):
+    with pytest.raises(ValueError) as info:
+        overrides._mla_backend_page_constraints(page_view(**{field: BACKEND_NAME, "kv_cache_dtype": kv_cache_dtype}))
+    message = str(info.value)
+    assert repr(kv_cache_dtype) in message and BACKEND_NAME in message
+    assert "fp8_e4m3" in message and "auto" in message  # what works
+
+
+def test_draft_kv_cache_dtype_checked_at_server_args():
+    """SGLang 0.5.21+'s --speculative-draft-kv-cache-dtype, when the draft model runs on ours."""
+    view = page_view(attention_backend=BACKEND_NAME, speculative_draft_kv_cache_dtype="fp8_e4m3")
+    assert overrides._mla_backend_page_constraints(view) == {"page_size": 64}
+    view.speculative_draft_kv_cache_dtype = "fp8_e5m2"
+    with pytest.raises(ValueError, match="--speculative-draft-kv-cache-dtype fp8_e5m2") as info:
+        overrides._mla_backend_page_constraints(view)
+    assert "fp8_e4m3" in str(info.value)
+    view.speculative_draft_attention_backend = "triton"  # the draft model is not on ours
+    assert overrides._mla_backend_page_constraints(view) == {"page_size": 64}
+
+
+def test_server_arg_hook_reads_engine_support(monkeypatch):
+    """The hook's list is engine_support's: without fp8_e4m3 there, the hook refuses it."""
+    names = dict(engine_support.KV_CACHE_DTYPES["sglang"])
+    del names["fp8_e4m3"]
+    monkeypatch.setitem(engine_support.KV_CACHE_DTYPES, "sglang", names)
+    with pytest.raises(ValueError, match="fp8_e4m3"):
+        overrides._mla_backend_page_constraints(page_view(attention_backend=BACKEND_NAME, kv_cache_dtype="fp8_e4m3"))
 
 
 def test_deepseek_handler_chooses_as_triton():
@@ -803,7 +911,8 @@ def test_metadata_glue_graph_reinstalls_our_metadata(runners):
 @pytest.mark.parametrize("change,message", [
     (dict(page_size=16), "page-size 64"),
     (dict(kv_lora_rank=256), "kv_lora_rank 512"),
-    (dict(dtype=torch.float8_e4m3fn), "FP8"),
+    (dict(dtype=torch.float8_e5m2), "float8_e5m2"),
+    (dict(dtype=torch.float16), "model dtype"),  # a 16-bit cache in another dtype than the bf16 model
     (dict(use_mla_backend=False), "only MLA"),
 ])
 def test_refusals_name_the_problem(runners, change, message):
@@ -826,3 +935,315 @@ def test_topk_above_one_refused(runners):
     with pytest.raises(ValueError, match="topk 1"):
         FlashMLAPluginMultiStepDraftBackend(runner, topk=2, speculative_num_steps=3)
 
+
+
+# ---- FP8 (e4m3) KV cache -------------------------------------------------------------------------------
+
+@pytest.fixture
+def plugin_log():
+    """Records of the plugin's logger (SGLang may stop propagation to the root logger, which caplog reads)."""
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler = Keep(level=logging.DEBUG)
+    log = logging.getLogger("sglang.flashmla_backend")
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    yield records
+    log.removeHandler(handler)
+    log.setLevel(old_level)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Each flash_mla_with_kvcache call of the backend: its k_cache and descale_k (then the real call)."""
+    calls = []
+    real = flashmla_backend.flash_mla_with_kvcache
+
+    def spy(q, k_cache, *args, **kwargs):
+        calls.append(SimpleNamespace(q=q, k_cache=k_cache, descale_k=kwargs.get("descale_k")))
+        return real(q, k_cache, *args, **kwargs)
+
+    monkeypatch.setattr(flashmla_backend, "flash_mla_with_kvcache", spy)
+    return calls
+
+
+def messages(records, text: str) -> list[str]:
+    return [r.getMessage() for r in records if text in r.getMessage()]
+
+
+def test_fp8_runner_accepted_by_check_model_runner(runners):
+    for dtype in (torch.bfloat16, torch.float16):
+        runner = runners(dtype=dtype, fp8=True)
+        assert plugin_backend.check_model_runner(runner, skip_prefill=False) == []
+        backend = build_backend(runner)
+        assert backend.kv_cache_fp8
+        assert backend.unit_descale_k.dtype == torch.float32 and backend.unit_descale_k.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("kv_dtype,server_arg,message", [
+    (torch.float8_e5m2, "fp8_e5m2", "float8_e5m2"),
+    (FP8, "mxfp8", "'mxfp8'"),  # SGLang resolves mxfp8 to float8_e4m3fn too: told apart by the server argument
+])
+def test_fp8_formats_other_than_e4m3_refused_by_check_model_runner(runners, monkeypatch, kv_dtype, server_arg,
+                                                                   message):
+    runner = runners(fp8=True)
+    runner.kv_cache_dtype = kv_dtype
+    runner.kv_cache_dtype_str = server_arg  # the runner's resolved format name, as SGLang's ModelRunner sets it
+    reasons = plugin_backend.check_model_runner(runner, skip_prefill=False)
+    assert len(reasons) == 1 and message in reasons[0] and "fp8_e4m3" in reasons[0]
+    with pytest.raises(ValueError, match=message):
+        build_backend(runner)
+
+
+def test_check_model_runner_reads_engine_support(runners, monkeypatch):
+    runner = runners(fp8=True)
+    monkeypatch.setattr(engine_support, "cache_dtype_problem", lambda kv, model: f"refused {kv} with {model}")
+    assert plugin_backend.check_model_runner(runner, skip_prefill=False) == [
+        f"refused {FP8} with {torch.bfloat16}"]
+
+
+def fp8_decode(runners, cached, layer, dtype=torch.bfloat16, seed=0):
+    runner = runners(dtype=dtype, fp8=True)
+    backend = build_backend(runner)
+    req = Requests(runner, cached, window=1, seed=seed, layer=layer)
+    locs, k, v = req.new_tokens(1)
+    seq_lens = [n + 1 for n in cached]
+    fb = req.forward_batch(ForwardMode.DECODE, seq_lens, locs, list(cached))
+    backend.init_forward_metadata(fb)
+    return runner, backend, req, locs, k, v, fb, seq_lens
+
+
+@pytest.mark.parametrize("checkpoint_scale", [None, "no checkpoint scale", 0.05, 3.0])
+@pytest.mark.parametrize("cached,dtype", [([1, 63, 64, 300], torch.bfloat16), ([129, 1000, 2], torch.float16)])
+def test_fp8_decode_reads_the_pool_in_place(runners, kernel_calls, cached, dtype, checkpoint_scale):
+    """Decode on SGLang's FP8 MLATokenToKVPool: the kernel gets the pool's own bytes (no copy) with descale_k =
+    the layer's k_scale (or the backend's ones tensor), the new token is stored as (k / k_scale) in e4m3, and the
+    output is attention over the dequantized cache."""
+    if checkpoint_scale is None:
+        layer = make_layer()  # --kv-cache-dtype fp8_e4m3 with a 16-bit checkpoint: no k_scale on the layer
+    else:
+        layer = layer_with_kv_scales(None if checkpoint_scale == "no checkpoint scale" else checkpoint_scale)
+    runner, backend, req, locs, k, v, fb, seq_lens = fp8_decode(runners, cached, layer, dtype, seed=len(cached))
+    pool = runner.token_to_kv_pool
+    k_in = k.clone()
+    q = req.queries(1)
+    out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+
+    (call,) = kernel_calls
+    assert call.k_cache.dtype == FP8 and call.k_cache.shape[1:] == (PAGE_SIZE, 1, HEAD)
+    assert call.k_cache.data_ptr() == pool.kv_buffer[0].data_ptr()  # the pool's storage, not a converted copy
+    assert call.q.dtype == dtype  # the accurate mode: 16-bit queries
+    if layer.k_scale is None:
+        assert call.descale_k is backend.unit_descale_k
+    else:
+        assert call.descale_k.shape == (1,) and call.descale_k.dtype == torch.float32
+        assert call.descale_k.data_ptr() == layer.k_scale.data_ptr()  # a view: the kernel reads its current value
+
+    want_bytes = scaled_for_store(k_in[:, 0], layer).to(FP8).view(torch.uint8)
+    assert torch.equal(pool.kv_buffer[0][locs, 0], want_bytes)
+    assert torch.equal(pool.get_key_buffer(0)[locs, 0].view(torch.uint8), want_bytes)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    expected = req.expected(q, 1, seq_lens, layer.scaling)
+    torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=OUT_RTOL)
+    if layer.k_scale is not None and layer.k_scale_float != 1.0:
+        # The scale matters: attention over the stored values without it is far off.
+        unscaled = []
+        qf = q.float().view(len(cached), HEADS, HEAD)
+        for b, n in enumerate(seq_lens):
+            keys = scaled_for_store(req.rows[b][:n], layer).to(FP8).float()
+            p = (torch.einsum("hd,nd->hn", qf[b], keys) * layer.scaling).softmax(-1)
+            unscaled.append((p @ keys[:, :LATENT]).reshape(-1))
+        assert (out.float() - torch.stack(unscaled)).abs().max() > 0.05
+
+
+def test_fp8_decode_divides_k_in_place_as_sglangs_triton_backend(runners):
+    """Decode scales the step's k in place before the pool's write (k is not read afterwards), as Triton does."""
+    layer = layer_with_kv_scales(0.25)
+    _, backend, req, _, k, v, fb, _ = fp8_decode(runners, [10, 70], layer, seed=9)
+    k_in = k.clone()
+    backend.forward(req.queries(1), k, v, layer, fb, save_kv_cache=True)
+    assert torch.equal(k, k_in.clone().div_(layer.k_scale))
+
+
+@pytest.mark.parametrize("checkpoint_scale", [None, 0.05])
+def test_fp8_target_verify_and_draft_extend(runners, kernel_calls, checkpoint_scale):
+    """MTP / EAGLE verification (drafts after seq_len) and draft extend (window inside seq_len) on the FP8 pool:
+    new rows stored as (k / k_scale) in e4m3 from a copy (the caller's k unchanged), causal over the window."""
+    W = 3
+    cached = [3, 64, 250]
+    for mode, seq_lens, kv_lens in [(ForwardMode.TARGET_VERIFY, cached, [n + W for n in cached]),
+                                    (ForwardMode.DRAFT_EXTEND_V2, [n + W for n in cached], [n + W for n in cached])]:
+        runner = runners(mode=ForwardMode.TARGET_VERIFY, num_draft_tokens=W, fp8=True)
+        backend = build_backend(runner)
+        layer = make_layer() if checkpoint_scale is None else layer_with_kv_scales(checkpoint_scale)
+        req = Requests(runner, cached, window=W, seed=W + len(kernel_calls), layer=layer)
+        locs, k, v = req.new_tokens(W)
+        k_in = k.clone()
+        fb = req.forward_batch(mode, seq_lens, locs, [n + i for n in cached for i in range(W)])
+        backend.init_forward_metadata(fb)
+        check_metadata(backend, req, kv_lens, W)
+        q = req.queries(W)
+        out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+        assert torch.equal(k, k_in)  # divided on a copy, as SGLang's Triton forward_extend does
+        pool = runner.token_to_kv_pool
+        assert torch.equal(pool.kv_buffer[0][locs, 0], scaled_for_store(k_in[:, 0], layer).to(FP8).view(torch.uint8))
+        call = kernel_calls[-1]
+        assert call.k_cache.data_ptr() == pool.kv_buffer[0].data_ptr() and call.k_cache.dtype == FP8
+        torch.testing.assert_close(out, req.expected(q, W, kv_lens, layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+def test_fp8_multi_step_draft_decoder(runners):
+    steps = 3
+    cached = [20, 64, 200]
+    runner = runners(mode=ForwardMode.TARGET_VERIFY, num_draft_tokens=steps, fp8=True)
+    draft = FlashMLAPluginMultiStepDraftBackend(runner, topk=1, speculative_num_steps=steps)
+    layer = layer_with_kv_scales(0.5)
+    req = Requests(runner, cached, window=steps, seed=8, layer=layer)
+    locs_all, _, _ = req.new_tokens(steps)
+    fb = req.forward_batch(ForwardMode.DECODE, cached, locs_all[::steps], cached)
+    draft.init_forward_metadata(fb)
+    for i, backend in enumerate(draft.attn_backends):
+        assert backend.kv_cache_fp8
+        fb.out_cache_loc = torch.stack([req.slots[b][n + i] for b, n in enumerate(cached)]).long()
+        k = torch.stack([req.rows[b][n + i] for b, n in enumerate(cached)]).unsqueeze(1)
+        q = req.queries(1)
+        out = backend.forward(q, k, k[..., :LATENT], layer, fb, save_kv_cache=True)
+        kv_lens = [n + i + 1 for n in cached]
+        torch.testing.assert_close(out, req.expected(q, 1, kv_lens, layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+def test_fp8_cuda_graph_replays_read_fixed_descale_tensors(runners, kernel_calls):
+    """Graph batches hand the kernel the same descale tensors every step: the backend's ones tensor (made once)
+    or the layer's k_scale itself, whose value the kernel reads at each replay."""
+    runner = runners(fp8=True)
+    backend = build_backend(runner)
+    backend.init_cuda_graph_state(max_bs=POOL_REQS, max_num_tokens=POOL_REQS)
+    unit = backend.unit_descale_k
+    scaled = layer_with_kv_scales(0.5)
+    for seed, layer in [(61, make_layer()), (62, make_layer()), (63, scaled), (64, scaled)]:
+        req = Requests(runner, [5, 300, 64, 1], window=1, seed=seed, layer=layer)
+        locs, k, v = req.new_tokens(1)
+        fb = req.forward_batch(ForwardMode.DECODE, [6, 301, 65, 2], locs, [5, 300, 64, 1])
+        backend.init_forward_metadata_out_graph(fb, in_capture=seed == 61)
+        q = req.queries(1)
+        out = backend.forward(q, k, v, layer, fb)
+        torch.testing.assert_close(out, req.expected(q, 1, [6, 301, 65, 2], layer.scaling), atol=OUT_ATOL,
+                                   rtol=OUT_RTOL)
+    assert [c.descale_k is unit for c in kernel_calls] == [True, True, False, False]
+    assert {c.descale_k.data_ptr() for c in kernel_calls[2:]} == {scaled.k_scale.data_ptr()}
+    assert backend.unit_descale_k is unit and unit.tolist() == [1.0]
+
+
+@pytest.fixture
+def fresh_process_notes(monkeypatch):
+    """The once-per-process notes of the backend module, as in a new process."""
+    monkeypatch.setattr(plugin_backend, "_default_scale_noted", False)
+    monkeypatch.setattr(plugin_backend, "_fast_mode_noted", False)
+
+
+DEFAULT_SCALE_TEXT = "FP8 KV cache with the default scale 1.0"
+
+
+@pytest.mark.parametrize("layer_kind", ["no k_scale", "no checkpoint scale"])
+def test_fp8_default_scale_logged_once_at_the_first_forward(runners, plugin_log, fresh_process_notes, layer_kind):
+    assert DEFAULT_SCALE_TEXT in engine_support.default_scale_message("sglang")
+    layer = make_layer() if layer_kind == "no k_scale" else layer_with_kv_scales(None)
+    runner, backend, req, locs, k, v, fb, _ = fp8_decode(runners, [40, 100], layer, seed=2)
+    assert messages(plugin_log, DEFAULT_SCALE_TEXT) == []  # not at construction: at the first forward
+    backend.forward(req.queries(1), k, v, layer, fb)
+    assert messages(plugin_log, DEFAULT_SCALE_TEXT) == [engine_support.default_scale_message("sglang")]
+    backend.forward(req.queries(1), k, v, layer, fb)
+    other = build_backend(runner)  # e.g. the draft model's backend in the same process
+    other.init_forward_metadata(fb)
+    other.forward(req.queries(1), k, v, layer, fb)
+    assert len(messages(plugin_log, DEFAULT_SCALE_TEXT)) == 1
+
+
+def test_fp8_default_scale_logged_at_a_first_prefill_too(runners, plugin_log, fresh_process_notes, monkeypatch):
+    """Without CUDA graphs SGLang's first forward is a prefill, which the Triton parent runs."""
+    monkeypatch.setattr(TritonAttnBackend, "forward_extend", lambda self, *a, **k: "parent")
+    backend = build_backend(runners(fp8=True))
+    assert backend.forward_extend(None, None, None, make_layer(), SimpleNamespace(forward_mode=ForwardMode.EXTEND,
+                                                                                   batch_size=1)) == "parent"
+    assert len(messages(plugin_log, DEFAULT_SCALE_TEXT)) == 1
+
+
+def test_fp8_checkpoint_scale_is_not_the_default(runners, plugin_log, fresh_process_notes):
+    layer = layer_with_kv_scales(0.05)
+    _, backend, req, _, k, v, fb, _ = fp8_decode(runners, [40, 100], layer, seed=4)
+    backend.forward(req.queries(1), k, v, layer, fb)
+    assert messages(plugin_log, DEFAULT_SCALE_TEXT) == []
+
+
+def test_default_scale_not_logged_for_16_bit_caches(runners, plugin_log, fresh_process_notes):
+    runner = runners()
+    backend = build_backend(runner)
+    req = Requests(runner, [40, 100], window=1, seed=5)
+    locs, k, v = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [41, 101], locs, [40, 100])
+    backend.init_forward_metadata(fb)
+    backend.forward(req.queries(1), k, v, make_layer(), fb)
+    assert messages(plugin_log, DEFAULT_SCALE_TEXT) == [] and not backend.kv_cache_fp8
+    assert backend.unit_descale_k is None
+
+
+FAST_MODE_TEXT = "SGLang runs the accurate mode"
+
+
+def test_fp8_fast_mode_warns_once_that_sglang_runs_the_accurate_mode(runners, plugin_log, fresh_process_notes,
+                                                                     monkeypatch, kernel_calls):
+    monkeypatch.setenv(engine_support.FP8_MODE_ENV, "fast")
+    assert engine_support.fp8_mode() == "fast"
+    build_backend(runners())  # a 16-bit cache: no FP8 mode to speak of
+    assert messages(plugin_log, FAST_MODE_TEXT) == []
+    layer = make_layer()
+    _, backend, req, _, k, v, fb, seq_lens = fp8_decode(runners, [30, 90], layer, seed=6)
+    assert len(messages(plugin_log, FAST_MODE_TEXT)) == 1
+    build_backend(runners(fp8=True))
+    assert len(messages(plugin_log, FAST_MODE_TEXT)) == 1
+    q = req.queries(1)
+    out = backend.forward(q, k, v, layer, fb)
+    assert kernel_calls[-1].q.dtype == torch.bfloat16  # still the accurate mode
+    torch.testing.assert_close(out, req.expected(q, 1, seq_lens, layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_invalid_fp8_mode_fails_at_start_up(runners, monkeypatch, fp8):
+    monkeypatch.setenv(engine_support.FP8_MODE_ENV, "turbo")
+    with pytest.raises(ValueError, match=engine_support.FP8_MODE_ENV) as info:
+        build_backend(runners(fp8=fp8))
+    assert "accurate" in str(info.value) and "fast" in str(info.value)
+
+
+@pytest.mark.parametrize("bad_scale", [torch.full((HEADS,), 0.5), torch.tensor(0.5, dtype=torch.float64)],
+                         ids=["per-head", "float64"])
+def test_fp8_k_scale_that_is_not_one_float32_value_refused(runners, bad_scale):
+    layer = layer_with_kv_scales(0.5)
+    _, backend, req, _, k, v, fb, _ = fp8_decode(runners, [10], layer, seed=1)
+    layer.k_scale = torch.nn.Parameter(bad_scale, requires_grad=False)
+    k_in = k.clone()
+    with pytest.raises(ValueError, match="k_scale must be one float32 value"):
+        backend.forward(req.queries(1), k, v, layer, fb, save_kv_cache=True)
+    assert torch.equal(k, k_in)  # refused before the write
+
+
+def test_16_bit_cache_with_a_checkpoint_kv_scale_refused(runners):
+    """SGLang's Triton prefill stores k / k_scale whenever a layer has a k_scale; a 16-bit cache of such a layer
+    would be read unscaled, so the plugin refuses it at the first forward and names what works."""
+    runner = runners()
+    backend = build_backend(runner)
+    req = Requests(runner, [10], window=1, seed=1)
+    locs, k, v = req.new_tokens(1)
+    fb = req.forward_batch(ForwardMode.DECODE, [11], locs, [10])
+    backend.init_forward_metadata(fb)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8_e4m3"):
+        backend.forward(req.queries(1), k, v, layer_with_kv_scales(0.05), fb)
+    layer = layer_with_kv_scales(None)  # scale 1.0: stored values are k itself
+    q = req.queries(1)
+    out = backend.forward(q, k, v, layer, fb)
+    torch.testing.assert_close(out, req.expected(q, 1, [11], layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)

@@ -16,6 +16,15 @@ DecodeMetadata is kept in `forward_metadata`, the attribute SGLang's metadata gl
 reinstalls per replay key (`decode_metadata` reads it). New tokens are written through the pool's own
 `set_kv_buffer`, with a `KVWriteLoc` on SGLang 0.5.22+ (flashmla_backend.sglang._compat).
 
+FP8 KV cache (`--kv-cache-dtype fp8_e4m3`, or an FP8 checkpoint's KV-cache scheme with `auto`): SGLang's
+MLATokenToKVPool stores e4m3 bytes (a uint8 buffer) and `get_key_buffer` returns them viewed as float8_e4m3fn;
+the decode kernel reads that view in place with descale_k = the layer's `k_scale` (a one-element float32
+device tensor, read by the kernel, so CUDA-graph replays see its value), or a ones tensor this backend holds
+for layers without one. Queries stay in the model's 16-bit dtype (the accurate mode; SGLang has no fast
+mode). New tokens are stored as SGLang's Triton backend stores them for MLA: k / k_scale when the layer has a
+k_scale (in place in decode, on a copy in target-verify / draft-extend, as Triton's forward_extend does),
+cast to e4m3 by the pool's set_kv_buffer. What is accepted: flashmla_backend.engine_support.
+
 FlashMLAPluginMultiStepDraftBackend is the speculative draft decoder (speculative_num_steps - 1 steps,
 topk 1): step i reads the i + 1 draft tokens written after seq_len.
 """
@@ -30,6 +39,7 @@ from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 import flashmla_backend
+from flashmla_backend import engine_support
 from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE, ROPE_DIM
 
 from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
@@ -38,8 +48,9 @@ from .metadata import MODE_DECODE, MODE_DRAFT_EXTEND, MODE_TARGET_VERIFY, Decode
 
 logger = logging.getLogger("sglang.flashmla_backend")
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 _announced = False
+_fast_mode_noted = False  # FLASHMLA_BACKEND_FP8_MODE=fast: one warning per process
+_default_scale_noted = False  # an FP8 cache with the default k scale 1.0: one line per process
 
 
 def decode_mode_of(forward_mode) -> Optional[str]:
@@ -72,6 +83,14 @@ def _runtime():
     return get_parallel(), get_spec()
 
 
+def kv_cache_dtype_name(model_runner) -> Optional[str]:
+    """The runner's own KV-cache format name, `kv_cache_dtype_str` (0.5.17-0.5.23: the --kv-cache-dtype value,
+    the draft's --speculative-draft-kv-cache-dtype on 0.5.21+ draft runners, or the format an FP8 checkpoint's
+    "auto" resolved to), or None where the runner has none."""
+    name = getattr(model_runner, "kv_cache_dtype_str", None)
+    return name if isinstance(name, str) else None
+
+
 def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
     """Reasons this runner's configuration cannot use the plugin (empty when it can)."""
     reasons = []
@@ -86,12 +105,15 @@ def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
     if model_runner.page_size != PAGE_SIZE:
         reasons.append(f"flashmla_backend needs --page-size {PAGE_SIZE} (got {model_runner.page_size}); the "
                        "plugin sets it when --attention-backend/--decode-attention-backend names it")
-    kv_dtype, dtype = model_runner.kv_cache_dtype, model_runner.dtype
-    if kv_dtype not in SUPPORTED_DTYPES:
-        reasons.append(f"the flashmla_backend plugin does not serve FP8 KV caches yet (the API does): KV cache dtype {kv_dtype} is not supported; "
-                       "use --kv-cache-dtype auto with a bf16 or fp16 model")
-    elif kv_dtype != dtype:
-        reasons.append(f"flashmla_backend needs the KV cache in the model dtype ({dtype}), got {kv_dtype}")
+    problem = engine_support.cache_dtype_problem(model_runner.kv_cache_dtype, model_runner.dtype)
+    if problem is None:
+        # Formats that share a torch dtype with a served one (mxfp8 also resolves to float8_e4m3fn) are told
+        # apart by the server argument; the server-argument hook refuses them first.
+        name = kv_cache_dtype_name(model_runner)
+        if name is not None:
+            problem = engine_support.kv_cache_dtype_problem("sglang", name, model_runner.dtype)
+    if problem is not None:
+        reasons.append(problem)
     parallel, spec = _runtime()
     dcp = getattr(parallel, "attn_dcp_size", 1)
     if dcp and dcp > 1:
@@ -126,6 +148,19 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         self.is_draft_runner = bool(getattr(model_runner, "is_draft_worker", False))
 
         device = torch.device(model_runner.device)
+        # An invalid FLASHMLA_BACKEND_FP8_MODE fails here, at start-up, whatever the cache.
+        fp8_mode = engine_support.fp8_mode()
+        self.kv_cache_fp8 = model_runner.kv_cache_dtype == engine_support.FP8_DTYPE
+        # descale_k of layers without a k_scale: one tensor per backend, allocated here, so that CUDA graphs
+        # capture a fixed address (never a per-call allocation).
+        self.unit_descale_k = (torch.ones(1, dtype=torch.float32, device=device) if self.kv_cache_fp8 else None)
+        self._scales_checked: set[int] = set()
+        global _fast_mode_noted
+        if self.kv_cache_fp8 and fp8_mode != "accurate" and not _fast_mode_noted:
+            _fast_mode_noted = True
+            logger.warning("flashmla_backend: %s=%s selects vLLM's fast FP8 mode (e4m3 queries); SGLang runs the "
+                           "accurate mode (16-bit queries against the e4m3 cache) whatever its value.",
+                           engine_support.FP8_MODE_ENV, fp8_mode)
         if device.type == "cuda":
             ok, kernel_or_reason = flashmla_backend.is_supported(device)
             if not ok:
@@ -142,9 +177,11 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         global _announced
         if not _announced:
             _announced = True
+            cache = ("FP8 (e4m3) KV cache read in place with each layer's k scale, 16-bit queries (accurate mode)"
+                     if self.kv_cache_fp8 else f"{model_runner.kv_cache_dtype} KV cache")
             logger.info("flashmla_backend: MLA decode attention runs on flashmla_backend %s (%s), %d heads per "
-                        "rank; prefill and extend stay with SGLang's Triton backend.",
-                        flashmla_backend.__version__, where, self.num_q_heads)
+                        "rank, %s; prefill and extend stay with SGLang's Triton backend.",
+                        flashmla_backend.__version__, where, self.num_q_heads, cache)
 
     # ---- metadata -------------------------------------------------------------------------------
 
@@ -214,6 +251,54 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         # Padded requests: one key (page 0 via req_pool_indices 0), never an empty plan.
         return 1
 
+    # ---- KV-cache scales -------------------------------------------------------------------------
+
+    def _check_layer_scale(self, layer) -> None:
+        """At a layer's first forward (SGLang's start-up warm-up or CUDA-graph capture): host values only.
+
+        An FP8 cache with the default scale (no k_scale, or k_scale 1.0: no checkpoint scale) logs
+        engine_support.default_scale_message once per process. A 16-bit cache of a layer that carries a k_scale
+        other than 1 is refused: SGLang's Triton prefill stores k / k_scale there too, which this kernel would
+        read as k (it scales only FP8 caches).
+        """
+        value = getattr(layer, "k_scale_float", None)  # a Python float set at weight loading: no device read
+        if not self.kv_cache_fp8:
+            if layer.k_scale is not None and value is not None and value != 1.0:
+                raise ValueError(
+                    f"flashmla_backend: layer {layer.layer_id} carries a KV-cache scale (k_scale {value}) but the KV "
+                    f"cache is {self.token_to_kv_pool.dtype}: SGLang stores k / k_scale in it, which the decode kernel "
+                    "reads unscaled from a 16-bit cache. Serve this checkpoint with --kv-cache-dtype fp8_e4m3")
+        else:
+            global _default_scale_noted
+            if (layer.k_scale is None or value == 1.0) and not _default_scale_noted:
+                _default_scale_noted = True
+                logger.warning(engine_support.default_scale_message("sglang"))
+        self._scales_checked.add(layer.layer_id)
+
+    def _descale_k(self, layer, q: torch.Tensor) -> Optional[torch.Tensor]:
+        """descale_k of the decode kernel: None for a 16-bit cache; the layer's k_scale as a one-element view (the
+        kernel reads its current value), or the backend's ones tensor for a layer without one."""
+        if not self.kv_cache_fp8:
+            return None
+        scale = layer.k_scale
+        if scale is None:
+            return self.unit_descale_k
+        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != q.device:
+            raise ValueError(
+                f"flashmla_backend: layer {layer.layer_id}'s k_scale must be one float32 value on {q.device} (a "
+                f"per-tensor KV-cache scale), got a {scale.dtype} tensor of shape {tuple(scale.shape)} on "
+                f"{scale.device}")
+        return scale.reshape(1)
+
+    def _store_new_tokens(self, k, v, layer, forward_batch, mode: str) -> None:
+        """The step's new latent rows into the pool, as SGLang's Triton backend writes them for MLA: k / k_scale
+        when the layer has a k_scale (the pool's set_kv_buffer then casts to the cache dtype), divided in place in
+        decode (k is not read afterwards) and on a copy in target-verify / draft-extend (Triton's forward_extend).
+        16-bit caches: only layers whose k_scale is 1.0 get here (_check_layer_scale), so k is stored as it is."""
+        if self.kv_cache_fp8 and layer.k_scale is not None:
+            k = k.div_(layer.k_scale) if mode == MODE_DECODE else k.clone().div_(layer.k_scale)
+        self.token_to_kv_pool.set_kv_buffer(layer, self.kv_write_loc(forward_batch), k, v)
+
     # ---- forward --------------------------------------------------------------------------------
 
     def _run_decode_kernel(self, q, k, v, layer, forward_batch, save_kv_cache: bool, mode: str):
@@ -222,9 +307,10 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             raise RuntimeError(
                 f"flashmla_backend: {mode} forward without {mode} metadata (init_forward_metadata was not run "
                 f"for this batch; have {md.mode if md else None})")
+        descale_k = self._descale_k(layer, q)  # before the write: an unusable k_scale is named, not broadcast
         if k is not None and save_kv_cache:
             assert v is not None
-            self.token_to_kv_pool.set_kv_buffer(layer, self.kv_write_loc(forward_batch), k, v)
+            self._store_new_tokens(k, v, layer, forward_batch, mode)
         bs, s_q = md.batch_size, md.query_len
         heads = layer.tp_q_head_num
         if layer.head_dim != HEAD_DIM_K or layer.v_head_dim != HEAD_DIM_V:
@@ -236,7 +322,8 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             raise RuntimeError(
                 f"flashmla_backend: {mode} got {rows} query rows for {bs} requests of {s_q} tokens "
                 "(a widened draft window, num_front_tokens > 0, is not supported)")
-        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)  # [num_slots, 1, 576]
+        # [num_slots, 1, 576]: the pool's own storage (FP8: its uint8 buffer viewed as float8_e4m3fn), not a copy
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         out, _lse = flashmla_backend.flash_mla_with_kvcache(
             q.reshape(bs, s_q, heads, HEAD_DIM_K),
             kv.view(-1, PAGE_SIZE, 1, HEAD_DIM_K),  # [num_pages, 64, 1 latent head, 576]
@@ -247,13 +334,18 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             md.num_splits,
             softmax_scale=layer.scaling * self.decode_scale_factor,
             causal=s_q > 1,
+            descale_k=descale_k,
         )
         return out.view(-1, heads * HEAD_DIM_V)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        if layer.layer_id not in self._scales_checked:
+            self._check_layer_scale(layer)
         return self._run_decode_kernel(q, k, v, layer, forward_batch, save_kv_cache, MODE_DECODE)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        if layer.layer_id not in self._scales_checked:
+            self._check_layer_scale(layer)
         mode = decode_mode_of(forward_batch.forward_mode)
         if mode in (MODE_TARGET_VERIFY, MODE_DRAFT_EXTEND):
             return self._run_decode_kernel(q, k, v, layer, forward_batch, save_kv_cache, mode)

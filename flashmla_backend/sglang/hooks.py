@@ -4,8 +4,9 @@ Registered with SGLang's hook registry (sglang.srt.plugins.hook_registry.HookReg
 the targets once every plugin has loaded:
 
   PAGE_SIZE_TARGET     server-argument resolution: page size 64 when ours is the attention, decode or
-                       prefill backend (as SGLang does for "flashmla"); FP8 KV caches refused there,
-                       before any model is loaded.
+                       prefill backend (as SGLang does for "flashmla"); --kv-cache-dtype checked there
+                       against flashmla_backend.engine_support (fp8_e4m3 served, fp8_e5m2 / mxfp8 / fp4
+                       refused), before any model is loaded.
   HANDLER_TARGET       DeepSeek's attention-form choice (MHA vs absorbed MLA per batch): ours is handled
                        as "triton", whose prefill/extend path the backend inherits.
   DRAFT_FACTORY_TARGET speculative decoding (EAGLE / MTP): the draft decoder and draft-extend backend
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+from flashmla_backend import engine_support
 from flashmla_backend.geometry import PAGE_SIZE
 
 logger = logging.getLogger("sglang.flashmla_backend")
@@ -24,8 +26,6 @@ HANDLER_TARGET = "sglang.srt.models.deepseek_common.attention_backend_handler.At
 DRAFT_FACTORY_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
 # The DeepSeek attention handler whose choices match the Triton prefill path the backend inherits.
 HANDLER_AS = "triton"
-# KV-cache dtypes the decode kernel reads (the model dtype); "auto" follows the model.
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16")
 
 
 def _names(view) -> tuple:
@@ -40,10 +40,17 @@ def page_size_constraints(result, view, *args, **kwargs):
     if BACKEND_NAME not in _names(view):
         return None  # keep SGLang's declaration
     kv_cache_dtype = getattr(view, "kv_cache_dtype", "auto") or "auto"
-    if kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-        raise ValueError(
-            f"the flashmla_backend plugin does not serve FP8 KV caches yet (the API does): --kv-cache-dtype {kv_cache_dtype} is not supported with "
-            f"--attention-backend {BACKEND_NAME}; use --kv-cache-dtype auto (bf16 or fp16 models)")
+    problem = engine_support.kv_cache_dtype_problem("sglang", kv_cache_dtype)
+    if problem is not None:
+        raise ValueError(f"--attention-backend / --decode-attention-backend {BACKEND_NAME}: {problem}")
+    # SGLang 0.5.21+: the draft model's own KV-cache dtype (None: follows --kv-cache-dtype), for our draft backends.
+    draft_kv_cache_dtype = getattr(view, "speculative_draft_kv_cache_dtype", None)
+    if draft_kv_cache_dtype is not None and getattr(view, "speculative_draft_attention_backend", None) in (
+            None, BACKEND_NAME):
+        problem = engine_support.kv_cache_dtype_problem("sglang", draft_kv_cache_dtype)
+        if problem is not None:
+            raise ValueError(f"--speculative-draft-kv-cache-dtype {draft_kv_cache_dtype} with the draft model on "
+                             f"{BACKEND_NAME}: {problem}")
     declared = dict(result or {})
     page_size = declared.get("page_size", getattr(view, "page_size", None))
     if page_size != PAGE_SIZE:
