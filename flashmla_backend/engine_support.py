@@ -51,8 +51,9 @@ def _formats(*pairs) -> dict[str, KVCacheFormat]:
 KV_CACHE_DTYPES: dict[str, dict[str, KVCacheFormat]] = {
     "vllm": _formats(("auto", None), ("bfloat16", torch.bfloat16), ("float16", torch.float16),
                      ("fp8", FP8_DTYPE), ("fp8_e4m3", FP8_DTYPE)),
+    # SGLang's --kv-cache-dtype choices (0.5.17-0.5.23) have no 16-bit float16 spelling: an fp16 model uses "auto".
     "sglang": _formats(("auto", None), ("bf16", torch.bfloat16), ("bfloat16", torch.bfloat16),
-                       ("fp16", torch.float16), ("float16", torch.float16), ("fp8_e4m3", FP8_DTYPE)),
+                       ("fp8_e4m3", FP8_DTYPE)),
 }
 # Model (activation) dtypes and the torch dtypes of a KV cache the decode kernel reads.
 MODEL_DTYPES = (torch.bfloat16, torch.float16)

@@ -1,0 +1,57 @@
+"""flashmla_backend.engine_support: the one statement of what the engine plugins accept (no engine needed)."""
+import pytest
+import torch
+
+from flashmla_backend import engine_support as es
+
+
+@pytest.mark.parametrize("engine,name", [("vllm", "fp8"), ("vllm", "fp8_e4m3"), ("sglang", "fp8_e4m3")])
+def test_fp8_names(engine, name):
+    assert es.is_fp8(engine, name) and es.kv_cache_dtype_problem(engine, name, torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("engine,name", [("vllm", "fp8_e5m2"), ("vllm", "fp8_ds_mla"), ("vllm", "nvfp4"),
+                                         ("sglang", "fp8_e5m2"), ("sglang", "mxfp8"), ("sglang", "float16")])
+def test_refusals_name_what_works(engine, name):
+    problem = es.kv_cache_dtype_problem(engine, name)
+    assert problem and repr(name) in problem and all(n in problem for n in es.accepted_names(engine))
+    assert not es.is_fp8(engine, name)
+
+
+def test_16bit_cache_must_match_the_model():
+    assert es.kv_cache_dtype_problem("vllm", "float16", torch.float16) is None
+    assert "model dtype" in es.kv_cache_dtype_problem("vllm", "float16", torch.bfloat16)
+    assert es.kv_cache_dtype_problem("vllm", None, torch.float16) is None  # None is "auto"
+    assert es.cache_dtype_problem(torch.float8_e4m3fn, torch.float16) is None
+    assert "model dtype" in es.cache_dtype_problem(torch.float16, torch.bfloat16)
+    assert "float8_e5m2" in es.cache_dtype_problem(torch.float8_e5m2, torch.bfloat16)
+
+
+def test_block_sizes():
+    assert es.block_size_problem(None) is None and es.block_size_problem(256) is None
+    assert "32 does not" in es.block_size_problem(32)
+
+
+@pytest.mark.parametrize("raw,mode", [(None, "accurate"), ("", "accurate"), ("fast", "fast"), (" Accurate ", "accurate")])
+def test_fp8_mode(monkeypatch, raw, mode):
+    if raw is None:
+        monkeypatch.delenv(es.FP8_MODE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(es.FP8_MODE_ENV, raw)
+    assert es.fp8_mode() == mode
+
+
+def test_fp8_mode_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(es.FP8_MODE_ENV, "1")
+    with pytest.raises(ValueError, match="FLASHMLA_BACKEND_FP8_MODE='1'.*accurate, fast"):
+        es.fp8_mode()
+
+
+def test_unknown_engine():
+    with pytest.raises(ValueError, match="engine must be one of vllm, sglang"):
+        es.kv_cache_dtype_problem("trt", "auto")
+
+
+def test_default_scale_message_says_how_to_calibrate():
+    assert "--calculate-kv-scales" in es.default_scale_message("vllm")
+    assert "k_scale" in es.default_scale_message("sglang")
