@@ -210,3 +210,51 @@ def test_fp8_no_worse(capsys):
     assert fp32_oracle.mean_error([0.1, 0.3]) == pytest.approx(0.2)
     with pytest.raises(ValueError):
         fp32_oracle.mean_error([])
+
+
+# ---- the layer test's FP8 references --------------------------------------------------------------
+
+def _load_layer_test():
+    spec = importlib.util.spec_from_file_location("vllm_layer_test_under_cpu_test",
+                                                  INTEGRATION / "test_vllm_layer_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # its dataclasses look the module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_absorbed_form_reference_matches_the_mha_form():
+    """The layer test's second reference (absorbed form, used for the e4m3 query) must equal its MHA-form reference
+    for the same query and rows; the e4m3 query must be the absorbed one rounded, clamped at 448 x q_scale."""
+    lt = _load_layer_test()
+    heads, nope, v, latent = 4, lt.NOPE, lt.V_DIM, lt.LATENT
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn((heads * (nope + v), latent), generator=gen) / latent ** 0.5
+    layer = SimpleNamespace(W_UK_T=w.view(heads, nope + v, latent)[:, :nope].contiguous())   # [H, nope, latent]
+    query_lens, seq_lens = [1, 3, 2], [5, 40, 70]
+    rows = [torch.randn((n, latent + lt.ROPE), generator=gen) for n in seq_lens]
+    q = torch.randn((sum(query_lens), heads, nope + lt.ROPE), generator=gen) * 0.5
+    batch = SimpleNamespace(case=SimpleNamespace(query_lens=query_lens), rows=rows, q=q)
+    scale = lt._scale()
+    mha = lt.Batch.reference(batch, w, scale, heads)
+    absorbed = lt.latent_reference(batch, lt.absorbed_query(layer, q), rows, w, scale, heads)
+    assert absorbed.shape == mha.shape == (sum(query_lens), heads * v)
+    torch.testing.assert_close(absorbed, mha, atol=1e-5, rtol=1e-4)
+    # causal: request 1 (3 query tokens: rows 1-3 of the output, 40 keys) sees its last key only from its last token
+    rows_changed = [r.clone() for r in rows]
+    rows_changed[1][-1] += 5
+    changed = lt.latent_reference(batch, lt.absorbed_query(layer, q), rows_changed, w, scale, heads)
+    assert torch.equal(changed[1:3], absorbed[1:3]) and not torch.allclose(changed[3], absorbed[3])
+    assert torch.equal(changed[[0, 4, 5]], absorbed[[0, 4, 5]])
+
+    exact = lt.absorbed_query(layer, q)
+    for q_scale in (1.0, 0.01):
+        q8 = lt.decode_query_e4m3(layer, q, q_scale)
+        small = exact.abs() < 2 ** -6 * q_scale            # e4m3 subnormals: absolute, not relative, precision
+        rel = ((q8 - exact).abs() / exact.abs().clamp_min(1e-30))[~small]
+        assert rel.max() <= 1 / 16 + 1e-6 and rel.max() > 0       # rounded to 3 mantissa bits, not exact
+    q8 = lt.decode_query_e4m3(layer, q * 1000, 1.0)
+    assert q8.abs().max().item() == 448.0                  # saturates like vLLM's QuantFP8
+    assert lt.errors(torch.ones(0), torch.ones(0)) == (0.0, 0.0)
+    err = lt.errors(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))
+    assert err[0] == 1.0 and err[1] == pytest.approx(1 / 2 ** 0.5)
