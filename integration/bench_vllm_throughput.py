@@ -67,7 +67,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import random
 import shlex
 import statistics
