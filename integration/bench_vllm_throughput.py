@@ -312,8 +312,9 @@ def capacity_table(results: dict) -> str:
     need = meta["need_tokens"]
     lines = ["### KV-cache capacity: a batch that fits only with FP8 (integration/bench_vllm_throughput.py "
              "--capacity)", ""] + header_lines(results)
-    lines.append(f"- kv_cache_memory_bytes {meta['kv_cache_memory_bytes']:,} ({meta['kv_cache_memory_bytes'] / 2**30:.2f} "
-                 f"GiB) for every config; the batch needs {need:,} tokens")
+    kv_bytes = meta["kv_cache_memory_bytes"]
+    lines.append(f"- kv_cache_memory_bytes {kv_bytes:,} ({kv_bytes / 2**30:.2f} GiB) for every config; the batch needs "
+                 f"{need:,} tokens")
     lines += ["", "| config | KV cache tokens (vLLM) | holds the batch | max concurrency (vLLM) | preemptions per run "
                   "(median) | decode tok/s median [min, max] | end-to-end tok/s (median) | decode vs "
                   f"{CAPACITY_REFERENCE} |", "|" + "---|" * 8]
@@ -461,7 +462,8 @@ def git_describe() -> str:
 
 
 def estimate_s(n_processes: int, repeats: int, output_len: int) -> float:
-    return n_processes * (EST_STARTUP_S + (repeats + 1) * EST_T1_S + repeats * (EST_T1_S + (output_len - 1) * EST_STEP_S))
+    per_process = EST_STARTUP_S + (repeats + 1) * EST_T1_S + repeats * (EST_T1_S + (output_len - 1) * EST_STEP_S)
+    return n_processes * per_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -532,10 +534,10 @@ def main(argv=None) -> int:
               f"and {kv_bytes // (layers * 2 * LATENT_BYTES_PER_TOKEN):,} bf16 tokens ({layers} layers)", flush=True)
     plan = round_orders(configs, args.rounds, args.first_round)
     est = estimate_s(len(plan), args.repeats, args.output_len)
+    longer = "; a cache too small for the batch takes longer" if args.capacity else ""
     print(f"[bench] plan: {len(plan)} engine processes ({len(configs)} configs x {args.rounds} "
           f"round{'s' if args.rounds != 1 else ''}, {args.repeats} repeats each), about {est / 60:.0f} min (rough: "
-          f"H100 figures at the default shape{'; a cache too small for the batch takes longer' if args.capacity else ''}"
-          "):", flush=True)
+          f"H100 figures at the default shape{longer}):", flush=True)
     for i, (r, c) in enumerate(plan, 1):
         print(f"[bench]   {i:>2}. round {r}: {c.label}", flush=True)
     if args.dry_run:

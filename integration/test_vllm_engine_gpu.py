@@ -377,8 +377,14 @@ def test_fp8_vllm_calculated_scales(checkpoint, prompts_file):
     compares ours with FLASHMLA-FP8 under the same option, and prints the default-scale errors beside them."""
     default = fp8(checkpoint, prompts_file, "CUSTOM", "accurate")
     flashmla_default = fp8(checkpoint, prompts_file, "FLASHMLA")
+    try:   # vLLM's own backend first: if the option fails there, it is vLLM's, and the test says so
+        flashmla_calc = fp8(checkpoint, prompts_file, "FLASHMLA", scales="calculated")
+    except harness.RunFailed as e:
+        print(f"[scales] vLLM's --calculate-kv-scales fails on this MLA model with its own FLASHMLA backend: "
+              f"{str(e).splitlines()[0]}", flush=True)
+        pytest.skip("vLLM's --calculate-kv-scales fails for MLA with FLASHMLA (see the printed line); "
+                    "test_fp8_scales_from_prompts covers calibrated scales")
     calc = fp8(checkpoint, prompts_file, "CUSTOM", "accurate", scales="calculated")
-    flashmla_calc = fp8(checkpoint, prompts_file, "FLASHMLA", scales="calculated")
     measured = fp8(checkpoint, prompts_file, "CUSTOM", "accurate", scales="prompts")
     for run in (calc, flashmla_calc, measured):
         print(f"[scales] {_scales_line(run)}", flush=True)
@@ -386,9 +392,9 @@ def test_fp8_vllm_calculated_scales(checkpoint, prompts_file):
     for layer, got in sorted((calc.get("kv_scales") or {}).items()):
         if layer in cal:
             c = cal[layer]
-            print(f"[scales] {layer}: vLLM's amaxes kv_c {got['k'] * got['k_range']:.4g}, q {got['q'] * got['q_range']:.4g}"
-                  f"; on the prompts kv_c {c['kv_c_amax']:.4g} (k_pe {c['k_pe_amax']:.4g}), q {c['q_unabsorbed_amax']:.4g}"
-                  f" (absorbed {c['q_amax']:.4g})", flush=True)
+            print(f"[scales] {layer}: vLLM's amaxes kv_c {got['k'] * got['k_range']:.4g}, q "
+                  f"{got['q'] * got['q_range']:.4g}; on the prompts kv_c {c['kv_c_amax']:.4g} (k_pe "
+                  f"{c['k_pe_amax']:.4g}), q {c['q_unabsorbed_amax']:.4g} (absorbed {c['q_amax']:.4g})", flush=True)
     m = {run["name"]: fp32_error(run, checkpoint, prompts_file) for run in (default, flashmla_default, calc,
                                                                              flashmla_calc)}
     print(f"[scales] mean |logprob - fp32|: default scale 1.0 {m[default['name']]:.4f} (FLASHMLA-FP8 "
@@ -396,6 +402,7 @@ def test_fp8_vllm_calculated_scales(checkpoint, prompts_file):
           f"{m[flashmla_calc['name']]:.4f})", flush=True)
     print_fp32_errors()
     if _all_default(calc.get("kv_scales")):
+        print("[scales] vLLM 0.26 left every MLA layer's KV scale at 1.0 with --calculate-kv-scales", flush=True)
         pytest.skip("vLLM 0.26 left every MLA layer's KV scale at 1.0 with --calculate-kv-scales: the option does not "
                     "work for MLA here; test_fp8_scales_from_prompts covers calibrated scales")
     assert fp8_no_worse(calc["name"], m[calc["name"]], flashmla_calc["name"], m[flashmla_calc["name"]])

@@ -475,7 +475,8 @@ def test_fp8_layer_matches_references(name, scales, monkeypatch):
     ref_decode = batch.reference(w, _scale(), heads, cached_rows=cache.rows)
     ref_prefill = batch.reference(w, _scale(), heads, cached_rows=cache.prefill_rows)
     ours_layer = layers["CUSTOM fast"].layer
-    ref_e4m3_q = latent_reference(batch, decode_query_e4m3(ours_layer, batch.q, q_scale), cache.rows, w, _scale(), heads)
+    q_e4m3 = decode_query_e4m3(ours_layer, batch.q, q_scale)
+    ref_e4m3_q = latent_reference(batch, q_e4m3, cache.rows, w, _scale(), heads)
     # The absorbed-form reference itself, with the unquantized query, must reproduce the MHA form.
     self_check = errors(latent_reference(batch, absorbed_query(ours_layer, batch.q), cache.rows, w, _scale(), heads),
                         ref_decode)[1]

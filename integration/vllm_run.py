@@ -211,9 +211,9 @@ def main(argv=None) -> int:
         kwargs["calculate_kv_scales"] = True
     if args.kv_scales_from_prompts:
         kwargs["enable_prefix_caching"] = False
+    mode = os.environ.get("FLASHMLA_BACKEND_FP8_MODE")
     print(f"[vllm_run] vLLM {vllm.__version__}: {json.dumps({k: v for k, v in kwargs.items() if k != 'model'})}"
-          f"{'; FLASHMLA_BACKEND_FP8_MODE=' + os.environ['FLASHMLA_BACKEND_FP8_MODE'] if os.environ.get('FLASHMLA_BACKEND_FP8_MODE') else ''}",
-          flush=True)
+          f"{f'; FLASHMLA_BACKEND_FP8_MODE={mode}' if mode else ''}", flush=True)
     t0 = time.time()
     llm = LLM(**kwargs)
     init_s = time.time() - t0
@@ -226,7 +226,8 @@ def main(argv=None) -> int:
         llm.generate(token_prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), use_tqdm=False)
         calibration = llm.apply_model(apply_recorded_scales)[0]
         if sorted(calibration) != sorted(layers):
-            raise RuntimeError(f"calibrated layers {sorted(calibration)} differ from the recorded ones {sorted(layers)}")
+            raise RuntimeError(f"calibrated layers {sorted(calibration)} differ from the recorded ones "
+                               f"{sorted(layers)}")
         print(f"[vllm_run] KV scales from the prompts ({time.time() - t:.1f} s): {describe_scales(calibration)}",
               flush=True)
         for name, c in calibration.items():

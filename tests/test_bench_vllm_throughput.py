@@ -185,8 +185,9 @@ def _results(measurements, kind="throughput", **meta):
             "output_len": 2049, "rounds": 2, "repeats": 2, "kv_cache_memory_bytes": None, "need_tokens": None,
             "configs": list(dict.fromkeys(m["config"] for m in measurements))}
     base.update(meta)
+    runs = dict.fromkeys((m["config"], m["round"]) for m in measurements)
     procs = [{"config": c, "round": r, "gpu": "NVIDIA H100 80GB HBM3", "vllm_version": "0.26.0",
-              "torch_version": "2.11.0+cu130"} for c, r in dict.fromkeys((m["config"], m["round"]) for m in measurements)]
+              "torch_version": "2.11.0+cu130"} for c, r in runs]
     return {"kind": kind, "meta": base, "processes": procs, "measurements": measurements, "failures": []}
 
 

@@ -60,8 +60,8 @@ def _batch(t: int, seed: int, scale: float = 1.0):
 
 def _expected_amax(layer, q, kv_c, k_pe):
     ql = torch.einsum("thp,hpl->thl", q[..., :NOPE], layer.W_UK_T)
-    return [kv_c.abs().max().item(), k_pe.abs().max().item(), max(ql.abs().max().item(), q[..., NOPE:].abs().max().item()),
-            q.abs().max().item()]
+    decode_q = max(ql.abs().max().item(), q[..., NOPE:].abs().max().item())
+    return [kv_c.abs().max().item(), k_pe.abs().max().item(), decode_q, q.abs().max().item()]
 
 
 def test_latent_amax_measures_the_cached_values_and_the_absorbed_query():
@@ -119,7 +119,8 @@ def test_recorders_measure_real_tokens_then_set_the_scales(monkeypatch):
     for name, layer in layers:
         kv_c, k_pe, qa, qu = seen[name]
         c = got[name]
-        assert [c["kv_c_amax"], c["k_pe_amax"], c["q_amax"], c["q_unabsorbed_amax"]] == pytest.approx(seen[name], rel=1e-5)
+        measured = [c["kv_c_amax"], c["k_pe_amax"], c["q_amax"], c["q_unabsorbed_amax"]]
+        assert measured == pytest.approx(seen[name], rel=1e-5)
         assert c["k"] == pytest.approx(max(kv_c, k_pe) / 448) and c["q"] == pytest.approx(qa / 448)
         assert layer._k_scale.item() == pytest.approx(c["k"]) and layer._q_scale_float == pytest.approx(c["q"])
         assert "forward_impl" not in vars(layer) and not hasattr(layer, "_calib_amax")   # the class's method again
