@@ -370,7 +370,9 @@ def test_forward_mqa_cuda_graph_replay_reads_fresh_metadata(query_len):
 # (k_scale, q_scale) pairs: a calibrated-looking scale (stored values up to ~100, queries up to ~150) and the default.
 FP8_SCALES = {"k0.05": (0.05, 0.01), "k1.0": (1.0, 1.0)}
 E4M3_NAN = 0xFF
-FP8_SANITY_REL = 0.05   # FLASHMLA-FP8 off its own (e4m3-q) reference by more than this: the test's setup is wrong
+# FLASHMLA-FP8 farther than this (rel-norm) from its own e4m3-q reference means the test's setup is wrong: its kernel
+# may round more (e.g. P to e4m3), but a wrong scale or cache layout is off by far more.
+FP8_SANITY_REL = 0.1
 
 
 class Fp8Cache:
