@@ -21,6 +21,19 @@ bf16 kernels that round differently can flip a greedy choice at a gap just above
 the pairwise comparison alone cannot say which run was wrong there, the fp32 model can.
 FLASHMLA vs TRITON_MLA is printed as the baseline spread between two correct backends. The broken run
 (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1: our decode uses scale x 1.5) must fail the same comparison.
+
+FP8 KV caches (`python -m pytest integration/test_vllm_engine_gpu.py -v -s -k fp8` runs them all; they share engine
+runs): --kv-cache-dtype fp8, our plugin in both query modes (FLASHMLA_BACKEND_FP8_MODE accurate / fast) against
+vLLM's FLASHMLA (which quantizes q to e4m3) and TRITON_MLA (bf16 q against the dequantized cache). An FP8 cache
+rounds every cached value, so two FP8 runs are judged by the fp32 model, not against each other: each run's mean
+|logprob - fp32| along its own tokens (fp32_oracle.Fp32Oracle.run_error) is printed, and ours must be no worse than
+FLASHMLA-FP8's (fp32_oracle.fp8_no_worse: at most FP8_ERR_RATIO x its mean + FP8_ERR_SLACK, the spread of two
+correct runs). Cases: CUDA graphs in both modes; the broken run (eager, accurate) must fail that criterion; MTP
+(s_q = 3) in both modes against FLASHMLA-FP8 without speculation; KV scales: the default 1.0 (the plugin's
+default-scale line must be in the log), vLLM's --calculate-kv-scales, and scales measured on the prompts (vllm_run.py
+--kv-scales-from-prompts), each against FLASHMLA-FP8 with the same scales, the default's errors printed beside them;
+`vllm serve --kv-cache-dtype fp8` with 64 concurrent requests. Split over two calls when a call is limited to 10
+minutes: -k "fp8 and not scales and not serve", then -k "fp8 and (scales or serve)".
 """
 from __future__ import annotations
 
@@ -40,7 +53,8 @@ import pytest
 import torch
 
 import harness
-from fp32_oracle import Fp32Oracle, fp32_verdict
+import vllm_run
+from fp32_oracle import Fp32Oracle, fp8_no_worse, fp32_verdict, mean_error
 
 PROMPT_LENS = [1, 2, 17, 64, 65, 127, 300, 1000, 2047, 3000]
 MAX_TOKENS = 48
@@ -64,6 +78,11 @@ SERVE_REQUESTS = 64
 SERVE_REQUESTS_TIMEOUT_S = 240
 
 OUR_LOG_LINE = "MLA decode attention runs on flashmla_backend"
+FP8_LOG_TEXT = "FP8 KV cache"                                          # in OUR_LOG_LINE's line with an FP8 cache
+DEFAULT_SCALE_TEXT = "FP8 KV cache with the default scale 1.0"         # logged once when k_scale is the default
+FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
+FP8_MODES = ("accurate", "fast")
+SCALES = {"default": None, "calculated": "--calculate-kv-scales", "prompts": "--kv-scales-from-prompts"}
 
 
 @pytest.fixture(scope="session")
@@ -81,19 +100,56 @@ def prompts_file() -> Path:
 _runs: dict = {}
 
 
-def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False, tp=1, mtp=0, broken=False) -> dict:
-    """One vllm_run.py process per configuration (cached for the session)."""
-    key = (backend, eager, tp, mtp, broken)
+def run_name(backend: str, *, eager=False, tp=1, mtp=0, broken=False, kv="auto", mode=None, scales="default") -> str:
+    """The run's name (log and result files): backend[-fp8][-mode]-graphs|eager[-tpN][-mtpN][-scales][-BROKEN]."""
+    if mode is not None and not (backend == "CUSTOM" and kv == "fp8"):
+        raise ValueError(f"a query mode ({mode}) belongs to CUSTOM with an fp8 KV cache, not {backend} with {kv}")
+    if backend == "CUSTOM" and kv == "fp8" and mode not in FP8_MODES:
+        raise ValueError(f"CUSTOM with an fp8 KV cache needs a mode ({', '.join(FP8_MODES)}), got {mode!r}")
+    if scales not in SCALES or (scales != "default" and kv == "auto"):
+        raise ValueError(f"KV scales {scales!r} need an fp8 KV cache and one of {', '.join(SCALES)}")
+    parts = [backend.lower()] + ([kv] if kv != "auto" else []) + ([mode] if mode else [])
+    parts += ["eager" if eager else "graphs"] + ([f"tp{tp}"] if tp > 1 else []) + ([f"mtp{mtp}"] if mtp else [])
+    parts += {"default": [], "calculated": ["calc-scales"], "prompts": ["prompt-scales"]}[scales]
+    return "-".join(parts) + ("-BROKEN" if broken else "")
+
+
+def run_log_problems(log: str, backend: str, *, kv="auto", mode=None, scales="default", broken=False) -> list[str]:
+    """What a run's log must show: for CUSTOM our decode line (with an fp8 cache saying FP8 and the mode), the
+    default-scale line when an fp8 run keeps scale 1.0, and the test hook's warning exactly when it is set."""
+    if backend != "CUSTOM":
+        return []
+    problems = []
+    ours = [line for line in log.splitlines() if OUR_LOG_LINE in line]
+    if not ours:
+        problems.append("the log does not show flashmla_backend running decode attention")
+    elif kv != "auto" and not any(FP8_LOG_TEXT in line and f"mode {mode}" in line for line in ours):
+        problems.append(f"our decode line does not say {FP8_LOG_TEXT!r} and 'mode {mode}': {ours[0].strip()!r}")
+    elif kv == "auto" and any(FP8_LOG_TEXT in line for line in ours):
+        problems.append(f"a 16-bit run's decode line says {FP8_LOG_TEXT!r}: {ours[0].strip()!r}")
+    if kv != "auto" and scales == "default" and DEFAULT_SCALE_TEXT not in log:
+        problems.append(f"an FP8 run with the default k scale, but the log lacks {DEFAULT_SCALE_TEXT!r}")
+    if ("WRONG softmax scale" in log) != broken:
+        problems.append("the scale-breaking test hook's warning is " + ("missing" if broken else "present unasked"))
+    return problems
+
+
+def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False, tp=1, mtp=0, broken=False,
+             kv="auto", mode=None, scales="default") -> dict:
+    """One vllm_run.py process per configuration (cached for the session). kv: "auto" or "fp8"; mode: our FP8
+    query mode (CUSTOM with fp8 only); scales: "default", "calculated" (vLLM's --calculate-kv-scales) or "prompts"
+    (vllm_run.py --kv-scales-from-prompts). FP8 runs report their KV scales back."""
+    key = (backend, eager, tp, mtp, broken, kv, mode, scales)
     if key in _runs:
         return _runs[key]
-    name = f"{backend.lower()}{'-eager' if eager else '-graphs'}{f'-tp{tp}' if tp > 1 else ''}" \
-           f"{f'-mtp{mtp}' if mtp else ''}{'-BROKEN' if broken else ''}"
+    name = run_name(backend, eager=eager, tp=tp, mtp=mtp, broken=broken, kv=kv, mode=mode, scales=scales)
     out = harness.RUN_DIR / f"{name}.json"
-    # vLLM's own backends do not depend on this repository's code: their results are kept on disk (next
-    # to the checkpoint's stamp) and reused by later pytest runs on the same machine, e.g. the next
-    # device call. Our backend always runs.
+    # vLLM's own backends do not depend on this repository's code (vllm_run.py aside, hashed in): their results are
+    # kept on disk (next to the checkpoint's stamp) and reused by later pytest runs on the same machine, e.g. the
+    # next device call. Our backend always runs.
     if backend != "CUSTOM":
-        stamp = hashlib.sha256(f"{checkpoint.name}|{prompts_file.read_text()}|{MAX_TOKENS}|{LOGPROBS}".encode())
+        stamp = hashlib.sha256(f"{checkpoint.name}|{prompts_file.read_text()}|{MAX_TOKENS}|{LOGPROBS}|".encode()
+                               + (harness.INTEGRATION / "vllm_run.py").read_bytes())
         out = harness.RUN_DIR / f"{name}-{stamp.hexdigest()[:12]}.json"
         if out.exists():
             result = json.loads(out.read_text())
@@ -107,16 +163,28 @@ def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False,
            "--logprobs", str(LOGPROBS), "--tp", str(tp), "--mtp", str(mtp)]
     if eager:
         cmd.append("--enforce-eager")
+    if kv != "auto":
+        cmd += ["--kv-cache-dtype", kv, "--report-kv-scales"] + ([SCALES[scales]] if SCALES[scales] else [])
     env = harness.engine_env({"FLASHMLA_BACKEND_DEBUG_BREAK_SCALE": "1"} if broken else
                              {"FLASHMLA_BACKEND_DEBUG_BREAK_SCALE": "0"})
+    env.pop(FP8_MODE_ENV, None)
+    if mode:
+        env[FP8_MODE_ENV] = mode
     log = harness.run_logged(name, cmd, env)
-    if backend == "CUSTOM":
-        assert OUR_LOG_LINE in log, f"{name}: the log does not show flashmla_backend running decode attention"
-        assert ("WRONG softmax scale" in log) == broken
+    problems = run_log_problems(log, backend, kv=kv, mode=mode, scales=scales, broken=broken)
+    assert not problems, f"{name}: " + "; ".join(problems)
     result = json.loads(out.read_text())
     result["name"] = name
+    if kv != "auto":
+        print(f"[{name}] KV scales: {vllm_run.describe_scales(result.get('kv_scales'))}", flush=True)
+        if scales == "default":
+            assert _all_default(result.get("kv_scales")), f"{name}: scales other than 1.0 in a default-scale run"
     _runs[key] = result
     return result
+
+
+def _all_default(scales: dict | None) -> bool:
+    return bool(scales) and all(v["k"] == 1.0 and v["q"] == 1.0 for v in scales.values())
 
 
 def compare(ours: dict, ref: dict, tie_gap: float | None = None) -> dict:
@@ -225,19 +293,167 @@ def test_tensor_parallel_2_agrees(checkpoint, prompts_file):
     compare(ours, triton_tp1)
 
 
+# ---- FP8 KV cache (-k fp8) -----------------------------------------------------------------------
+
+_fp32_errors: dict[str, tuple[float, float, int]] = {}
+
+
+def fp32_error(run: dict, checkpoint: Path, prompts_file: Path) -> float:
+    """The run's mean |logprob - fp32| along its own tokens (computed once per run; the table of all so far printed)."""
+    if run["name"] not in _fp32_errors:
+        errs = _fp32_oracle(checkpoint, prompts_file).run_error(run)
+        _fp32_errors[run["name"]] = (mean_error(errs), max(errs), len(errs))
+        torch.cuda.empty_cache()  # the engine subprocesses that follow size their KV cache from free memory
+    return _fp32_errors[run["name"]][0]
+
+
+def print_fp32_errors() -> None:
+    print("\n[fp32 oracle] |logprob - fp32| of each run's chosen tokens (FP8 runs so far):", flush=True)
+    for name, (mean, worst, n) in sorted(_fp32_errors.items(), key=lambda kv: kv[1][0]):
+        print(f"[fp32 oracle]   {name:<42} mean {mean:.4f}  max {worst:.4f}  ({n} tokens)", flush=True)
+
+
+def fp8(checkpoint, prompts_file, backend, mode=None, **kw) -> dict:
+    return generate(checkpoint, prompts_file, backend, kv="fp8", mode=mode, **kw)
+
+
+def test_fp8_accuracy_ours_vs_flashmla_fp8(checkpoint, prompts_file):
+    """CUDA graphs, default scales: our accurate (bf16 q) and fast (e4m3 q) modes against FLASHMLA-FP8 by their
+    distance from the fp32 model; TRITON_MLA-FP8 (bf16 q against the dequantized cache) printed as a second
+    reference, the pairwise figures for information."""
+    flashmla = fp8(checkpoint, prompts_file, "FLASHMLA")
+    triton = fp8(checkpoint, prompts_file, "TRITON_MLA")
+    ours = {mode: fp8(checkpoint, prompts_file, "CUSTOM", mode) for mode in FP8_MODES}
+    compare(flashmla, triton)
+    for run in ours.values():
+        compare(run, flashmla)
+    m_ref = fp32_error(flashmla, checkpoint, prompts_file)
+    m_tri = fp32_error(triton, checkpoint, prompts_file)
+    verdicts = {mode: fp8_no_worse(run["name"], fp32_error(run, checkpoint, prompts_file), flashmla["name"], m_ref)
+                for mode, run in ours.items()}
+    fp8_no_worse(ours["accurate"]["name"], fp32_error(ours["accurate"], checkpoint, prompts_file), triton["name"],
+                 m_tri)  # both multiply a bf16 q: for information
+    print_fp32_errors()
+    assert all(verdicts.values()), f"FP8 runs worse than FLASHMLA-FP8 against the fp32 model: {verdicts}"
+
+
+def test_fp8_wrong_scale_is_caught(checkpoint, prompts_file):
+    """Proves the FP8 criterion can fail: our FP8 decode with the test hook's wrong softmax scale (x1.5) must be
+    worse than FLASHMLA-FP8, while the unbroken run is not."""
+    flashmla = fp8(checkpoint, prompts_file, "FLASHMLA")
+    ours = fp8(checkpoint, prompts_file, "CUSTOM", "accurate")
+    broken = fp8(checkpoint, prompts_file, "CUSTOM", "accurate", eager=True, broken=True)
+    m_ref = fp32_error(flashmla, checkpoint, prompts_file)
+    good = fp8_no_worse(ours["name"], fp32_error(ours, checkpoint, prompts_file), flashmla["name"], m_ref)
+    bad = fp8_no_worse(broken["name"], fp32_error(broken, checkpoint, prompts_file), flashmla["name"], m_ref)
+    print_fp32_errors()
+    assert good, "the unbroken FP8 run must pass the same criterion"
+    assert not bad, "a deliberately broken FP8 attention passed the criterion: it is too loose"
+
+
+@pytest.mark.parametrize("mode", FP8_MODES)
+def test_fp8_multi_token_prediction(mode, checkpoint, prompts_file):
+    """MTP drafts 2 tokens per step, so the verification batches reach our FP8 decode with s_q = 3 (causal); greedy
+    speculative decoding approximates the same model, so it must be no worse than FLASHMLA-FP8 without it."""
+    flashmla = fp8(checkpoint, prompts_file, "FLASHMLA")
+    ours = fp8(checkpoint, prompts_file, "CUSTOM", mode, mtp=2)
+    compare(ours, flashmla)
+    ok = fp8_no_worse(ours["name"], fp32_error(ours, checkpoint, prompts_file), flashmla["name"],
+                      fp32_error(flashmla, checkpoint, prompts_file))
+    print_fp32_errors()
+    assert ok
+
+
+def _scales_line(run: dict) -> str:
+    return f"{run['name']}: {vllm_run.describe_scales(run.get('kv_scales'))}"
+
+
+def test_fp8_vllm_calculated_scales(checkpoint, prompts_file):
+    """vLLM's --calculate-kv-scales (deprecated in 0.26, still present) on an MLA model. Reading vLLM 0.26's sources:
+    MLAAttention.forward calls maybe_calc_kv_scales before anything else, so the first forward that reaches it sets
+    k_scale = amax(kv_c_normed) / 200 and q_scale = amax(q before absorption) / 200, and that first forward is the
+    start-up memory-profiling run on dummy tokens, not a request. The test prints the scales it got next to the
+    amaxes measured on the prompts (vllm_run.py --kv-scales-from-prompts) so the log shows which data they came from,
+    compares ours with FLASHMLA-FP8 under the same option, and prints the default-scale errors beside them."""
+    default = fp8(checkpoint, prompts_file, "CUSTOM", "accurate")
+    flashmla_default = fp8(checkpoint, prompts_file, "FLASHMLA")
+    try:   # vLLM's own backend first: if the option fails there, it is vLLM's, and the test says so
+        flashmla_calc = fp8(checkpoint, prompts_file, "FLASHMLA", scales="calculated")
+    except harness.RunFailed as e:
+        print(f"[scales] vLLM's --calculate-kv-scales fails on this MLA model with its own FLASHMLA backend: "
+              f"{str(e).splitlines()[0]}", flush=True)
+        pytest.skip("vLLM's --calculate-kv-scales fails for MLA with FLASHMLA (see the printed line); "
+                    "test_fp8_scales_from_prompts covers calibrated scales")
+    calc = fp8(checkpoint, prompts_file, "CUSTOM", "accurate", scales="calculated")
+    measured = fp8(checkpoint, prompts_file, "CUSTOM", "accurate", scales="prompts")
+    for run in (calc, flashmla_calc, measured):
+        print(f"[scales] {_scales_line(run)}", flush=True)
+    cal = measured["kv_scale_calibration"] or {}
+    for layer, got in sorted((calc.get("kv_scales") or {}).items()):
+        if layer in cal:
+            c = cal[layer]
+            print(f"[scales] {layer}: vLLM's amaxes kv_c {got['k'] * got['k_range']:.4g}, q "
+                  f"{got['q'] * got['q_range']:.4g}; on the prompts kv_c {c['kv_c_amax']:.4g} (k_pe "
+                  f"{c['k_pe_amax']:.4g}), q {c['q_unabsorbed_amax']:.4g} (absorbed {c['q_amax']:.4g})", flush=True)
+    m = {run["name"]: fp32_error(run, checkpoint, prompts_file) for run in (default, flashmla_default, calc,
+                                                                             flashmla_calc)}
+    print(f"[scales] mean |logprob - fp32|: default scale 1.0 {m[default['name']]:.4f} (FLASHMLA-FP8 "
+          f"{m[flashmla_default['name']]:.4f}), --calculate-kv-scales {m[calc['name']]:.4f} (FLASHMLA-FP8 "
+          f"{m[flashmla_calc['name']]:.4f})", flush=True)
+    print_fp32_errors()
+    if _all_default(calc.get("kv_scales")):
+        print("[scales] vLLM 0.26 left every MLA layer's KV scale at 1.0 with --calculate-kv-scales", flush=True)
+        pytest.skip("vLLM 0.26 left every MLA layer's KV scale at 1.0 with --calculate-kv-scales: the option does not "
+                    "work for MLA here; test_fp8_scales_from_prompts covers calibrated scales")
+    assert fp8_no_worse(calc["name"], m[calc["name"]], flashmla_calc["name"], m[flashmla_calc["name"]])
+
+
+@pytest.mark.parametrize("mode", FP8_MODES)
+def test_fp8_scales_from_prompts(mode, checkpoint, prompts_file):
+    """Scales measured on the prompts (amax / 448 of what each layer caches and of the decode query, set in every MLA
+    layer after start-up: vllm_run.py --kv-scales-from-prompts), ours against FLASHMLA-FP8 calibrated the same way;
+    the default-scale runs' errors printed beside them."""
+    default = fp8(checkpoint, prompts_file, "CUSTOM", mode)
+    flashmla_default = fp8(checkpoint, prompts_file, "FLASHMLA")
+    ours = fp8(checkpoint, prompts_file, "CUSTOM", mode, scales="prompts")
+    flashmla = fp8(checkpoint, prompts_file, "FLASHMLA", scales="prompts")
+    for run in (ours, flashmla):
+        cal, got = run["kv_scale_calibration"], run["kv_scales"]
+        assert cal and got and sorted(cal) == sorted(got), f"{run['name']}: calibration {cal} / reported {got}"
+        for layer, c in cal.items():
+            assert c["k"] == pytest.approx(max(c["kv_c_amax"], c["k_pe_amax"]) / vllm_run.E4M3_MAX)
+            assert c["q"] == pytest.approx(c["q_amax"] / vllm_run.E4M3_MAX)
+            assert got[layer]["k"] == pytest.approx(c["k"], rel=1e-6) and got[layer]["q"] == pytest.approx(c["q"],
+                                                                                                         rel=1e-6)
+        assert not _all_default(got), f"{run['name']}: the calibration left the default scales"
+        print(f"[scales] {_scales_line(run)}", flush=True)
+    m = {run["name"]: fp32_error(run, checkpoint, prompts_file) for run in (default, flashmla_default, ours, flashmla)}
+    print(f"[scales] mean |logprob - fp32| ({mode} mode): default scale 1.0 {m[default['name']]:.4f} (FLASHMLA-FP8 "
+          f"{m[flashmla_default['name']]:.4f}), scales from the prompts {m[ours['name']]:.4f} (FLASHMLA-FP8 "
+          f"{m[flashmla['name']]:.4f})", flush=True)
+    print_fp32_errors()
+    assert fp8_no_worse(ours["name"], m[ours["name"]], flashmla["name"], m[flashmla["name"]])
+
+
 # ---- vllm serve ---------------------------------------------------------------------------------
 
-def test_serve_64_concurrent_completions(checkpoint):
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_serve_64_concurrent_completions(kv, checkpoint):
+    """`vllm serve --attention-backend CUSTOM` (with --kv-cache-dtype fp8: the plugin's default query mode) and 64
+    concurrent completions of 1-128 tokens on prompts of 1-2530 tokens: every request returns all its tokens."""
     port = harness.free_port()
     base = f"http://127.0.0.1:{port}"
     harness.RUN_DIR.mkdir(parents=True, exist_ok=True)
-    log_path = harness.RUN_DIR / "serve-custom.log"
+    log_path = harness.RUN_DIR / f"serve-custom{'-fp8' if kv == 'fp8' else ''}.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint), "--attention-backend",
            "CUSTOM", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-           "--gpu-memory-utilization", "0.5", "--max-num-seqs", "64", "--served-model-name", "tiny"]
+           "--gpu-memory-utilization", "0.5", "--max-num-seqs", "64", "--served-model-name", "tiny",
+           "--kv-cache-dtype", kv]
+    env = harness.engine_env()
+    env.pop(FP8_MODE_ENV, None)
     print(f"\n[serve] start: {' '.join(cmd)} (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=harness.engine_env(), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=str(harness.REPO), start_new_session=True)
     try:
         try:
@@ -270,7 +486,8 @@ def test_serve_64_concurrent_completions(checkpoint):
         slowest = max(dt for *_, dt in results)
         print(f"[serve] {len(results)} concurrent completions ok in {wall:.1f} s (slowest {slowest:.1f} s)", flush=True)
         assert wall < SERVE_REQUESTS_TIMEOUT_S
-        assert OUR_LOG_LINE in log_path.read_text(), "the server log does not show flashmla_backend decode"
+        problems = run_log_problems(log_path.read_text(), "CUSTOM", kv=kv, mode="accurate" if kv == "fp8" else None)
+        assert not problems, f"server log: {'; '.join(problems)}"
     finally:
         _shutdown(proc)
         print(f"[serve] server stopped (exit code {proc.returncode})", flush=True)

@@ -12,6 +12,19 @@ side decode tokens go to flashmla_backend's kernel and prefill tokens to vLLM's 
 
 A CUDA-graph test captures the plugin's forward_mqa once and replays it after build() wrote new
 lengths/block tables into the persistent buffers, against eager runs and the reference.
+
+FP8 KV cache (`-k fp8`): the same batches with CacheConfig(cache_dtype="fp8"). The cache is vLLM's uint8 tensor,
+written by the layer's own do_kv_cache_update with _k_scale 0.05 (q scale 0.01) or 1.0 (q scale 1.0), and read by
+four layers on the same bytes: ours in the accurate mode (bf16 q) and the fast mode (vLLM quantizes q to e4m3 with
+_q_scale), vLLM's FLASHMLA (e4m3 q, its FP8 kernel) and TRITON_MLA (bf16 q, dequantizes in its kernel). fp32
+references in MHA form on the dequantized cache (stored value x _k_scale) with the unquantized bf16 q: for tokens a
+decode kernel serves every key comes from the cache; for prefill tokens vLLM's prefill reads the new keys unquantized
+and only the context from the cache, and the reference does the same. A second reference in the absorbed form takes
+the e4m3 query the fast mode and FLASHMLA-FP8 read. Printed for every backend: max abs error and relative norm
+||out - ref|| / ||ref|| of decode and prefill tokens. Required: the accurate mode within atol = rtol = 1e-2 of the
+bf16-q reference and at least as close to it as FLASHMLA-FP8; the fast mode within 1e-2 of the e4m3-q reference;
+ours' prefill tokens within 1e-2 of theirs. The FP8 CUDA-graph test captures forward_mqa, changes _k_scale (and in
+the fast mode _q_scale) in place afterwards, and the replay must follow the new values.
 """
 from __future__ import annotations
 
@@ -22,6 +35,8 @@ import torch
 
 import harness
 from flashmla_backend import geometry
+from flashmla_backend.engine_support import FP8_MODE_ENV, FP8_MODES
+from vllm_run import set_layer_scales
 
 LATENT, ROPE, HEAD = geometry.HEAD_DIM_V, geometry.ROPE_DIM, geometry.HEAD_DIM_K  # the kernels' MLA geometry
 NOPE, V_DIM = 128, 128  # the test model's qk_nope_head_dim and v_head_dim (MHA form, prefill)
@@ -70,13 +85,13 @@ def vllm_process_state():
     yield
 
 
-def make_config(case: Case, full_cuda_graphs: bool = False):
+def make_config(case: Case, full_cuda_graphs: bool = False, kv_cache_dtype: str = "auto"):
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig
 
     model = ModelConfig(model=str(harness.MODELS / "tiny-deepseek-v3"), skip_tokenizer_init=True,
                         dtype="bfloat16", max_model_len=4096)
-    cfg = VllmConfig(model_config=model, cache_config=CacheConfig(block_size=case.manager_block_size),
-                     device_config=DeviceConfig(device="cuda"))
+    cache_config = CacheConfig(block_size=case.manager_block_size, cache_dtype=kv_cache_dtype)
+    cfg = VllmConfig(model_config=model, cache_config=cache_config, device_config=DeviceConfig(device="cuda"))
     if case.spec_tokens:
         from vllm.config import SpeculativeConfig
 
@@ -121,8 +136,11 @@ class LayerUnderTest:
             finally:
                 torch.set_default_dtype(torch.float32)
             self.layer.process_weights_after_loading(torch.bfloat16)
-            spec = MLAAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=1, head_size=HEAD,
-                                    dtype=torch.bfloat16, cache_dtype_str="auto")
+            if cfg.cache_config.cache_dtype == "auto":
+                spec = MLAAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=1, head_size=HEAD,
+                                        dtype=torch.bfloat16, cache_dtype_str="auto")
+            else:  # the spec vLLM's KV-cache manager gets from this layer (uint8 storage for fp8)
+                spec = self.layer.get_kv_cache_spec(cfg)
             self.kernel_block_size = worker_utils.select_common_block_size(cfg.cache_config.block_size, [self.backend])
             self.builder = self.backend.get_builder_cls()(
                 spec.copy_with_new_block_size(self.kernel_block_size), [self.name], cfg, torch.device("cuda"))
@@ -202,12 +220,14 @@ class Batch:
         self.new_kv_c = new[:, :LATENT].contiguous()
         self.new_k_pe = new[:, LATENT:].unsqueeze(1).contiguous()
 
-    def reference(self, kv_b_weight: torch.Tensor, scale: float, num_heads: int) -> torch.Tensor:
-        """fp32 MHA-form attention: K = [kv_c W_UK, k_pe], V = kv_c W_UV, causal over each request."""
+    def reference(self, kv_b_weight: torch.Tensor, scale: float, num_heads: int, cached_rows: list | None = None
+                  ) -> torch.Tensor:
+        """fp32 MHA-form attention: K = [kv_c W_UK, k_pe], V = kv_c W_UV, causal over each request. cached_rows:
+        each request's [kv_c | k_pe] rows as attention reads them (default: the bf16 rows the batch was made of)."""
         w = kv_b_weight.float().view(num_heads, NOPE + V_DIM, LATENT)
         w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
         outs, start = [], 0
-        for rows, s in zip(self.rows, self.case.query_lens):
+        for rows, s in zip(self.rows if cached_rows is None else cached_rows, self.case.query_lens):
             n = rows.shape[0]
             kv_c, k_pe = rows[:, :LATENT].float(), rows[:, LATENT:].float()
             k_nope = torch.einsum("nl,hdl->nhd", kv_c, w_uk)
@@ -343,3 +363,253 @@ def test_forward_mqa_cuda_graph_replay_reads_fresh_metadata(query_len):
     torch.testing.assert_close(graph_out, eager1, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(graph_out, reference(b1, q_static).to(graph_out.dtype), atol=ATOL, rtol=RTOL)
     print(f"\n[graph s_q={query_len}] replay after new lengths matches eager and the reference")
+
+
+# ---- FP8 KV cache -------------------------------------------------------------------------------
+
+# (k_scale, q_scale) pairs: a calibrated-looking scale (stored values up to ~100, queries up to ~150) and the default.
+FP8_SCALES = {"k0.05": (0.05, 0.01), "k1.0": (1.0, 1.0)}
+E4M3_NAN = 0xFF
+# FLASHMLA-FP8 farther than this (rel-norm) from its own e4m3-q reference means the test's setup is wrong: its kernel
+# may round more (e.g. P to e4m3), but a wrong scale or cache layout is off by far more.
+FP8_SANITY_REL = 0.1
+
+
+class Fp8Cache:
+    """The batch's rows written into a vLLM FP8 cache (uint8 [num_blocks, block, 576]; unused slots hold e4m3 NaN) by
+    the layer's own do_kv_cache_update with the layer's _k_scale, and the rows read back dequantized (fp32)."""
+
+    def __init__(self, batch: Batch, layer):
+        M = batch.case.manager_block_size
+        self.u8 = torch.full((batch.cache.shape[0], M, HEAD), E4M3_NAN, dtype=torch.uint8, device="cuda")
+        table = batch.manager_table.cpu()
+        slots = []
+        for i, rows in enumerate(batch.rows):
+            t = torch.arange(rows.shape[0])
+            slots.append((table[i, : -(-rows.shape[0] // M)].long()[t // M] * M + t % M).cuda())
+        new = torch.cat(batch.rows)
+        layer.impl.do_kv_cache_update(new[:, :LATENT].contiguous(), new[:, LATENT:].unsqueeze(1).contiguous(), self.u8,
+                                      torch.cat(slots), "fp8", layer._k_scale)
+        flat = self.u8.view(torch.float8_e4m3fn).view(-1, HEAD)
+        k_scale = layer._k_scale.float()
+        self.rows = [flat[sl].float() * k_scale for sl in slots]     # what a decode kernel reads
+        assert all(torch.isfinite(r).all() for r in self.rows), "a written slot holds NaN: slot mapping or scale wrong"
+        # What vLLM's prefill reads: the context from the cache, the chunk's own new keys unquantized.
+        self.prefill_rows = [torch.cat([deq[: deq.shape[0] - s], orig[deq.shape[0] - s:].float()])
+                             for deq, orig, s in zip(self.rows, batch.rows, batch.case.query_lens)]
+
+
+def decode_query_e4m3(layer, q: torch.Tensor, q_scale: float) -> torch.Tensor:
+    """The query an FP8-q decode kernel reads (ours in the fast mode, FLASHMLA-FP8), dequantized to fp32 [T, H, 576]:
+    q_nope times the layer's W_UK_T in bf16 as forward_impl computes it, q_pe appended, quantized per tensor as
+    vLLM's static QuantFP8 does (x times the fp32 reciprocal of the scale, clamped to +-448)."""
+    ql_nope = torch.bmm(q[..., :NOPE].transpose(0, 1), layer.W_UK_T).transpose(0, 1)
+    inv = torch.tensor(q_scale, dtype=torch.float32, device=q.device).reciprocal()
+    x = torch.cat([ql_nope, q[..., NOPE:]], dim=-1).float() * inv
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * q_scale
+
+
+def absorbed_query(layer, q: torch.Tensor) -> torch.Tensor:
+    """The bf16 query of the accurate mode: [q_nope W_UK_T | q_pe], fp32 [T, H, 576]."""
+    ql_nope = torch.bmm(q[..., :NOPE].transpose(0, 1), layer.W_UK_T).transpose(0, 1)
+    return torch.cat([ql_nope, q[..., NOPE:]], dim=-1).float()
+
+
+def latent_reference(batch: Batch, q_latent: torch.Tensor, rows: list, kv_b_weight: torch.Tensor, scale: float,
+                     num_heads: int) -> torch.Tensor:
+    """fp32 attention in the absorbed form: q_latent [T, H, 576] against each request's rows [n, 576] (K = the row,
+    V = its first 512 values), causal; the latent output up-projected with W_UV: [T, H * V_DIM]."""
+    w_uv = kv_b_weight.float().view(num_heads, NOPE + V_DIM, LATENT)[:, NOPE:]
+    outs, start = [], 0
+    for kv, s in zip(rows, batch.case.query_lens):
+        n = kv.shape[0]
+        scores = torch.einsum("shd,nd->hsn", q_latent[start:start + s], kv) * scale
+        pos = torch.arange(n - s, n, device=kv.device)[:, None]
+        scores = scores.masked_fill(torch.arange(n, device=kv.device)[None, :] > pos, float("-inf"))
+        o = torch.einsum("hsn,nl->shl", scores.softmax(-1), kv[:, :LATENT])
+        outs.append(torch.einsum("shl,hvl->shv", o, w_uv).reshape(s, num_heads * V_DIM))
+        start += s
+    return torch.cat(outs)
+
+
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(max |out - ref|, ||out - ref|| / ||ref||); (0, 0) for no tokens."""
+    if out.numel() == 0:
+        return 0.0, 0.0
+    d = out.float() - ref.float()
+    return d.abs().max().item(), (d.norm() / ref.float().norm()).item()
+
+
+def _fp8_layers(cfg, w, monkeypatch) -> dict:
+    layers = {}
+    for mode in FP8_MODES:   # the plugin reads the mode when its impl is constructed
+        monkeypatch.setenv(FP8_MODE_ENV, mode)
+        layers[f"CUSTOM {mode}"] = LayerUnderTest(cfg, "CUSTOM", w, _scale())
+    monkeypatch.delenv(FP8_MODE_ENV)
+    layers["FLASHMLA"] = LayerUnderTest(cfg, "FLASHMLA", w, _scale())
+    layers["TRITON_MLA"] = LayerUnderTest(cfg, "TRITON_MLA", w, _scale())
+    # vLLM's layer quantizes q for the kernel exactly when the impl says it takes a quantized query.
+    assert layers["CUSTOM accurate"].layer.impl.supports_quant_query_input is False
+    assert layers["CUSTOM fast"].layer.impl.supports_quant_query_input is True
+    return layers
+
+
+@pytest.mark.parametrize("scales", list(FP8_SCALES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp8_layer_matches_references(name, scales, monkeypatch):
+    case = CASES[name]
+    k_scale, q_scale = FP8_SCALES[scales]
+    cfg = make_config(case, kv_cache_dtype="fp8")
+    heads = cfg.model_config.hf_text_config.num_attention_heads
+    w = _kv_b_weight(heads)
+    layers = _fp8_layers(cfg, w, monkeypatch)
+    for lut in layers.values():
+        set_layer_scales(lut.layer, k_scale, q_scale)
+    assert layers["CUSTOM accurate"].kernel_block_size == KERNEL_BLOCK
+    batch = Batch(case, heads, seed=len(name) + 100)
+    cache = Fp8Cache(batch, layers["CUSTOM accurate"].layer)
+    batch.cache = cache.u8
+
+    outs, num_decode_tokens = {}, {}
+    for label, lut in layers.items():
+        outs[label] = lut.forward(batch)
+        num_decode_tokens[label] = lut.last_metadata.num_decode_tokens
+    ref_decode = batch.reference(w, _scale(), heads, cached_rows=cache.rows)
+    ref_prefill = batch.reference(w, _scale(), heads, cached_rows=cache.prefill_rows)
+    ours_layer = layers["CUSTOM fast"].layer
+    q_e4m3 = decode_query_e4m3(ours_layer, batch.q, q_scale)
+    ref_e4m3_q = latent_reference(batch, q_e4m3, cache.rows, w, _scale(), heads)
+    # The absorbed-form reference itself, with the unquantized query, must reproduce the MHA form.
+    self_check = errors(latent_reference(batch, absorbed_query(ours_layer, batch.q), cache.rows, w, _scale(), heads),
+                        ref_decode)[1]
+    assert self_check < 5e-3, f"absorbed-form reference vs MHA form: rel-norm {self_check:.2e}"
+
+    expected = sum(s for s in case.query_lens if s <= 1 + case.spec_tokens and s == case.query_lens[0])
+    uniform_spec = expected == batch.num_tokens and case.query_lens[0] > 1
+    print(f"\n[fp8 layer {name}, k_scale {k_scale}, q_scale {q_scale}] {batch.num_tokens} tokens; errors vs fp32 "
+          "references on the dequantized cache (max abs / rel-norm):")
+    figures = {}
+    for label, out in outs.items():
+        nd = num_decode_tokens[label]
+        dec_bf16q, dec_e4m3q = errors(out[:nd], ref_decode[:nd]), errors(out[:nd], ref_e4m3_q[:nd])
+        pre = errors(out[nd:], ref_prefill[nd:])
+        figures[label] = (nd, dec_bf16q, dec_e4m3q, pre)
+        note = " (single-token decode kernel on a uniform multi-token batch: not a reference here)" \
+            if label == "TRITON_MLA" and uniform_spec else ""
+        print(f"  {label:<16} decode tokens {nd:>3}: vs bf16-q ref {dec_bf16q[0]:.3e} / {dec_bf16q[1]:.3e}, vs e4m3-q "
+              f"ref {dec_e4m3q[0]:.3e} / {dec_e4m3q[1]:.3e}; prefill tokens {batch.num_tokens - nd:>3}: "
+              f"{pre[0]:.3e} / {pre[1]:.3e}{note}")
+
+    for mode in FP8_MODES:
+        out, nd = outs[f"CUSTOM {mode}"], num_decode_tokens[f"CUSTOM {mode}"]
+        assert nd == expected, (mode, nd, expected)
+        assert torch.isfinite(out).all()
+        if mode == "accurate":
+            torch.testing.assert_close(out[:nd], ref_decode[:nd].to(out.dtype), atol=ATOL, rtol=RTOL)
+        else:
+            torch.testing.assert_close(out[:nd], ref_e4m3_q[:nd].to(out.dtype), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out[nd:], ref_prefill[nd:].to(out.dtype), atol=ATOL, rtol=RTOL)
+
+    # FLASHMLA-FP8 (e4m3 q) against the bf16-q reference, on the tokens both serve with a decode kernel.
+    nd_flash = num_decode_tokens["FLASHMLA"]
+    assert figures["FLASHMLA"][2][1] < FP8_SANITY_REL or nd_flash == 0, \
+        f"FLASHMLA-FP8 is {figures['FLASHMLA'][2][1]:.3f} off its own e4m3-q reference: the setup is wrong"
+    common = min(expected, nd_flash)
+    if common:
+        acc = errors(outs["CUSTOM accurate"][:common], ref_decode[:common])[1]
+        flash = errors(outs["FLASHMLA"][:common], ref_decode[:common])[1]
+        print(f"  decode tokens 0..{common - 1}: rel-norm vs the bf16-q reference: ours accurate {acc:.3e}, "
+              f"FLASHMLA-FP8 {flash:.3e}")
+        assert acc <= flash, "the accurate mode must be at least as close to the bf16-q reference as FLASHMLA-FP8"
+
+
+@pytest.mark.parametrize("mode", FP8_MODES)
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_fp8_forward_mqa_cuda_graph_follows_the_scales(query_len, mode, monkeypatch):
+    """Capture the plugin's FP8 decode once; a replay after _k_scale (and in the fast mode _q_scale) changed in place
+    must use the new values, and a replay after build() wrote new lengths must use those, like eager runs and the
+    dequantizing reference."""
+    import flashmla_backend
+    from vllm.config import set_current_vllm_config
+
+    case0 = Case([700, 64, 3000, 2], [query_len] * 4, spec_tokens=query_len - 1)
+    case1 = Case([3, 2500, 65, 1200], [query_len] * 4, spec_tokens=query_len - 1)
+    cfg = make_config(case0, full_cuda_graphs=True, kv_cache_dtype="fp8")
+    heads = cfg.model_config.hf_text_config.num_attention_heads
+    monkeypatch.setenv(FP8_MODE_ENV, mode)
+    ours = LayerUnderTest(cfg, "CUSTOM", _kv_b_weight(heads), _scale())
+    builder, impl, layer = ours.builder, ours.layer.impl, ours.layer
+    assert builder.plan.has_graph_buffers
+    fast = mode == "fast"
+    assert impl.supports_quant_query_input is fast
+    set_layer_scales(layer, 0.05, 0.01)
+
+    b0, b1 = Batch(case0, heads, seed=20), Batch(case1, heads, seed=21)
+    seq_lens = b0.common.seq_lens.clone()
+    table = b0.manager_table.clone()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    num_blocks = max(b0.cache.shape[0], b1.cache.shape[0])
+    cache = (torch.randn((num_blocks, KERNEL_BLOCK, HEAD), generator=gen, device="cuda") * 8).to(torch.float8_e4m3fn)
+    q_static = torch.empty((b0.num_tokens, heads, HEAD), dtype=torch.float8_e4m3fn if fast else torch.bfloat16,
+                           device="cuda")
+
+    def load_q():
+        src = torch.randn((b0.num_tokens, heads, HEAD), generator=gen, device="cuda")
+        if fast:   # what the layer's concat + quant hands the kernel
+            q_static.copy_((src * 0.5 / layer._q_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn))
+        else:
+            q_static.copy_(src * 0.5)
+
+    def build(batch):
+        seq_lens.copy_(batch.common.seq_lens)
+        table.copy_(batch.manager_table)
+        common = batch.common.replace(seq_lens=seq_lens, block_table_tensor=table)
+        with set_current_vllm_config(cfg):
+            return builder.build(common_prefix_len=0, common_attn_metadata=common)
+
+    def reference():
+        b = len(case0.seq_lens)
+        out, _ = flashmla_backend.mla_decode_reference(
+            q_static.view(b, query_len, heads, HEAD), cache.unsqueeze(-2), table, seq_lens, LATENT,
+            softmax_scale=_scale(), causal=True, descale_k=layer._k_scale.reshape(1).clone(),
+            descale_q=layer._q_scale.reshape(1).clone() if fast else None)
+        return out.view(-1, heads, LATENT)
+
+    def eager(md):
+        with set_current_vllm_config(cfg):
+            return impl.forward_mqa(q_static, cache, md, layer)[0]
+
+    md0 = build(b0)
+    load_q()
+    eager0 = eager(md0)
+    with set_current_vllm_config(cfg):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            impl.forward_mqa(q_static, cache, md0, layer)  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_out, _ = impl.forward_mqa(q_static, cache, md0, layer)
+    graph.replay()
+    torch.testing.assert_close(graph_out, eager0, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(graph_out, reference().to(graph_out.dtype), atol=ATOL, rtol=RTOL)
+    before = graph_out.clone()
+
+    set_layer_scales(layer, 0.08, 0.02 if fast else 0.01)   # in place: the captured graph reads the same addresses
+    graph.replay()
+    ref = reference().to(graph_out.dtype)
+    torch.testing.assert_close(graph_out, ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(graph_out, eager(md0), atol=1e-3, rtol=1e-3)
+    moved = errors(before, ref)[1]
+    assert moved > 10 * RTOL, f"the new scales hardly change the output (rel-norm {moved:.2e}): the test proves nothing"
+
+    md1 = build(b1)  # new lengths into the buffers the graph reads
+    assert md1.decode.tile_scheduler_metadata.data_ptr() == md0.decode.tile_scheduler_metadata.data_ptr()
+    assert md1.decode.num_splits.data_ptr() == md0.decode.num_splits.data_ptr()
+    load_q()
+    graph.replay()
+    torch.testing.assert_close(graph_out, eager(md1), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(graph_out, reference().to(graph_out.dtype), atol=ATOL, rtol=RTOL)
+    print(f"\n[fp8 graph s_q={query_len}, {mode}] replays follow the scales changed after capture (output moved by "
+          f"rel-norm {moved:.2f}) and new lengths")

@@ -1,0 +1,373 @@
+"""CPU tests of integration/bench_vllm_throughput.py, the vLLM engine benchmark: config parsing, the alternating order,
+the engine environment and log checks, the capacity arithmetic and log parsing, the statistics and Markdown tables,
+merging results files, and the driver loop with engine processes stood in for (no vLLM, no GPU)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
+
+
+def _load():
+    sys.path.insert(0, str(INTEGRATION))
+    spec = importlib.util.spec_from_file_location("bench_vllm_throughput", INTEGRATION / "bench_vllm_throughput.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load()
+Config = bench.Config
+
+
+# ---- configs ------------------------------------------------------------------------------------
+
+def test_parse_config_forms():
+    assert bench.parse_config("CUSTOM") == Config("CUSTOM", "auto", None)
+    assert bench.parse_config("custom", "fp8") == Config("CUSTOM", "fp8", "accurate")   # the plugin's default mode
+    assert bench.parse_config("CUSTOM:fp8:fast") == Config("CUSTOM", "fp8", "fast")
+    assert bench.parse_config("FLASHMLA:fp8") == Config("FLASHMLA", "fp8", None)
+    assert bench.parse_config("FLASHMLA:auto", "fp8") == Config("FLASHMLA", "auto", None)  # explicit beats default
+    assert bench.parse_config(" flash_attn_mla : FP8 ") == Config("FLASH_ATTN_MLA", "fp8", None)
+    assert Config("CUSTOM", "fp8", "fast").label == "CUSTOM:fp8:fast"
+    assert Config("FLASHMLA", "auto").label == "FLASHMLA:auto"
+    assert Config("FLASH_ATTN_MLA", "fp8").slug == "flash-attn-mla-fp8"
+
+
+@pytest.mark.parametrize("item, words", [
+    ("FLASHMLA:fp8:fast", "only to CUSTOM with an fp8"),
+    ("CUSTOM:auto:fast", "only to CUSTOM with an fp8"),
+    ("CUSTOM:fp8:quick", "mode 'quick'"),
+    ("CUSTOM:fp16", "KV-cache dtype 'fp16'"),
+    ("CUSTOM:fp8:fast:x", "BACKEND[:KVDTYPE[:MODE]]"),
+    ("CUSTOM::fast", "BACKEND[:KVDTYPE[:MODE]]"),
+    (":fp8", "BACKEND[:KVDTYPE[:MODE]]"),
+    ("FLASH-MLA", "not a vLLM backend name"),
+])
+def test_parse_config_refusals(item, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        bench.parse_config(item)
+
+
+def test_parse_configs_list_and_duplicates():
+    got = bench.parse_configs("CUSTOM:fp8:accurate,CUSTOM:fp8:fast,FLASHMLA:fp8,CUSTOM:auto,FLASHMLA:auto")
+    assert [c.label for c in got] == ["CUSTOM:fp8:accurate", "CUSTOM:fp8:fast", "FLASHMLA:fp8", "CUSTOM:auto",
+                                      "FLASHMLA:auto"]
+    with pytest.raises(ValueError, match="given twice: CUSTOM:fp8:accurate"):
+        bench.parse_configs("CUSTOM:fp8,CUSTOM:fp8:accurate")    # the same config, spelled twice
+    with pytest.raises(ValueError, match="no configs"):
+        bench.parse_configs(" , ")
+
+
+def _args(argv):
+    return bench.build_parser().parse_args(argv)
+
+
+def test_backends_is_the_shorthand_with_the_global_kv_dtype():
+    assert [c.label for c in bench.resolve(_args([]))] == ["CUSTOM:auto", "FLASHMLA:auto", "FLASH_ATTN_MLA:auto",
+                                                           "TRITON_MLA:auto"]
+    assert [c.label for c in bench.resolve(_args(["--backends", "CUSTOM,FLASHMLA", "--kv-cache-dtype", "fp8"]))] == \
+        ["CUSTOM:fp8:accurate", "FLASHMLA:fp8"]
+    assert [c.label for c in bench.resolve(_args(["--configs", "CUSTOM,FLASHMLA:auto", "--kv-cache-dtype", "fp8"]))] \
+        == ["CUSTOM:fp8:accurate", "FLASHMLA:auto"]
+    assert [c.label for c in bench.resolve(_args(["--capacity"]))] == ["CUSTOM:fp8:accurate", "CUSTOM:auto"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--configs", "CUSTOM", "--backends", "FLASHMLA"], "not both"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--output-len", "1"], "at least 2"),
+    (["--kv-cache-memory-bytes", "1000"], "belongs to --capacity"),
+])
+def test_resolve_refusals(argv, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        bench.resolve(_args(argv))
+
+
+def test_main_reports_bad_options_as_usage_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--configs", "FLASHMLA:fp8:fast", "--dry-run"])
+    assert e.value.code == 2 and "only to CUSTOM" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--kv-cache-dtype", "fp16", "--dry-run"])
+
+
+def test_round_orders_alternate():
+    a, b, c = (Config(x) for x in "ABC")
+    assert bench.round_orders([a, b, c], 3) == [(1, a), (1, b), (1, c), (2, c), (2, b), (2, a), (3, a), (3, b), (3, c)]
+    assert bench.round_orders([a, b], 1, first_round=2) == [(2, b), (2, a)]    # round 2 of a split run: reversed
+    assert bench.round_orders([a], 2) == [(1, a), (2, a)]
+
+
+def test_config_env_sets_the_mode_only_for_custom_fp8():
+    base = {"PATH": "/bin", bench.FP8_MODE_ENV: "fast"}     # a user's setting does not leak into other configs
+    assert bench.config_env(Config("CUSTOM", "fp8", "accurate"), base)[bench.FP8_MODE_ENV] == "accurate"
+    assert bench.config_env(Config("CUSTOM", "fp8", "fast"), base)[bench.FP8_MODE_ENV] == "fast"
+    for cfg in (Config("CUSTOM", "auto"), Config("FLASHMLA", "fp8")):
+        env = bench.config_env(cfg, base)
+        assert bench.FP8_MODE_ENV not in env and env["PATH"] == "/bin"
+    assert base[bench.FP8_MODE_ENV] == "fast"                # the base is not modified
+
+
+OURS = "INFO [impl.py:88] flashmla_backend: MLA decode attention runs on flashmla_backend 0.4 (kernel 'sm90' on H100)"
+
+
+def test_custom_log_problem():
+    fp8_fast = Config("CUSTOM", "fp8", "fast")
+    assert bench.custom_log_problem("nothing", Config("FLASHMLA", "fp8")) is None        # not ours: not checked
+    assert "does not show flashmla_backend" in bench.custom_log_problem("INFO started", Config("CUSTOM"))
+    assert bench.custom_log_problem(OURS + ", 16 heads", Config("CUSTOM")) is None
+    assert bench.custom_log_problem(f"{OURS}, FP8 KV cache (e4m3), mode fast\n", fp8_fast) is None
+    assert "mode fast" in bench.custom_log_problem(f"{OURS}, FP8 KV cache (e4m3), mode accurate\n", fp8_fast)
+    assert "FP8 KV cache" in bench.custom_log_problem(f"{OURS}, mode fast\n", fp8_fast)
+    assert "16-bit run" in bench.custom_log_problem(f"{OURS}, FP8 KV cache, mode accurate", Config("CUSTOM"))
+
+
+# ---- capacity -----------------------------------------------------------------------------------
+
+def test_capacity_bytes_hold_the_batch_in_fp8_and_about_half_in_bf16():
+    layers = bench.model_layers(str(bench.MODEL_DIR))
+    assert layers == 8
+    need = bench.batch_tokens(64, 7000, 2049)
+    assert need == 64 * 9049
+    kv = bench.capacity_kv_bytes(64, 7000, 2049, layers)
+    fp8_tokens = kv // (layers * 576)
+    bf16_tokens = kv // (layers * 1152)
+    # vLLM allocates whole blocks (up to 256 tokens) per request and one null block: the FP8 cache must still hold all.
+    per_request_blocks = -(-9049 // 256)
+    assert fp8_tokens // 256 >= 64 * per_request_blocks + 1
+    assert 0.45 * need < bf16_tokens < 0.6 * need      # clearly fewer than the batch needs
+    assert bench.capacity_kv_bytes(64, 7000, 2049, layers, headroom=1.0) < kv
+
+
+def test_parse_kv_capacity_reads_vllm_026_lines():
+    log = ("(EngineCore pid=41) INFO 11-25 10:02:11 [kv_cache_utils.py:2177] GPU KV cache size: 309,632 tokens\n"
+           "(EngineCore pid=41) INFO 11-25 10:02:11 [kv_cache_utils.py:2179] Maximum concurrency for 9,113 tokens "
+           "per request: 33.98x\n")
+    assert bench.parse_kv_capacity(log) == {"kv_tokens": 309632, "concurrency_tokens_per_request": 9113,
+                                            "max_concurrency": 33.98}
+    assert bench.parse_kv_capacity("no such lines") == {"kv_tokens": None, "concurrency_tokens_per_request": None,
+                                                        "max_concurrency": None}
+    cap = bench.capacity_of("nothing logged", {"kv_cache_size_tokens": 1000, "kv_cache_max_concurrency": 0.5})
+    assert cap["kv_tokens"] == 1000 and cap["source"] == "cache_config" and cap["max_concurrency"] == 0.5
+
+
+# ---- statistics and tables ----------------------------------------------------------------------
+
+def _m(config, rate, rnd=1, **kw):
+    return dict({"config": config, "round": rnd, "decode_tok_s": rate}, **kw)
+
+
+def test_summarize_and_versus():
+    ms = [_m("A", 100), _m("A", 110), _m("A", 90, 2), _m("B", 200), _m("B", 210), _m("C", 105), _m("C", 120),
+          _m("D", 150)]
+    stats = bench.summarize(ms, ["A", "B", "C", "D", "E"])
+    assert stats["A"] == {"n": 3, "min": 90, "median": 100, "max": 110}
+    assert "E" not in stats
+    assert bench.versus(stats, "B", "A") == "2.050x, apart"
+    assert bench.versus(stats, "C", "A") == "1.125x, overlap"
+    assert bench.versus(stats, "A", "A") == "1.000x (ref)"
+    assert bench.versus(stats, "D", "A") == "1.500x, no spread"      # one measurement: no range to compare
+    assert bench.versus(stats, "A", "E") == "-"
+
+
+def _results(measurements, kind="throughput", **meta):
+    base = {"date": "2026-11-25 10:00 UTC", "command": "python integration/bench_vllm_throughput.py --rounds 2",
+            "git": "abc1234", "model": "tiny-deepseek-v3-h128-8layer", "num_prompts": 64, "prompt_len": 7000,
+            "output_len": 2049, "rounds": 2, "repeats": 2, "kv_cache_memory_bytes": None, "need_tokens": None,
+            "configs": list(dict.fromkeys(m["config"] for m in measurements))}
+    base.update(meta)
+    runs = dict.fromkeys((m["config"], m["round"]) for m in measurements)
+    procs = [{"config": c, "round": r, "gpu": "NVIDIA H100 80GB HBM3", "vllm_version": "0.26.0",
+              "torch_version": "2.11.0+cu130"} for c, r in runs]
+    return {"kind": kind, "meta": base, "processes": procs, "measurements": measurements, "failures": []}
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in table.splitlines():
+        if line.startswith("| ") and not line.startswith("| config"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_throughput_table():
+    ms = [_m("CUSTOM:fp8:accurate", v, r) for v, r in ((15000, 1), (15200, 1), (14900, 2), (15100, 2))]
+    ms += [_m("FLASHMLA:fp8", v, r) for v, r in ((14000, 1), (14200, 1), (14100, 2), (13900, 2))]
+    ms += [_m("CUSTOM:auto", v, r) for v, r in ((12000, 1), (15000, 1), (12500, 2), (12600, 2))]
+    table = bench.throughput_table(_results(ms))
+    assert "GPU NVIDIA H100 80GB HBM3; vLLM 0.26.0" in table and "2026-11-25" in table
+    assert "`python integration/bench_vllm_throughput.py --rounds 2`" in table
+    assert "2048 decode steps" in table and "2 rounds" in table
+    header = next(line for line in table.splitlines() if line.startswith("| config"))
+    assert header.count("|") == 9 and "vs FLASHMLA:fp8" in header and "vs CUSTOM:auto" in header
+    rows = _rows(table)
+    acc = rows["CUSTOM:fp8:accurate"]
+    assert acc[1:5] == ["4", "14,900", "15,050", "15,200"]
+    assert acc[5] == f"{64e3 / 15050:.3f}"                               # ms per step at the median
+    assert acc[6] == f"{15050 / 14050:.3f}x, apart"
+    assert acc[7] == f"{15050 / 12550:.3f}x, overlap"                    # CUSTOM:auto's range reaches 15,000
+    assert rows["FLASHMLA:fp8"][6] == "1.000x (ref)"
+    assert all(line.count("|") == 9 for line in table.splitlines() if line.startswith("|"))
+
+
+def test_throughput_table_without_references_and_with_failures():
+    res = _results([_m("TRITON_MLA:auto", 3000), _m("TRITON_MLA:auto", 3100)])
+    res["failures"] = [{"config": "CUSTOM:auto", "round": 1, "why": "[bench-r1-custom-auto] exited 1"}]
+    table = bench.throughput_table(res)
+    assert "vs " not in table.split("| config", 1)[1].splitlines()[0]
+    assert "FAILED: CUSTOM:auto (round 1): [bench-r1-custom-auto] exited 1" in table
+
+
+def test_capacity_table():
+    need = 64 * 9049
+    ms = [_m("CUSTOM:fp8:accurate", 20000, e2e_tok_s=9000, preemptions=0.0),
+          _m("CUSTOM:fp8:accurate", 20400, e2e_tok_s=9100, preemptions=0.0),
+          _m("CUSTOM:auto", 5000, e2e_tok_s=4000, preemptions=30.0),
+          _m("CUSTOM:auto", 5200, e2e_tok_s=4100, preemptions=34.0)]
+    res = _results(ms, kind="capacity", kv_cache_memory_bytes=2853808128, need_tokens=need)
+    for p in res["processes"]:
+        fp8 = p["config"].startswith("CUSTOM:fp8")
+        p["capacity"] = {"kv_tokens": 619264 if fp8 else 309632, "max_concurrency": 67.95 if fp8 else 33.98,
+                         "concurrency_tokens_per_request": 9113}
+    table = bench.render(res)
+    assert "kv_cache_memory_bytes 2,853,808,128 (2.66 GiB)" in table and f"needs {need:,} tokens" in table
+    rows = _rows(table)
+    assert rows["CUSTOM:fp8:accurate"][1:4] == ["619,264", "yes", "67.95x for 9,113"]
+    assert rows["CUSTOM:auto"][1:3] == ["309,632", f"no ({309632 / need:.0%})"]
+    assert rows["CUSTOM:auto"][4] == "32" and rows["CUSTOM:fp8:accurate"][4] == "0"
+    assert rows["CUSTOM:fp8:accurate"][5] == "20,200 [20,000, 20,400]"
+    assert rows["CUSTOM:fp8:accurate"][7] == f"{20200 / 5100:.3f}x, apart"
+    assert "not the speed of a decode step" in table
+
+
+def test_merge_results_joins_rounds_and_refuses_other_shapes():
+    r1 = _results([_m("A", 100), _m("B", 200)])
+    r2 = _results([_m("B", 210, 2), _m("A", 95, 2)])
+    r2["meta"]["command"] = "second"
+    merged = bench.merge_results([r1, r2])
+    assert bench.summarize(merged["measurements"], ["A"])["A"]["n"] == 2
+    assert merged["meta"]["configs"] == ["A", "B"] and " + second" in merged["meta"]["command"]
+    other = _results([_m("A", 1)], prompt_len=100)
+    with pytest.raises(ValueError, match="different runs"):
+        bench.merge_results([r1, other])
+
+
+def test_table_from_prints_the_merged_table(tmp_path, capsys):
+    paths = []
+    for i, ms in enumerate(([_m("CUSTOM:auto", 100), _m("FLASHMLA:fp8", 120)],
+                            [_m("FLASHMLA:fp8", 118, 2), _m("CUSTOM:auto", 104, 2)])):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(_results(ms)))
+    assert bench.main(["--table-from"] + [str(p) for p in paths]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows["CUSTOM:auto"][1:5] == ["2", "100", "102", "104"]
+
+
+# ---- the driver, with engine processes stood in for -----------------------------------------------
+
+class FakeEngines:
+    """Stands in for harness.run_logged: writes the worker's JSON as the engine process would and returns a log."""
+
+    def __init__(self, rates: dict[str, float], bad_log: str | None = None, crash: str | None = None):
+        self.rates, self.bad_log, self.crash, self.calls = rates, bad_log, crash, []
+
+    def __call__(self, name, cmd, env, timeout_s):
+        label = cmd[cmd.index("--worker") + 1]
+        out = Path(cmd[cmd.index("--worker-out") + 1])
+        repeats = int(cmd[cmd.index("--repeats") + 1])
+        self.calls.append((name, label, env.get(bench.FP8_MODE_ENV), "--kv-cache-memory-bytes" in cmd))
+        if label == self.crash:
+            raise bench.harness.RunFailed(f"[{name}] exited 1 after 3 s; log: x\nTraceback")
+        rate = self.rates[label]
+        out.write_text(json.dumps({
+            "config": label, "vllm_version": "0.26.0", "torch_version": "2.11.0+cu130", "gpu": "NVIDIA H100",
+            "init_s": 40.0, "cache_config": {"kv_cache_size_tokens": None},
+            "measurements": [{"repeat": k + 1, "t_1": 3.0, "t_n": 3.0 + 64 * 2048 / (rate + k), "decode_s":
+                              64 * 2048 / (rate + k), "decode_tok_s": rate + k, "ms_per_step": 1.0, "e2e_tok_s": 1.0,
+                              "preemptions": None} for k in range(repeats)]}))
+        cfg = bench.parse_config(label)
+        log = "INFO loading\n"
+        if cfg.backend == "CUSTOM" and label != self.bad_log:
+            log += OURS + (f", FP8 KV cache, mode {cfg.mode}" if cfg.fp8 else "") + "\n"
+        if "--kv-cache-memory-bytes" in cmd:
+            tokens = 619264 if cfg.fp8 else 309632
+            log += f"INFO GPU KV cache size: {tokens:,} tokens\nINFO Maximum concurrency for 9,113 tokens per " \
+                   f"request: {tokens / 9113:.2f}x\n"
+        return log
+
+
+@pytest.fixture
+def driver(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.harness, "RUN_DIR", tmp_path)
+    monkeypatch.setattr(bench.harness, "engine_env", lambda extra=None: {"PATH": "/bin"})
+    monkeypatch.setattr(bench, "git_describe", lambda: "abc1234")
+
+    def run(fake, argv):
+        monkeypatch.setattr(bench.harness, "run_logged", fake)
+        rc = bench.main(argv)
+        return rc, json.loads((tmp_path / ("bench-capacity.json" if "--capacity" in argv else "bench.json"))
+                              .read_text())
+    return run
+
+
+def test_driver_runs_each_config_in_alternating_order(driver, capsys):
+    fake = FakeEngines({"CUSTOM:fp8:accurate": 15000, "CUSTOM:fp8:fast": 16000, "FLASHMLA:fp8": 14000,
+                        "CUSTOM:auto": 12000})
+    rc, res = driver(fake, ["--configs", "CUSTOM:fp8:accurate,CUSTOM:fp8:fast,FLASHMLA:fp8,CUSTOM:auto",
+                            "--rounds", "2", "--repeats", "2"])
+    assert rc == 0
+    assert [(c[1], c[2]) for c in fake.calls] == [
+        ("CUSTOM:fp8:accurate", "accurate"), ("CUSTOM:fp8:fast", "fast"), ("FLASHMLA:fp8", None), ("CUSTOM:auto", None),
+        ("CUSTOM:auto", None), ("FLASHMLA:fp8", None), ("CUSTOM:fp8:fast", "fast"), ("CUSTOM:fp8:accurate", "accurate")]
+    assert [c[0] for c in fake.calls][:2] == ["bench-r1-custom-fp8-accurate", "bench-r1-custom-fp8-fast"]
+    assert len(res["measurements"]) == 4 * 2 * 2 and not res["failures"]
+    assert {m["round"] for m in res["measurements"] if m["config"] == "FLASHMLA:fp8"} == {1, 2}
+    out = capsys.readouterr().out
+    assert "plan: 8 engine processes" in out and "process 8/8: round 2 (reversed order), CUSTOM:fp8:accurate" in out
+    rows = _rows(out)
+    assert rows["CUSTOM:fp8:accurate"][1] == "4" and rows["CUSTOM:fp8:accurate"][6].endswith("apart")
+    assert res["meta"]["git"] == "abc1234" and res["meta"]["output_len"] == 2049
+
+
+def test_driver_records_failures_and_wrong_logs(driver, capsys):
+    fake = FakeEngines({"CUSTOM:fp8:accurate": 15000, "FLASHMLA:fp8": 14000, "CUSTOM:auto": 1},
+                       bad_log="CUSTOM:fp8:accurate", crash="CUSTOM:auto")
+    rc, res = driver(fake, ["--configs", "CUSTOM:fp8,FLASHMLA:fp8,CUSTOM:auto", "--repeats", "1"])
+    assert rc == 1
+    why = {f["config"]: f["why"] for f in res["failures"]}
+    assert "does not show flashmla_backend" in why["CUSTOM:fp8:accurate"] and "exited 1" in why["CUSTOM:auto"]
+    assert {m["config"] for m in res["measurements"]} == {"FLASHMLA:fp8"}
+    assert "FAILED: CUSTOM:auto" in capsys.readouterr().out
+
+
+def test_driver_capacity_run(driver, capsys):
+    fake = FakeEngines({"CUSTOM:fp8:accurate": 20000, "CUSTOM:auto": 5000})
+    rc, res = driver(fake, ["--capacity", "--repeats", "2"])
+    assert rc == 0 and all(c[3] for c in fake.calls)
+    assert res["kind"] == "capacity" and res["meta"]["need_tokens"] == 64 * 9049
+    assert res["meta"]["kv_cache_memory_bytes"] == bench.capacity_kv_bytes(64, 7000, 2049, 8)
+    caps = {p["config"]: p["capacity"] for p in res["processes"]}
+    assert caps["CUSTOM:auto"]["kv_tokens"] == 309632 and caps["CUSTOM:fp8:accurate"]["source"] == "log"
+    rows = _rows(capsys.readouterr().out)
+    assert rows["CUSTOM:fp8:accurate"][2] == "yes" and rows["CUSTOM:auto"][2].startswith("no (")
+
+
+def test_dry_run_starts_nothing(driver, tmp_path, monkeypatch, capsys):
+    def refuse(*a, **k):
+        raise AssertionError("an engine process was started")
+
+    monkeypatch.setattr(bench.harness, "run_logged", refuse)
+    assert bench.main(["--dry-run", "--configs", "CUSTOM:fp8,FLASHMLA:fp8", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: 6 engine processes (2 configs x 3 rounds" in out
+    assert re.search(r"6\. round 3: FLASHMLA:fp8", out) and not (tmp_path / "bench.json").exists()
