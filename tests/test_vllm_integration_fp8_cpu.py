@@ -259,3 +259,36 @@ def test_absorbed_form_reference_matches_the_mha_form():
     assert lt.errors(torch.ones(0), torch.ones(0)) == (0.0, 0.0)
     err = lt.errors(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0]))
     assert err[0] == 1.0 and err[1] == pytest.approx(1 / 2 ** 0.5)
+
+
+# ---- SGLang's engine comparison of two FP8 runs (integration/sglang_run.py compare) ------------------------
+
+def _sglang_run_file(tmp_path, name, kv, tokens):
+    import json
+
+    run = {"backend": name, "options": {"kv_cache_dtype": kv} if kv else {},
+           "outputs": [{"token_ids": t, "logprobs": [{str(x): -0.5} for x in t]} for t in tokens]}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(run))
+    return str(path)
+
+
+@pytest.mark.parametrize("ours_err,expect,rc", [(0.10, "agree", 0), (0.30, "agree", 1), (0.30, "disagree", 0)])
+def test_sglang_fp8_runs_are_judged_by_the_fp32_distance(tmp_path, monkeypatch, ours_err, expect, rc):
+    """Two FP8 runs that part early (as two correct FP8 engines do) are judged only by mean |logprob - fp32|."""
+    import sglang_run
+
+    class Oracle:
+        def __init__(self, model_dir, prompts):
+            pass
+
+        def run_error(self, run):
+            return [ours_err if run["backend"] == "ours" else 0.12] * 4
+
+    monkeypatch.setattr(fp32_oracle, "Fp32Oracle", Oracle)
+    ours = _sglang_run_file(tmp_path, "ours", "fp8_e4m3", [[5, 6, 7, 8]])
+    ref = _sglang_run_file(tmp_path, "triton", "fp8_e4m3", [[5, 9, 9, 9]])  # parts at the second token
+    (tmp_path / "prompts.json").write_text("[[1, 2, 3]]")
+    args = SimpleNamespace(ours=ours, ref=ref, tie_gap_from=None, fp32_model="unused", expect=expect,
+                           prompts=str(tmp_path / "prompts.json"), min_accept_ratio=None)
+    assert sglang_run.compare(args) == rc

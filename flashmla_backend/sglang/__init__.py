@@ -13,7 +13,9 @@ filters by name). Then select it with
 (or `--decode-attention-backend flashmla_backend` to pair it with another prefill backend). The
 plugin forces --page-size 64 for it. What runs: decode, MTP / EAGLE target verification and draft
 extend (topk 1) go to flashmla_backend.flash_mla_with_kvcache over SGLang's MLA KV pool; prefill and
-extend stay with SGLang's Triton backend (flashmla_backend.sglang.backend). Supported SGLang versions:
+extend stay with SGLang's Triton backend (flashmla_backend.sglang.backend). KV caches: the model's 16-bit
+dtype or FP8 e4m3 (`--kv-cache-dtype fp8_e4m3`, read in place with the layer's k scale; 16-bit queries);
+flashmla_backend.engine_support states what is accepted. Supported SGLang versions:
 flashmla_backend.sglang._compat.
 
 Names: the backend is "flashmla_backend"; it does not touch SGLang's own "flashmla" backend, the
