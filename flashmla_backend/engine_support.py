@@ -1,4 +1,4 @@
-"""What the engine plugins accept: KV-cache dtypes, block sizes, features and the FP8 query mode.
+"""What the engine plugins accept: KV-cache dtypes, block sizes and the FP8 query mode.
 
 The one statement of it: the vLLM adapter (flashmla_backend.vllm: backend, impl, the opt-in automatic
 choice) and the SGLang adapter (flashmla_backend.sglang: backend, server-argument hook) read this module
@@ -60,12 +60,6 @@ MODEL_DTYPES = (torch.bfloat16, torch.float16)
 CACHE_TORCH_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
 # The decode kernel reads PAGE_SIZE-token pages; a KV block of any multiple is split into kernel blocks (vLLM).
 BLOCK_SIZE_MULTIPLE = PAGE_SIZE
-
-# Features, for the adapters' refusal messages and the README.
-SUPPORTED_FEATURES = ("decode with query length 1", "MTP / speculative verification with a uniform query length "
-                      "(causal)", "full CUDA graphs", "block sizes that are multiples of 64")
-REFUSED_FEATURES = ("decode context parallelism", "sparse MLA (DeepSeek-V3.2)", "ALiBi, sliding windows, logit "
-                    "soft-capping", "speculative decoding with topk > 1 (SGLang)")
 
 FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
 FP8_MODES = ("accurate", "fast")

@@ -78,8 +78,7 @@ def get_mla_metadata(cache_seqlens: torch.Tensor | None = None, num_q_tokens_per
                                     is_fp8_kvcache, topk)
     # Lengths >= 0, where the metadata is made: always on CPU tensors; on CUDA only in the checked mode (a host
     # sync), never in capture (the decode checks them again, against the block table).
-    if not torch.compiler.is_compiling() and (cache_seqlens.device.type != "cuda" or (
-            validate.checked_mode() and not torch.cuda.is_current_stream_capturing())):
+    if not torch.compiler.is_compiling() and validate.values_checked(cache_seqlens.device):
         validate.check_lengths(cache_seqlens)
     parts = scheduler.num_sm_parts(device.sm_count(cache_seqlens.device), int(num_heads_k),
                                    int(num_q_tokens_per_head_k))
@@ -177,7 +176,7 @@ def _decode_impl(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     on_cuda = q.device.type == "cuda"
     # Value checks (lengths, page ids, metadata against the lengths and shapes, descale values): always on CPU
     # tensors; on CUDA only in the checked mode (a host sync), never in capture.
-    if not on_cuda or (validate.checked_mode() and not torch.cuda.is_current_stream_capturing()):
+    if validate.values_checked(q.device):
         validate.check_values(k_cache, block_table, cache_seqlens)
         validate.check_schedule(q, k_cache, cache_seqlens, meta, num_splits)
         validate.check_descales(descale_q, descale_k)

@@ -63,6 +63,12 @@ def checked_mode() -> bool:
     return _env.flag(CHECK_ENV)
 
 
+def values_checked(dev: torch.device) -> bool:
+    """Whether the value checks (which read tensors on the host) run for tensors on `dev`: always on CPU; on CUDA
+    only in the checked mode, and never while a CUDA graph is being captured (a host sync is not capturable)."""
+    return dev.type != "cuda" or (checked_mode() and not torch.cuda.is_current_stream_capturing())
+
+
 # ---- the rule machinery ---------------------------------------------------------------------------
 
 class Rule(NamedTuple):
@@ -158,26 +164,35 @@ _ENV = dict(torch=torch, Tensor=torch.Tensor, math=math, INF=math.inf, scheduler
             _PY_REAL=_PY_REAL, _pairs=_pairs, _bad_pages=_bad_pages)
 
 
-def _tensor(name: str, ndim: int, dtypes: str, what: str, contiguous: bool = False) -> list[Rule]:
-    """Rows for one tensor argument: a tensor, ndim-D, one of `dtypes` (an env name), unit last stride."""
+def _none_or(name: str, optional: bool) -> str:
+    """The prefix that makes a row's test hold for an optional argument that is None."""
+    return f"{name} is None or " if optional else ""
+
+
+def _tensor(name: str, ndim: int, dtypes: str, what: str, contiguous: bool = False,
+            optional: bool = False) -> list[Rule]:
+    """Rows for one tensor argument: a tensor, ndim-D, one of `dtypes` (an env name or an expression), unit last
+    stride. optional: None is accepted too (every row then holds for None)."""
+    guard = _none_or(name, optional)
     rows = [
-        Rule(name, f"isinstance({name}, Tensor)", TypeError,
-             f"{name} must be a torch.Tensor, got {{type({name}).__name__}}"),
-        Rule(name, f"{name}.dim() == {ndim}", ValueError,
+        Rule(name, f"{guard}isinstance({name}, Tensor)", TypeError,
+             f"{name} must be {'None or ' if optional else ''}a torch.Tensor, got {{type({name}).__name__}}"),
+        Rule(name, f"{guard}{name}.dim() == {ndim}", ValueError,
              f"{name} must be {what} ({ndim}-D), got {{_describe({name})}}"),
-        Rule(name, f"{name}.dtype in {dtypes}", TypeError,
+        Rule(name, f"{guard}{name}.dtype in {dtypes}", TypeError,
              f"{name} must have dtype {{_dtype_names({dtypes})}}, got {{_describe({name})}}"),
-        Rule(name, f"{name}.stride(-1) == 1 or {name}.numel() == 0", ValueError,
+        Rule(name, f"{guard}{name}.stride(-1) == 1 or {name}.numel() == 0", ValueError,
              f"{name} must have a contiguous last dimension (stride 1), got {{_describe({name})}}"),
     ]
     if contiguous:
-        rows.append(Rule(name, f"{name}.is_contiguous()", ValueError,
+        rows.append(Rule(name, f"{guard}{name}.is_contiguous()", ValueError,
                          f"{name} must be contiguous, got {{_describe({name})}}"))
     return rows
 
 
-def _same_device(name: str) -> Rule:
-    return Rule(name, f"{name}.device == q.device", ValueError,
+def _same_device(name: str, optional: bool = False) -> Rule:
+    guard = _none_or(name, optional)
+    return Rule(name, f"{guard}{name}.device == q.device", ValueError,
                 f"{name} is on {{{name}.device}} but q is on {{q.device}}: all tensors must be on one device")
 
 
@@ -213,17 +228,9 @@ DECODE_ROWS = [
     *_tensor("q", 4, "Q_DTYPES", "[batch, seqlen_q, num_heads_q, {HEAD_DIM_K}]")[1:],
     # q_pe (flash_mla_with_kvcache only): q's rope columns in a tensor of their own, q then holds the latent part.
     # The REFERENCE table has no q_pe argument: its env binds the name to None, so the shared rows below read it.
-    Rule("q_pe", "q_pe is None or isinstance(q_pe, Tensor)", TypeError,
-         "q_pe must be None or a torch.Tensor (the rope part of q, with q the latent part), got {type(q_pe).__name__}"),
-    Rule("q_pe", "q_pe is None or q_pe.dtype == q.dtype", TypeError,
-         "q_pe must have q's dtype ({q.dtype}), got {_describe(q_pe)}"),
-    Rule("q_pe", "q_pe is None or (q_pe.dim() == 4 and q_pe.dim() == q.dim())", ValueError,
-         "q_pe must be [batch, seqlen_q, num_heads_q, {ROPE_DIM}] like q's first three dimensions, got "
-         "{_describe(q_pe)}"),
-    Rule("q_pe", "q_pe is None or q_pe.stride(-1) == 1 or q_pe.numel() == 0", ValueError,
-         "q_pe must have a contiguous last dimension (stride 1), got {_describe(q_pe)}"),
-    Rule("q_pe", "q_pe is None or q_pe.device == q.device", ValueError,
-         "q_pe is on {q_pe.device} but q is on {q.device}: all tensors must be on one device"),
+    *_tensor("q_pe", 4, "(q.dtype,)", "the rope part of q, [batch, seqlen_q, num_heads_q, {ROPE_DIM}] in q's dtype",
+             optional=True),
+    _same_device("q_pe", optional=True),
     Rule("k_cache", "isinstance(k_cache, Tensor)", TypeError,
          "k_cache must be a torch.Tensor, got {type(k_cache).__name__}"),
     Rule("k_cache", "k_cache.dtype in Q_DTYPES or k_cache.element_size() != 1", TypeError,
@@ -325,7 +332,7 @@ def _strides_test(name: str, stride: str) -> str:
 
 
 def _layout_rules(name: str, st: str, optional: bool = False) -> list:
-    guard = f"{name} is None or " if optional else ""
+    guard = _none_or(name, optional)
     return [
         Rule(name, f"{guard}{name}.data_ptr() % ALIGN_BYTES == 0", ValueError,
              f"{name}'s data pointer must be {{ALIGN_BYTES}}-byte aligned (got {{{name}.data_ptr() % ALIGN_BYTES}} "
