@@ -504,7 +504,8 @@ def test_parse_args_kv_dtype():
     a = cli.parse_args(["--kv-dtype", "bf16,fp8"])
     assert a.kv_dtype == ["bf16", "fp8"] and a.impls == list(impls.ALL_IMPLS)
     cfg = cli.config_from_args(a)
-    assert cfg.kv_dtypes == ["bf16", "fp8"] and cfg.impls[-3:] == ["ours-fp8", "ours-fp8q", "flashmla-fp8"]
+    assert cfg.kv_dtypes == ["bf16", "fp8"] and cfg.impls[-4:] == ["ours-fp8", "ours-fp8q", "flashmla-fp8",
+                                                                     "flashinfer-fp8"]
     assert cli.parse_args(["--kv-dtype", "FP8"]).impls == list(impls.FP8_IMPLS)          # e4m3 rows only
     assert cli.parse_args(["--kv-dtype", "e4m3 bf16", "--impls", "all"]).kv_dtype == ["bf16", "fp8"]
     # without --kv-dtype: the dtypes of the implementations named (run order kept)
@@ -557,8 +558,10 @@ def test_quantize_e4m3():
     x8, descale = shapes.quantize_e4m3(x)
     assert x8.dtype == torch.float8_e4m3fn and x8.shape == x.shape
     assert descale.shape == (1,) and descale.dtype == torch.float32
-    assert float(descale) == pytest.approx(float(x.abs().max()) / 448)
-    assert float(x8.float().abs().max()) == 448.0                                 # amax maps to e4m3's max
+    want = float(x.abs().max()) / 448
+    assert want <= float(descale) <= want * (1 + 2 ** -7)                          # rounded up to bf16
+    assert float(descale) == float(descale.to(torch.bfloat16))
+    assert float(x8.float().abs().max()) == 448.0                                 # amax still maps to e4m3's max
     back = x8.float() * descale
     big = x.float().abs() > 2 ** -6 * float(descale)                              # normal e4m3 range
     assert ((back - x.float()).abs()[big] <= 2 ** -4 * x.float().abs()[big] + 1e-12).all()   # half an ulp
@@ -575,7 +578,19 @@ def test_make_fp8_inputs_and_rotation():
     f8 = shapes.make_fp8_inputs(inputs)
     assert len(f8) == 2 and f8[0].k_cache.shape == inputs[0].k_cache.shape and f8[0].q.shape == inputs[0].q.shape
     assert f8[0].nbytes() == shapes.fp8_bytes_per_copy(shape, lens)
-    assert not torch.equal(f8[0].descale_k, f8[1].descale_k)                     # each copy its own descale
+    for inp, f in zip(inputs, f8):                      # each copy's descales come from its own amax
+        for x, d in ((inp.k_cache, f.descale_k), (inp.q, f.descale_q)):
+            want = float(x.abs().amax().float()) / shapes.E4M3_MAX
+            assert want <= float(d) <= want * (1 + 2 ** -7)                       # rounded up to bf16
+            assert float(d) == float(d.to(torch.bfloat16))
+    # Each copy quantized with its own descale, whatever the random maxima: a copy with twice the data of
+    # another gets exactly twice its descales and the same e4m3 bytes.
+    a = inputs[0]
+    twice = shapes.make_fp8_inputs([a, shapes.DecodeInputs(a.q * 2, a.k_cache * 2, a.block_table)])
+    assert float(twice[1].descale_k) == 2 * float(twice[0].descale_k)
+    assert float(twice[1].descale_q) == 2 * float(twice[0].descale_q)
+    assert torch.equal(twice[1].k_cache.view(torch.uint8), twice[0].k_cache.view(torch.uint8))
+    assert torch.equal(twice[1].q.view(torch.uint8), twice[0].q.view(torch.uint8))
     l2 = 50 << 20
     # e4m3 copies are half the size: twice as many copies, capped by the memory of both sets
     assert shapes.rotation_copies_for([10 << 20, 5 << 20], 15 << 20, l2, 4 << 30) == 40
@@ -814,3 +829,74 @@ def test_bench_script_without_gpu(tmp_path):
     res = subprocess.run([sys.executable, str(BENCHMARKS / "bench.py"), "--quick", "--out-dir", str(tmp_path / "o")],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "needs a CUDA GPU" in res.stderr
+
+
+# ---- FlashInfer as a peer ---------------------------------------------------------------------
+
+def test_bf16_ceil():
+    x = torch.tensor([1.0, 1.0 + 2 ** -20, 3.1e-3, 448.0, 1e-30], dtype=torch.float32)
+    y = shapes.bf16_ceil(x)
+    assert torch.equal(y.to(torch.bfloat16).float(), y) and bool((y >= x).all())
+    assert y.tolist()[0] == 1.0 and y.tolist()[1] == 1.0 + 2 ** -7 and y.tolist()[3] == 448.0
+    assert bool((y <= x * (1 + 2 ** -7)).all())
+
+
+def test_flashinfer_csr_pages():
+    from mla_bench import flashinfer_peer
+    table = torch.tensor([[5, 9, 7], [3, 0, 0], [8, 2, 0], [1, 4, 6]], dtype=torch.int32)
+    lens = torch.tensor([130, 0, 64, 129], dtype=torch.int32)           # 3, 0, 1, 3 pages of 64
+    indptr, indices = flashinfer_peer.csr_pages(table, lens, 64)
+    assert indptr.tolist() == [0, 3, 3, 4, 7] and indptr.dtype == torch.int32
+    assert indices.tolist() == [5, 9, 7, 8, 1, 4, 6] and indices.dtype == torch.int32
+
+
+def test_flashinfer_missing_is_one_clear_reason(monkeypatch, tmp_path):
+    from mla_bench import flashinfer_peer
+    if importlib_find("flashinfer"):
+        pytest.skip("flashinfer is installed here")
+    monkeypatch.setattr(flashinfer_peer, "_state", {})
+    monkeypatch.setenv(flashinfer_peer.ENV_DIR, str(tmp_path))
+    inputs = shapes.make_inputs(shapes.Shape(2, 64, 16), [64, 64], torch.bfloat16, CPU, seed=0, copies=1)
+    ctx = impls.ShapeContext(shapes.Shape(2, 64, 16), [64, 64], inputs, torch.tensor([64, 64]), 64, 0.1, True,
+                             torch.bfloat16, CPU, [], 132)
+    with pytest.raises(impls.ImplUnavailable, match=f"no bundle at {tmp_path}.*--flashinfer-dir"):
+        impls.ADAPTERS["flashinfer"](ctx)
+    with pytest.raises(impls.ImplUnavailable, match="no e4m3 inputs"):
+        impls.ADAPTERS["flashinfer-fp8"](ctx)
+    ctx.dtype = torch.float16
+    with pytest.raises(impls.ImplUnavailable, match="bf16 q"):
+        impls.ADAPTERS["flashinfer"](ctx)
+
+
+def test_flashinfer_bundle_digest_checked(monkeypatch, tmp_path):
+    import tarfile
+    from mla_bench import flashinfer_peer
+    src = tmp_path / "src" / "site" / "flashinfer_probe_pkg"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("X = 1\n")
+    with tarfile.open(tmp_path / "site.tar.xz", "w:xz") as tar:
+        tar.add(tmp_path / "src" / "site", arcname="site")
+    monkeypatch.setattr(flashinfer_peer.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "site.tar.xz.sha256").write_text("0" * 64 + "  site.tar.xz\n")
+    with pytest.raises(flashinfer_peer.FlashInferMissing, match="differs from"):
+        flashinfer_peer._unpack(str(tmp_path))
+    (tmp_path / "site.tar.xz.sha256").unlink()
+    root = flashinfer_peer._unpack(str(tmp_path))
+    assert (Path(root) / "site" / "flashinfer_probe_pkg" / "__init__.py").read_text() == "X = 1\n"
+    assert flashinfer_peer._unpack(str(tmp_path)) == root                      # unpacked once
+
+
+def test_flashinfer_dir_argument(tmp_path, monkeypatch):
+    from mla_bench import flashinfer_peer
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--flashinfer-dir", str(tmp_path)])                        # no site.tar.xz there
+    (tmp_path / "site.tar.xz").write_bytes(b"")
+    monkeypatch.delenv(flashinfer_peer.ENV_DIR, raising=False)
+    cli.parse_args(["--flashinfer-dir", str(tmp_path)])
+    assert os.environ[flashinfer_peer.ENV_DIR] == str(tmp_path)
+    assert flashinfer_peer.bundle_dir() == str(tmp_path)
+
+
+def importlib_find(name):
+    import importlib.util
+    return importlib.util.find_spec(name) is not None

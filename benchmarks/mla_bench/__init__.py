@@ -4,7 +4,8 @@ Modules, by role:
   shapes   shape syntax, sequence lengths, random paged inputs, FLOP/byte accounting
   timing   timers, CUDA-graph capture, copy-bandwidth and matmul ceilings
   check    the correctness guard against flashmla_backend.reference
-  impls    the adapters of the timed implementations (ours, vLLM's FlashMLA / Triton / FA3, naive PyTorch)
+  impls    the adapters of the timed implementations (ours, vLLM's FlashMLA / Triton / FA3, FlashInfer, naive PyTorch)
+  flashinfer_peer  finding and importing FlashInfer (installed, or a prebuilt bundle) and planning its MLA decode
   run      one shape end to end: guard, timing, result rows
   report   results.json / results.csv / markdown table / roofline chart
   cli      the command line of benchmarks/bench.py

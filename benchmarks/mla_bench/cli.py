@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import flashinfer_peer
 from .impls import ALL_IMPLS, FP8_IMPLS, kv_kind
 from .report import collect_environment, markdown_report, write_outputs
 from .run import Config, log, run_shape
@@ -128,8 +129,9 @@ def _arg_splits(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Benchmark MLA decode: flashmla_backend against vLLM's FlashMLA, Triton MLA, FA3 MLA "
-                    "and a naive PyTorch decode, with measured copy-bandwidth and matmul ceilings.")
+        description="Benchmark MLA decode: flashmla_backend against vLLM's FlashMLA, Triton MLA, FA3 MLA, "
+                    "FlashInfer's Hopper MLA (when present) and a naive PyTorch decode, with measured "
+                    "copy-bandwidth and matmul ceilings.")
     p.add_argument("--shapes", type=_arg_shapes, default=None,
                    help=f"comma-separated shapes, each {SHAPE_SYNTAX} (default: the main serving shapes "
                         "and a few more sizes; with --quick: three small shapes)")
@@ -155,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--triton-splits", type=_arg_splits, default=None,
                    help="num_kv_splits values tried for vLLM's Triton kernel, best kept; vLLM's own choice is "
                         "always added (default 4,8,16,32; none with --quick)")
+    p.add_argument("--flashinfer-dir", default=None,
+                   help="folder of a prebuilt FlashInfer bundle (site.tar.xz) for the flashinfer rows when "
+                        "flashinfer is not importable (default: $FLASHMLA_BENCH_FLASHINFER_DIR, else "
+                        ".peers/flashinfer in this checkout); without either, those rows say unavailable")
     p.add_argument("--max-rotation-gib", type=_arg_positive_float, default=4.0,
                    help="cap on the memory of the rotated input copies, GiB (default 4)")
     return p
@@ -165,6 +171,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         parser.error(f"--out-dir {args.out_dir!r} exists and is not a folder")
+    if args.flashinfer_dir is not None:
+        if not os.path.isfile(os.path.join(args.flashinfer_dir, "site.tar.xz")):
+            parser.error(f"--flashinfer-dir {args.flashinfer_dir!r} holds no site.tar.xz")
+        os.environ[flashinfer_peer.ENV_DIR] = os.path.abspath(args.flashinfer_dir)
     dtype16 = "bf16" if DTYPES[args.dtype] == torch.bfloat16 else "fp16"
     try:
         args.impls, args.kv_dtype = resolve_impls(args.impls, args.kv_dtype, dtype16)

@@ -7,11 +7,14 @@
   fa3       vLLM's FlashAttention-3 MLA decode: vllm.vllm_flash_attn.flash_attn_varlen_func with
             q = rope part, q_v = latent part, k = rope columns, v = latent columns of the cache
   naive     batched PyTorch: gather pages, matmul, fp32 softmax, matmul (flashmla_backend.reference)
+  flashinfer  FlashInfer's Hopper MLA decode (BatchMLAPagedAttentionWrapper, backend fa3), bf16 only, when
+            FlashInfer is importable or its prebuilt bundle is present (flashinfer_peer.py)
 
 FP8 (e4m3) KV cache, all three on the same e4m3 cache bytes and descale_k (shapes.make_fp8_inputs):
   ours-fp8      flash_mla_with_kvcache, accurate mode: the 16-bit q against the e4m3 cache (descale_k)
   ours-fp8q     flash_mla_with_kvcache, fast mode: the e4m3 q (descale_q) against the e4m3 cache
   flashmla-fp8  vLLM's flash_mla_with_kvcache_fp8 (e4m3 q and cache), metadata from get_mla_metadata_dense_fp8
+  flashinfer-fp8  FlashInfer's Hopper MLA on the e4m3 cache with the 16-bit q (per-tensor scale, like ours-fp8)
 
 An adapter turns a ShapeContext into Variants (zero-argument calls, one per rotated input copy) or raises
 ImplUnavailable. The vLLM ones are optional: a missing import or an unsupported call is reported, not fatal.
@@ -27,8 +30,8 @@ from flashmla_backend.reference import naive_mla_decode
 
 from .shapes import D_QK, D_V, PAGE_SIZE, DecodeInputs, Fp8Inputs, Shape
 
-IMPLS = ("ours", "flashmla", "triton", "fa3", "naive")    # 16-bit cache; also the order in which they run
-FP8_IMPLS = ("ours-fp8", "ours-fp8q", "flashmla-fp8")       # e4m3 cache; run after the 16-bit ones
+IMPLS = ("ours", "flashmla", "triton", "fa3", "flashinfer", "naive")   # 16-bit cache; also the run order
+FP8_IMPLS = ("ours-fp8", "ours-fp8q", "flashmla-fp8", "flashinfer-fp8")  # e4m3 cache; run after the 16-bit ones
 ALL_IMPLS = IMPLS + FP8_IMPLS
 FP8_Q_IMPLS = ("ours-fp8q", "flashmla-fp8")                 # these read the e4m3 q
 IMPL_LABELS = {
@@ -36,16 +39,19 @@ IMPL_LABELS = {
     "flashmla": "vLLM FlashMLA",
     "triton": "vLLM Triton MLA",
     "fa3": "vLLM FA3 MLA",
+    "flashinfer": "FlashInfer MLA",
     "naive": "naive PyTorch",
     "ours-fp8": "ours FP8 cache (16-bit q)",
     "ours-fp8q": "ours FP8 cache + e4m3 q",
     "flashmla-fp8": "vLLM FlashMLA-FP8",
+    "flashinfer-fp8": "FlashInfer MLA FP8 cache (16-bit q)",
 }
 METADATA_IMPL = "get_mla_metadata"   # rows timing flashmla_backend.get_mla_metadata alone
 BASELINE_IMPL = "flashmla"           # speed-ups are relative to this one (FP8 rows: FP8_BASELINE_IMPL)
 FP8_BASELINE_IMPL = "flashmla-fp8"
 # Each implementation's full-batch output is compared with its peer's (same inputs), if the peer passed.
-PEERS = {"flashmla": "ours", "triton": "ours", "fa3": "ours", "naive": "ours", "flashmla-fp8": "ours-fp8q"}
+PEERS = {"flashmla": "ours", "triton": "ours", "fa3": "ours", "flashinfer": "ours", "naive": "ours",
+         "flashmla-fp8": "ours-fp8q", "flashinfer-fp8": "ours-fp8"}
 # The vLLM modules that have held the FlashMLA-FP8 op, in the order they are tried.
 VLLM_FP8_MODULES = ("vllm.attention.ops.flashmla", "vllm.v1.attention.ops.flashmla",
                     "vllm.third_party.flashmla", "vllm.third_party.flashmla.flash_mla_interface")
@@ -312,14 +318,61 @@ def prepare_flashmla_fp8(ctx: ShapeContext) -> list[Variant]:
                     f"{mod.__name__}, metadata from {how} once per shape")]
 
 
+def _flashinfer(ctx: ShapeContext, fp8: bool) -> list[Variant]:
+    """One planned wrapper per input copy (a plan holds its copy's pages), q packed [b * s_q, h_q, 576], the cache
+    as [pages, 64, 576] (one KV head), natural-log lse; the FP8 variant passes descale_k as FlashInfer's
+    per-tensor ckv / kpe scale (a Python float, bf16-representable: shapes.make_fp8_inputs)."""
+    if fp8:
+        _need_fp8(ctx)
+    if ctx.dtype != torch.bfloat16:
+        raise ImplUnavailable(f"FlashInfer's prebuilt Hopper MLA modules take a bf16 q, not {ctx.dtype}")
+    from . import flashinfer_peer
+    try:
+        mla = flashinfer_peer.load()
+    except flashinfer_peer.FlashInferMissing as e:
+        raise ImplUnavailable(str(e)) from e
+    shape, dev = ctx.shape, ctx.device
+    rows = shape.b * shape.s_q
+    kv_dtype = torch.float8_e4m3fn if fp8 else ctx.dtype
+    out = torch.empty(rows, shape.h_q, D_V, dtype=ctx.dtype, device=dev)
+    lse = torch.empty(rows, shape.h_q, dtype=torch.float32, device=dev)
+
+    def make(c: int) -> Callable[[], Any]:
+        inp = ctx.inputs[c]
+        w = flashinfer_peer.plan(mla, dev, inp.block_table, ctx.cache_seqlens, shape.s_q, shape.h_q, D_V, D_QK - D_V,
+                                 PAGE_SIZE, ctx.causal, ctx.scale, ctx.dtype, kv_dtype)
+        q = inp.q.reshape(rows, shape.h_q, D_QK)
+        cache = (ctx.fp8[c].k_cache if fp8 else inp.k_cache).squeeze(2)
+        kw = flashinfer_peer.run_kwargs(float(ctx.fp8[c].descale_k) if fp8 else None)
+        return lambda: w.run(query=q, kv_cache=cache, out=out, lse=lse, return_lse=True,
+                             return_lse_base_on_e=True, **kw)
+
+    def normalize(res: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        o, l = res                                        # [b * s_q, h, 512], [b * s_q, h]
+        return (o.view(shape.b, shape.s_q, shape.h_q, D_V),
+                l.view(shape.b, shape.s_q, shape.h_q).permute(0, 2, 1))
+    note = ("e4m3 cache, 16-bit q, per-tensor scale; " if fp8 else "") + "one plan per input copy, made once"
+    return [Variant("", [make(c) for c in range(len(ctx.inputs))], normalize, note)]
+
+
+def prepare_flashinfer(ctx: ShapeContext) -> list[Variant]:
+    return _flashinfer(ctx, fp8=False)
+
+
+def prepare_flashinfer_fp8(ctx: ShapeContext) -> list[Variant]:
+    return _flashinfer(ctx, fp8=True)
+
+
 ADAPTERS: dict[str, Callable[[ShapeContext], list[Variant]]] = {
     "ours": prepare_ours,
     "flashmla": prepare_flashmla,
     "triton": prepare_triton,
     "fa3": prepare_fa3,
+    "flashinfer": prepare_flashinfer,
     "naive": prepare_naive,
     "ours-fp8": prepare_ours_fp8,
     "ours-fp8q": prepare_ours_fp8q,
     "flashmla-fp8": prepare_flashmla_fp8,
+    "flashinfer-fp8": prepare_flashinfer_fp8,
 }
 

@@ -139,6 +139,9 @@ def fp8_tables(cfg: Config, rows: list[dict]) -> list[str]:
     by = {(r["shape"], r["impl"], r["mode"]): r for r in rows}
     shapes = list(dict.fromkeys(r["shape"] for r in rows if r["impl"] in FP8_IMPLS))
     d16 = cfg.dtype_name
+    # FlashInfer's column only where it was asked for (its rows exist, timed or unavailable).
+    fi = any(r["impl"] == "flashinfer-fp8" for r in rows)
+    fi_head = "FlashInfer-FP8 (16-bit q) µs | " if fi else ""
     lines = []
     for mode in cfg.modes:
         lines += ["", f"FP8 (e4m3) KV cache, {mode} calls" + (" (CUDA graph replays)" if mode == "graph" else
@@ -146,24 +149,28 @@ def fp8_tables(cfg: Config, rows: list[dict]) -> list[str]:
                   f": ours-fp8 = {d16} q (accurate mode), ours-fp8q = e4m3 q + descale_q (fast mode), "
                   "FlashMLA-FP8 = vLLM's flash_mla_with_kvcache_fp8 (e4m3 q); all on the same e4m3 cache. "
                   "% of copy = GB/s with the e4m3 byte count / device copy GB/s.", "",
-                  f"| shape | ours-fp8 µs | ours-fp8q µs | FlashMLA-FP8 µs | ours {d16} µs | ours-fp8q vs FlashMLA-FP8 "
-                  f"| ours-fp8 / ours-fp8q time | ours-fp8 vs ours {d16} | ours-fp8 % of copy | ours-fp8q % of copy |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| shape | ours-fp8 µs | ours-fp8q µs | FlashMLA-FP8 µs | " + fi_head + f"ours {d16} µs "
+                  f"| ours-fp8q vs FlashMLA-FP8 | ours-fp8 / ours-fp8q time | ours-fp8 vs ours {d16} "
+                  f"| ours-fp8 % of copy | ours-fp8q % of copy |",
+                  "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if fi else "")]
         for s in shapes:
             sm = fp8_summary(rows, s, mode)
             cells = [s, _cell_us(by.get((s, "ours-fp8", mode))), _cell_us(by.get((s, "ours-fp8q", mode))),
-                     _cell_us(by.get((s, "flashmla-fp8", mode))), _cell_us(by.get((s, "ours", mode))),
-                     _ratio_cell(sm["fp8q_vs_flashmla_fp8"]), _ratio_cell(sm["fp8_over_fp8q"]),
-                     _ratio_cell(sm["fp8_vs_16bit"]), _pct_cell(sm["fp8_frac_copy"]), _pct_cell(sm["fp8q_frac_copy"])]
+                     _cell_us(by.get((s, "flashmla-fp8", mode)))]
+            cells += [_cell_us(by.get((s, "flashinfer-fp8", mode)))] if fi else []
+            cells += [_cell_us(by.get((s, "ours", mode))),
+                      _ratio_cell(sm["fp8q_vs_flashmla_fp8"]), _ratio_cell(sm["fp8_over_fp8q"]),
+                      _ratio_cell(sm["fp8_vs_16bit"]), _pct_cell(sm["fp8_frac_copy"]), _pct_cell(sm["fp8q_frac_copy"])]
             lines.append("| " + " | ".join(cells) + " |")
     mode = cfg.modes[0]
     lines += ["", f"FP8 accuracy: ||out - ref|| / ||ref|| over every row that sees a key, ref = fp64 decode of the "
                   f"dequantized e4m3 cache with (a) the original {d16} q, (b) the dequantized e4m3 q.", "",
               "| shape | ours-fp8 (a) | ours-fp8 (b) | ours-fp8q (a) | ours-fp8q (b) | FlashMLA-FP8 (a) "
-              "| FlashMLA-FP8 (b) |", "|---|---|---|---|---|---|---|"]
+              "| FlashMLA-FP8 (b) |" + (" FlashInfer-FP8 (a) | FlashInfer-FP8 (b) |" if fi else ""),
+              "|---|---|---|---|---|---|---|" + ("---|---|" if fi else "")]
     for s in shapes:
         cells = [s]
-        for impl in FP8_IMPLS:
+        for impl in FP8_IMPLS if fi else [i for i in FP8_IMPLS if i != "flashinfer-fp8"]:
             r = by.get((s, impl, mode))
             cells += [_err_cell(r, "err_vs_bf16q"), _err_cell(r, "err_vs_fp8q")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -185,12 +192,14 @@ def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: 
                  "time / ours (FP8 rows: vLLM FlashMLA-FP8 time / theirs).")
     by = {(r["shape"], r["impl"], r["mode"]): r for r in rows}
     shapes = list(dict.fromkeys(r["shape"] for r in rows if r["impl"] not in FP8_IMPLS))
+    fi16 = any(r["impl"] == "flashinfer" for r in rows)     # its column only where it was asked for
     for mode in (cfg.modes if shapes else []):
         lines += ["", f"Timing: {mode} calls" + (" (CUDA graph replays)" if mode == "graph" else
                                                   " (includes Python launch overhead)"), "",
                   "| shape | ours µs | ours TFLOP/s | ours GB/s | ours % of ceiling | FlashMLA µs | Triton µs "
-                  "| FA3 µs | naive µs | ours vs FlashMLA | get_mla_metadata µs |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| FA3 µs | " + ("FlashInfer µs | " if fi16 else "") + "naive µs | ours vs FlashMLA "
+                  "| get_mla_metadata µs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if fi16 else "")]
         for s in shapes:
             ours = by.get((s, "ours", mode))
             ok = ours is not None and ours["status"] == "ok"
@@ -201,7 +210,9 @@ def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: 
             cells = [s, _cell_us(ours), f"{ours['tflops']:.1f}" if ok else "n/a",
                      f"{ours['gbs']:.0f}" if ok else "n/a", frac,
                      _cell_us(by.get((s, "flashmla", mode))), _cell_us(by.get((s, "triton", mode))),
-                     _cell_us(by.get((s, "fa3", mode))), _cell_us(by.get((s, "naive", mode))),
+                     _cell_us(by.get((s, "fa3", mode)))]
+            cells += [_cell_us(by.get((s, "flashinfer", mode)))] if fi16 else []
+            cells += [_cell_us(by.get((s, "naive", mode))),
                      f"{speed:.2f}x" if speed else "n/a",
                      f"{meta['us']:.1f}" if meta and meta["status"] == "ok" else "n/a"]
             lines.append("| " + " | ".join(cells) + " |")
@@ -220,9 +231,11 @@ def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: 
 
 
 # FP8 rows: their own colours, non-circle markers and hatched bars; their intensity uses the e4m3 byte count.
-CHART_COLORS = dict(zip(ALL_IMPLS, ("tab:red", "tab:blue", "tab:green", "tab:purple", "tab:gray",
-                                    "darkred", "tab:orange", "tab:cyan")))
-CHART_MARKERS = dict(zip(ALL_IMPLS, ("o",) * len(IMPLS) + ("D", "^", "s")))
+CHART_COLORS = {"ours": "tab:red", "flashmla": "tab:blue", "triton": "tab:green", "fa3": "tab:purple",
+                "flashinfer": "tab:olive", "naive": "tab:gray", "ours-fp8": "darkred", "ours-fp8q": "tab:orange",
+                "flashmla-fp8": "tab:cyan", "flashinfer-fp8": "goldenrod"}
+CHART_MARKERS = dict(zip(ALL_IMPLS, ("o",) * len(IMPLS) + ("D", "^", "s", "v")))
+assert set(CHART_COLORS) == set(ALL_IMPLS) == set(CHART_MARKERS), "a colour and a marker for every implementation"
 
 
 def write_chart(path: str, rows: list[dict], ceilings: Optional[Ceilings]) -> bool:

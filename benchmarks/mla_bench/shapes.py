@@ -197,19 +197,28 @@ def rotation_copies_for(timed_bytes: Sequence[int], held_bytes: int, l2_bytes: i
 class Fp8Inputs:
     """The e4m3 form of one DecodeInputs copy (same block table and lengths): true value = stored x descale."""
     k_cache: torch.Tensor      # [num_pages, 64, 1, 576] float8_e4m3fn
-    descale_k: torch.Tensor    # [1] float32, amax(|k_cache 16-bit|) / 448
+    descale_k: torch.Tensor    # [1] float32, amax(|k_cache 16-bit|) / 448, rounded up to bf16 (quantize_e4m3)
     q: torch.Tensor            # [b, s_q, h_q, 576] float8_e4m3fn (the fast mode's q)
-    descale_q: torch.Tensor    # [1] float32, amax(|q|) / 448
+    descale_q: torch.Tensor    # [1] float32, amax(|q|) / 448, rounded up to bf16
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_cache, self.descale_k, self.q, self.descale_q))
 
 
+def bf16_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16-representable fp32 values >= x (x finite and positive, fp32)."""
+    bits = x.view(torch.int32).to(torch.int64)
+    up = ((bits + 0xFFFF) & ~0xFFFF).to(torch.int32)
+    return up.view(torch.float32)
+
+
 def quantize_e4m3(x: torch.Tensor, chunk_elems: int = 1 << 27) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor e4m3: descale = amax(|x|) / 448 (one-element fp32), stored = x / descale rounded to e4m3.
-    Works in chunks of the first dimension so that the fp32 temporaries stay small."""
+    """Per-tensor e4m3: descale = amax(|x|) / 448 rounded up to a bf16-representable float (one-element fp32),
+    stored = x / descale rounded to e4m3. bf16-representable because FlashInfer's FP8 MLA multiplies by
+    bf16(scale): so every FP8 peer dequantizes the same bytes to the same values; rounding up keeps
+    |x| / descale <= 448. Works in chunks of the first dimension so that the fp32 temporaries stay small."""
     amax = float(x.abs().amax().float()) if x.numel() else 0.0
-    descale = torch.tensor([max(amax, 1e-12) / E4M3_MAX], dtype=torch.float32, device=x.device)
+    descale = bf16_ceil(torch.tensor([max(amax, 1e-12) / E4M3_MAX], dtype=torch.float32)).to(x.device)
     out = torch.empty(x.shape, dtype=FP8, device=x.device)
     rows = max(1, chunk_elems // max(1, x[0].numel())) if x.dim() and x.shape[0] else 1
     for i in range(0, x.shape[0] if x.dim() else 1, rows):
