@@ -1,4 +1,5 @@
-"""Small-shape run of every GPU kernel, for compute-sanitizer (memcheck, racecheck, synccheck):
+"""Small-shape run of every GPU kernel (the 16-bit decode of each kernel; on sm_90a also the FP8-cache decode in its
+three modes: bf16 q, fp16 q, e4m3 q), for compute-sanitizer (memcheck, racecheck, synccheck):
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_smoke.py
 
@@ -14,7 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import flashmla_backend as fb  # noqa: E402
 from flashmla_backend import _ext, device  # noqa: E402
 from flashmla_backend.reference import mla_decode_reference  # noqa: E402
-from kit import D_V, PAGE, Case, compare, make_inputs  # noqa: E402
+from fp8kit import dequantized, fp8_inputs  # noqa: E402
+from kit import D_V, PAGE, Case, brute_force_fp64, compare, make_inputs  # noqa: E402
 
 CASES = [
     Case(lengths=[1, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE, 2 * PAGE + 1, 3 * PAGE, 4 * PAGE, 4 * PAGE + 1], s_q=1,
@@ -25,6 +27,26 @@ CASES = [
     Case(lengths=[130, 9], s_q=1, h_q=64, causal=False, dtype=torch.float16),
     Case(lengths=[5000], s_q=1, h_q=16),  # one request in many splits: the splits-in-parallel combine
 ]
+
+# FP8 cache (sm_90a only): empty requests, page edges, two KV heads with s_q 2, one request in many splits.
+FP8_CASES = [
+    Case(lengths=[0, 1, 65, 140], s_q=1, h_q=16),
+    Case(lengths=[63, 200], s_q=2, h_q=128, h_kv=2),
+    Case(lengths=[3000], s_q=1, h_q=16),
+]
+FP8_MODES = {"bf16 q": (torch.bfloat16, False), "fp16 q": (torch.float16, False), "e4m3 q": (torch.bfloat16, True)}
+
+
+def run_fp8(case: Case, mode: str) -> dict:
+    q_dtype, q_fp8 = FP8_MODES[mode]
+    case = Case(**{**case.__dict__, "dtype": q_dtype})
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=q_fp8)
+    meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv,
+                                   is_fp8_kvcache=True)
+    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
+                                         softmax_scale=inp.scale, causal=case.causal, descale_q=dq, descale_k=dk)
+    ref = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
+    return compare(out, lse, *ref, case.lengths, case.s_q, case.causal)
 
 
 def main() -> int:
@@ -47,6 +69,17 @@ def main() -> int:
                 print(f"{kernel:8s} {case}: FAIL {e}", flush=True)
                 continue
             print(f"{kernel:8s} {case}: ok {figures}", flush=True)
+    if "sm90" in kernels:
+        os.environ[device.KERNEL_ENV] = "sm90"
+        for case in FP8_CASES:
+            for mode in FP8_MODES:
+                try:
+                    figures = run_fp8(case, mode)
+                except AssertionError as e:
+                    failures += 1
+                    print(f"sm90 fp8 {mode} {case}: FAIL {e}", flush=True)
+                    continue
+                print(f"sm90 fp8 {mode} {case}: ok {figures}", flush=True)
     return 1 if failures else 0
 
 
