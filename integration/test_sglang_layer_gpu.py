@@ -295,6 +295,7 @@ def test_fp8_decode_cuda_graph_replay():
 # ---- FP8 with a k_scale != 1: each backend's own write path ---------------------------------------------
 
 K_SCALE = 0.05
+HEAD = LATENT + ROPE   # one latent-space row: 512 latent + 64 rope columns
 
 
 def set_kv_scales(layer, value: float) -> None:
