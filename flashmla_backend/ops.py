@@ -105,6 +105,14 @@ def _raw_stream(dev: torch.device) -> int:
     return torch.cuda.current_stream(dev).cuda_stream
 
 
+def _descale_strides(descale: torch.Tensor | None) -> tuple[int, int]:
+    """Element strides (request, KV head) of a descale: (0, 0) for one value (or none), else its [b, h_kv] strides."""
+    if descale is None or descale.numel() == 1:
+        return 0, 0
+    st = descale.stride()
+    return st[0], st[1]
+
+
 def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes, descale_q=None,
                  descale_k=None, q_pe=None):
     validate.check_kernel_layout(q, k_cache, q_pe)
@@ -137,6 +145,8 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     a.q_fp8 = q.dtype == _FP8
     a.descale_q = descale_q.data_ptr() if descale_q is not None else 0
     a.descale_k = descale_k.data_ptr() if descale_k is not None else 0
+    a.descale_q_stride_b, a.descale_q_stride_h = _descale_strides(descale_q)
+    a.descale_k_stride_b, a.descale_k_stride_h = _descale_strides(descale_k)
     a.device = index
     a.stream = _raw_stream(q.device)
     a.batch, a.seqlen_q, a.num_heads_q, a.num_heads_kv = b, s_q, h_q, h_kv
