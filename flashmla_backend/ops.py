@@ -239,8 +239,10 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     FlashMLA's newer convention is accepted too: tile_scheduler_metadata a FlashMLASchedMeta from
     get_mla_metadata() and num_splits None (flashmla_backend.sched_meta).
 
-    FP8 KV cache: k_cache torch.float8_e4m3fn (same shape), true value = stored value x descale_k, a one-element
-    float32 tensor on the device (read by the kernel: it may change between CUDA-graph replays). With a bf16/fp16
+    FP8 KV cache: k_cache torch.float8_e4m3fn (same shape), true value = stored value x descale_k, a float32 tensor
+    on the device (read by the kernel: it may change between CUDA-graph replays) of shape (1,) (one scale; any
+    one-element tensor) or (b, h_kv) (request i's keys of KV head j scaled by descale_k[i, j]; any strides, so
+    scale.expand(b, h_kv) works; descale_q likewise, for the query heads of KV head j). With a bf16/fp16
     q the output is that q's attention against the dequantized cache, in q's dtype (accurate mode); with a
     float8_e4m3fn q and descale_q (vLLM's FlashMLA-FP8 convention) the output is bf16 (fast mode). The kernel
     widens e4m3 to fp16 exactly and computes with fp16 operands (a bf16 q is rounded to fp16; |q| must stay below
@@ -253,7 +255,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     if is_fp8_kvcache and not (isinstance(k_cache, torch.Tensor) and k_cache.dtype == _FP8):
         raise ValueError(
             "flashmla_backend: is_fp8_kvcache=True needs a float8_e4m3fn k_cache [num_pages, 64, num_heads_k, 576] with "
-            f"a per-tensor descale_k; got k_cache {getattr(k_cache, 'dtype', type(k_cache).__name__)} "
+            f"descale_k; got k_cache {getattr(k_cache, 'dtype', type(k_cache).__name__)} "
             f"{tuple(getattr(k_cache, 'shape', ()))} (FlashMLA's 656-byte sparse FP8 layout is not supported)")
     if indices is not None:
         raise NotImplementedError("flashmla_backend: sparse attention (indices) is not supported; only dense decode")
