@@ -122,14 +122,21 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
   ARG(void*, stream)                    /* cudaStream_t */                                                     \
   ARG(bool, pdl)                        /* launch combine with programmatic dependent launch (sm_90+) */       \
                                                                                                               \
-  /* FP8 KV cache (sm90 kernel only). kv_fp8: kv is float8_e4m3fn, true value = stored * descale_k[0].       \
-     q_fp8 (needs kv_fp8): q is float8_e4m3fn, true value = stored * descale_q[0]; out is then bf16. The      \
-     descales are one-element fp32 device tensors read by the kernel (they may change between graph          \
-     replays); null when unused. With FP8 pieces, `dtype` is out's element type (q's when q is not FP8). */ \
+  /* FP8 KV cache (sm90 kernel only). kv_fp8: kv is float8_e4m3fn; the cache row of request req and kv head   \
+     hk has true value = stored * descale_k[req * descale_k_stride_b + hk * descale_k_stride_h]. q_fp8 (needs  \
+     kv_fp8): q is float8_e4m3fn, true value = stored * descale_q[req * descale_q_stride_b + hk *             \
+     descale_q_stride_h] (hk: the kv head of the query head); out is then bf16. The descales are fp32 device   \
+     tensors read by the kernel once per request (they may change between graph replays), [b, h_kv] with any \
+     strides (element strides >= 0; a single per-tensor scale has strides 0, 0); null when unused. With FP8   \
+     pieces, `dtype` is out's element type (q's when q is not FP8). */                                        \
   ARG(bool, kv_fp8)                                                                                           \
   ARG(bool, q_fp8)                                                                                            \
   ARG(const float*, descale_q)                                                                                \
   ARG(const float*, descale_k)                                                                                \
+  ARG(int64_t, descale_q_stride_b)                                                                            \
+  ARG(int64_t, descale_q_stride_h)                                                                            \
+  ARG(int64_t, descale_k_stride_b)                                                                            \
+  ARG(int64_t, descale_k_stride_h)                                                                            \
                                                                                                               \
   /* The rope part of q (columns kHeadDimV .. kHeadDimK - 1) through a pointer of its own: q_pe [b, s_q, h_q,  \
      64] in q's dtype, with its own strides. Engines hand q as two tensors (vLLM: the absorbed latent part and \
@@ -149,12 +156,14 @@ struct DecodeParams {
 
 // DecodeParams is passed by value as a kernel parameter: its layout is part of every kernel's binary.
 // These asserts pin it (x86-64 / aarch64 LP64 layout): reordering, retyping or inserting a field fails here.
-static_assert(sizeof(DecodeParams) == 304 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
+static_assert(sizeof(DecodeParams) == 336 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
 static_assert(offsetof(DecodeParams, num_sm_parts) == 36 && offsetof(DecodeParams, causal) == 56 &&
                   offsetof(DecodeParams, q) == 64 && offsetof(DecodeParams, seqlens) == 144 &&
                   offsetof(DecodeParams, o_accum) == 232 && offsetof(DecodeParams, pdl) == 248 &&
                   offsetof(DecodeParams, kv_fp8) == 249 && offsetof(DecodeParams, descale_k) == 264 &&
-                  offsetof(DecodeParams, q_pe) == 272 && offsetof(DecodeParams, q_pe_stride_h) == 296,
+                  offsetof(DecodeParams, descale_q_stride_b) == 272 &&
+                  offsetof(DecodeParams, descale_k_stride_h) == 296 && offsetof(DecodeParams, q_pe) == 304 &&
+                  offsetof(DecodeParams, q_pe_stride_h) == 328,
               "DecodeParams layout changed");
 
 // Fills the DERIVED fields from the ARG fields. The one place they are computed; safe on any input

@@ -105,6 +105,14 @@ def _raw_stream(dev: torch.device) -> int:
     return torch.cuda.current_stream(dev).cuda_stream
 
 
+def _descale_strides(descale: torch.Tensor | None) -> tuple[int, int]:
+    """Element strides (request, KV head) of a descale: (0, 0) for one value (or none), else its [b, h_kv] strides."""
+    if descale is None or descale.numel() == 1:
+        return 0, 0
+    st = descale.stride()
+    return st[0], st[1]
+
+
 def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, shapes, descale_q=None,
                  descale_k=None, q_pe=None):
     validate.check_kernel_layout(q, k_cache, q_pe)
@@ -137,6 +145,8 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     a.q_fp8 = q.dtype == _FP8
     a.descale_q = descale_q.data_ptr() if descale_q is not None else 0
     a.descale_k = descale_k.data_ptr() if descale_k is not None else 0
+    a.descale_q_stride_b, a.descale_q_stride_h = _descale_strides(descale_q)
+    a.descale_k_stride_b, a.descale_k_stride_h = _descale_strides(descale_k)
     a.device = index
     a.stream = _raw_stream(q.device)
     a.batch, a.seqlen_q, a.num_heads_q, a.num_heads_kv = b, s_q, h_q, h_kv
@@ -229,8 +239,10 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     FlashMLA's newer convention is accepted too: tile_scheduler_metadata a FlashMLASchedMeta from
     get_mla_metadata() and num_splits None (flashmla_backend.sched_meta).
 
-    FP8 KV cache: k_cache torch.float8_e4m3fn (same shape), true value = stored value x descale_k, a one-element
-    float32 tensor on the device (read by the kernel: it may change between CUDA-graph replays). With a bf16/fp16
+    FP8 KV cache: k_cache torch.float8_e4m3fn (same shape), true value = stored value x descale_k, a float32 tensor
+    on the device (read by the kernel: it may change between CUDA-graph replays) of shape (1,) (one scale; any
+    one-element tensor) or (b, h_kv) (request i's keys of KV head j scaled by descale_k[i, j]; any strides, so
+    scale.expand(b, h_kv) works; descale_q likewise, for the query heads of KV head j). With a bf16/fp16
     q the output is that q's attention against the dequantized cache, in q's dtype (accurate mode); with a
     float8_e4m3fn q and descale_q (vLLM's FlashMLA-FP8 convention) the output is bf16 (fast mode). The kernel
     widens e4m3 to fp16 exactly and computes with fp16 operands (a bf16 q is rounded to fp16; |q| must stay below
@@ -243,7 +255,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     if is_fp8_kvcache and not (isinstance(k_cache, torch.Tensor) and k_cache.dtype == _FP8):
         raise ValueError(
             "flashmla_backend: is_fp8_kvcache=True needs a float8_e4m3fn k_cache [num_pages, 64, num_heads_k, 576] with "
-            f"a per-tensor descale_k; got k_cache {getattr(k_cache, 'dtype', type(k_cache).__name__)} "
+            f"descale_k; got k_cache {getattr(k_cache, 'dtype', type(k_cache).__name__)} "
             f"{tuple(getattr(k_cache, 'shape', ()))} (FlashMLA's 656-byte sparse FP8 layout is not supported)")
     if indices is not None:
         raise NotImplementedError("flashmla_backend: sparse attention (indices) is not supported; only dense decode")

@@ -39,7 +39,9 @@ def mla_decode_reference(
     those of the public API (flashmla_backend.validate: the REFERENCE, VALUES and DESCALES tables); the
     value checks copy the index tensors (and the descales) to the host.
     FP8: a float8_e4m3fn k_cache with descale_k (and a float8_e4m3fn q with descale_q) is dequantized first
-    (stored value x descale, in compute_dtype); the output is then in q's dtype, or bf16 for an FP8 q.
+    (stored value x descale, in compute_dtype); the output is then in q's dtype, or bf16 for an FP8 q. A descale
+    is one float32 value (any one-element tensor) or [b, h_kv] (request i's keys of KV head j, and its query
+    heads of that KV head, are scaled by descale[i, j]; any strides).
     """
     validate.validate_reference_args(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                                      descale_q, descale_k)
@@ -49,25 +51,27 @@ def mla_decode_reference(
                             descale_q=descale_q, descale_k=descale_k)
 
 
-def dequantize(x: torch.Tensor, descale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """x in `dtype`; a float8_e4m3fn x times its one-element descale (the FP8 cache / fast-mode q convention)."""
-    if x.dtype != torch.float8_e4m3fn:
-        return x
-    return x.to(dtype) * descale.to(device=x.device, dtype=dtype).reshape(())
+def descale_table(descale: torch.Tensor | None, b: int, h_kv: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A descale as a [b, h_kv] tensor in `dtype` (a one-element descale repeated; None stays None)."""
+    if descale is None:
+        return None
+    if descale.numel() == 1:
+        return descale.to(dtype).reshape(1, 1).expand(b, h_kv)
+    return descale.to(dtype)
 
 
 def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM_V, softmax_scale=None,
                      causal=False, compute_dtype=torch.float32, *, descale_q=None, descale_k=None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_decode_reference without the argument checks (the public API calls it after its own)."""
-    if q.dtype == torch.float8_e4m3fn or k_cache.dtype == torch.float8_e4m3fn:
-        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
-        out, lse = reference_decode(dequantize(q, descale_q, compute_dtype), dequantize(k_cache, descale_k, compute_dtype),
-                                    block_table, cache_seqlens, head_dim_v, softmax_scale, causal, compute_dtype)
-        return out.to(out_dtype), lse
+    fp8 = torch.float8_e4m3fn
     b, s_q, h_q, d = q.shape
     page_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     ngroups = h_q // h_kv
+    # The descales of an FP8 cache / q per (request, KV head), on q's device; None for 16-bit (or fp32 / fp64) inputs.
+    k_scales = descale_table(descale_k, b, h_kv, compute_dtype).to(q.device) if k_cache.dtype == fp8 else None
+    q_scales = descale_table(descale_q, b, h_kv, compute_dtype).to(q.device) if q.dtype == fp8 else None
+    out_dtype = torch.bfloat16 if q.dtype == fp8 else q.dtype
     scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
     out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=compute_dtype, device=q.device)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float32, device=q.device)
@@ -78,7 +82,11 @@ def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM
             continue
         pages = block_table[i, : (n + page_size - 1) // page_size].long()
         kv = k_cache[pages].reshape(-1, h_kv, d)[:n].to(compute_dtype)  # [n, h_kv, d]
+        if k_scales is not None:
+            kv = kv * k_scales[i][None, :, None]  # true value = stored value x descale_k[i, kv head]
         qg = q[i].to(compute_dtype).reshape(s_q, h_kv, ngroups, d)
+        if q_scales is not None:
+            qg = qg * q_scales[i][None, :, None, None]
         scores = torch.einsum("sjgd,njd->jgsn", qg, kv) * scale  # [h_kv, ngroups, s_q, n]
         # Whether a row sees a key follows from the mask alone, not from the scores (NaN in q gives NaN
         # scores: that row's out and lse are NaN, not the empty row's 0 and +inf).
@@ -93,7 +101,7 @@ def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM
         o = torch.einsum("jgsn,njd->sjgd", probs, kv[..., :head_dim_v])  # [s_q, h_kv, ngroups, dv]
         out[i] = o.reshape(s_q, h_q, head_dim_v)
         lse[i] = row_lse.masked_fill(~seen, math.inf).reshape(h_q, s_q).float()
-    return out.to(q.dtype), lse
+    return out.to(out_dtype), lse
 
 
 def naive_mla_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,

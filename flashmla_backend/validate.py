@@ -17,8 +17,8 @@ that a test may rely on every earlier one (q.dim() only after q is known to be a
 Tables: DECODE (flash_mla_with_kvcache's arguments), REFERENCE (the same rows for mla_decode_reference,
 less the scheduler metadata, with float32/float64 inputs allowed as well), LAYOUT (the alignment the
 kernels' 16-byte loads need), METADATA (get_mla_metadata's arguments), VALUES (lengths and page ids, host
-copies of index tensors), LENGTHS (VALUES' length rows alone, for get_mla_metadata), DESCALES (descale_q /
-descale_k finite and positive) and SCHEDULE (the tile-scheduler metadata matches the lengths and shapes).
+copies of index tensors), LENGTHS (VALUES' length rows alone, for get_mla_metadata), DESCALES (every element of
+descale_q / descale_k finite and positive) and SCHEDULE (the tile-scheduler metadata matches the lengths and shapes).
 
 Shape, dtype, device and layout checks read only tensor metadata (no host sync, traceable by
 torch.compile). Checks of values that live on the GPU (lengths against the block table, page ids,
@@ -204,18 +204,26 @@ REFERENCE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v"
                     "descale_q", "descale_k")
 
 
+# The shapes a descale may have (descale_q / descale_k; b = batch, h_kv = num_heads_k), named by the messages.
+DESCALE_SHAPES = ("(1,) (one scale for the tensor; any one-element tensor) or (batch, num_heads_k) = ({b}, {h_kv}) "
+                  "(one per request and KV head, any strides: e.g. scale.expand({b}, {h_kv}))")
+
+
 def _descale(name: str, tensor: str, mode: str) -> list[Rule]:
-    """Rows for descale_q / descale_k: required exactly when `tensor` is FP8, a one-element fp32 tensor on q's device."""
+    """Rows for descale_q / descale_k: required exactly when `tensor` is FP8, a float32 tensor on q's device of one
+    element (per tensor) or of shape (b, h_kv) (per request and KV head, any strides, 0 included)."""
     return [
         Rule(name, f"{name} is None or isinstance({name}, Tensor)", TypeError,
              f"{name} must be None or a torch.Tensor, got {{type({name}).__name__}}"),
         Rule(name, f"{tensor}.dtype != FP8 or {name} is not None", ValueError,
-             f"{tensor} is float8_e4m3fn ({mode}), which needs {name}: a one-element float32 tensor on {{q.device}} "
-             f"(true value = stored value x {name})"),
+             f"{tensor} is float8_e4m3fn ({mode}), which needs {name}: a float32 tensor on {{q.device}} of shape "
+             f"{DESCALE_SHAPES} (true value = stored value x {name})"),
         Rule(name, f"{name} is None or {tensor}.dtype == FP8", ValueError,
              f"{name} is only used with a float8_e4m3fn {tensor}, but {tensor} is {{{tensor}.dtype}}: pass None"),
-        Rule(name, f"{name} is None or ({name}.dtype == F32 and {name}.numel() == 1)", ValueError,
-             f"{name} must be a one-element float32 tensor, got {{_describe({name})}}"),
+        Rule(name, f"{name} is None or {name}.dtype == F32", ValueError,
+             f"{name} must be a float32 tensor, got {{_describe({name})}}"),
+        Rule(name, f"{name} is None or {name}.numel() == 1 or tuple({name}.shape) == (b, h_kv)", ValueError,
+             f"{name} must have shape {DESCALE_SHAPES}, got {{_describe({name})}}"),
         Rule(name, f"{name} is None or {name}.device == q.device", ValueError,
              f"{name} is on {{{name}.device}} but q is on {{q.device}}: all tensors must be on one device"),
     ]
@@ -235,7 +243,7 @@ DECODE_ROWS = [
          "k_cache must be a torch.Tensor, got {type(k_cache).__name__}"),
     Rule("k_cache", "k_cache.dtype in Q_DTYPES or k_cache.element_size() != 1", TypeError,
          "k_cache has dtype {k_cache.dtype}: the supported FP8 cache is float8_e4m3fn [num_pages, {PAGE_SIZE}, "
-         "num_heads_k, {HEAD_DIM_K}] with a per-tensor descale_k (FlashMLA's 656-byte sparse FP8 layout and "
+         "num_heads_k, {HEAD_DIM_K}] with descale_k (FlashMLA's 656-byte sparse FP8 layout and "
          "float8_e5m2 are not)"),
     *_tensor("k_cache", 4, "Q_DTYPES", "[num_pages, page_size, num_heads_k, {HEAD_DIM_K}] (a 3-D vLLM-style "
              "cache needs .unsqueeze(-2))")[1:],
@@ -408,14 +416,23 @@ VALUE_ROWS = [
 ]
 VALUES = RuleSet("values", ("k_cache", "block_table", "cache_seqlens"), VALUE_ROWS)
 
+def _bad_descale(values: torch.Tensor) -> str:
+    """The first descale that is not finite and positive, and where it is when the tensor has several."""
+    flat = values.reshape(-1)
+    i = int(torch.nonzero(~((flat > 0) & (flat < math.inf))).flatten()[0])
+    where = "" if flat.numel() == 1 else f" at [request {i // values.shape[-1]}, kv head {i % values.shape[-1]}]"
+    return f"{float(flat[i])!r}{where}"
+
+
 DESCALE_ROWS = [
     *[r for name in ("descale_q", "descale_k") for r in (
-        Let(name, f"{name}_value", f"None if {name} is None else float({name}.detach().reshape(-1)[0])"),
-        Rule(name, f"{name}_value is None or 0 < {name}_value < INF", ValueError,
-             f"{name} must be finite and positive (true value = stored value x {name}), got {{{name}_value!r}}"),
+        Let(name, f"{name}_values", f"None if {name} is None else {name}.detach().cpu()"),
+        Rule(name, f"{name}_values is None or bool((({name}_values > 0) & ({name}_values < INF)).all())", ValueError,
+             f"{name} must be finite and positive (true value = stored value x {name}), got "
+             f"{{_bad_descale({name}_values)}}"),
     )],
 ]
-DESCALES = RuleSet("descale values", ("descale_q", "descale_k"), DESCALE_ROWS)
+DESCALES = RuleSet("descale values", ("descale_q", "descale_k"), DESCALE_ROWS, dict(_bad_descale=_bad_descale))
 
 SCHEDULE_ROWS = [
     Let("q", "b, s_q, h_q, _", "q.shape"),
@@ -448,7 +465,7 @@ def check_lengths(cache_seqlens: torch.Tensor) -> None:
 
 
 def check_descales(descale_q: torch.Tensor | None, descale_k: torch.Tensor | None) -> None:
-    """descale_q / descale_k, where given, finite and positive (each a one-element tensor read on the host)."""
+    """descale_q / descale_k, where given, finite and positive (every element, read on the host)."""
     DESCALES.check(descale_q, descale_k)
 
 

@@ -26,8 +26,40 @@ def fp8_inputs(case: Case, device="cpu", q_fp8: bool = False, k_gain: float = 1.
                   scale=inp.scale), descale_q, descale_k
 
 
+def descale_table(descale: torch.Tensor, b: int, h_kv: int, seed: int = 0) -> torch.Tensor:
+    """A [b, h_kv] float32 descale whose entries differ per request and KV head: descale x 2^u, u in [-1.5, 1.5)
+    (the cache or q read with other scales per request; not contiguous, to exercise the strides)."""
+    g = torch.Generator().manual_seed(seed)
+    gains = torch.exp2(3 * torch.rand((h_kv, b), generator=g) - 1.5).t()  # [b, h_kv], strides (1, b)
+    return (descale.cpu().reshape(()) * gains).to(descale.device)
+
+
 def dequantized(inp: Inputs, descale_q, descale_k) -> Inputs:
-    """The same inputs in float64, FP8 tensors times their descale (unused NaN slots stay NaN)."""
-    q = inp.q.double() * (descale_q.double() if descale_q is not None else 1.0)
-    k = inp.k_cache.double() * descale_k.double()
-    return Inputs(q=q, k_cache=k, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens, scale=inp.scale)
+    """The same inputs in float64, FP8 tensors times their descale (unused NaN slots stay NaN). A descale is one value
+    or [b, h_kv]: request i's pages of KV head j times descale_k[i, j], its query heads of KV head j times
+    descale_q[i, j] (written out per request and head; every page belongs to one request, as make_inputs makes it)."""
+    b, _, h_q, _ = inp.q.shape
+    h_kv = inp.k_cache.shape[2]
+    q = inp.q.double().cpu()
+    k = inp.k_cache.double().cpu()
+    if descale_q is not None:
+        dq = descale_q.double().cpu()
+        if dq.numel() == 1:
+            q = q * dq.reshape(())
+        else:
+            for i in range(b):
+                for h in range(h_q):
+                    q[i, :, h] *= dq[i, h // (h_q // h_kv)]
+    dk = descale_k.double().cpu()
+    if dk.numel() == 1:
+        k = k * dk.reshape(())
+    else:
+        owner = {}
+        for i, n in enumerate(inp.cache_seqlens.tolist()):
+            for t in range(-(-n // k.shape[1])):
+                page = int(inp.block_table[i, t])
+                assert owner.setdefault(page, i) == i, f"page {page} is read by requests {owner[page]} and {i}"
+                for j in range(h_kv):
+                    k[page, :, j] *= dk[i, j]
+    return Inputs(q=q, k_cache=k, block_table=inp.block_table.cpu(), cache_seqlens=inp.cache_seqlens.cpu(),
+                  scale=inp.scale)

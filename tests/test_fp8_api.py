@@ -129,3 +129,79 @@ def test_descale_value_in_a_zero_dim_tensor_is_read():
     with pytest.raises(ValueError, match=message):
         fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
                                   softmax_scale=inp.scale, causal=True, **descales)
+
+
+# ---- descales per (request, KV head): [b, h_kv] tensors, any strides ---------------------------------------------
+from fp8kit import descale_table  # noqa: E402
+
+
+@pytest.mark.parametrize("h_kv", [1, 2])
+@pytest.mark.parametrize("q_fp8", [False, True], ids=["accurate", "fast"])
+def test_per_request_descales_match_fp64(h_kv, q_fp8):
+    """Each request's keys (and, fast mode, its query heads) read with the scale of its (request, KV head): the
+    reference against fp64 attention on inputs dequantized per request and head (fp8kit.dequantized)."""
+    case = Case(lengths=[70, 0, 130, 5], s_q=2, h_q=16, h_kv=h_kv)
+    inp, dq, dk = fp8_inputs(case, q_fp8=q_fp8, k_gain=2.0)
+    dk = descale_table(dk, case.b, h_kv, seed=1)
+    dq = descale_table(dq, case.b, h_kv, seed=2) if q_fp8 else None
+    assert len(set(dk.flatten().tolist())) == dk.numel()  # every (request, head) its own scale
+    meta, splits = _meta(inp, case)
+    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                         softmax_scale=inp.scale, causal=True, descale_q=dq, descale_k=dk)
+    ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), causal=True)
+    assert _rel(out, ref_out) < 1e-2
+    assert _rel(lse, ref_lse) < 2e-3
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    # The per-tensor result with request i's scale is request i's result (h_kv = 1: one scale per request).
+    if h_kv == 1:
+        for i in (0, 2):
+            one_k = dk[i].reshape(1).contiguous()
+            one_q = dq[i].reshape(1).contiguous() if q_fp8 else None
+            o_i, l_i = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta,
+                                                 splits, softmax_scale=inp.scale, causal=True, descale_q=one_q,
+                                                 descale_k=one_k)
+            assert torch.equal(o_i[i], out[i]) and torch.equal(l_i[i], lse[i])
+
+
+def test_expanded_descales_equal_the_per_tensor_ones():
+    """scale.expand(b, h_kv) (strides 0, 0; how vLLM's FA3 path passes its scales) reads like the one value."""
+    case = Case(lengths=[64, 200, 0], s_q=1, h_q=32, h_kv=2)
+    inp, dq, dk = fp8_inputs(case, q_fp8=True)
+    meta, splits = _meta(inp, case)
+    args = (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits)
+    one = fb.flash_mla_with_kvcache(*args, softmax_scale=inp.scale, causal=True, descale_q=dq, descale_k=dk)
+    expanded = fb.flash_mla_with_kvcache(*args, softmax_scale=inp.scale, causal=True,
+                                         descale_q=dq.expand(case.b, 2), descale_k=dk.expand(case.b, 2))
+    assert dk.expand(case.b, 2).stride() == (0, 0)
+    assert torch.equal(one[0], expanded[0]) and torch.equal(one[1], expanded[1])
+
+
+def test_descale_tables_through_every_entry_point():
+    """flash_mla_with_kvcache_fp8 (vLLM's argument order), the FlashMLASchedMeta convention and the reference take
+    [b, h_kv] descales as they take one-element ones, with the same results."""
+    case = Case(lengths=[64, 200], s_q=2, h_q=16)
+    inp, dq, dk = fp8_inputs(case, q_fp8=True)
+    dq, dk = descale_table(dq, case.b, 1, seed=3), descale_table(dk, case.b, 1, seed=4)
+    meta, splits = _meta(inp, case)
+    args = (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V)
+    want = fb.flash_mla_with_kvcache(*args, meta, splits, softmax_scale=inp.scale, causal=True, descale_q=dq,
+                                     descale_k=dk)
+    got = [fb.flash_mla_with_kvcache_fp8(*args, meta, splits, inp.scale, True, dq, dk),
+           fb.flash_mla_with_kvcache(*args, fb.get_mla_metadata()[0], None, softmax_scale=inp.scale, causal=True,
+                                     descale_q=dq, descale_k=dk),
+           fb.mla_decode_reference(*args, inp.scale, True, descale_q=dq, descale_k=dk)]
+    for out, lse in got:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+def test_a_bad_entry_of_a_descale_table_is_named():
+    case = Case(lengths=[64, 10], h_q=16, h_kv=2)
+    inp, _, dk = fp8_inputs(case)
+    meta, splits = _meta(inp, case)
+    table = descale_table(dk, case.b, 2).clone()
+    table[1, 0] = 0.0
+    message = re.escape("descale_k must be finite and positive (true value = stored value x descale_k), got 0.0 at "
+                        "[request 1, kv head 0]")
+    with pytest.raises(ValueError, match=message):
+        fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                  softmax_scale=inp.scale, descale_k=table)

@@ -2,14 +2,16 @@
 
 Accurate mode (bf16/fp16 q, e4m3 cache) and fast mode (e4m3 q and cache): NaN in every unused cache slot,
 huge ids in unused block-table entries, lengths 0 and non-multiples of 64, s_q up to 16 causal, h_kv 1 and 2;
-bitwise repeatability; CUDA-graph replays that read a descale_k changed after capture.
+bitwise repeatability; CUDA-graph replays that read a descale_k changed after capture. Descales per (request, KV
+head) ([b, h_kv], any strides): against fp64 and the reference, bitwise the per-tensor result of each request's
+own scale, expanded stride-0 tensors bitwise the per-tensor ones, graph replays with the tables changed.
 """
 import pytest
 import torch
 
 import flashmla_backend as fb
 from flashmla_backend import device as fdevice
-from fp8kit import dequantized, fp8_inputs
+from fp8kit import dequantized, descale_table, fp8_inputs
 from kit import D_V, Case, brute_force_fp64
 
 pytestmark = pytest.mark.gpu
@@ -84,3 +86,107 @@ def test_graph_replay_reads_the_current_descale():
     torch.cuda.synchronize()
     want_out, want_lse = _run(inp, case, None, descale)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+# ---- descales per (request, KV head) ------------------------------------------------------------------------------
+PER_REQUEST_CASES = [
+    Case(lengths=[100, 0, 300, 64], s_q=2, h_q=16),                       # h_kv 1, a zero length, s_q > 1
+    Case(lengths=[1, 65, 0, 700, 4000], s_q=2, h_q=128, h_kv=2),           # h_kv 2, two M tiles, split requests
+    Case(lengths=[37 * i % 2100 for i in range(40)], s_q=4, h_q=32, seed=3),  # several requests per CTA
+    Case(lengths=[8192, 3, 0, 129], h_q=64, h_kv=2, causal=False),
+]
+
+
+def _tables(case, inp, dq, dk, seed=0):
+    """[b, h_kv] descales differing per request and head (strides (1, b): not contiguous)."""
+    return (descale_table(dq, case.b, case.h_kv, seed + 1) if dq is not None else None,
+            descale_table(dk, case.b, case.h_kv, seed + 2))
+
+
+@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
+@pytest.mark.parametrize("case", PER_REQUEST_CASES, ids=str)
+def test_per_request_descales_match_fp64_and_the_reference(case, mode):
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
+    dq, dk = _tables(case, inp, dq, dk)
+    out, lse = _run(inp, case, dq, dk)
+    out2, lse2 = _run(inp, case, dq, dk)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
+    assert not torch.isnan(out).any()
+    ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
+    e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
+    print(f"{case} {mode} per-request descales: out {e_out:.2e} lse {e_lse:.2e}")
+    assert e_out < (FAST_OUT if mode == "e4m3q" else ACCURATE_OUT)
+    assert e_lse < ACCURATE_LSE
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
+    r_out, r_lse = fb.mla_decode_reference(inp.q.cpu(), inp.k_cache.cpu(), inp.block_table.cpu(),
+                                           inp.cache_seqlens.cpu(), D_V, inp.scale, case.causal, descale_q=cpu(dq),
+                                           descale_k=cpu(dk))
+    assert _rel(out, r_out.double()) < (FAST_OUT if mode == "e4m3q" else ACCURATE_OUT)
+    assert _rel(lse, r_lse.double()) < ACCURATE_LSE
+
+
+@pytest.mark.parametrize("case", PER_REQUEST_CASES[:3], ids=str)
+def test_each_request_reads_its_own_descales(case):
+    """Rows of request i and KV head j are bitwise those of a per-tensor call with the scales of (i, j): the kernel
+    indexes the tables by (request, kv head), and folds them in the per-tensor order."""
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
+    dq, dk = _tables(case, inp, dq, dk, seed=5)
+    out, lse = _run(inp, case, dq, dk)
+    g = case.h_q // case.h_kv
+    for i in sorted({0, 1, case.b - 1}):
+        for j in range(case.h_kv):
+            o1, l1 = _run(inp, case, dq[i, j].reshape(1).contiguous(), dk[i, j].reshape(1).contiguous())
+            heads = slice(j * g, (j + 1) * g)
+            assert torch.equal(out[i, :, heads].view(torch.int16), o1[i, :, heads].view(torch.int16)), (i, j)
+            assert torch.equal(lse[i, heads], l1[i, heads]), (i, j)
+
+
+@pytest.mark.parametrize("case", [PER_REQUEST_CASES[0], PER_REQUEST_CASES[1]], ids=str)
+def test_expanded_descales_are_bitwise_the_per_tensor_ones(case):
+    """scale.expand(b, h_kv) (strides 0, 0), a [b, 1] column expanded over the heads (strides 1, 0) and a
+    contiguous table of one value all give the per-tensor output bit for bit."""
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
+    b, h = case.b, case.h_kv
+    want_out, want_lse = _run(inp, case, dq, dk)
+    variants = {
+        "expand": (dq.expand(b, h), dk.expand(b, h)),
+        "column expand": (dq.reshape(1, 1).repeat(b, 1).expand(b, h), dk.reshape(1, 1).repeat(b, 1).expand(b, h)),
+        "contiguous": (dq.reshape(1, 1).repeat(b, h), dk.reshape(1, 1).repeat(b, h)),
+    }
+    assert variants["expand"][1].stride()[0] == 0 and (h == 1 or variants["expand"][1].stride() == (0, 0))
+    assert h == 1 or variants["column expand"][1].stride() == (1, 0)
+    for name, (q_scale, k_scale) in variants.items():
+        out, lse = _run(inp, case, q_scale, k_scale)
+        assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse), name
+
+
+@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
+def test_graph_replay_reads_the_current_descale_tables(mode):
+    """Replays of a captured decode read the [b, h_kv] tables' current values, changed differently per request and
+    head between replays."""
+    case = Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2)
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
+    dq, dk = _tables(case, inp, dq, dk, seed=7)
+    dk = dk.contiguous()  # updated in place below
+    dq = dq.contiguous() if dq is not None else None
+    _run(inp, case, dq, dk)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _run(inp, case, dq, dk)
+        with torch.cuda.graph(g, stream=s):
+            out, lse = _run(inp, case, dq, dk)
+    torch.cuda.current_stream().wait_stream(s)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        dk.mul_(torch.exp2(torch.rand(dk.shape, generator=gen) - 0.5).cuda())
+        if dq is not None:
+            dq.mul_(torch.exp2(torch.rand(dq.shape, generator=gen) - 0.5).cuda())
+        g.replay()
+        torch.cuda.synchronize()
+        want_out, want_lse = _run(inp, case, dq, dk)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+        ref_out, _ = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
+        assert _rel(out, ref_out) < (FAST_OUT if mode == "e4m3q" else ACCURATE_OUT)

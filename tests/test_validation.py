@@ -1,4 +1,6 @@
 """Bad input gets a clear Python exception naming the argument (CPU tensors; GPU-only checks marked)."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -51,9 +53,16 @@ ONE = torch.ones(1)
 def test_fp8_cache_errors_name_the_argument():
     a = args()
     k8 = a["k_cache"].to(FP8)
-    expect(ValueError, r"k_cache is float8_e4m3fn .* needs descale_k: a one-element float32 tensor", k_cache=k8)
-    expect(ValueError, r"descale_k must be a one-element float32 tensor", k_cache=k8, descale_k=ONE.double())
-    expect(ValueError, r"descale_k must be a one-element float32 tensor", k_cache=k8, descale_k=torch.ones(2))
+    shapes = re.escape("of shape (1,) (one scale for the tensor; any one-element tensor) or (batch, num_heads_k) = "
+                       "(2, 1) (one per request and KV head, any strides: e.g. scale.expand(2, 1))")
+    expect(ValueError, r"k_cache is float8_e4m3fn .* needs descale_k: a float32 tensor on cpu " + shapes, k_cache=k8)
+    expect(ValueError, r"descale_k must be a float32 tensor, got \(1,\) torch.float64", k_cache=k8,
+           descale_k=ONE.double())
+    for bad in (torch.ones(2), torch.ones(2, 2), torch.ones(1, 2), torch.ones(2, 1, 1), torch.ones(3, 1)):
+        expect(ValueError, r"descale_k must have shape \(1,\) .* = \(2, 1\) .*, got " + re.escape(str(tuple(bad.shape))),
+               k_cache=k8, descale_k=bad)
+    expect(ValueError, r"descale_q must have shape \(1,\) .* = \(2, 1\)", q=a["q"].to(FP8), k_cache=k8, descale_k=ONE,
+           descale_q=torch.ones(1, 2))
     expect(TypeError, r"descale_k must be None or a torch.Tensor, got float", k_cache=k8, descale_k=1.0)
     expect(ValueError, r"descale_k is only used with a float8_e4m3fn k_cache, but k_cache is torch.bfloat16",
            descale_k=ONE)
@@ -279,6 +288,11 @@ def _mutations():
         "cache fp8 without descale_k": dict(k_cache=kc.to(FP8)),
         "cache fp8 descale_k float64": dict(k_cache=kc.to(FP8), descale_k=ONE.double()),
         "cache fp8 descale_k two elements": dict(k_cache=kc.to(FP8), descale_k=torch.ones(2)),
+        "cache fp8 descale_k [b, 2 heads]": dict(k_cache=kc.to(FP8), descale_k=torch.ones(2, 2)),
+        "cache fp8 descale_k [h_kv, b]": dict(k_cache=kc.to(FP8), descale_k=torch.ones(1, 2)),
+        "cache fp8 descale_k [b, h_kv, 1]": dict(k_cache=kc.to(FP8), descale_k=torch.ones(2, 1, 1)),
+        "cache fp8 descale_k [b + 1, h_kv]": dict(k_cache=kc.to(FP8), descale_k=torch.ones(3, 1)),
+        "cache fp8 descale_k [b, h_kv] float64": dict(k_cache=kc.to(FP8), descale_k=torch.ones(2, 1).double()),
         "cache fp8 descale_k list": dict(k_cache=kc.to(FP8), descale_k=[1.0]),
         "cache fp8 descale_k on meta": dict(k_cache=kc.to(FP8), descale_k=ONE.to("meta")),
         "descale_k with a bf16 cache": dict(descale_k=ONE),
@@ -287,6 +301,8 @@ def _mutations():
         "descale_q with a bf16 q": dict(k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE),
         "q fp8 descale_q int32": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE,
                                       descale_q=torch.ones(1, dtype=torch.int32)),
+        "q fp8 descale_q [h_kv, b]": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE,
+                                          descale_q=torch.ones(1, 2)),
         "q fp8 descale_q on meta": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE.to("meta")),
         "q fp8 descale_q 0-d float": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=3.0),
         "q_pe list": dict(q=q[..., :D_V], q_pe=[0.0] * 64),
@@ -309,6 +325,12 @@ def _mutations():
         "causal False": dict(causal=False),
         "fp8 cache": dict(k_cache=kc.to(FP8), descale_k=ONE * 0.5),
         "fp8 cache, 0-d descale_k": dict(k_cache=kc.to(FP8), descale_k=torch.tensor(0.5)),
+        "fp8 cache, [1, 1] descale_k": dict(k_cache=kc.to(FP8), descale_k=torch.full((1, 1), 0.5)),
+        "fp8 cache, [b, h_kv] descale_k": dict(k_cache=kc.to(FP8), descale_k=torch.tensor([[0.5], [2.0]])),
+        "fp8 cache, expanded descale_k": dict(k_cache=kc.to(FP8), descale_k=(ONE * 0.5).expand(2, 1)),
+        "fp8 q and cache, [b, h_kv] descales": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8),
+                                                    descale_k=torch.tensor([[0.5], [2.0]]),
+                                                    descale_q=torch.tensor([3.0, 0.25]).reshape(1, 2).t()),
         "fp8 q and cache": dict(q=a["q"].to(FP8), k_cache=kc.to(FP8), descale_k=ONE, descale_q=ONE * 2),
         "q in two parts": dict(q=q[..., :D_V], q_pe=q[..., D_V:]),
         "q in two parts, fp8 cache": dict(q=q[..., :D_V], q_pe=q[..., D_V:].clone(), k_cache=kc.to(FP8), descale_k=ONE),

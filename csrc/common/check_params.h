@@ -54,7 +54,7 @@ inline void check_address(const DecodeRequirements& req, const AccessRule& rule,
 
 // Rules of every caller:
 //  * dtype is a known code; q_fp8 only with kv_fp8 and a bf16 output; the descales that the FP8 flags need are
-//    set; FP8 only for a kernel whose requirements say so (req.fp8); batch, s_q, h_kv, num_sm_parts, max_pages_per_seq >= 1; h_q a multiple of h_kv;
+//    set, their strides >= 0; FP8 only for a kernel whose requirements say so (req.fp8); batch, s_q, h_kv, num_sm_parts, max_pages_per_seq >= 1; h_q a multiple of h_kv;
 //    num_pages >= req.min_num_pages (and >= 0);
 //  * the DERIVED fields are what derive_decode_params() computes from the ARG fields;
 //  * the launch grids fit: decode (num_m_blocks, h_kv, num_sm_parts), combine (.., h_kv, batch), so
@@ -79,8 +79,13 @@ inline void check_decode_params(const DecodeParams& p, const DecodeRequirements&
   FMLA_HOST_CHECK(!p.q_fp8 || p.kv_fp8, k << ": q_fp8 needs kv_fp8 (an FP8 q is only read against an FP8 KV cache)");
   FMLA_HOST_CHECK(!p.q_fp8 || p.dtype == DType::kBF16,
                   k << ": with q_fp8 the output dtype must be 0 (bf16), got " << static_cast<int>(p.dtype));
-  FMLA_HOST_CHECK(!p.kv_fp8 || p.descale_k != nullptr, k << ": kv_fp8 needs descale_k (a one-element fp32 tensor)");
-  FMLA_HOST_CHECK(!p.q_fp8 || p.descale_q != nullptr, k << ": q_fp8 needs descale_q (a one-element fp32 tensor)");
+  FMLA_HOST_CHECK(!p.kv_fp8 || p.descale_k != nullptr, k << ": kv_fp8 needs descale_k (an fp32 tensor, [1] or [b, h_kv])");
+  FMLA_HOST_CHECK(!p.q_fp8 || p.descale_q != nullptr, k << ": q_fp8 needs descale_q (an fp32 tensor, [1] or [b, h_kv])");
+  FMLA_HOST_CHECK(p.descale_q_stride_b >= 0 && p.descale_q_stride_h >= 0 && p.descale_k_stride_b >= 0 &&
+                      p.descale_k_stride_h >= 0,
+                  k << ": descale strides must be >= 0 (0, 0 for a per-tensor scale), got descale_q ("
+                    << p.descale_q_stride_b << ", " << p.descale_q_stride_h << "), descale_k (" << p.descale_k_stride_b
+                    << ", " << p.descale_k_stride_h << ")");
   FMLA_HOST_CHECK(req.fp8 || !p.kv_fp8, k << ": this kernel has no FP8 KV cache support (kv_fp8 needs the sm90 kernel)");
 
   DecodeParams derived = p;

@@ -171,6 +171,20 @@ __device__ __forceinline__ int causal_key_end(int len, int seqlen_q, int s) { re
 
 
 // ================================================================================================
+// FP8 descales (params.h)
+// ================================================================================================
+// The descale of (request req, kv head hk): descale[req * stride_b + hk * stride_h] (element strides; a
+// per-tensor scale has strides 0, 0). Only for a pointer the FP8 flags make non-null.
+__device__ __forceinline__ float descale_q_at(const DecodeParams& p, int req, int hk) {
+  return __ldg(p.descale_q + static_cast<int64_t>(req) * p.descale_q_stride_b +
+               static_cast<int64_t>(hk) * p.descale_q_stride_h);
+}
+__device__ __forceinline__ float descale_k_at(const DecodeParams& p, int req, int hk) {
+  return __ldg(p.descale_k + static_cast<int64_t>(req) * p.descale_k_stride_b +
+               static_cast<int64_t>(hk) * p.descale_k_stride_h);
+}
+
+// ================================================================================================
 // Output addressing
 // ================================================================================================
 

@@ -117,7 +117,7 @@ __device__ __forceinline__ void load_q_async(const DecodeParams& p, int req, int
 }
 
 // ------------------------------------------------------------------------------------------------
-// Widening to fp16 (FP8 caches; traits.h says why fp16)
+// Widening to fp16 (e4m3 caches and q; kv_format.h says why fp16)
 // ------------------------------------------------------------------------------------------------
 // Two e4m3 values (the low and high byte of a 16-bit word) to an fp16 pair, exactly (NaN stays NaN).
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
@@ -188,19 +188,20 @@ __device__ __forceinline__ void widen_q_tile(uint32_t sq_addr, int tid) {
   }
 }
 
-// Piece j of a KV stage as fp16, from the e4m3 piece that landed in the upper half of its slot (traits.h:
-// kv_load_offset), by the 128 threads of the warpgroup that multiplies the stage by Q (bar_id: its local named
+// Piece j of a KV stage as fp16, from the e4m3 piece that landed in the upper half of its slot, kSrcOffset bytes
+// into the stage (kv_format.h: KvFormatE4m3, whose widen_piece this is), by the 128 threads of the warpgroup that multiplies the stage by Q (bar_id: its local named
 // barrier). Thread t widens 16 bytes of rows t / 4 and 32 + t / 4. The fp16 rows 0..31 go to the lower half,
 // which holds nothing any more, so they are written at once; rows 32..63 cover the e4m3 bytes and are written
 // after the barrier that follows every thread's last read. A proxy fence + barrier publish the piece to wgmma.
 // The thread's offsets come from a value the compiler cannot see through (a volatile asm, like mainloop.cuh's
 // opaque_zero): hoisted out of the main loop they would hold registers across it, and ptxas spilled.
-template <class T, int kPiece>
+template <int kPiece, int kSrcOffset>
 __device__ __forceinline__ void widen_kv_piece(uint8_t* stage_base, int tid_in_wg, uint32_t bar_id) {
+  static_assert(kSrcOffset == kPiece * kPieceBytes + kPieceBytes / 2, "rows 0..31 are written before the barrier");
   uint32_t t;
   asm volatile("mov.u32 %0, %1;" : "=r"(t) : "r"(uint32_t(tid_in_wg)));
   const uint32_t base = cute::cast_smem_ptr_to_uint(stage_base);
-  const uint32_t src = base + T::kv_load_offset(kPiece) + t * 16;
+  const uint32_t src = base + kSrcOffset + t * 16;
   const uint32_t dst = base + kPiece * kPieceBytes;
   const int row = int(t) / 4, c = 2 * (int(t) % 4);
   const uint4 a = lds128(src);
@@ -219,7 +220,7 @@ __device__ __forceinline__ void widen_kv_piece(uint8_t* stage_base, int tid_in_w
 // ------------------------------------------------------------------------------------------------
 // TMA of the pieces in kMask (bit j = piece j) of cache page `page`, KV head hk, into the stage at
 // stage_base, each completing on its own barrier full[j]. Called by one thread. Box = 64 columns x
-// 64 tokens = 8192 bytes per piece.
+// 64 tokens; its bytes and where they land are the cache format's (kv_format.h: kLoadBytes, load_offset).
 template <class T, uint32_t kMask>
 __device__ __forceinline__ void issue_kv_pieces(const CUtensorMap* tmap, TmaBarrier* full, uint8_t* stage_base,
                                                 int page, int hk) {
@@ -227,10 +228,10 @@ __device__ __forceinline__ void issue_kv_pieces(const CUtensorMap* tmap, TmaBarr
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kNumPieces; ++j) {
     if ((kMask >> j) & 1u) {
-      full[j].arrive_and_expect_tx(T::kKvLoadBytes);
+      full[j].arrive_and_expect_tx(T::KvFormat::kLoadBytes);
       // tensor map dims (fastest first): (576 columns, h_kv, 64 tokens, num_pages)
       cute::SM90_TMA_LOAD_4D::copy(tmap, reinterpret_cast<uint64_t*>(&full[j]), cache_hint,
-                                   stage_base + T::kv_load_offset(j), j * kPieceCols, hk, 0, page);
+                                   stage_base + T::KvFormat::load_offset(j), j * kPieceCols, hk, 0, page);
     }
   }
 }

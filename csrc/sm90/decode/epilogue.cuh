@@ -18,14 +18,14 @@ namespace flashmla_backend::sm90::decode {
 using namespace cute;
 
 // l: final row sums, m: running max (log2 domain, scaled) of the thread's two rows (softmax.cuh).
+// v_scale: a scaled cache format's value scale of this request and kv head (kv_format.h; V = V_stored * v_scale),
+// applied once here (the split accumulators carry it too, so the combine does not see it); unused otherwise.
 template <class T, class FragO>
 __device__ __forceinline__ void store_output(const DecodeParams& p, const RequestPiece& w, const RowInfo& ri,
                                              int m_block, int hk, int wg, int tid, const FragO& tOrO,
-                                             const float (&l)[2], const float (&m)[2]) {
+                                             const float (&l)[2], const float (&m)[2], float v_scale) {
   using Element = typename T::Out;
   const int lane = tid & 31;
-  // FP8 cache: V = V_stored * descale_k, applied once here (the split accumulators carry it too).
-  const float v_scale = T::kKvFp8 ? __ldg(p.descale_k) : 1.f;
   const int col0 = wg * kHalfDimV + 2 * (lane & 3);
   CUTLASS_PRAGMA_UNROLL
   for (int v = 0; v < 2; ++v) {
@@ -34,7 +34,7 @@ __device__ __forceinline__ void store_output(const DecodeParams& p, const Reques
     const int s = r / p.ngroups;
     const int h = hk * p.ngroups + (r - s * p.ngroups);
     const bool has_key = row_has_key(l[v]);  // the empty-row rule (common/device.cuh): NaN rows are not empty
-    const float inv = has_key ? (T::kKvFp8 ? v_scale / l[v] : 1.f / l[v]) : 0.f;
+    const float inv = has_key ? (T::KvFormat::kScaled ? v_scale / l[v] : 1.f / l[v]) : 0.f;
     if (!w.split) {
       Element* out = reinterpret_cast<Element*>(p.out) + int64_t(w.req) * p.out_stride_b + int64_t(s) * p.out_stride_s +
                      int64_t(h) * p.out_stride_h + col0;

@@ -13,6 +13,7 @@
 #include "params.h"
 #include "sm90/decode/decode.h"
 #include "sm90/decode/kernel.cuh"
+#include "sm90/decode/kv_format.h"
 
 namespace flashmla_backend::sm90::decode {
 
@@ -37,14 +38,14 @@ inline EncodeTiledFn get_encode_tiled() {
 
 // KV cache [num_pages, 64, h_kv, 576] as a 4-d tensor map with dims (fastest first)
 // (576 columns, h_kv, 64 tokens, num_pages): strides grow in this order for a contiguous cache.
-// Box = (64 columns, 1 head, 64 tokens, 1 page) = one 8 KB piece, 128B swizzle (the smem piece layout).
+// Box = (64 columns, 1 head, 64 tokens, 1 page) = one piece; element type and swizzle are the cache format's
+// (kv_format.h): a 16-bit piece is 8 KB with 128B swizzle (the smem piece layout), an e4m3 one 4 KB unswizzled.
 // No L2 promotion: a piece row is 128 bytes of a 1152-byte token row, and 256-byte promotion measured
 // slower on the memory-bound shapes and no faster on h_q = 128 (figures: docs/perf/journal.md).
-// An e4m3 cache: the same box of 64 one-byte columns (4 KB), unswizzled (copies.cuh: widen_kv_piece).
 template <class T>
 CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
-  using KvElement = std::conditional_t<T::kKvFp8, uint8_t, typename T::Element>;
-  constexpr int64_t kE = sizeof(KvElement);
+  using Format = typename T::KvFormat;
+  constexpr int64_t kE = Format::kStoredBytes;
   CUtensorMap tmap;
   const cuuint64_t dims[4] = {cuuint64_t(kHeadDimK), cuuint64_t(p.num_heads_kv), cuuint64_t(kBlockN),
                               cuuint64_t(p.num_pages)};
@@ -54,12 +55,9 @@ CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
                                  cuuint64_t(p.kv_stride_page * kE)};
   const cuuint32_t box[4] = {cuuint32_t(kPieceCols), 1u, cuuint32_t(kBlockN), 1u};
   const cuuint32_t elem_strides[4] = {1u, 1u, 1u, 1u};
-  const CUtensorMapDataType dtype = T::kKvFp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
-                                    : std::is_same_v<KvElement, cutlass::bfloat16_t> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                                                    : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const CUresult res = get_encode_tiled()(&tmap, dtype, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
-                                          CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                          T::kKvFp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+  static_assert(kPieceCols * kBlockN * kE == Format::kLoadBytes, "one box = one piece's TMA bytes");
+  const CUresult res = get_encode_tiled()(&tmap, Format::kTmaDataType, 4, const_cast<void*>(p.kv), dims, strides, box,
+                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, Format::kTmaSwizzle,
                                           CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FMLA_HOST_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the KV cache (CUresult "
                                            << int(res) << "; strides in elements: page " << p.kv_stride_page
@@ -84,28 +82,28 @@ inline DecodeRequirements decode_requirements(int q_elem_bytes, int kv_elem_byte
   return r;
 }
 
-// The Traits of each Variant (decode.h).
+// The Traits of each Variant (decode.h): cache format, q's type, out's type.
 template <Variant V>
 struct VariantTraits;
 template <>
 struct VariantTraits<Variant::kBF16> {
-  using type = Traits<cutlass::bfloat16_t>;
+  using type = Traits<KvFormat16<cutlass::bfloat16_t>>;
 };
 template <>
 struct VariantTraits<Variant::kFP16> {
-  using type = Traits<cutlass::half_t>;
+  using type = Traits<KvFormat16<cutlass::half_t>>;
 };
 template <>
 struct VariantTraits<Variant::kFp8KvBF16Q> {
-  using type = Traits<cutlass::half_t, cutlass::bfloat16_t, cutlass::bfloat16_t, true>;
+  using type = Traits<KvFormatE4m3, cutlass::bfloat16_t>;
 };
 template <>
 struct VariantTraits<Variant::kFp8KvFP16Q> {
-  using type = Traits<cutlass::half_t, cutlass::half_t, cutlass::half_t, true>;
+  using type = Traits<KvFormatE4m3, cutlass::half_t>;
 };
 template <>
 struct VariantTraits<Variant::kFp8KvFp8Q> {
-  using type = Traits<cutlass::half_t, cutlass::bfloat16_t, cutlass::float_e4m3_t, true>;
+  using type = Traits<KvFormatE4m3, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
 };
 
 template <Variant V>
@@ -116,9 +114,9 @@ int decode_smem_bytes() {
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p) {
   using T = typename VariantTraits<V>::type;
-  FMLA_HOST_CHECK(p.kv_fp8 == T::kKvFp8 && p.q_fp8 == T::kQFp8,
+  FMLA_HOST_CHECK(p.kv_fp8 == T::KvFormat::kKvFp8Param && p.q_fp8 == T::kQFp8,
                   "sm90 decode: kv_fp8 / q_fp8 do not match the kernel variant " << int(V));
-  check_decode_params(p, decode_requirements(int(sizeof(typename T::QIn)), T::kKvFp8 ? 1 : int(sizeof(typename T::Element))));
+  check_decode_params(p, decode_requirements(int(sizeof(typename T::QIn)), T::KvFormat::kStoredBytes));
 
   const CUtensorMap tmap = make_kv_tensor_map<T>(p);
 

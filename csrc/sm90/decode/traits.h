@@ -16,40 +16,29 @@ namespace flashmla_backend::sm90::decode {
 
 using namespace cute;
 
-// Element: the wgmma operand type (Q, K, V and P tiles in shared memory). Out: the output's element type.
-// QIn: q's element type in global memory. kKvFp8: the cache is float8_e4m3fn (true value = stored * descale_k).
+// KvFormat: the cache's format (kv_format.h: KvFormat16<bf16 / fp16> or KvFormatE4m3), which fixes the wgmma
+// operand type Element of the Q, K, V and P tiles in shared memory, how KV pieces land there and how a cache scale
+// folds. QIn: q's element type in global memory. Out: the output's element type.
 //
-// bf16 / fp16 caches: Element = Out = QIn = the cache's type; Q and the KV pieces land in shared memory as they
-// are. FP8 caches: Element = fp16. Every e4m3 value is exactly an fp16 value (3 mantissa bits, exponents
-// -9..8), so the warpgroup that multiplies a KV block by Q first widens each landed e4m3 piece to fp16 in place
-// (copies.cuh: widen_kv_piece) and the products are those of the dequantized cache up to the per-tensor scale,
-// which is folded into the softmax scale and the epilogue. A bf16 q is converted to fp16 in shared memory
-// (fp16 keeps 3 more mantissa bits than bf16; a |q| above 65504 would overflow: the Python layer documents
-// it), an e4m3 q (fast mode, true value = stored * descale_q) is widened to fp16 like the cache.
-template <typename Element_, typename Out_ = Element_, typename QIn_ = Element_, bool kKvFp8_ = false>
+// 16-bit caches: Element = Out = QIn = the cache's type; Q and the KV pieces land in shared memory as they are.
+// e4m3 caches: Element = fp16 (the format widens each landed piece in place). A bf16 q is converted to fp16 in
+// shared memory (fp16 keeps 3 more mantissa bits than bf16; a |q| above 65504 would overflow: the Python layer
+// documents it), an e4m3 q (fast mode, true value = stored * descale_q) is widened to fp16 like the cache.
+template <class KvFormat_, class QIn_ = typename KvFormat_::Operand, class Out_ = QIn_>
 struct Traits {
-  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  using KvFormat = KvFormat_;
+  using Element = typename KvFormat::Operand;  // cutlass::bfloat16_t or cutlass::half_t
   using Out = Out_;
   using QIn = QIn_;
-  static constexpr bool kKvFp8 = kKvFp8_;
   static constexpr bool kQFp8 = std::is_same_v<QIn, cutlass::float_e4m3_t>;
   static constexpr bool kQConvert = !std::is_same_v<QIn, Element>;  // Q is rewritten in smem before use
   static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>,
                 "bf16 or fp16 only");
   static_assert(sizeof(Element) == kElemBytes, "16-bit elements");
-  static_assert(!kKvFp8 || std::is_same_v<Element, cutlass::half_t>, "FP8 caches are widened to fp16");
-  static_assert(kKvFp8 || (std::is_same_v<Out, Element> && std::is_same_v<QIn, Element>),
-                "16-bit caches: q, cache and out share one type");
-  static_assert(!kQFp8 || (kKvFp8 && std::is_same_v<Out, cutlass::bfloat16_t>), "e4m3 q: FP8 cache, bf16 out");
-
-  // Bytes one TMA box of a KV piece brings and where in the stage it lands: a 16-bit piece j fills its 8 KB slot
-  // (128B swizzle); an e4m3 piece j (64 keys x 64 bytes, unswizzled) lands in the upper half of that slot, from
-  // where widen_kv_piece (copies.cuh) rewrites the whole slot as the fp16 piece before its first reader. So an FP8
-  // block lands on exactly the slots of a 16-bit one, and the refill protocol (config.h: kRefillMask) is unchanged.
-  // (A layout with the e4m3 block packed into 36 KB that one warpgroup releases, refilled at once, needed fewer
-  // barriers but delayed the refill of stage 0, and measured slower: docs/perf/journal.md.)
-  static constexpr int kKvLoadBytes = kKvFp8 ? kPieceBytes / 2 : kPieceBytes;
-  static constexpr int kv_load_offset(int j) { return j * kPieceBytes + (kKvFp8 ? kPieceBytes / 2 : 0); }
+  static_assert(KvFormat::kWidens || (std::is_same_v<Out, Element> && std::is_same_v<QIn, Element>),
+                "a cache stored as the operand type: q, cache and out share one type");
+  static_assert(!kQFp8 || (KvFormat::kScaled && std::is_same_v<Out, cutlass::bfloat16_t>),
+                "e4m3 q: FP8 cache, bf16 out");
 
   using TileM = Int<kBlockM>;
   using TileN = Int<kBlockN>;
@@ -98,9 +87,11 @@ struct Traits {
     // kv_full[s][j]: TMA of piece j of stage s landed. Arrival count 1 (the issuing thread's
     // arrive.expect_tx of kPieceBytes); one phase per KV block loaded into the stage.
     cutlass::arch::ClusterTransactionBarrier kv_full[kNumStages][kNumPieces];
-    // FP8: scale_log2 * descale_k (* descale_q), read from the device by each CTA (after the barriers: the
-    // 16-bit kernels' plan keeps its offsets).
+    // Scaled formats (kv_format.h): the current request's scale_log2 * score factor (* descale_q) and value scale,
+    // written by thread 0 before the request's first barrier (kernel.cuh). After the barriers: the 16-bit kernels'
+    // plan keeps its offsets.
     float scale_log2;
+    float value_scale;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;  // + manual realignment
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
