@@ -35,17 +35,17 @@ TORCH_INDEX=${FLASHMLA_BACKEND_TORCH_INDEX:-}
 RECIPE_VERSION=1   # raise when the way the environments are made changes: every one is made again
 
 # Engine conformance environments, one line each (fields separated by spaces):
-#   name            test file (tests/)   installed with --no-deps (comma-separated)   then: pip install -r tests/...
+#   name            test files (tests/, comma-separated)     installed with --no-deps (comma-separated)   then: pip install -r tests/...
 ENGINES=(
-  "vllm-0.26.0      test_vllm_cpu.py     vllm==0.26.0,xgrammar==0.2.7                  requirements-vllm-cpu.txt"
-  "vllm-0.33.0      test_vllm_cpu.py     vllm==0.33.0,xgrammar==0.2.8                  requirements-vllm-0.33-cpu.txt"
-  "sglang-0.5.21    test_sglang_cpu.py   sglang==0.5.21                                requirements-sglang-cpu.txt"
-  "sglang-0.5.23    test_sglang_cpu.py   sglang==0.5.23                                requirements-sglang-0.5.23-cpu.txt"
+  "vllm-0.26.0      test_vllm_cpu.py,test_vllm_dcp_cpu.py    vllm==0.26.0,xgrammar==0.2.7                  requirements-vllm-cpu.txt"
+  "vllm-0.33.0      test_vllm_cpu.py,test_vllm_dcp_cpu.py    vllm==0.33.0,xgrammar==0.2.8                  requirements-vllm-0.33-cpu.txt"
+  "sglang-0.5.21    test_sglang_cpu.py,test_sglang_dcp_cpu.py  sglang==0.5.21                              requirements-sglang-cpu.txt"
+  "sglang-0.5.23    test_sglang_cpu.py,test_sglang_dcp_cpu.py  sglang==0.5.23                              requirements-sglang-0.5.23-cpu.txt"
 )
 # More environments, made and run only when FLASHMLA_BACKEND_EXTRA_ENGINES=1 (same fields as above):
 # older releases a plugin still supports, kept out of the default run for its time (~2 min each to make).
 ENGINES_EXTRA=(
-  "sglang-0.5.17    test_sglang_cpu.py   sglang==0.5.17                                requirements-sglang-0.5.17-cpu.txt"
+  "sglang-0.5.17    test_sglang_cpu.py,test_sglang_dcp_cpu.py  sglang==0.5.17                              requirements-sglang-0.5.17-cpu.txt"
 )
 [ "${FLASHMLA_BACKEND_EXTRA_ENGINES:-0}" = 1 ] && ENGINES+=("${ENGINES_EXTRA[@]}")
 # Why --no-deps: the engines' wheels pin a CUDA torch and CUDA-only packages the CPU tests do not need;
@@ -64,8 +64,10 @@ done
 
 engine_files=()
 for line in "${ENGINES[@]}"; do
-  read -r _ file _ _ <<<"$line"
-  case " ${engine_files[*]-} " in *" $file "*) ;; *) engine_files+=("$file") ;; esac
+  read -r _ files _ _ <<<"$line"
+  for file in ${files//,/ }; do
+    case " ${engine_files[*]-} " in *" $file "*) ;; *) engine_files+=("$file") ;; esac
+  done
 done
 
 # ---- the active environment: pytest and the package under test ---------------------------------
@@ -244,8 +246,8 @@ if [ $engines -eq 1 ]; then
     echo
     from=$(env PYTHONPATH="$engine_pythonpath" PYTHONNOUSERSITE=1 "$ENVS/$name-py$pyver/bin/python" -c \
       "import flashmla_backend; print(flashmla_backend.__file__)" 2>/dev/null) || from="(does not import)"
-    say "[$name] $file with $ENVS/$name-py$pyver/bin/python, flashmla_backend from $from"
-    run_pytest "$name" "$ENVS/$name-py$pyver/bin/python" "$engine_pythonpath" PYTHONNOUSERSITE=1 -- "$file" ${args[@]+"${args[@]}"}
+    say "[$name] ${file//,/ } with $ENVS/$name-py$pyver/bin/python, flashmla_backend from $from"
+    run_pytest "$name" "$ENVS/$name-py$pyver/bin/python" "$engine_pythonpath" PYTHONNOUSERSITE=1 -- ${file//,/ } ${args[@]+"${args[@]}"}
   done
 fi
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE_FILES = ("test_vllm_cpu.py", "test_sglang_cpu.py")
+ENGINE_FILES = ("test_vllm_cpu.py", "test_vllm_dcp_cpu.py", "test_sglang_cpu.py", "test_sglang_dcp_cpu.py")
 PYVER = "%d.%d" % sys.version_info[:2]
 
 
@@ -240,4 +240,4 @@ def test_conftest_skips_engine_tests_with_how_to_run_them():
                         *(str(REPO / "tests" / f) for f in ENGINE_FILES)],
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 5, p.stdout + p.stderr  # pytest: nothing but skipped modules is "no tests collected"
-    assert "2 skipped" in p.stdout and "bash tests/run.sh --engines" in p.stdout
+    assert f"{len(ENGINE_FILES)} skipped" in p.stdout and "bash tests/run.sh --engines" in p.stdout

@@ -117,7 +117,12 @@ def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
     parallel, spec = _runtime()
     dcp = getattr(parallel, "attn_dcp_size", 1)
     if dcp and dcp > 1:
-        reasons.append("flashmla_backend does not support decode context parallelism (--dcp-size > 1)")
+        reasons.append(
+            f"flashmla_backend's SGLang adapter does not support decode context parallelism (--dcp-size {dcp}); "
+            "drop --dcp-size (or use --attention-backend flashmla, SGLang's own, for DCP with a 16-bit cache). "
+            "Supporting it needs the adapter to plan on each rank's share of the KV slots (SGLang's DCP "
+            "owner rule) and to return the decode lse for SGLang's cross-rank merge; the kernel returns that "
+            "lse already, and the vLLM adapter supports --decode-context-parallel-size")
     translator = getattr(model_runner, "kv_index_translator", None)
     if translator is not None and getattr(translator, "is_translating", False):
         reasons.append("flashmla_backend reads req_to_token as physical KV slots; the unified KV pool "

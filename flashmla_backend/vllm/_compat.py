@@ -26,7 +26,18 @@ Interface differences the plugin meets (read in the 0.26.0 and 0.33.0 wheels; "0
   - 0.32+ `register_backend` also accepts a new string name (0.26-0.31 only enum members): the plugin
     adds FLASHMLA_BACKEND there;
   - `Platform.get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)` has the same
-    signature in 0.26, 0.31, 0.32 and 0.33 (the opt-in automatic choice wraps it: default_choice.py).
+    signature in 0.26, 0.31, 0.32 and 0.33 (the opt-in automatic choice wraps it: default_choice.py);
+  - decode context parallelism (DCP): both releases hand `_build_decode` the rank-local lengths
+    (`CommonAttentionMetadata.dcp_local_seq_lens`) as `seq_lens_device` and the full ones as
+    `dcp_tot_seq_lens_device`, gather the decode queries of the group by head before `forward_mqa`, and
+    merge by lse (`cp_lse_ag_out_rs`: vllm/v1/attention/ops/common.py in 0.26, ops/dcp.py behind
+    `MLADCPManager.combine` in 0.33) as [tokens, heads], base e unless the impl sets `lse_base_on_e`
+    False. 0.26 asks for DCP through `can_return_lse_for_decode` only (`supports_dcp` defaults to True;
+    a start-up check asserts `need_to_return_lse_for_decode`); 0.33 also asks `supports_dcp` (default
+    False) when it selects the backend (`validate_configuration(use_dcp=...)`) and masks the lse of
+    empty shards itself. Both force the decode threshold to 1 under DCP unless the builder passes
+    `supports_dcp_with_varlen` (the plugin does not), and refuse MTP with an interleave size > 1 unless
+    the impl sets `supports_mtp_with_cp_non_trivial_interleave_size`.
 Releases outside [MIN_VERSION, MAX_VERSION_EXCLUSIVE) are refused when the backend is selected, with a
 message naming the supported range (see flashmla_backend.vllm.unsupported).
 """

@@ -14,6 +14,19 @@ query length are captured and replayed. The builder runs eagerly before every re
 fresh metadata into buffers allocated once (`[num_SMs, 8]` and `[max_num_seqs + 1]` int32) so that
 the captured kernels, which hold those addresses, read this step's values. flashmla_backend.plan.DecodePlan
 owns those buffers and the scheduler call (the SGLang adapter uses the same plan).
+
+Decode context parallelism (--decode-context-parallel-size N, "DCP"): every rank of a DCP group keeps
+the tokens of each request whose position p has (p // I) % N == its rank (I =
+--cp-kv-cache-interleave-size), packed in order into its own pages: rank-local token j of a request
+sits at kernel block j // 64 of the rank's block table, row j % 64. vLLM's MLACommonMetadataBuilder.build
+hands _build_decode the rank-local lengths (CommonAttentionMetadata.dcp_local_seq_lens, which may be 0
+for a request with tokens on other ranks) as seq_lens, the full lengths as dcp_tot_seq_lens, and the
+rank's block table; the decode kernel then reads the rank's share as an ordinary paged sequence. The
+queries are all-gathered across the group (N x the rank's heads), so the plan counts N x heads.
+Multi-token decode queries (MTP / speculative verification) never reach the decode path under DCP:
+the plugin does not declare supports_dcp_with_varlen, so vLLM sets reorder_batch_threshold to 1 and
+verifies drafts through its prefill path; the kernel's causal mask (query s sees the first n - s_q + s
+keys) would be wrong for an interleaved shard, so _build_decode refuses s_q > 1 with DCP.
 """
 from __future__ import annotations
 
@@ -42,6 +55,7 @@ class FlashMLAPluginDecodeMetadata(MLACommonDecodeMetadata):
     tile_scheduler_metadata: torch.Tensor  # [num_sm_parts, 8] int32, from get_mla_metadata
     num_splits: torch.Tensor  # [num_decodes + 1] int32, from get_mla_metadata
     query_len: int  # s_q: every decode request has s_q query tokens (padding requests: 0)
+    num_q_heads: int  # query heads the plan was made for (the rank's heads x the DCP size)
 
 
 @dataclass
@@ -72,6 +86,26 @@ def uniform_query_len(query_start_loc_cpu: torch.Tensor, num_decode_tokens: int)
     return s_q
 
 
+def dcp_interleave_problem(interleave_size: int, block_size: int | None) -> str | None:
+    """None when the rank-local tokens of a DCP shard are packed in order into the rank's pages, else why not.
+
+    vLLM places position p of a request on rank (p // I) % N at local index
+    (p // (I * N)) * I + p % I within each group of N KV-manager blocks; that is the rank's j-th token at
+    index j (a plain paged sequence, which the decode kernel reads) exactly when I divides the per-rank
+    block size B. vLLM's own configuration check asks the same (I <= B and B % I == 0); this repeats it
+    with the sizes that work.
+    """
+    if block_size is None or block_size <= 0:
+        return None  # vLLM has not chosen the block size yet; it checks I against it once it has
+    if interleave_size >= 1 and block_size % interleave_size == 0:
+        return None
+    works = [d for d in range(1, block_size + 1) if block_size % d == 0]
+    return (f"flashmla_backend: --cp-kv-cache-interleave-size {interleave_size} with --block-size {block_size}: "
+            "decode context parallelism needs an interleave size that divides the block size (so each rank's "
+            f"tokens fill its pages in order); with --block-size {block_size} use one of "
+            f"{', '.join(map(str, works))} (1, the default, interleaves single tokens)")
+
+
 class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
@@ -87,13 +121,14 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
                 f"{PAGE_SIZE}-token pages. Use --block-size 64, 128 or 256 (a multiple of 64), or leave it unset."
             )
         if self.dcp_world_size > 1:
-            raise NotImplementedError(
-                "flashmla_backend: decode context parallelism (--decode-context-parallel-size > 1) is not supported"
-            )
+            problem = dcp_interleave_problem(self.cp_kv_cache_interleave_size, vllm_config.cache_config.block_size)
+            if problem is not None:
+                raise ValueError(problem)
         # Query heads per rank as vLLM's MLA builder counts them: the model's count on 0.26, the layers' own
         # count on later releases (0.31-0.33 read), where a draft model's KV-cache group may have another
-        # head count than the target's.
-        self.num_q_heads = self.num_heads
+        # head count than the target's. With DCP the decode queries of the whole group are gathered on
+        # every rank (vLLM's MLA layer all-gathers them by head before forward_mqa).
+        self.num_q_heads = self.num_heads * self.dcp_world_size
 
         # With full CUDA graphs every decode build writes into the plan's persistent buffers (see the
         # module docstring); without them the plan hands out fresh tensors.
@@ -115,6 +150,13 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
         max_query_len: int | None = None,  # passed (by keyword) by 0.31-0.33, not 0.26; s_q is derived below
     ) -> FlashMLAPluginDecodeMetadata:
         s_q = uniform_query_len(query_start_loc_cpu, num_decode_tokens)
+        if self.dcp_world_size > 1 and s_q > 1:
+            raise ValueError(
+                f"flashmla_backend: decode batch with {s_q} query tokens per request under decode context "
+                f"parallelism (DCP size {self.dcp_world_size}); the decode kernel's causal mask assumes a request's "
+                "keys are contiguous, which a DCP shard is not. vLLM verifies speculative tokens through its "
+                "prefill path under DCP (decode threshold 1); this batch should not have reached the decode kernel."
+            )
         tile_md, num_splits = self.plan.schedule(
             DecodeStep(cache_seqlens=seq_lens_device, query_len=s_q), graph=self.plan.has_graph_buffers)
 
@@ -125,4 +167,5 @@ class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetad
             tile_scheduler_metadata=tile_md,
             num_splits=num_splits,
             query_len=s_q,
+            num_q_heads=self.num_q_heads,
         )

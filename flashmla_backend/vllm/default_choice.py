@@ -14,8 +14,9 @@ on a compute-capability-9.x GPU, returns this plugin when its own `validate_conf
 layer. Everything else goes to vLLM's function unchanged: a named backend (including
 `--attention-backend FLASH_ATTN_MLA` etc.), non-MLA layers, sparse MLA, other GPUs, and every layer the
 plugin refuses (KV-cache formats outside flashmla_backend.engine_support, such as fp8_e5m2 or fp8_ds_mla;
-block sizes that are not multiples of 64, decode context parallelism, an unsupported GPU or a missing
-compiled module), which then get vLLM's usual choice. FP8 (e4m3) KV caches are covered like 16-bit ones.
+block sizes that are not multiples of 64, an unsupported GPU or a missing compiled module), which then
+get vLLM's usual choice. FP8 (e4m3) KV caches are covered like 16-bit ones, and decode context parallelism
+like its absence.
 
 Without the variable nothing is wrapped and vLLM's choice is untouched (tests/test_vllm_cpu.py checks
 both on a stand-in Hopper platform).

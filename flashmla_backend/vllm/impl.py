@@ -14,6 +14,17 @@ the current value). The query mode comes from FLASHMLA_BACKEND_FP8_MODE:
   accurate (default)  supports_quant_query_input = False: vLLM hands the 16-bit (ql_nope, q_pe);
   fast                supports_quant_query_input = True: vLLM quantizes q with its fused concat + quant
                       (scale _q_scale) and hands one e4m3 [T, N, 576] tensor; descale_q = _q_scale.
+
+Decode context parallelism (--decode-context-parallel-size N; flashmla_backend.vllm.builder describes the
+shard): vLLM's MLA layer gathers the decode queries of the N ranks by head (one [T, N x heads, 576]
+tensor, 16-bit or e4m3 as above), forward_mqa attends the rank's shard of the cache, and the layer merges
+the N partial outputs by their log-sum-exp (cp_lse_ag_out_rs, or dcp_a2a_lse_reduce with
+--dcp-comm-backend a2a) before the V up-projection. The impl says so with can_return_lse_for_decode (vLLM
+then sets need_to_return_lse_for_decode when N > 1, and 0.26's start-up check asserts it), supports_dcp
+(0.33's backend selection reads it) and lse_base_on_e (the kernel's lse is a natural log). The lse is
+returned as [T, N x heads] float32, one row per query token in q's order: the layout the merge reads
+([tokens, heads]; the kernel's is [batch, heads, s_q]). A request with no token on this rank gives out 0 and
+lse +inf; both releases' merges give such a shard zero weight (+inf and NaN count as -inf there).
 """
 from __future__ import annotations
 
@@ -38,10 +49,24 @@ _announced = False
 _default_scale_logged = False
 
 
+def lse_for_merge(lse: torch.Tensor) -> torch.Tensor:
+    """The kernel's lse [batch, heads, s_q] as vLLM's DCP merge reads it: [batch * s_q, heads], contiguous.
+
+    Row t is query token t of forward_mqa's q (request t // s_q, token t % s_q), as the output's rows are.
+    Values are unchanged: natural-log fp32, +inf for a query that saw no key on this rank.
+    """
+    batch, heads, s_q = lse.shape
+    return lse.transpose(1, 2).reshape(batch * s_q, heads).contiguous()
+
+
 class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
-    # The decode LSE is only needed for decode context parallelism, which this plugin refuses.
-    can_return_lse_for_decode: bool = False
-    supports_dcp: bool = False
+    # Decode context parallelism (see the module docstring): the decode LSE is returned when vLLM asks for it
+    # (need_to_return_lse_for_decode, set by vLLM when the DCP size is > 1), natural log.
+    can_return_lse_for_decode: bool = True
+    supports_dcp: bool = True
+    lse_base_on_e: bool = True
+    # MTP with --cp-kv-cache-interleave-size > 1: vLLM refuses it at start-up for impls that leave this False.
+    supports_mtp_with_cp_non_trivial_interleave_size: bool = False
 
     def __init__(
         self,
@@ -98,6 +123,9 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
             _announced = True
             cache = (f"FP8 KV cache ({kv_cache_dtype}, e4m3), mode {self.fp8_mode} ({engine_support.FP8_MODE_ENV})"
                      if self.kv_fp8 else f"KV cache {kv_cache_dtype}")
+            if self.need_to_return_lse_for_decode:  # vLLM sets it for a DCP group of more than one rank
+                cache += (f", decode context parallelism (rank {self.dcp_rank} of its DCP group: attends its share "
+                          "of the cache with the group's gathered query heads, returns the lse for vLLM's merge)")
             logger.info(
                 "flashmla_backend: MLA decode attention runs on flashmla_backend %s (%s), %d heads per rank, "
                 "scale %.6g, %s; prefill stays with vLLM's MLA prefill backend.",
@@ -116,7 +144,8 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
         T = num_decodes * s_q, the s_q tokens of each request consecutive. kv_c_and_k_pe_cache:
         [num_kernel_blocks, 64, 576] (float8_e4m3fn, or uint8 bytes of it, for an FP8 cache). Returns
         (o [T, N, 512], None): token s of a request with n cached tokens (these s_q included) sees the keys
-        0 .. n - s_q + s (causal when s_q > 1).
+        0 .. n - s_q + s (causal when s_q > 1). With decode context parallelism N counts the heads of the
+        whole DCP group, n is this rank's share, and the second value is lse [T, N] (see lse_for_merge).
         """
         decode = attn_metadata.decode
         if decode is None:
@@ -130,6 +159,11 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
             raise RuntimeError(
                 f"flashmla_backend: forward_mqa got {num_tokens} decode tokens, but the metadata describes "
                 f"{batch} requests of {s_q} tokens")
+        if num_heads != decode.num_q_heads:
+            raise RuntimeError(
+                f"flashmla_backend: forward_mqa got {num_heads} query heads, but the tile scheduler was planned for "
+                f"{decode.num_q_heads} (the rank's heads x the decode-context-parallel size: with DCP the queries "
+                "of the group must be gathered before forward_mqa)")
         descale_q = descale_k = None
         cache = kv_c_and_k_pe_cache
         if self.kv_fp8:
@@ -139,7 +173,7 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
             if q.dtype == _FP8:
                 descale_q = layer._q_scale.reshape(1)
             self._log_default_scale(layer)
-        out, _lse = flashmla_backend.flash_mla_with_kvcache(
+        out, lse = flashmla_backend.flash_mla_with_kvcache(
             q.reshape(batch, s_q, num_heads, q.shape[-1]),
             cache.unsqueeze(-2),  # [blocks, 64, 1 latent head, 576]
             decode.block_table,
@@ -153,7 +187,8 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
             descale_k=descale_k,
             q_pe=None if q_pe is None else q_pe.reshape(batch, s_q, num_heads, q_pe.shape[-1]),
         )
-        return out.view(num_tokens, num_heads, self.kv_lora_rank), None
+        out = out.view(num_tokens, num_heads, self.kv_lora_rank)
+        return out, (lse_for_merge(lse) if self.need_to_return_lse_for_decode else None)
 
     @staticmethod
     def _log_default_scale(layer) -> None:
