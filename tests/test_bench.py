@@ -667,6 +667,31 @@ def test_run_shape_fp8_on_cpu(monkeypatch, capsys):
     assert "FP8 (plain): ours-fp8q vs FlashMLA-FP8 n/a" in printed and "ours-fp8 vs ours bf16 1.000x" in printed
 
 
+def test_accuracy_figures_read_the_checked_result_not_a_reused_buffer(monkeypatch):
+    """An adapter that writes every call into one output buffer (as the Triton and FlashInfer adapters may):
+    the timed calls after the check overwrite it, and the figures must still be those of the checked call."""
+    def shared_buffer(ctx):
+        calls = {"n": 0}
+        good = _stub_fp8(False)(ctx)[0]
+        buf = {}
+
+        def call(c):
+            out, lse = good.calls[c]()
+            calls["n"] += 1
+            if "out" not in buf:
+                buf["out"], buf["lse"] = out.clone(), lse.clone()
+            buf["out"].copy_(out if calls["n"] == 1 else torch.full_like(out, 7.0))   # later calls: garbage
+            buf["lse"].copy_(lse)
+            return buf["out"], buf["lse"]
+        return [impls.Variant("", [lambda c=c: call(c) for c in range(len(ctx.inputs))], impls.standard)]
+    monkeypatch.setitem(impls.ADAPTERS, "flashinfer-fp8", shared_buffer)
+    monkeypatch.setitem(impls.ADAPTERS, "ours-fp8", _stub_fp8(False))
+    cfg = run.Config(shapes=[], impls=["ours-fp8", "flashinfer-fp8"], l2_bytes=1 << 16, kv_dtypes=["fp8"])
+    rows = run.run_shape(shapes.parse_shape("b2-sk70-h16-sq1"), cfg, CEILINGS, _fake_timer, CPU)
+    r = {x["impl"]: x for x in rows}["flashinfer-fp8"]
+    assert r["check"] == "ok" and r["err_vs_bf16q"] < 1e-5, r
+
+
 def test_run_shape_fp8_peer_is_ours_fp8q(monkeypatch):
     """flashmla-fp8 is compared with ours-fp8q (same e4m3 q and cache) on the whole batch."""
     monkeypatch.setitem(impls.ADAPTERS, "ours-fp8q", _stub_fp8(True, 1.5))        # wrong: no peer comparison

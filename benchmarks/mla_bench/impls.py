@@ -334,11 +334,13 @@ def _flashinfer(ctx: ShapeContext, fp8: bool) -> list[Variant]:
     shape, dev = ctx.shape, ctx.device
     rows = shape.b * shape.s_q
     kv_dtype = torch.float8_e4m3fn if fp8 else ctx.dtype
-    out = torch.empty(rows, shape.h_q, D_V, dtype=ctx.dtype, device=dev)
-    lse = torch.empty(rows, shape.h_q, dtype=torch.float32, device=dev)
 
     def make(c: int) -> Callable[[], Any]:
         inp = ctx.inputs[c]
+        # Each copy its own output buffers: a result kept for the accuracy figures must not be overwritten by
+        # the timed calls of the other copies.
+        out = torch.empty(rows, shape.h_q, D_V, dtype=ctx.dtype, device=dev)
+        lse = torch.empty(rows, shape.h_q, dtype=torch.float32, device=dev)
         w = flashinfer_peer.plan(mla, dev, inp.block_table, ctx.cache_seqlens, shape.s_q, shape.h_q, D_V, D_QK - D_V,
                                  PAGE_SIZE, ctx.causal, ctx.scale, ctx.dtype, kv_dtype)
         q = inp.q.reshape(rows, shape.h_q, D_QK)

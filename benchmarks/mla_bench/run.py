@@ -108,7 +108,9 @@ def _guard(variant: Variant, ctx: ShapeContext, ref: Optional[tuple], ours_full:
         if not agree.ok and check.ok:
             check = Check(False, check.max_row_err, check.max_lse_err,
                           f"DISAGREES with {peer} on the full batch ({agree.detail}); vs reference: {check.detail}")
-    return check, vs_ours, (out, lse)
+    # A copy: adapters may return views of buffers that their later (timed) calls overwrite, and this result is
+    # what the accuracy figures and the next peer comparisons read after the timing.
+    return check, vs_ours, (out.clone(), lse.clone() if lse is not None else None)
 
 
 def _check_label(check: Check, have_ref: bool) -> str:
