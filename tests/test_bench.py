@@ -884,7 +884,11 @@ def test_flashinfer_missing_is_one_clear_reason(monkeypatch, tmp_path):
     inputs = shapes.make_inputs(shapes.Shape(2, 64, 16), [64, 64], torch.bfloat16, CPU, seed=0, copies=1)
     ctx = impls.ShapeContext(shapes.Shape(2, 64, 16), [64, 64], inputs, torch.tensor([64, 64]), 64, 0.1, True,
                              torch.bfloat16, CPU, [], 132)
-    with pytest.raises(impls.ImplUnavailable, match=f"no bundle at {tmp_path}.*--flashinfer-dir"):
+    with pytest.raises(flashinfer_peer.FlashInferMissing, match=f"no bundle at {tmp_path}.*--flashinfer-dir"):
+        flashinfer_peer.load()
+    with pytest.raises(flashinfer_peer.FlashInferMissing, match=f"no bundle at {tmp_path}"):
+        flashinfer_peer.load()                                                     # the reason is kept
+    with pytest.raises(impls.ImplUnavailable, match="runs on a CUDA device"):
         impls.ADAPTERS["flashinfer"](ctx)
     with pytest.raises(impls.ImplUnavailable, match="no e4m3 inputs"):
         impls.ADAPTERS["flashinfer-fp8"](ctx)

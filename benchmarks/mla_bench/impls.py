@@ -326,6 +326,8 @@ def _flashinfer(ctx: ShapeContext, fp8: bool) -> list[Variant]:
         _need_fp8(ctx)
     if ctx.dtype != torch.bfloat16:
         raise ImplUnavailable(f"FlashInfer's prebuilt Hopper MLA modules take a bf16 q, not {ctx.dtype}")
+    if ctx.device.type != "cuda":
+        raise ImplUnavailable(f"FlashInfer's MLA decode runs on a CUDA device, not {ctx.device}")
     from . import flashinfer_peer
     try:
         mla = flashinfer_peer.load()
