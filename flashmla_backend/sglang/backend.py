@@ -31,6 +31,7 @@ topk 1): step i reads the i + 1 draft tokens written after seq_len.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -47,6 +48,9 @@ from . import _compat
 from .metadata import MODE_DECODE, MODE_DRAFT_EXTEND, MODE_TARGET_VERIFY, DecodeMetadata, DecodeMetadataBuilder
 
 logger = logging.getLogger("sglang.flashmla_backend")
+
+# SGLang's DCP merge reads the lse of backends other than its own flashmla as base 2.
+LOG2_E = 1.0 / math.log(2.0)
 
 _announced = False
 _fast_mode_noted = False  # FLASHMLA_BACKEND_FP8_MODE=fast: one warning per process
@@ -91,6 +95,38 @@ def kv_cache_dtype_name(model_runner) -> Optional[str]:
     return name if isinstance(name, str) else None
 
 
+def dcp_size_and_rank(parallel) -> tuple[int, int]:
+    """This rank's decode-context-parallel group size and rank (1, 0 without --dcp-size)."""
+    size = int(getattr(parallel, "attn_dcp_size", 1) or 1)
+    return size, (int(getattr(parallel, "attn_dcp_rank", 0) or 0) if size > 1 else 0)
+
+
+def dcp_problems(model_runner, parallel, spec) -> list[str]:
+    """Why this runner cannot serve decode context parallelism (empty without DCP or when it can).
+
+    Served under --dcp-size N: decode (one query token) with a 16-bit KV cache, on this rank's share of the
+    KV slots, returning the lse for SGLang's cross-rank merge. Refused: FP8 caches (SGLang's own flashmla
+    refuses them under DCP as well) and speculative decoding (target verify under DCP needs a per-row
+    local key frontier the causal kernel cannot express)."""
+    size, _ = dcp_size_and_rank(parallel)
+    if size <= 1:
+        return []
+    problems = []
+    what_works = (f"flashmla_backend serves --dcp-size {size} for decode with a 16-bit KV cache "
+                  "(--kv-cache-dtype auto) and no speculative decoding")
+    if model_runner.kv_cache_dtype == engine_support.FP8_DTYPE:
+        problems.append(f"decode context parallelism (--dcp-size {size}) with an FP8 KV cache is not supported "
+                        f"(SGLang's own flashmla backend refuses it too); {what_works}")
+    draft_tokens = int(getattr(spec, "speculative_num_draft_tokens", 0) or 0)
+    algorithm = getattr(spec, "speculative_algorithm", None)
+    speculative = draft_tokens > 0 or bool(getattr(model_runner, "is_draft_worker", False)) or (
+        algorithm is not None and not (hasattr(algorithm, "is_none") and algorithm.is_none()))
+    if speculative:
+        problems.append(f"decode context parallelism (--dcp-size {size}) with speculative decoding (MTP / EAGLE) "
+                        f"is not supported; {what_works}")
+    return problems
+
+
 def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
     """Reasons this runner's configuration cannot use the plugin (empty when it can)."""
     reasons = []
@@ -115,14 +151,7 @@ def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
     if problem is not None:
         reasons.append(problem)
     parallel, spec = _runtime()
-    dcp = getattr(parallel, "attn_dcp_size", 1)
-    if dcp and dcp > 1:
-        reasons.append(
-            f"flashmla_backend's SGLang adapter does not support decode context parallelism (--dcp-size {dcp}); "
-            "drop --dcp-size (or use --attention-backend flashmla, SGLang's own, for DCP with a 16-bit cache). "
-            "Supporting it needs the adapter to plan on each rank's share of the KV slots (SGLang's DCP "
-            "owner rule) and to return the decode lse for SGLang's cross-rank merge; the kernel returns that "
-            "lse already, and the vLLM adapter supports --decode-context-parallel-size")
+    reasons.extend(dcp_problems(model_runner, parallel, spec))
     translator = getattr(model_runner, "kv_index_translator", None)
     if translator is not None and getattr(translator, "is_translating", False):
         reasons.append("flashmla_backend reads req_to_token as physical KV slots; the unified KV pool "
@@ -145,9 +174,17 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         parallel, spec = _runtime()
         self.num_q_heads = model_runner.model_config.num_attention_heads // parallel.attn_tp_size
         self.num_draft_tokens = int(spec.speculative_num_draft_tokens or 0)
+        # Decode context parallelism: the kernel attends this rank's share of the KV slots with the query heads
+        # of the whole DCP group (gathered by the model), so it plans for num_q_heads * dcp_size heads.
+        self.dcp_size, self.dcp_rank = dcp_size_and_rank(parallel)
         self.decode_builder = DecodeMetadataBuilder(
-            req_to_token=model_runner.req_to_token_pool.req_to_token, num_q_heads=self.num_q_heads,
-            num_draft_tokens=self.num_draft_tokens, step_offset=step_offset)
+            req_to_token=model_runner.req_to_token_pool.req_to_token, num_q_heads=self.num_q_heads * self.dcp_size,
+            num_draft_tokens=self.num_draft_tokens, step_offset=step_offset, dcp_size=self.dcp_size,
+            dcp_rank=self.dcp_rank)
+        if self.dcp_size > 1:
+            from .hooks import route_dcp_decode
+
+            route_dcp_decode()
         self.decode_metadata = None
         self.kv_write_loc = kv_write_loc_of(_compat.installed_sglang_version())
         self.is_draft_runner = bool(getattr(model_runner, "is_draft_worker", False))
@@ -346,12 +383,66 @@ class FlashMLAPluginBackend(TritonAttnBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if layer.layer_id not in self._scales_checked:
             self._check_layer_scale(layer)
+        if self.dcp_size > 1:
+            return self._run_dcp_decode(q, k, layer, forward_batch, save_kv_cache, kwargs.get("q_rope"),
+                                        kwargs.get("k_rope"))
         return self._run_decode_kernel(q, k, v, layer, forward_batch, save_kv_cache, MODE_DECODE)
+
+    def _run_dcp_decode(self, q_nope, k_nope, layer, forward_batch, save_kv_cache: bool, q_rope, k_rope):
+        """Decode under --dcp-size: DeepSeek's absorbed-MLA form (flashmla_backend.sglang.hooks.route_dcp_decode).
+
+        In: q_nope [bs, heads, 512] and q_rope [bs, heads, 64] with the heads of the whole DCP group
+        (layer.tp_q_head_num = local heads * dcp_size), the step's new latent k_nope [bs, 1, 512] and k_rope
+        [bs, 1, 64]. The new rows go through the pool's set_mla_kv_buffer, which keeps those this rank owns
+        (widened slot % dcp_size == rank) at row slot // dcp_size; the kernel then attends this rank's keys
+        (the metadata builder's local lengths and page table). Out: (o [bs, heads * 512], lse [bs, heads]
+        float32 in base 2): SGLang merges the ranks' partial outputs by their lse and takes every non-flashmla
+        backend's lse as base 2, so the kernel's natural-log lse is multiplied by log2(e). A rank that holds
+        none of a request's keys returns lse +inf for it, which SGLang's merge weighs 0.
+        """
+        md = self.decode_metadata
+        if md is None or md.mode != MODE_DECODE:
+            raise RuntimeError("flashmla_backend: DCP decode forward without decode metadata (init_forward_metadata "
+                               f"was not run for this batch; have {md.mode if md else None})")
+        if q_rope is None:
+            raise RuntimeError(
+                "flashmla_backend: decode under --dcp-size expects DeepSeek's absorbed-MLA call (q_nope with "
+                "q_rope/k_rope keyword arguments, the heads of the whole DCP group); got a concatenated query. "
+                "The plugin routes DCP decode that way (flashmla_backend.sglang.hooks.route_dcp_decode).")
+        heads, bs = layer.tp_q_head_num, md.batch_size
+        if q_nope.numel() != bs * heads * HEAD_DIM_V or q_rope.numel() != bs * heads * ROPE_DIM:
+            raise RuntimeError(
+                f"flashmla_backend: DCP decode got q_nope {tuple(q_nope.shape)} / q_rope {tuple(q_rope.shape)} for "
+                f"{bs} requests of {heads} heads (local heads x --dcp-size {self.dcp_size})")
+        if k_nope is not None and save_kv_cache:
+            if k_rope is None:
+                raise RuntimeError("flashmla_backend: DCP decode got k without k_rope")
+            self.token_to_kv_pool.set_mla_kv_buffer(layer, self.kv_write_loc(forward_batch), k_nope, k_rope)
+        q = torch.cat([q_nope.reshape(bs, heads, HEAD_DIM_V), q_rope.reshape(bs, heads, ROPE_DIM).to(q_nope.dtype)],
+                      dim=-1)
+        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        out, lse = flashmla_backend.flash_mla_with_kvcache(
+            q.view(bs, 1, heads, HEAD_DIM_K),
+            kv.view(-1, PAGE_SIZE, 1, HEAD_DIM_K),
+            md.block_table,
+            md.cache_seqlens,
+            HEAD_DIM_V,
+            md.tile_scheduler_metadata,
+            md.num_splits,
+            softmax_scale=layer.scaling * self.decode_scale_factor,
+            causal=False,
+        )
+        return out.view(-1, heads * HEAD_DIM_V), lse.view(bs, heads) * LOG2_E
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if layer.layer_id not in self._scales_checked:
             self._check_layer_scale(layer)
         mode = decode_mode_of(forward_batch.forward_mode)
+        if self.dcp_size > 1:
+            raise RuntimeError(
+                f"flashmla_backend: {forward_batch.forward_mode} batch under --dcp-size {self.dcp_size}: the plugin "
+                "serves only decode under decode context parallelism; pair it with a prefill backend SGLang runs "
+                "DCP with (--prefill-attention-backend flashinfer --decode-attention-backend flashmla_backend)")
         if mode in (MODE_TARGET_VERIFY, MODE_DRAFT_EXTEND):
             return self._run_decode_kernel(q, k, v, layer, forward_batch, save_kv_cache, mode)
         return super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)

@@ -11,6 +11,13 @@ the targets once every plugin has loaded:
                        as "triton", whose prefill/extend path the backend inherits.
   DRAFT_FACTORY_TARGET speculative decoding (EAGLE / MTP): the draft decoder and draft-extend backend
                        factories build ours for our name.
+
+Decode context parallelism (--dcp-size N): DeepSeek's attention gathers the query heads of the DCP group,
+calls the backend's DCP decode (absorbed form: q_nope, k_nope, q_rope=, k_rope=) and merges the returned
+(out, lse) across ranks only for the backends listed in FORWARD_ABSORB_CORE_ATTENTION_BACKENDS
+(sglang.srt.models.deepseek_common.utils, 0.5.17-0.5.23); route_dcp_decode adds ours there when a backend is
+built under DCP. Under DCP the plugin serves decode only, so page_size_constraints refuses it as the prefill
+backend there.
 """
 from __future__ import annotations
 
@@ -51,6 +58,18 @@ def page_size_constraints(result, view, *args, **kwargs):
         if problem is not None:
             raise ValueError(f"--speculative-draft-kv-cache-dtype {draft_kv_cache_dtype} with the draft model on "
                              f"{BACKEND_NAME}: {problem}")
+    dcp_size = int(getattr(view, "dcp_size", 1) or 1)
+    if dcp_size > 1:
+        prefill = getattr(view, "prefill_attention_backend", None) or getattr(view, "attention_backend", None)
+        if prefill == BACKEND_NAME:
+            raise ValueError(
+                f"--dcp-size {dcp_size}: {BACKEND_NAME} serves decode only under decode context parallelism (its "
+                "prefill is SGLang's Triton backend, which has no MLA DCP prefill). Use --prefill-attention-backend "
+                f"flashinfer (or another backend SGLang runs DCP prefill with) --decode-attention-backend {BACKEND_NAME}")
+        if "fp8" in str(kv_cache_dtype).lower():
+            raise ValueError(
+                f"--dcp-size {dcp_size} with --kv-cache-dtype {kv_cache_dtype}: {BACKEND_NAME} serves decode context "
+                "parallelism with a 16-bit KV cache only (SGLang's own flashmla backend refuses FP8 with DCP too)")
     declared = dict(result or {})
     page_size = declared.get("page_size", getattr(view, "page_size", None))
     if page_size != PAGE_SIZE:
@@ -91,6 +110,28 @@ def draft_backend_factory(original, factory, backend_name, backend_map, *args, *
     extended = dict(backend_map)
     extended[BACKEND_NAME] = create
     return original(factory, backend_name, extended, *args, **kwargs)
+
+
+ABSORB_LIST_MODULE = "sglang.srt.models.deepseek_common.utils"
+
+
+def route_dcp_decode() -> bool:
+    """Add our name to DeepSeek's FORWARD_ABSORB_CORE_ATTENTION_BACKENDS, the backends whose decode runs through
+    the DCP path (query heads gathered, (out, lse) returned and merged). Idempotent; the list is read per forward,
+    so the backend's constructor (before any forward) is early enough. False when this SGLang has no such list."""
+    import importlib
+
+    from . import BACKEND_NAME
+
+    try:
+        names = getattr(importlib.import_module(ABSORB_LIST_MODULE), "FORWARD_ABSORB_CORE_ATTENTION_BACKENDS")
+    except (ImportError, AttributeError):
+        return False
+    if BACKEND_NAME not in names:
+        names.append(BACKEND_NAME)
+        logger.info("flashmla_backend: --dcp-size > 1: DeepSeek decode on %s runs the DCP path (gathered query "
+                    "heads, lse merge across ranks).", BACKEND_NAME)
+    return True
 
 
 def register_hooks() -> None:

@@ -18,6 +18,14 @@ step_offset is 0 except in the multi-step draft decoder, whose step i reads the 
 written after seq_len (topk = 1). With s_q > 1 attention is causal inside the window: row s of a
 request sees keys 0 .. kv_len - s_q + s.
 
+Decode context parallelism (SGLang's --dcp-size N, rank r of the DCP group): req_to_token holds "widened"
+slots; slot s belongs to rank s % N and sits in that rank's pool at row s // N (SGLang's MLA pool writes
+through set_mla_kv_buffer by that rule, and its allocator hands out pages of 64 * N slots). Rank r thus holds
+request positions r, r + N, r + 2N, ...: its j-th local key is position r + j * N, in its page
+req_to_token[row, r + 64 * N * (j // 64)] // N // 64 at offset j % 64. The builder then plans on the local
+share: kv_len_local = kv_len // N + (r < kv_len % N) (0 allowed: an empty shard), and page k of the local
+table is the page of position r + 64 * N * k. Only decode (s_q = 1) is built this way.
+
 The tile-scheduler metadata, and its persistent CUDA-graph buffers, come from flashmla_backend.plan
 (the vLLM adapter uses the same plan); this module adds the page table and key lengths, whose graph
 buffers live here.
@@ -53,24 +61,34 @@ def pages_for(num_tokens: int) -> int:
     return -(-num_tokens // PAGE_SIZE)
 
 
+def dcp_local_lens(kv_lens: torch.Tensor, dcp_size: int, dcp_rank: int) -> torch.Tensor:
+    """Keys of each request that rank `dcp_rank` of `dcp_size` holds (positions p with p % dcp_size == dcp_rank)."""
+    if dcp_size == 1:
+        return kv_lens
+    return (torch.div(kv_lens, dcp_size, rounding_mode="floor")
+            + (torch.remainder(kv_lens, dcp_size) > dcp_rank).to(kv_lens.dtype))
+
+
 def fill_block_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_lens: torch.Tensor,
-                     out: torch.Tensor) -> torch.Tensor:
+                     out: torch.Tensor, *, dcp_size: int = 1, dcp_rank: int = 0) -> torch.Tensor:
     """Write the page table of `kv_lens` tokens per request into `out` [bs, max_pages] int32 and return it.
 
     req_to_token: [pool_size, max_context_len] slot of each request position (int32);
     req_pool_indices: [bs] row of each request in req_to_token; kv_lens: [bs] int32.
     Page j of request b is req_to_token[req_pool_indices[b], 64 * j] // 64 for j < ceil(kv_lens[b] / 64),
     page 0 (padding) after. Device ops only (gather, compare, where): no host sync.
+    With dcp_size > 1, kv_lens are rank dcp_rank's local lengths and page j is that rank's page of request
+    position dcp_rank + 64 * dcp_size * j: req_to_token there // dcp_size // 64 (module docstring).
     """
     bs, max_pages = out.shape
     width = req_to_token.shape[1]
-    first_pos = torch.arange(max_pages, device=out.device, dtype=torch.int64) * PAGE_SIZE  # [max_pages]
-    cols = first_pos.clamp(max=width - 1)
+    local_first = torch.arange(max_pages, device=out.device, dtype=torch.int64) * PAGE_SIZE  # [max_pages]
+    cols = (dcp_rank + local_first * dcp_size).clamp(max=width - 1)
     rows = req_pool_indices[:bs].to(torch.int64)
     first_slot = req_to_token[rows.unsqueeze(1), cols.unsqueeze(0)]  # [bs, max_pages]
-    used = first_pos.unsqueeze(0) < kv_lens[:bs].to(torch.int64).unsqueeze(1)
-    out.copy_(torch.where(used, torch.div(first_slot, PAGE_SIZE, rounding_mode="floor"),
-                          torch.zeros_like(first_slot)))
+    used = local_first.unsqueeze(0) < kv_lens[:bs].to(torch.int64).unsqueeze(1)
+    page = torch.div(torch.div(first_slot, dcp_size, rounding_mode="floor"), PAGE_SIZE, rounding_mode="floor")
+    out.copy_(torch.where(used, page, torch.zeros_like(first_slot)))
     return out
 
 
@@ -84,7 +102,10 @@ class DecodeMetadataBuilder:
     """
 
     def __init__(self, *, req_to_token: torch.Tensor, num_q_heads: int, num_draft_tokens: int | None,
-                 step_offset: int = 0):
+                 step_offset: int = 0, dcp_size: int = 1, dcp_rank: int = 0):
+        if not 0 <= dcp_rank < dcp_size:
+            raise ValueError(f"flashmla_backend: DCP rank {dcp_rank} outside a group of {dcp_size}")
+        self.dcp_size, self.dcp_rank = int(dcp_size), int(dcp_rank)
         self.req_to_token = req_to_token
         self.num_q_heads = num_q_heads
         self.num_draft_tokens = int(num_draft_tokens or 0)
@@ -139,6 +160,11 @@ class DecodeMetadataBuilder:
         """
         s_q = self.query_len(mode)
         kv_lens = self.kv_lens(mode, seq_lens[:bs])
+        if self.dcp_size > 1:
+            if mode != MODE_DECODE or self.step_offset:
+                raise RuntimeError(f"flashmla_backend: {mode} batches are not served under decode context "
+                                   "parallelism (decode only)")
+            kv_lens = dcp_local_lens(kv_lens, self.dcp_size, self.dcp_rank)
         if graph:
             if self.cg_block_table is None:
                 raise RuntimeError("flashmla_backend: CUDA-graph batch before init_cuda_graph_state")
@@ -146,16 +172,17 @@ class DecodeMetadataBuilder:
             cache_seqlens = self.cg_cache_seqlens[:bs]
             cache_seqlens.copy_(kv_lens)
             block_table = fill_block_table(self.req_to_token, req_pool_indices, cache_seqlens,
-                                           self.cg_block_table[:bs])
+                                           self.cg_block_table[:bs], dcp_size=self.dcp_size, dcp_rank=self.dcp_rank)
         else:
             cache_seqlens = kv_lens.contiguous()
             pages = self.max_pages
             if max_kv_len_hint is not None:
                 extra = (self.num_draft_tokens if mode == MODE_TARGET_VERIFY
                          else self.step_offset if mode == MODE_DECODE else 0)
-                pages = max(1, min(pages, pages_for(int(max_kv_len_hint) + extra)))
+                pages = max(1, min(pages, pages_for(-(-(int(max_kv_len_hint) + extra) // self.dcp_size))))
             block_table = torch.empty((bs, pages), dtype=torch.int32, device=self.device)
-            fill_block_table(self.req_to_token, req_pool_indices, cache_seqlens, block_table)
+            fill_block_table(self.req_to_token, req_pool_indices, cache_seqlens, block_table,
+                             dcp_size=self.dcp_size, dcp_rank=self.dcp_rank)
 
         tile_md, num_splits = self.plan.schedule(DecodeStep(cache_seqlens=cache_seqlens, query_len=s_q), graph=graph)
         return DecodeMetadata(mode=mode, batch_size=bs, query_len=s_q, cache_seqlens=cache_seqlens,
