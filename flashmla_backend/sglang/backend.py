@@ -364,10 +364,17 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             raise RuntimeError(
                 f"flashmla_backend: {mode} got {rows} query rows for {bs} requests of {s_q} tokens "
                 "(a widened draft window, num_front_tokens > 0, is not supported)")
+        out, _lse = self._attend(q.reshape(bs, s_q, heads, HEAD_DIM_K), layer, md, causal=s_q > 1,
+                                 descale_k=descale_k)
+        return out.view(-1, heads * HEAD_DIM_V)
+
+    def _attend(self, q, layer, md, *, causal: bool, descale_k=None, q_pe=None):
+        """The decode kernel over this layer's pool with the batch's metadata md: q [bs, s_q, heads, 576], or
+        [.., 512] with its rope part q_pe [.., 64] read in place. Returns (out, lse) as flash_mla_with_kvcache."""
         # [num_slots, 1, 576]: the pool's own storage (FP8: its uint8 buffer viewed as float8_e4m3fn), not a copy
         kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        out, _lse = flashmla_backend.flash_mla_with_kvcache(
-            q.reshape(bs, s_q, heads, HEAD_DIM_K),
+        return flashmla_backend.flash_mla_with_kvcache(
+            q,
             kv.view(-1, PAGE_SIZE, 1, HEAD_DIM_K),  # [num_pages, 64, 1 latent head, 576]
             md.block_table,
             md.cache_seqlens,
@@ -375,10 +382,10 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             md.tile_scheduler_metadata,
             md.num_splits,
             softmax_scale=layer.scaling * self.decode_scale_factor,
-            causal=s_q > 1,
+            causal=causal,
             descale_k=descale_k,
+            q_pe=q_pe,
         )
-        return out.view(-1, heads * HEAD_DIM_V)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         if layer.layer_id not in self._scales_checked:
@@ -418,20 +425,9 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             if k_rope is None:
                 raise RuntimeError("flashmla_backend: DCP decode got k without k_rope")
             self.token_to_kv_pool.set_mla_kv_buffer(layer, self.kv_write_loc(forward_batch), k_nope, k_rope)
-        q = torch.cat([q_nope.reshape(bs, heads, HEAD_DIM_V), q_rope.reshape(bs, heads, ROPE_DIM).to(q_nope.dtype)],
-                      dim=-1)
-        kv = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        out, lse = flashmla_backend.flash_mla_with_kvcache(
-            q.view(bs, 1, heads, HEAD_DIM_K),
-            kv.view(-1, PAGE_SIZE, 1, HEAD_DIM_K),
-            md.block_table,
-            md.cache_seqlens,
-            HEAD_DIM_V,
-            md.tile_scheduler_metadata,
-            md.num_splits,
-            softmax_scale=layer.scaling * self.decode_scale_factor,
-            causal=False,
-        )
+        # The two query parts are read in place (no concatenated copy of q).
+        out, lse = self._attend(q_nope.reshape(bs, 1, heads, HEAD_DIM_V), layer, md, causal=False,
+                                q_pe=q_rope.reshape(bs, 1, heads, ROPE_DIM).to(q_nope.dtype))
         return out.view(-1, heads * HEAD_DIM_V), lse.view(bs, heads) * LOG2_E
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
