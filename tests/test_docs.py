@@ -1,0 +1,84 @@
+"""Every Markdown file of the repository renders as its author meant: parsed by a CommonMark parser
+(markdown-it-py, the `test` extra), each code fence it opens is closed.
+
+CommonMark closes a fence left open at the end of the document without a word, so one missing or
+malformed closing fence (three backticks glued to the end of a code line, say) turns the rest of the file
+into code, or swaps prose and code from there on. A renderer shows it; nothing else does.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+markdown_it = pytest.importorskip(
+    "markdown_it", reason="markdown-it-py is not installed (it is in the package's `test` extra: "
+                          "pip install markdown-it-py); the Markdown files are not parsed")
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP_DIRS = {".git", ".test-envs", "build", "dist", "node_modules", ".venv", "venv"}
+
+
+def markdown_files() -> list[Path]:
+    """The Markdown files git tracks; outside a git checkout, those under the root less build and env folders."""
+    try:
+        res = subprocess.run(["git", "ls-files", "-z", "--", "*.md"], cwd=ROOT, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        res = None
+    if res is not None and res.returncode == 0 and res.stdout:
+        names = [n for n in res.stdout.decode().split("\0") if n]
+        return sorted(ROOT / n for n in names if (ROOT / n).is_file())
+    return sorted(p for p in ROOT.rglob("*.md")
+                  if not any(part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(ROOT).parts[:-1]))
+
+
+def closing_fence(line: str, marker: str) -> bool:
+    """Whether `line` closes a fence opened with `marker` (CommonMark: the same character, at least as many,
+    nothing after them but spaces). Container prefixes (list indentation, block-quote `>`) are stripped."""
+    body = re.sub(r"^[ \t>]*", "", line)
+    return re.fullmatch(re.escape(marker[0]) + "{%d,}[ \t]*" % len(marker), body) is not None
+
+
+def fence_problems(text: str) -> list[str]:
+    """Unclosed fences and closing markers glued to a code line, as 'line N: ...' strings (1-based)."""
+    lines = text.splitlines()
+    problems = []
+    for tok in markdown_it.MarkdownIt("commonmark").parse(text):
+        if tok.type != "fence" or tok.map is None:
+            continue
+        start, end = tok.map                       # lines [start, end) of the block, the fences included
+        last = lines[end - 1] if end - 1 > start else ""
+        if not closing_fence(last, tok.markup):
+            problems.append(f"line {start + 1}: the code fence {tok.markup}{tok.info} opened here is never closed "
+                            f"(CommonMark closes it at line {end}, the end of its container or the file)")
+        for k, code_line in enumerate(tok.content.splitlines()):
+            if code_line.rstrip().endswith(tok.markup) and not closing_fence(code_line, tok.markup):
+                problems.append(f"line {start + 2 + k}: {code_line.strip()!r} ends with {tok.markup} inside a code "
+                                "block: a closing fence must stand alone on its line")
+    return problems
+
+
+@pytest.mark.parametrize("md", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_markdown_fences_are_closed(md):
+    problems = fence_problems(md.read_text(encoding="utf-8"))
+    assert not problems, f"{md.relative_to(ROOT)}:\n" + "\n".join(problems)
+
+
+def test_markdown_files_are_found():
+    names = {str(p.relative_to(ROOT)) for p in markdown_files()}
+    assert {"README.md", "tests/README.md", "benchmarks/RESULTS.md", "integration/README.md"} <= names, names
+
+
+@pytest.mark.parametrize("text,bad", [
+    ("a\n\n```\ncode\n```\n\nb\n", False),
+    ("- item\n\n  ```bash\n  x\n  ```\n", False),                     # a fence inside a list item
+    ("> ```\n> quoted\n> ```\n", False),                                # inside a block quote
+    ("````\n```\n````\n", False),                                      # a shorter run is content
+    ("a\n\n```\ncode\n", True),                                         # never closed
+    ("```\nx = (\n  1)```\n\nprose\n\n```\ny\n```\n", True),            # closing marker glued to code
+    ("~~~\nx\n```\n", True),                                            # another character does not close
+])
+def test_fence_check_detects_what_it_should(text, bad):
+    assert bool(fence_problems(text)) is bad, fence_problems(text)
