@@ -43,7 +43,7 @@ ENGINES=(
   "sglang-0.5.23    test_sglang_cpu.py,test_sglang_dcp_cpu.py  sglang==0.5.23                              requirements-sglang-0.5.23-cpu.txt"
 )
 # More environments, made and run only when FLASHMLA_BACKEND_EXTRA_ENGINES=1 (same fields as above):
-# older releases a plugin still supports, kept out of the default run for its time (~2 min each to make).
+# older releases a plugin still supports, kept out of the default run for their time (tests/README.md).
 ENGINES_EXTRA=(
   "sglang-0.5.17    test_sglang_cpu.py,test_sglang_dcp_cpu.py  sglang==0.5.17                              requirements-sglang-0.5.17-cpu.txt"
 )
