@@ -96,3 +96,44 @@ def test_tests_readme_shows_run_sh_engine_table():
               if t.type == "fence" and "ENGINES=(" in t.content]
     assert len(blocks) == 1, f"tests/README.md should quote the engine table once, found {len(blocks)}"
     assert table(blocks[0]) == table((ROOT / "tests" / "run.sh").read_text(encoding="utf-8"))
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors a GitHub-style renderer gives the headings of a Markdown text (lower case, punctuation
+    dropped, spaces as hyphens, -1, -2, ... on repeats)."""
+    tokens = markdown_it.MarkdownIt("commonmark").parse(text)
+    anchors, seen = set(), {}
+    for i, tok in enumerate(tokens):
+        if tok.type != "heading_open":
+            continue
+        title = "".join(child.content for child in (tokens[i + 1].children or []))
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+@pytest.mark.parametrize("md", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_markdown_anchors_resolve(md):
+    """A link to a heading (`#anchor`, `file.md#anchor`) names a heading that exists: the files point at each
+    other's sections instead of restating them, and a renamed heading must not leave such a link dangling."""
+    tokens = markdown_it.MarkdownIt("commonmark").parse(md.read_text(encoding="utf-8"))
+    missing = []
+    for tok in tokens:
+        for child in tok.children or []:
+            href = child.attrGet("href") if child.type == "link_open" else None
+            if not href or "#" not in href or re.match(r"[a-z]+:", href):
+                continue
+            path, anchor = href.split("#", 1)
+            target = md if not path else (md.parent / path).resolve()
+            if target.suffix != ".md" or not target.is_file():
+                continue                                 # test_readme.py checks that linked files exist
+            if anchor not in heading_anchors(target.read_text(encoding="utf-8")):
+                missing.append(href)
+    assert not missing, f"{md.relative_to(ROOT)} links to headings that do not exist: {missing}"
+
+
+def test_heading_anchors_follow_the_renderer():
+    text = "# A title\n\n## FP8 KV cache: measured (H100, vLLM 0.26.0)\n\n## `--engines`: tests\n\n## A title\n"
+    assert heading_anchors(text) == {"a-title", "fp8-kv-cache-measured-h100-vllm-0260", "--engines-tests", "a-title-1"}
