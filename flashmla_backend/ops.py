@@ -235,7 +235,17 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     that sees no key gets out 0 and lse +inf; NaN in a row's scores (e.g. in q) gives NaN out and lse.
     Arguments are checked by the rule tables of flashmla_backend.validate; on CPU tensors also the values
     (lengths, page ids, metadata, descale_q / descale_k finite and positive), on CUDA tensors only with
-    FLASHMLA_BACKEND_CHECK=1.
+    FLASHMLA_BACKEND_CHECK=1. The 16-byte alignment of q, k_cache and q_pe (data pointers, leading strides) is
+    checked on CUDA tensors only, on every call; the CPU path reads any layout.
+
+    Accepted without a check (README.md, "Inputs accepted without a check"; tests/test_unchecked_inputs.py):
+    values of q and of the cache. +inf / -inf in q gives that row NaN out, like NaN, and an lse that is not finite
+    (+inf, -inf or NaN); NaN in a cache slot a request reads gives NaN out and lse in every row that sees it (a
+    row the causal mask hides it from gets NaN only in the out columns where the slot's value part is NaN);
+    slots a request does not read are never read. There is no backward: with a q that requires grad, the CPU
+    path returns the reference's result with its autograd history, the kernels return outputs that do not
+    require grad, and backward through the custom op raises (torch.compile of such a call fails to compile).
+
     FlashMLA's newer convention is accepted too: tile_scheduler_metadata a FlashMLASchedMeta from
     get_mla_metadata() and num_splits None (flashmla_backend.sched_meta).
 
