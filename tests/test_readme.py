@@ -116,6 +116,31 @@ def test_license_matches_pyproject():
     assert "[`LICENSE`](LICENSE)" in README.read_text()
 
 
+def test_pyproject_classifiers():
+    """What a package index shows: Python versions from requires-python on, OS, CUDA, topics, and the license as
+    the SPDX expression alone (setuptools refuses "License ::" classifiers next to it)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11 on")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    classifiers = project["classifiers"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+    assert not [c for c in classifiers if c.startswith("License ::")]
+    minimum = tuple(int(x) for x in re.fullmatch(r">=(\d+)\.(\d+)", project["requires-python"]).groups())
+    matches = (re.fullmatch(r"Programming Language :: Python :: (\d+)\.(\d+)", c) for c in classifiers)
+    versions = sorted(tuple(int(x) for x in m.groups()) for m in matches if m)
+    assert versions and versions[0] == minimum
+    assert versions == [(3, minor) for minor in range(minimum[1], versions[-1][1] + 1)], "a gap in the versions"
+    for needed in ("Operating System :: POSIX :: Linux", "Environment :: GPU :: NVIDIA CUDA",
+                   "Programming Language :: Python :: 3 :: Only",
+                   "Topic :: Scientific/Engineering :: Artificial Intelligence"):
+        assert needed in classifiers, needed
+    try:
+        from trove_classifiers import classifiers as known
+    except ImportError:
+        return
+    assert not [c for c in classifiers if c not in known], "classifiers a package index would reject"
+    assert classifiers == sorted(classifiers)
+
+
 def test_readme_commands():
     text = README.read_text()
     assert "pip install -v \".[test]\" && (cd ~ && python -m flashmla_backend)" in text
