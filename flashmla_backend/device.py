@@ -18,6 +18,11 @@ import torch
 from . import _ext
 
 KERNEL_ENV = "FLASHMLA_BACKEND_KERNEL"
+# The GPUs each kernel runs on, in words (which KV-cache formats each reads: flashmla_backend.kv_format).
+KERNEL_GPUS = {
+    "sm90": "Hopper GPUs (compute capability 9.0: H100, H200, H20, H800)",
+    "portable": "GPUs of compute capability 8.0 and newer with enough shared memory per block (A100, A800, Hopper)",
+}
 
 
 class UnsupportedGPUError(RuntimeError):

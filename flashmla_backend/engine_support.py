@@ -26,9 +26,10 @@ from typing import Optional
 
 import torch
 
+from . import kv_format
 from .geometry import PAGE_SIZE
 
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPE = kv_format.FP8_E4M3.dtypes[0]   # the fp8_e4m3 format's dtype (float8_e4m3fn)
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from . import _ext, device, scheduler, validate
+from . import _ext, device, kv_format, scheduler, validate
 from .geometry import HEAD_DIM_K, HEAD_DIM_V, META_INTS
 from .reference import reference_decode
 from .sched_meta import FlashMLASchedMeta
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
-_FP8 = torch.float8_e4m3fn
+_FP8 = kv_format.E4M3
 
 
 def _out_dtype(q: torch.Tensor) -> torch.dtype:
@@ -118,12 +118,15 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     validate.check_kernel_layout(q, k_cache, q_pe)
     kernel = device.kernel_for(q.device)
     kv_fp8 = k_cache.dtype == _FP8
-    if kv_fp8 and kernel != "sm90":
-        major, minor = device.device_props(q.device.index).major, device.device_props(q.device.index).minor
+    fmt = kv_format.of(k_cache)
+    problem = fmt.kernel_problem(kernel, sparse=False)
+    if problem:
+        props = device.device_props(q.device.index)
+        readable = ", ".join(f.name for f in kv_format.read_by(kernel))
+        where = "; ".join(f"the {k} kernel runs on {device.KERNEL_GPUS[k]}" for k in fmt.dense_kernels)
         raise NotImplementedError(
-            f"flashmla_backend: the FP8 KV cache is read by the sm_90a kernel only (compute capability 9.0); "
-            f"{q.device} has compute capability {major}.{minor} and runs the portable kernel, which reads bf16 and "
-            f"fp16 caches (dequantize the cache, or use a Hopper GPU)")
+            f"flashmla_backend: {problem}. {q.device} has compute capability {props.major}.{props.minor} and runs "
+            f"the {kernel} kernel, which reads {readable} caches ({where}; or convert the cache)")
     b, s_q, h_q, h_kv = shapes.batch, shapes.seqlen_q, shapes.num_heads_q, shapes.num_heads_kv
     parts, q_rows = shapes.num_sm_parts, shapes.q_rows
     out_dtype = _out_dtype(q)
@@ -256,7 +259,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     q the output is that q's attention against the dequantized cache, in q's dtype (accurate mode); with a
     float8_e4m3fn q and descale_q (vLLM's FlashMLA-FP8 convention) the output is bf16 (fast mode). The kernel
     widens e4m3 to fp16 exactly and computes with fp16 operands (a bf16 q is rounded to fp16; |q| must stay below
-    65504). is_fp8_kvcache=True only asserts an FP8 cache of this layout. Needs the sm_90a kernel (Hopper).
+    65504). is_fp8_kvcache=True only asserts an FP8 cache of this layout. The kernels that read it: the fp8_e4m3
+    format of flashmla_backend.kv_format (a GPU whose kernel does not is refused, naming the one that does).
 
     q_pe (an extension of FlashMLA's API, for engines that hold q in two parts): q [b, s_q, h_q, HEAD_DIM_V] is the
     latent part and q_pe [b, s_q, h_q, ROPE_DIM] (q's dtype, its own strides) the rope part; the kernels read both

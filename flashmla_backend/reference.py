@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from . import validate
+from . import kv_format, validate
 from .geometry import HEAD_DIM_V
 
 
@@ -64,7 +64,7 @@ def reference_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=HEAD_DIM
                      causal=False, compute_dtype=torch.float32, *, descale_q=None, descale_k=None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_decode_reference without the argument checks (the public API calls it after its own)."""
-    fp8 = torch.float8_e4m3fn
+    fp8 = kv_format.E4M3
     b, s_q, h_q, d = q.shape
     page_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     ngroups = h_q // h_kv

@@ -35,12 +35,12 @@ from typing import NamedTuple
 
 import torch
 
-from . import _env, device, geometry, scheduler
+from . import _env, device, geometry, kv_format, scheduler
 
 CHECK_ENV = "FLASHMLA_BACKEND_CHECK"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16)        # the kernels' q / k_cache / out dtypes
 REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float32, torch.float64)
-FP8 = torch.float8_e4m3fn                             # the FP8 KV cache (and fast-mode q) dtype
+FP8 = kv_format.E4M3                                  # the fp8_e4m3 KV cache (and fast-mode q) dtype
 LOAD_ALIGN_BYTES = 16                                 # cp.async / TMA vector loads
 LOAD_ALIGN_ELEMS = 8                                  # the same in 2-byte elements
 

@@ -1,9 +1,9 @@
 """FP8 test inputs: the kit's cases with the cache quantized like an engine does (per-tensor scale)."""
 import torch
 
+from flashmla_backend.kv_format import E4M3 as FP8
 from kit import Case, Inputs, make_inputs
 
-FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 
 

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import flashmla_backend as fb  # noqa: E402
-from flashmla_backend import _ext, device  # noqa: E402
+from flashmla_backend import _ext, device, kv_format  # noqa: E402
 from flashmla_backend.reference import mla_decode_reference  # noqa: E402
 from fp8kit import dequantized, fp8_inputs  # noqa: E402
 from kit import D_V, PAGE, Case, brute_force_fp64, compare, make_inputs  # noqa: E402
@@ -69,17 +69,17 @@ def main() -> int:
                 print(f"{kernel:8s} {case}: FAIL {e}", flush=True)
                 continue
             print(f"{kernel:8s} {case}: ok {figures}", flush=True)
-    if "sm90" in kernels:
-        os.environ[device.KERNEL_ENV] = "sm90"
+    for fp8_kernel in [k for k in kernels if k in kv_format.FP8_E4M3.dense_kernels]:
+        os.environ[device.KERNEL_ENV] = fp8_kernel
         for case in FP8_CASES:
             for mode in FP8_MODES:
                 try:
                     figures = run_fp8(case, mode)
                 except AssertionError as e:
                     failures += 1
-                    print(f"sm90 fp8 {mode} {case}: FAIL {e}", flush=True)
+                    print(f"{fp8_kernel} fp8 {mode} {case}: FAIL {e}", flush=True)
                     continue
-                print(f"sm90 fp8 {mode} {case}: ok {figures}", flush=True)
+                print(f"{fp8_kernel} fp8 {mode} {case}: ok {figures}", flush=True)
     return 1 if failures else 0
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashmla_backend as fb
-from flashmla_backend import device as fdevice
+from flashmla_backend import device as fdevice, kv_format
 from fp8kit import dequantized, descale_table, fp8_inputs
 from kit import D_V, Case, brute_force_fp64
 
@@ -33,8 +33,9 @@ CASES = [
 
 @pytest.fixture(autouse=True)
 def _sm90(monkeypatch):
-    if fdevice.kernel_for(torch.device("cuda")) != "sm90":
-        pytest.skip("the FP8 kernels are sm_90a only")
+    problem = kv_format.FP8_E4M3.kernel_problem(fdevice.kernel_for(torch.device("cuda")), sparse=False)
+    if problem:
+        pytest.skip(problem)
 
 
 def _rel(a, b):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashmla_backend as fb
-from flashmla_backend import device as fdevice
+from flashmla_backend import device as fdevice, kv_format
 from fp8kit import fp8_inputs
 from kit import D_K, D_V, Case, make_inputs
 
@@ -111,8 +111,9 @@ def test_two_parts_bitwise_equal_one_query(kernel, case, monkeypatch):
 @pytest.mark.parametrize("q_fp8", [False, True], ids=["accurate", "fast"])
 @pytest.mark.parametrize("case", GPU_CASES[:2], ids=str)
 def test_two_parts_bitwise_equal_one_query_fp8_cache(case, q_fp8):
-    if fdevice.kernel_for(torch.device("cuda")) != "sm90":
-        pytest.skip("the FP8 kernels are sm_90a only")
+    problem = kv_format.FP8_E4M3.kernel_problem(fdevice.kernel_for(torch.device("cuda")), sparse=False)
+    if problem:
+        pytest.skip(problem)
     inp, descale_q, descale_k = fp8_inputs(case, "cuda", q_fp8=q_fp8)
     one, two = _run(inp, descale_q, descale_k), _run(inp, descale_q, descale_k, split=True)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
