@@ -10,7 +10,9 @@ Drop-in compatible with FlashMLA's dense decode API:
 The geometry (row widths, page size) is in flashmla_backend.geometry; argument rules in
 flashmla_backend.validate. FlashMLA's newer convention (get_mla_metadata() with no arguments, num_splits=None)
 works too: flashmla_backend.sched_meta. FP8 KV caches (float8_e4m3fn with descale_k): flash_mla_with_kvcache's
-docstring; flash_mla_with_kvcache_fp8 takes vLLM's FlashMLA-FP8 argument order.
+docstring; flash_mla_with_kvcache_fp8 takes vLLM's FlashMLA-FP8 argument order. Sparse decode (DeepSeek-V3.2:
+indices=, topk_length=, attn_sink=, the 656-byte fp8_ds_mla cache or a 16-bit one): flash_mla_with_kvcache's
+docstring; CPU tensors only so far (sparse_mla_decode_reference). The cache formats: flashmla_backend.kv_format.
 
 CUDA tensors run the kernels (Hopper: wgmma/TMA; A100: portable mma.sync kernel); CPU tensors run
 the pure-PyTorch reference (flashmla_backend.reference). Engine plugins: flashmla_backend.vllm.
@@ -18,7 +20,7 @@ the pure-PyTorch reference (flashmla_backend.reference). Engine plugins: flashml
 from . import geometry
 from .device import UnsupportedGPUError, is_supported
 from .ops import flash_mla_with_kvcache, flash_mla_with_kvcache_fp8, get_mla_metadata
-from .reference import mla_decode_reference
+from .reference import mla_decode_reference, sparse_mla_decode_reference
 from .sched_meta import FlashMLASchedMeta
 
 __version__ = "0.1.0"
@@ -28,6 +30,7 @@ __all__ = [
     "flash_mla_with_kvcache",
     "flash_mla_with_kvcache_fp8",
     "mla_decode_reference",
+    "sparse_mla_decode_reference",
     "FlashMLASchedMeta",
     "is_supported",
     "UnsupportedGPUError",

@@ -1,12 +1,18 @@
-"""Public API, drop-in compatible with FlashMLA's dense decode API.
+"""Public API, drop-in compatible with FlashMLA's decode API: dense decode, and sparse decode (indices).
 
     tile_scheduler_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
     out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V,
                                       tile_scheduler_metadata, num_splits, softmax_scale=None, causal=False)
 
-CUDA tensors run the kernels; CPU tensors run the pure-PyTorch reference. Both functions are also
+    sched_meta, _ = get_mla_metadata()                                   # sparse decode (DeepSeek-V3.2)
+    out, lse = flash_mla_with_kvcache(q, k_cache, None, None, HEAD_DIM_V, sched_meta, None, softmax_scale=scale,
+                                      causal=False, is_fp8_kvcache=True, indices=indices,
+                                      topk_length=topk_length, attn_sink=attn_sink)
+
+Dense decode: CUDA tensors run the kernels; CPU tensors run the pure-PyTorch reference. Both functions are also
 registered as torch custom ops (torch.ops.flashmla_backend.get_mla_metadata / .mla_decode), which
-is what torch.compile sees; eager calls skip the dispatcher for lower launch overhead.
+is what torch.compile sees; eager calls skip the dispatcher for lower launch overhead. Sparse decode: CPU tensors
+run the reference; no compiled kernel reads a sparse cache yet, so CUDA tensors are refused (NotImplementedError).
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 
 from . import _ext, device, kv_format, scheduler, validate
 from .geometry import HEAD_DIM_K, HEAD_DIM_V, META_INTS
-from .reference import reference_decode
+from .reference import reference_decode, reference_sparse_decode
 from .sched_meta import FlashMLASchedMeta
 
 _DTYPE_CODE = {torch.bfloat16: 0, torch.float16: 1}
@@ -220,14 +226,20 @@ def _(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_split
             q.new_empty((b, h_q, s_q), dtype=torch.float32))
 
 
-def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                           cache_seqlens: torch.Tensor, head_dim_v: int,
+def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None,
+                           cache_seqlens: torch.Tensor | None, head_dim_v: int,
                            tile_scheduler_metadata: torch.Tensor | FlashMLASchedMeta,
                            num_splits: torch.Tensor | None = None, softmax_scale: float | None = None,
                            causal: bool = False, is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
+                           attn_sink: torch.Tensor | None = None, extra_k_cache: torch.Tensor | None = None,
+                           extra_indices_in_kvcache: torch.Tensor | None = None,
+                           topk_length: torch.Tensor | None = None, extra_topk_length: torch.Tensor | None = None,
                            *, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
                            q_pe: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode over a paged KV cache (FlashMLA's dense decode API).
+    """MLA decode over a paged KV cache (FlashMLA's API: dense decode, and sparse decode with indices).
+
+    The arguments after indices are FlashMLA's, in its order; with indices None (dense decode) attn_sink,
+    topk_length and the extra_* arguments must be None. Sparse decode: see the last paragraph.
 
     Geometry (flashmla_backend.geometry): q [b, s_q, h_q, HEAD_DIM_K] bf16/fp16; k_cache [num_pages,
     PAGE_SIZE, h_kv, HEAD_DIM_K] (q's dtype); block_table [b, max_pages] int32; cache_seqlens [b] int32;
@@ -265,14 +277,38 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     q_pe (an extension of FlashMLA's API, for engines that hold q in two parts): q [b, s_q, h_q, HEAD_DIM_V] is the
     latent part and q_pe [b, s_q, h_q, ROPE_DIM] (q's dtype, its own strides) the rope part; the kernels read both
     in place, as if they were one [.., HEAD_DIM_K] q, saving the concatenation. Not with a FlashMLASchedMeta.
+
+    Sparse decode (DeepSeek-V3.2's attention; indices not None), FlashMLA's sparse calling convention:
+        sched_meta, _ = get_mla_metadata()
+        out, lse = flash_mla_with_kvcache(q, k_cache, None, None, 512, sched_meta, None, softmax_scale=scale,
+                                          causal=False, is_fp8_kvcache=True, indices=indices,
+                                          topk_length=topk_length, attn_sink=attn_sink)
+    q [b, s_q, h_q, 576] (bf16; fp16 too with a 16-bit cache); k_cache [num_pages, page_size, 1, width], any
+    page_size, of one of two formats (flashmla_backend.kv_format): fp8_ds_mla, 656 bytes a token of dtype uint8,
+    int8 or float8_e4m3fn, with is_fp8_kvcache=True (512 e4m3 latent values in four groups of 128 with a float32
+    scale each, then 64 bf16 rope values; the byte layout is in flashmla_backend.fp8_ds_mla), or 16-bit in q's
+    dtype, 576 a token, with is_fp8_kvcache=False. indices [b, s_q, topk] int32: entry v names the cache token
+    k_cache[v // page_size, v % page_size, 0] (v = page * page_size + offset in the whole cache); an entry outside
+    [0, num_pages * page_size), -1 by convention, is skipped and never read, and a token named twice counts twice.
+    topk_length [b] int32 (optional): only the first topk_length[i] entries of request i count, 0 <= it <= topk.
+    attn_sink [h_q] float32 (optional, not NaN): out of head h is multiplied by exp(lse) / (exp(lse) +
+    exp(attn_sink[h])), lse is returned as it is (+inf: out 0; -inf: no effect). Returns out [b, s_q, h_q, 512] in
+    q's dtype and lse [b, h_q, s_q] float32; a row whose entries are all skipped gets out 0 and lse +inf.
+    tile_scheduler_metadata is a FlashMLASchedMeta (get_mla_metadata() without arguments) and num_splits None:
+    the first call records its configuration (topk among it) and later calls must match it; block_table and
+    cache_seqlens are not read (None, or any tensor); causal must be False; descale_q, descale_k, q_pe and the
+    extra_* arguments (a second cache) are refused. Value checks (topk_length within [0, topk], attn_sink not NaN)
+    run on CPU tensors, and on CUDA tensors with FLASHMLA_BACKEND_CHECK=1. CPU tensors run the pure-PyTorch
+    reference (flashmla_backend.reference.sparse_mla_decode_reference, which dequantizes fp8_ds_mla tokens exactly
+    in float32). No compiled kernel reads a sparse cache yet: CUDA tensors raise NotImplementedError saying so,
+    rather than running the reference on the GPU unannounced.
     """
-    if is_fp8_kvcache and not (isinstance(k_cache, torch.Tensor) and k_cache.dtype == _FP8):
-        raise ValueError(
-            "flashmla_backend: is_fp8_kvcache=True needs a float8_e4m3fn k_cache [num_pages, 64, num_heads_k, 576] with "
-            f"descale_k; got k_cache {getattr(k_cache, 'dtype', type(k_cache).__name__)} "
-            f"{tuple(getattr(k_cache, 'shape', ()))} (FlashMLA's 656-byte sparse FP8 layout is not supported)")
     if indices is not None:
-        raise NotImplementedError("flashmla_backend: sparse attention (indices) is not supported; only dense decode")
+        return _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                              softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, extra_k_cache,
+                              extra_indices_in_kvcache, topk_length, extra_topk_length, descale_q, descale_k, q_pe)
+    validate.check_dense_flags(k_cache, is_fp8_kvcache, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                               topk_length, extra_topk_length)
     if num_splits is None and isinstance(tile_scheduler_metadata, torch.Tensor):
         num_splits = _attached_splits(tile_scheduler_metadata, q, k_cache)
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
@@ -309,6 +345,33 @@ def flash_mla_with_kvcache_fp8(q: torch.Tensor, k_cache: torch.Tensor, block_tab
             "flash_mla_with_kvcache for a bf16/fp16 cache")
     return flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal, descale_q=descale_q, descale_k=descale_k)
+
+
+def _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal,
+                   is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+                   extra_topk_length, descale_q, descale_k, q_pe):
+    """flash_mla_with_kvcache with indices: check, refuse CUDA tensors (no kernel yet), fill or check the
+    FlashMLASchedMeta, run the reference."""
+    validate.validate_sparse_args(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale,
+                                  causal, is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                                  topk_length, extra_topk_length, descale_q, descale_k, q_pe)
+    if torch.compiler.is_compiling():
+        raise RuntimeError("flashmla_backend: torch.compile does not trace sparse decode (indices) yet; call it "
+                           "outside the compiled region")
+    if q.device.type == "cuda":
+        fmt = kv_format.of(k_cache)
+        raise NotImplementedError(
+            f"flashmla_backend: {fmt.kernel_problem(None, sparse=True)}, so sparse decode does not run on CUDA "
+            "tensors; the pure-PyTorch reference runs it on CPU tensors (flash_mla_with_kvcache with CPU tensors, or "
+            "flashmla_backend.reference.sparse_mla_decode_reference)")
+    if validate.values_checked(q.device):
+        validate.check_sparse_values(indices, topk_length, attn_sink)
+    config = meta.config_of(q, k_cache, causal, bool(is_fp8_kvcache), indices.shape[-1])
+    if meta.have_initialized:
+        meta.check_matches(config)
+    else:  # the reference needs no schedule: the object records the configuration, its tensors stay None
+        meta.config, meta.have_initialized = config, True
+    return reference_sparse_decode(q, k_cache, indices, softmax_scale, topk_length, attn_sink)
 
 
 def _from_sched_meta(meta: FlashMLASchedMeta, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v,

@@ -2,7 +2,8 @@
 
 Computes, per request i and query token s (0-based) of s_q:
     O = softmax(scale * Q K^T) V,  lse = logsumexp(scale * Q K^T)   (natural log, fp32)
-over the keys the token sees: all cache_seqlens[i] keys, or with causal=True keys 0 .. n - s_q + s.
+over the keys the token sees: all cache_seqlens[i] keys, or with causal=True keys 0 .. n - s_q + s (dense
+decode), or the cache tokens that indices[i, s] names (sparse decode: sparse_mla_decode_reference).
 A query row that sees no key gets out = 0 and lse = +inf (FlashMLA's convention); a row that sees keys
 but whose scores are NaN (NaN in q or in a key it reads) gets NaN in out and lse, never the empty-row
 answer.
@@ -13,7 +14,7 @@ import math
 
 import torch
 
-from . import kv_format, validate
+from . import fp8_ds_mla, kv_format, validate
 from .geometry import HEAD_DIM_V
 
 
@@ -142,3 +143,73 @@ def naive_mla_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.
     out = torch.matmul(probs.to(q.dtype).view(b, s_q * h_q, max_seqlen), kv[..., :head_dim_v])
     lse = torch.where(empty, math.inf, lse)
     return out.view(b, s_q, h_q, head_dim_v), lse.transpose(1, 2).contiguous()
+
+
+# ---- sparse decode (DeepSeek-V3.2's attention over the top-k tokens an indexer picks) ----------------------------
+
+def sparse_mla_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float | None = None,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference sparse decode with the shapes of ``flash_mla_with_kvcache(..., indices=)``, checked like it.
+
+    q [b, s_q, h_q, 576] (bf16 or fp16; here also fp32 or fp64); k_cache [num_pages, page_size, 1, width] of one
+    format (flashmla_backend.kv_format): fp8_ds_mla, 656 bytes a token (uint8, int8 or float8_e4m3fn; q bf16, or
+    fp32 / fp64 here), or 16-bit in q's dtype, 576 a token; indices [b, s_q, topk] int32, entry v naming cache token
+    k_cache[v // page_size, v % page_size, 0]; topk_length [b] int32 in [0, topk] or None (all topk count);
+    attn_sink [h_q] float32 or None. For query token s of request i, the keys are the tokens named by
+    indices[i, s, j] for j < topk_length[i] whose value lies in [0, num_pages * page_size); other entries (-1, or
+    past the cache) are skipped, and a token named twice counts twice. Then
+        out = softmax(scale * q K^T) V,  lse = logsumexp(scale * q K^T)   (natural log; V = K's first 512 channels)
+    and with attn_sink, out is multiplied by exp(lse) / (exp(lse) + exp(attn_sink[h])) (lse stays as it is).
+    A row with no key gets out = 0 and lse = +inf; NaN in a row's scores gives NaN, as in dense decode.
+    Returns out [b, s_q, h_q, 512] in q's dtype and lse [b, h_q, s_q] float32; arithmetic in compute_dtype, the
+    fp8_ds_mla tokens dequantized exactly (flashmla_backend.fp8_ds_mla) first. The argument checks are those of the
+    public API (flashmla_backend.validate: SPARSE_REFERENCE and SPARSE_VALUES; the values read on the host).
+    """
+    validate.validate_sparse_reference_args(q, k_cache, indices, softmax_scale, topk_length, attn_sink)
+    validate.check_sparse_values(indices, topk_length, attn_sink)
+    return reference_sparse_decode(q, k_cache, indices, softmax_scale, topk_length, attn_sink, compute_dtype)
+
+
+def reference_sparse_decode(q, k_cache, indices, softmax_scale=None, topk_length=None, attn_sink=None,
+                            compute_dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """sparse_mla_decode_reference without the argument checks (the public API calls it after its own)."""
+    b, s_q, h_q, d = q.shape
+    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+    topk = indices.shape[2]
+    ds = kv_format.FP8_DS_MLA.holds(k_cache)
+    scale = float(softmax_scale) if softmax_scale is not None else d ** -0.5
+    out = torch.zeros(b, s_q, h_q, HEAD_DIM_V, dtype=compute_dtype, device=q.device)
+    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float32, device=q.device)
+    counted = topk_length.tolist() if topk_length is not None else [topk] * b
+    sink = attn_sink.to(compute_dtype) if attn_sink is not None else None
+    position = torch.arange(topk, device=q.device)
+    for i in range(b):
+        idx = indices[i].long()                                              # [s_q, topk]
+        keep = (idx >= 0) & (idx < num_pages * page_size) & (position < counted[i])[None, :]
+        if not bool(keep.any()):
+            continue                                                         # every row: out 0, lse +inf
+        # A skipped entry is gathered as token 0 and zeroed before any arithmetic: its bytes (NaN or anything)
+        # never reach a score or the output.
+        safe = torch.where(keep, idx, 0)
+        rows = k_cache[safe // page_size, safe % page_size, 0]               # [s_q, topk, width]
+        kv = fp8_ds_mla.dequantize(rows, compute_dtype) if ds else rows.to(compute_dtype)   # [s_q, topk, 576]
+        kv = torch.where(keep[..., None], kv, 0.0)
+        scores = torch.einsum("shd,std->sht", q[i].to(compute_dtype), kv) * scale            # [s_q, h_q, topk]
+        scores = scores.masked_fill(~keep[:, None, :], -math.inf)
+        # Whether a row sees a key follows from the indices alone, not from the scores (NaN in q gives NaN).
+        seen = keep.any(dim=-1)[:, None].expand(s_q, h_q)                    # [s_q, h_q]
+        row_lse = torch.logsumexp(scores, dim=-1)                            # [s_q, h_q]; -inf where unseen
+        probs = torch.exp(scores - row_lse.masked_fill(~seen, 0.0)[..., None]).masked_fill(~seen[..., None], 0.0)
+        o = torch.einsum("sht,std->shd", probs, kv[..., :HEAD_DIM_V])        # [s_q, h_q, 512]
+        if sink is not None:  # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); rows with no key stay 0
+            o = o * torch.where(seen, torch.sigmoid(row_lse - sink[None, :]), 0.0)[..., None]
+        out[i] = o
+        lse[i] = row_lse.masked_fill(~seen, math.inf).t().float()
+    return out.to(q.dtype), lse

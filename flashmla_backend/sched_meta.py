@@ -13,6 +13,12 @@ call's configuration; later calls reuse the metadata and are refused, naming wha
 shapes or flags differ from the recorded ones. The metadata belongs to the cache_seqlens of the first call:
 like FlashMLA's, an object serves the layers of one decode step; take a new one for the next step.
 
+Sparse decode (indices=) takes such an object too, as FlashMLA's sparse calling convention does. Its first call
+records the configuration (topk, the last dimension of indices, among it) and later calls are checked against it
+the same way; an object filled by dense calls refuses sparse ones and the reverse (topk differs). The tensors stay
+None for now: the reference, which runs sparse decode on CPU tensors, needs no schedule, and no compiled kernel
+reads a sparse cache yet (the one that does will compute its schedule on the first call, as FlashMLA's does).
+
 CUDA graphs: fill the object before capture (one eager call); the captured calls then read its tensors.
 Filling it while a graph is being captured is refused: the metadata would be computed once, at capture, and
 replays with other lengths would read it without anything saying so. (Engines that replay graphs with new
@@ -42,8 +48,8 @@ class FlashMLASchedMeta:
 
     have_initialized: bool = False
     config: Config | None = None
-    tile_scheduler_metadata: torch.Tensor | None = None   # [num_sm_parts, META_INTS] int32
-    num_splits: torch.Tensor | None = None                # [b + 1] int32
+    tile_scheduler_metadata: torch.Tensor | None = None   # [num_sm_parts, META_INTS] int32 (dense decode)
+    num_splits: torch.Tensor | None = None                # [b + 1] int32 (dense decode)
 
     def config_of(self, q: torch.Tensor, k_cache: torch.Tensor, causal: bool, is_fp8_kvcache: bool,
                   topk: int | None) -> Config:

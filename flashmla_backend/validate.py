@@ -15,10 +15,14 @@ expressions in the same order, the fast path cannot accept what the checks refus
 that a test may rely on every earlier one (q.dim() only after q is known to be a tensor, and so on).
 
 Tables: DECODE (flash_mla_with_kvcache's arguments), REFERENCE (the same rows for mla_decode_reference,
-less the scheduler metadata, with float32/float64 inputs allowed as well), LAYOUT (the alignment the
+less the scheduler metadata, with float32/float64 inputs allowed as well), DENSE_FLAGS (is_fp8_kvcache and the
+sparse-only arguments in a dense call), SPARSE (flash_mla_with_kvcache with indices: sparse decode),
+SPARSE_REFERENCE (the same rows for sparse_mla_decode_reference), LAYOUT (the alignment the
 kernels' 16-byte loads need), METADATA (get_mla_metadata's arguments), VALUES (lengths and page ids, host
 copies of index tensors), LENGTHS (VALUES' length rows alone, for get_mla_metadata), DESCALES (every element of
-descale_q / descale_k finite and positive) and SCHEDULE (the tile-scheduler metadata matches the lengths and shapes).
+descale_q / descale_k finite and positive), SPARSE_VALUES (topk_length within topk, attn_sink free of NaN) and
+SCHEDULE (the tile-scheduler metadata matches the lengths and shapes). Which cache formats exist and which kernels
+read them is flashmla_backend.kv_format's to say; the tables ask it.
 
 Shape, dtype, device and layout checks read only tensor metadata (no host sync, traceable by
 torch.compile). Checks of values that live on the GPU (lengths against the block table, page ids,
@@ -36,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from . import _env, device, geometry, kv_format, scheduler
+from .sched_meta import FlashMLASchedMeta
 
 CHECK_ENV = "FLASHMLA_BACKEND_CHECK"
 FLOAT_DTYPES = (torch.bfloat16, torch.float16)        # the kernels' q / k_cache / out dtypes
@@ -161,7 +166,10 @@ _ENV = dict(torch=torch, Tensor=torch.Tensor, math=math, INF=math.inf, scheduler
             ROPE_DIM=geometry.ROPE_DIM, PAGE_SIZE=geometry.PAGE_SIZE, META_INTS=geometry.META_INTS,
             ALIGN_BYTES=LOAD_ALIGN_BYTES, ALIGN_ELEMS=LOAD_ALIGN_ELEMS, I32=torch.int32, FP8=FP8, F32=torch.float32,
             _describe=_describe, _dtype_names=_dtype_names, _is_int=_is_int, _is_real=_is_real,
-            _PY_REAL=_PY_REAL, _pairs=_pairs, _bad_pages=_bad_pages)
+            _PY_REAL=_PY_REAL, _pairs=_pairs, _bad_pages=_bad_pages,
+            DS_MLA=kv_format.FP8_DS_MLA, DS_WIDTH=kv_format.FP8_DS_MLA.width, FlashMLASchedMeta=FlashMLASchedMeta,
+            _DS_MLA_HINT=(f"; the {kv_format.FP8_DS_MLA.width}-byte fp8_ds_mla cache is read by sparse decode: pass "
+                          "indices= (and is_fp8_kvcache=True)"))
 
 
 def _none_or(name: str, optional: bool) -> str:
@@ -243,8 +251,8 @@ DECODE_ROWS = [
          "k_cache must be a torch.Tensor, got {type(k_cache).__name__}"),
     Rule("k_cache", "k_cache.dtype in Q_DTYPES or k_cache.element_size() != 1", TypeError,
          "k_cache has dtype {k_cache.dtype}: the supported FP8 cache is float8_e4m3fn [num_pages, {PAGE_SIZE}, "
-         "num_heads_k, {HEAD_DIM_K}] with descale_k (FlashMLA's 656-byte sparse FP8 layout and "
-         "float8_e5m2 are not)"),
+         "num_heads_k, {HEAD_DIM_K}] with descale_k{_DS_MLA_HINT if k_cache.shape[-1:] == (DS_WIDTH,) else ''} "
+         "(float8_e5m2 is not supported)"),
     *_tensor("k_cache", 4, "Q_DTYPES", "[num_pages, page_size, num_heads_k, {HEAD_DIM_K}] (a 3-D vLLM-style "
              "cache needs .unsqueeze(-2))")[1:],
     *_tensor("block_table", 2, "(I32,)", "[batch, max_pages] int32"),
@@ -262,7 +270,8 @@ DECODE_ROWS = [
          "q_pe must be [batch={b}, seqlen_q={s_q}, num_heads_q={h_q}, {ROPE_DIM}] (q's first three dimensions), "
          "got {_describe(q_pe)}"),
     Rule("k_cache", "d_k == HEAD_DIM_K", ValueError,
-         "k_cache's last dimension must be {HEAD_DIM_K}, got {_describe(k_cache)}"),
+         "k_cache's last dimension must be {HEAD_DIM_K}, got {_describe(k_cache)}"
+         "{_DS_MLA_HINT if d_k == DS_WIDTH else ''}"),
     Rule("q", "q.dtype != FP8 or k_cache.dtype == FP8", TypeError,
          "a float8_e4m3fn q (the fast FP8 mode) needs a float8_e4m3fn k_cache, got k_cache {k_cache.dtype}"),
     Rule("k_cache", "k_cache.dtype == q.dtype or k_cache.dtype == FP8", TypeError,
@@ -331,6 +340,157 @@ def shapes_of(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                   tile_scheduler_metadata.shape[0])
 
 
+# ---- dense decode's flags: is_fp8_kvcache, and the sparse-only arguments left None -----------------
+
+SPARSE_ONLY = ("attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "topk_length", "extra_topk_length")
+DENSE_FLAG_PARAMS = ("k_cache", "is_fp8_kvcache") + SPARSE_ONLY
+DENSE_FLAG_ROWS = [
+    Rule("is_fp8_kvcache", "type(is_fp8_kvcache) in (bool, int)", TypeError,
+         "is_fp8_kvcache must be a bool, got {is_fp8_kvcache!r}"),
+    Rule("is_fp8_kvcache", "not (is_fp8_kvcache and isinstance(k_cache, Tensor) and DS_MLA.holds(k_cache))",
+         ValueError,
+         "is_fp8_kvcache=True with a k_cache of {DS_WIDTH}-byte fp8_ds_mla tokens ({_describe(k_cache)}) is sparse "
+         "decode: pass indices [batch, seqlen_q, topk] int32 (block_table and cache_seqlens are not read then)"),
+    Rule("is_fp8_kvcache", "not is_fp8_kvcache or (isinstance(k_cache, Tensor) and k_cache.dtype == FP8)",
+         ValueError,
+         "is_fp8_kvcache=True needs a float8_e4m3fn k_cache [num_pages, {PAGE_SIZE}, num_heads_k, {HEAD_DIM_K}] "
+         "with descale_k in dense decode, or the {DS_WIDTH}-byte fp8_ds_mla cache with indices (sparse decode); got "
+         "k_cache {_describe(k_cache)}"),
+    *[Rule(n, f"{n} is None", ValueError,
+           f"{n} works in sparse decode only (with indices); dense decode takes {n}=None, got "
+           f"{{_describe({n})}}") for n in SPARSE_ONLY],
+]
+DENSE_FLAGS = RuleSet("dense decode flags", DENSE_FLAG_PARAMS, DENSE_FLAG_ROWS)
+
+
+def check_dense_flags(k_cache, is_fp8_kvcache, attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None,
+                      topk_length=None, extra_topk_length=None) -> None:
+    """Dense decode (no indices): is_fp8_kvcache agrees with k_cache, and the arguments of sparse decode are None."""
+    if not DENSE_FLAGS.accepts(k_cache, is_fp8_kvcache, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                               topk_length, extra_topk_length):
+        DENSE_FLAGS.check(k_cache, is_fp8_kvcache, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+                          extra_topk_length)
+
+
+# ---- sparse decode: flash_mla_with_kvcache with indices (and sparse_mla_decode_reference) ----------
+#
+# indices [b, s_q, topk] int32 name cache tokens: entry v is token v % page_size of page v // page_size, i.e.
+# k_cache[v // page_size, v % page_size, 0]. An entry outside [0, num_pages * page_size) (-1 by convention) is
+# skipped, never read, so its value is not an error; only the first topk_length[i] entries of request i count.
+# The cache is fp8_ds_mla (656 bytes a token, is_fp8_kvcache=True) or 16-bit in q's dtype (576, False); one KV head.
+
+SPARSE_PARAMS = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
+                 "num_splits", "softmax_scale", "causal", "is_fp8_kvcache", "indices", "attn_sink", "extra_k_cache",
+                 "extra_indices_in_kvcache", "topk_length", "extra_topk_length", "descale_q", "descale_k", "q_pe")
+SPARSE_REFERENCE_PARAMS = ("q", "k_cache", "indices", "softmax_scale", "topk_length", "attn_sink")
+
+_SPARSE_CACHES = ("the {DS_WIDTH}-byte fp8_ds_mla cache [num_pages, page_size, 1, {DS_WIDTH}] (uint8, int8 or "
+                  "float8_e4m3fn bytes) or a 16-bit cache [num_pages, page_size, 1, {HEAD_DIM_K}] in q's dtype")
+
+
+def _unused(name: str, why: str, exc: type[Exception] = ValueError) -> Rule:
+    return Rule(name, f"{name} is None", exc,
+                f"{name} must be None in sparse decode (indices): {why}; got {{_describe({name})}}")
+
+
+SPARSE_ROWS = [
+    Rule("q", "isinstance(q, Tensor)", TypeError, "q must be a torch.Tensor, got {type(q).__name__}"),
+    *_tensor("q", 4, "Q_DTYPES", "[batch, seqlen_q, num_heads_q, {HEAD_DIM_K}]")[1:],
+    Rule("k_cache", "isinstance(k_cache, Tensor)", TypeError,
+         "k_cache must be a torch.Tensor, got {type(k_cache).__name__}"),
+    Rule("k_cache", "k_cache.dim() == 4", ValueError,
+         f"k_cache must be {_SPARSE_CACHES} (4-D), got {{_describe(k_cache)}}"),
+    Rule("k_cache", "k_cache.stride(-1) == 1 or k_cache.numel() == 0", ValueError,
+         "k_cache must have a contiguous last dimension (stride 1), got {_describe(k_cache)}"),
+    *_tensor("indices", 3, "(I32,)", "[batch, seqlen_q, topk] int32"),
+    *_tensor("topk_length", 1, "(I32,)", "[batch] int32", optional=True),
+    *_tensor("attn_sink", 1, "(F32,)", "[num_heads_q] float32", optional=True),
+    Rule("q", "q.device.type in ('cuda', 'cpu')", ValueError, "q is on {q.device}; only CUDA and CPU tensors work"),
+    _same_device("k_cache"),
+    _same_device("indices"),
+    _same_device("topk_length", optional=True),
+    _same_device("attn_sink", optional=True),
+    Let("q", "b, s_q, h_q, d", "q.shape"),
+    Let("k_cache", "num_pages, page_size, h_kv, width", "k_cache.shape"),
+    Let("k_cache", "ds", "DS_MLA.holds(k_cache)"),
+    Rule("k_cache", "ds or (k_cache.dtype in Q_DTYPES and width == HEAD_DIM_K)", TypeError,
+         f"k_cache must be {_SPARSE_CACHES}, got {{_describe(k_cache)}}"
+         "{' (the float8_e4m3fn cache with descale_k is read by dense decode only)' if k_cache.dtype == FP8 else ''}"),
+    Rule("is_fp8_kvcache", "type(is_fp8_kvcache) in (bool, int)", TypeError,
+         "is_fp8_kvcache must be a bool, got {is_fp8_kvcache!r}"),
+    Rule("is_fp8_kvcache", "bool(is_fp8_kvcache) == ds", ValueError,
+         "is_fp8_kvcache={is_fp8_kvcache!r} does not match k_cache ({_describe(k_cache)}): True goes with the "
+         "{DS_WIDTH}-byte fp8_ds_mla cache, False with a 16-bit cache of {HEAD_DIM_K} per token"),
+    Rule("q", "d == HEAD_DIM_K", ValueError,
+         "q's last dimension must be {HEAD_DIM_K} ({HEAD_DIM_V} latent + {ROPE_DIM} rope), got {_describe(q)}"),
+    Rule("q", "not ds or q.dtype in DS_Q_DTYPES", TypeError,
+         "q must have dtype {_dtype_names(DS_Q_DTYPES)} with the fp8_ds_mla cache (its rope part is bf16), got "
+         "{_describe(q)}"),
+    Rule("k_cache", "ds or k_cache.dtype == q.dtype", TypeError,
+         "q and a 16-bit k_cache must have the same dtype, got q {q.dtype} and k_cache {k_cache.dtype}"),
+    Rule("k_cache", "h_kv == 1", ValueError,
+         "k_cache must have num_heads_k 1 (dimension 2: sparse decode reads one latent KV head), got "
+         "{_describe(k_cache)}"),
+    Rule("k_cache", "num_pages >= 1 and page_size >= 1", ValueError,
+         "k_cache must have at least one page of at least one token, got {_describe(k_cache)}"),
+    Rule("q", "h_q >= 1", ValueError,
+         "q must have num_heads_q >= 1 (dimension 2: the count of query heads must be positive), got {_describe(q)}"),
+    Rule("q", "s_q >= 1", ValueError, "q must have seqlen_q >= 1, got {_describe(q)}"),
+    Rule("indices", "tuple(indices.shape[:2]) == (b, s_q) and indices.shape[2] >= 1", ValueError,
+         "indices must be [batch={b}, seqlen_q={s_q}, topk >= 1] int32, got {_describe(indices)}"),
+    Rule("topk_length", "topk_length is None or topk_length.shape[0] == b", ValueError,
+         "topk_length must be [batch={b}] int32, got {_describe(topk_length)}"),
+    Rule("attn_sink", "attn_sink is None or attn_sink.shape[0] == h_q", ValueError,
+         "attn_sink must be [num_heads_q={h_q}] float32, got {_describe(attn_sink)}"),
+    Rule("head_dim_v", "(type(head_dim_v) is int or _is_int(head_dim_v)) and head_dim_v == HEAD_DIM_V", ValueError,
+         "head_dim_v must be {HEAD_DIM_V} (an int), got {head_dim_v!r}"),
+    Rule("tile_scheduler_metadata", "isinstance(tile_scheduler_metadata, FlashMLASchedMeta)", TypeError,
+         "tile_scheduler_metadata must be the FlashMLASchedMeta of get_mla_metadata() (no arguments: FlashMLA's "
+         "newer convention) in sparse decode (indices), got {type(tile_scheduler_metadata).__name__}"),
+    Rule("num_splits", "num_splits is None", TypeError,
+         "num_splits must be None in sparse decode (indices; the FlashMLASchedMeta holds the schedule), got "
+         "{type(num_splits).__name__}"),
+    Rule("softmax_scale", "softmax_scale is None or ((type(softmax_scale) in _PY_REAL or _is_real(softmax_scale)) "
+         "and 0 < softmax_scale < INF)", ValueError,
+         "softmax_scale must be a finite positive float (or None for {HEAD_DIM_K} ** -0.5), got {softmax_scale!r}"),
+    Rule("causal", "causal is False", ValueError,
+         "causal must be False in sparse decode: indices name the keys each query token sees, got {causal!r}"),
+    Rule("block_table", "block_table is None or isinstance(block_table, Tensor)", TypeError,
+         "block_table must be None or a tensor in sparse decode (not read: indices address the whole cache), got "
+         "{type(block_table).__name__}"),
+    Rule("cache_seqlens", "cache_seqlens is None or isinstance(cache_seqlens, Tensor)", TypeError,
+         "cache_seqlens must be None or a tensor in sparse decode (not read: topk_length says how many indices "
+         "count), got {type(cache_seqlens).__name__}"),
+    _unused("descale_k", "an fp8_ds_mla token carries its own scales, and a 16-bit cache has none"),
+    _unused("descale_q", "q is bf16 or fp16 in sparse decode"),
+    _unused("q_pe", "pass q whole, [batch, seqlen_q, num_heads_q, 576]"),
+    *[_unused(n, "a second cache (FlashMLA's extra_k_cache, extra_indices_in_kvcache and extra_topk_length, for "
+              "DeepSeek's later models) is not supported", NotImplementedError)
+      for n in ("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length")],
+]
+
+SPARSE = RuleSet("flash_mla_with_kvcache with indices", SPARSE_PARAMS, SPARSE_ROWS,
+                 dict(Q_DTYPES=FLOAT_DTYPES, DS_Q_DTYPES=(torch.bfloat16,)))
+SPARSE_REFERENCE = RuleSet("sparse_mla_decode_reference", SPARSE_REFERENCE_PARAMS, SPARSE_ROWS,
+                           dict(Q_DTYPES=REFERENCE_DTYPES, DS_Q_DTYPES=(torch.bfloat16, torch.float32, torch.float64)))
+
+
+def validate_sparse_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                         softmax_scale, causal, is_fp8_kvcache, indices, attn_sink=None, extra_k_cache=None,
+                         extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None, descale_q=None,
+                         descale_k=None, q_pe=None) -> None:
+    a = (q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale, causal,
+         is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length,
+         descale_q, descale_k, q_pe)
+    if not SPARSE.accepts(*a):
+        SPARSE.check(*a)
+
+
+def validate_sparse_reference_args(q, k_cache, indices, softmax_scale=None, topk_length=None, attn_sink=None) -> None:
+    if not SPARSE_REFERENCE.accepts(q, k_cache, indices, softmax_scale, topk_length, attn_sink):
+        SPARSE_REFERENCE.check(q, k_cache, indices, softmax_scale, topk_length, attn_sink)
+
+
 # ---- kernel layout (CUDA tensors, after DECODE) ---------------------------------------------------
 
 def _strides_test(name: str, stride: str) -> str:
@@ -381,7 +541,9 @@ METADATA_ROWS = [
          "num_heads_q must be a positive multiple of num_heads_k={num_heads_k}, got {num_heads_q!r}"),
     Rule("is_fp8_kvcache", "type(is_fp8_kvcache) in (bool, int)", TypeError,
          "is_fp8_kvcache must be a bool, got {is_fp8_kvcache!r}"),
-    Rule("topk", "topk is None", NotImplementedError, "sparse attention (topk) is not supported; only dense decode"),
+    Rule("topk", "topk is None", NotImplementedError,
+         "topk (metadata tensors for sparse decode, the older argument list) is not supported: sparse decode takes the "
+         "FlashMLASchedMeta of get_mla_metadata() without arguments (FlashMLA's newer convention), got topk={topk!r}"),
 ]
 METADATA = RuleSet("get_mla_metadata", METADATA_PARAMS, METADATA_ROWS)
 
@@ -434,6 +596,25 @@ DESCALE_ROWS = [
 ]
 DESCALES = RuleSet("descale values", ("descale_q", "descale_k"), DESCALE_ROWS, dict(_bad_descale=_bad_descale))
 
+def _nan_heads(values: torch.Tensor) -> list:
+    return torch.nonzero(torch.isnan(values)).flatten()[:8].tolist()
+
+
+SPARSE_VALUE_ROWS = [
+    Let("indices", "topk", "indices.shape[2]"),
+    Let("topk_length", "n_values", "None if topk_length is None else topk_length.detach().cpu().long()"),
+    Rule("topk_length", "n_values is None or not bool(((n_values < 0) | (n_values > topk)).any())", ValueError,
+         "topk_length must be in [0, topk={topk}] (topk: dimension 2 of indices), got (index, value) "
+         "{_pairs(n_values, (n_values < 0) | (n_values > topk))}"),
+    Let("attn_sink", "sink_values", "None if attn_sink is None else attn_sink.detach().cpu()"),
+    Rule("attn_sink", "sink_values is None or not bool(torch.isnan(sink_values).any())", ValueError,
+         "attn_sink must not be NaN (+inf makes a head's output 0, -inf leaves it as without a sink), got NaN at "
+         "heads {_nan_heads(sink_values)}"),
+]
+SPARSE_VALUES = RuleSet("sparse decode values", ("indices", "topk_length", "attn_sink"), SPARSE_VALUE_ROWS,
+                        dict(_nan_heads=_nan_heads))
+
+
 SCHEDULE_ROWS = [
     Let("q", "b, s_q, h_q, _", "q.shape"),
     Let("k_cache", "h_kv", "k_cache.shape[2]"),
@@ -474,3 +655,9 @@ def check_schedule(q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.
     """The metadata is what get_mla_metadata gives for these lengths and shapes on this device."""
     SCHEDULE.check(q, k_cache, cache_seqlens, tile_scheduler_metadata, num_splits)
 
+
+def check_sparse_values(indices: torch.Tensor, topk_length: torch.Tensor | None,
+                        attn_sink: torch.Tensor | None) -> None:
+    """topk_length in [0, topk] and attn_sink free of NaN (read on the host). The indices' values need no check:
+    an entry outside the cache is skipped."""
+    SPARSE_VALUES.check(indices, topk_length, attn_sink)

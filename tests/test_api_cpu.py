@@ -37,6 +37,9 @@ def test_signature_is_flashmla_compatible():
     params = list(inspect.signature(fb.flash_mla_with_kvcache).parameters)
     assert params[:9] == ["q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
                           "num_splits", "softmax_scale", "causal"]
+    # FlashMLA's newer interface goes on with these, in this order (sparse decode's arguments)
+    assert params[9:16] == ["is_fp8_kvcache", "indices", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache",
+                            "topk_length", "extra_topk_length"]
     assert list(inspect.signature(fb.get_mla_metadata).parameters)[:3] == [
         "cache_seqlens", "num_q_tokens_per_head_k", "num_heads_k"]
 

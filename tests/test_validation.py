@@ -73,11 +73,19 @@ def test_fp8_cache_errors_name_the_argument():
     expect(ValueError, r"q is float8_e4m3fn .* needs descale_q", q=a["q"].to(FP8), k_cache=k8, descale_k=ONE)
     expect(ValueError, r"descale_q is only used with a float8_e4m3fn q", k_cache=k8, descale_k=ONE, descale_q=ONE)
     expect(TypeError, r"q has dtype torch.float8_e5m2", q=a["q"].to(torch.float8_e5m2))
-    with pytest.raises(ValueError, match=r"is_fp8_kvcache=True needs a float8_e4m3fn k_cache .* 656-byte"):
+    with pytest.raises(ValueError, match=r"is_fp8_kvcache=True needs a float8_e4m3fn k_cache .* or the 656-byte "
+                                         r"fp8_ds_mla cache with indices \(sparse decode\); got k_cache \(6, 64, 1, 576\) "
+                                         r"torch.bfloat16"):
         fb.flash_mla_with_kvcache(**a, is_fp8_kvcache=True)
-    u8 = torch.zeros(4, PAGE, 1, 656, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"656-byte sparse FP8 layout is not supported"):
-        fb.flash_mla_with_kvcache(**dict(a, k_cache=u8), is_fp8_kvcache=True)
+    # The 656-byte fp8_ds_mla cache without indices: whichever of its three dtypes, the message says to pass indices.
+    for ds_dtype in (torch.uint8, torch.int8, FP8):
+        ds = torch.zeros(4, PAGE, 1, 656, dtype=torch.uint8).view(ds_dtype)
+        with pytest.raises(ValueError, match=r"is_fp8_kvcache=True with a k_cache of 656-byte fp8_ds_mla tokens .* is "
+                                             r"sparse decode: pass indices \[batch, seqlen_q, topk\] int32"):
+            fb.flash_mla_with_kvcache(**dict(a, k_cache=ds), is_fp8_kvcache=True)
+        with pytest.raises((TypeError, ValueError), match=r"the 656-byte fp8_ds_mla cache is read by sparse decode: "
+                                                          r"pass indices="):
+            fb.flash_mla_with_kvcache(**dict(a, k_cache=ds, descale_k=ONE))
 
 
 def test_metadata_is_the_same_for_both_cache_formats():
@@ -382,7 +390,8 @@ def test_every_decode_rule_is_exercised():
 
 def test_rule_tables_name_their_arguments():
     for table in (validate.DECODE, validate.REFERENCE, validate.LAYOUT, validate.METADATA, validate.VALUES,
-                  validate.LENGTHS, validate.DESCALES, validate.SCHEDULE):
+                  validate.LENGTHS, validate.DESCALES, validate.SCHEDULE, validate.DENSE_FLAGS, validate.SPARSE,
+                  validate.SPARSE_REFERENCE, validate.SPARSE_VALUES):
         assert table.rules, table
         for rule in table.rules:
             assert rule.arg in table.params and issubclass(rule.exc, Exception), rule
@@ -426,10 +435,36 @@ def test_metadata_argument_errors():
         fb.get_mla_metadata(s, 16, 1, topk=2048)
 
 
-def test_sparse_indices_refused():
+def test_every_dense_flag_rule_fires():
+    """Each row of DENSE_FLAGS (is_fp8_kvcache and the sparse-only arguments in a dense call) refuses something."""
     a = args()
-    with pytest.raises(NotImplementedError, match="sparse"):
-        fb.flash_mla_with_kvcache(**a, indices=torch.zeros(1))
+    ds = torch.zeros(4, PAGE, 1, 656, dtype=torch.uint8)
+    bad = [dict(is_fp8_kvcache="yes"), dict(is_fp8_kvcache=True, k_cache=ds), dict(is_fp8_kvcache=True)]
+    bad += [{n: torch.zeros(2)} for n in validate.SPARSE_ONLY]
+    fired = set()
+    for changes in bad:
+        flags = dict(dict.fromkeys(validate.DENSE_FLAG_PARAMS), k_cache=a["k_cache"], is_fp8_kvcache=False)
+        flags.update(changes)
+        assert not validate.DENSE_FLAGS.accepts(**flags)
+        with pytest.raises((TypeError, ValueError)) as e:
+            validate.DENSE_FLAGS.check(**flags)
+        assert e.value.rule.arg in str(e.value)
+        fired.add(e.value.rule)
+    assert fired == set(validate.DENSE_FLAGS.rules)
+    assert validate.DENSE_FLAGS.accepts(**dict(dict.fromkeys(validate.DENSE_FLAG_PARAMS), k_cache=a["k_cache"],
+                                               is_fp8_kvcache=False))
+    with pytest.raises(TypeError, match=r"is_fp8_kvcache must be a bool, got 'yes'"):
+        fb.flash_mla_with_kvcache(**a, is_fp8_kvcache="yes")
+
+
+@pytest.mark.parametrize("name", validate.SPARSE_ONLY)
+def test_sparse_only_arguments_named_in_dense_decode(name):
+    """attn_sink, topk_length and the extra_* arguments belong to sparse decode: without indices each is named."""
+    a = args()
+    value = {"attn_sink": torch.zeros(16), "extra_k_cache": a["k_cache"]}.get(name, torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rf"{name} works in sparse decode only \(with indices\); dense decode takes "
+                                         rf"{name}=None, got"):
+        fb.flash_mla_with_kvcache(**a, **{name: value})
 
 
 def test_empty_batch():
