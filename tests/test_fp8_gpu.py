@@ -18,7 +18,25 @@ pytestmark = pytest.mark.gpu
 
 ACCURATE_OUT = 1e-2   # ||out - ref|| / ||ref|| vs fp64 on the dequantized cache (measured ~1.7e-3: bf16 output)
 ACCURATE_LSE = 2e-3   # relative norm of lse (measured ~4e-8)
-FAST_OUT = 1e-2       # vs fp64 on the dequantized e4m3 q and cache (measured ~1.7e-3)
+FAST_OUT = 1e-2       # vs fp64 on the dequantized e4m3 q and cache (measured ~1.7e-3 with P in 16 bits)
+# The tensor-core kernel's fast mode rounds P to e4m3 (as FlashMLA-FP8 does): 1-2e-2 against fp64 on the same
+# dequantized inputs in a CPU simulation (2e-2 on short rows, where a few large probabilities dominate).
+FAST_OUT_TENSORCORE = 4e-2
+
+# Every test runs on both FP8 kernels: the one that widens e4m3 to fp16 (the default) and the FP8 tensor-core one.
+KERNELS = ("widen", "tensorcore")
+
+
+@pytest.fixture(autouse=True, params=KERNELS)
+def fp8_kernel(request, monkeypatch):
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_KERNEL", request.param)
+    return request.param
+
+
+def _out_tol(mode, kernel):
+    if mode != "e4m3q":
+        return ACCURATE_OUT
+    return FAST_OUT_TENSORCORE if kernel == "tensorcore" else FAST_OUT
 
 CASES = [
     Case(lengths=[100, 300], h_q=16),
@@ -52,7 +70,7 @@ def _run(inp, case, dq, dk):
 
 @pytest.mark.parametrize("mode", ["bf16q", "fp16q", "e4m3q"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_fp8_decode_matches_fp64(case, mode):
+def test_fp8_decode_matches_fp64(case, mode, fp8_kernel):
     q_dtype = torch.float16 if mode == "fp16q" else torch.bfloat16
     case = Case(**{**case.__dict__, "dtype": q_dtype})
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
@@ -63,8 +81,8 @@ def test_fp8_decode_matches_fp64(case, mode):
     assert not torch.isnan(out).any()
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
-    print(f"{case} {mode}: out {e_out:.2e} lse {e_lse:.2e}")
-    assert e_out < (FAST_OUT if mode == "e4m3q" else ACCURATE_OUT)
+    print(f"{case} {mode} {fp8_kernel}: out {e_out:.2e} lse {e_lse:.2e}")
+    assert e_out < _out_tol(mode, fp8_kernel)
     assert e_lse < ACCURATE_LSE
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
 
@@ -106,7 +124,7 @@ def _tables(case, inp, dq, dk, seed=0):
 
 @pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
 @pytest.mark.parametrize("case", PER_REQUEST_CASES, ids=str)
-def test_per_request_descales_match_fp64_and_the_reference(case, mode):
+def test_per_request_descales_match_fp64_and_the_reference(case, mode, fp8_kernel):
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
     dq, dk = _tables(case, inp, dq, dk)
     out, lse = _run(inp, case, dq, dk)
@@ -115,15 +133,15 @@ def test_per_request_descales_match_fp64_and_the_reference(case, mode):
     assert not torch.isnan(out).any()
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     e_out, e_lse = _rel(out, ref_out), _rel(lse, ref_lse)
-    print(f"{case} {mode} per-request descales: out {e_out:.2e} lse {e_lse:.2e}")
-    assert e_out < (FAST_OUT if mode == "e4m3q" else ACCURATE_OUT)
+    print(f"{case} {mode} {fp8_kernel} per-request descales: out {e_out:.2e} lse {e_lse:.2e}")
+    assert e_out < _out_tol(mode, fp8_kernel)
     assert e_lse < ACCURATE_LSE
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
     cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
     r_out, r_lse = fb.mla_decode_reference(inp.q.cpu(), inp.k_cache.cpu(), inp.block_table.cpu(),
                                            inp.cache_seqlens.cpu(), D_V, inp.scale, case.causal, descale_q=cpu(dq),
                                            descale_k=cpu(dk))
-    assert _rel(out, r_out.double()) < (FAST_OUT if mode == "e4m3q" else ACCURATE_OUT)
+    assert _rel(out, r_out.double()) < _out_tol(mode, fp8_kernel)
     assert _rel(lse, r_lse.double()) < ACCURATE_LSE
 
 
@@ -163,7 +181,7 @@ def test_expanded_descales_are_bitwise_the_per_tensor_ones(case):
 
 
 @pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
-def test_graph_replay_reads_the_current_descale_tables(mode):
+def test_graph_replay_reads_the_current_descale_tables(mode, fp8_kernel):
     """Replays of a captured decode read the [b, h_kv] tables' current values, changed differently per request and
     head between replays."""
     case = Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2)
@@ -190,4 +208,4 @@ def test_graph_replay_reads_the_current_descale_tables(mode):
         want_out, want_lse = _run(inp, case, dq, dk)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
         ref_out, _ = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
-        assert _rel(out, ref_out) < (FAST_OUT if mode == "e4m3q" else ACCURATE_OUT)
+        assert _rel(out, ref_out) < _out_tol(mode, fp8_kernel)

@@ -3,12 +3,17 @@
 #include "common/check.h"
 #include "params.h"
 #include "sm90/decode/decode.h"
+#include "sm90/decode_fp8/decode.h"
 
 namespace flashmla_backend {
 
 void run_sm90_decode(const DecodeParams& params) {
   using sm90::decode::Variant;
   using sm90::decode::run_decode_kernel;
+  if (params.kv_fp8 && sm90_fp8_tensorcore_selected()) {
+    run_sm90_fp8_decode(params);
+    return;
+  }
   if (params.q_fp8) {  // check_decode_params: needs kv_fp8 and a bf16 output
     run_decode_kernel<Variant::kFp8KvFp8Q>(params);
     return;

@@ -1,0 +1,69 @@
+// Tile constants of the sm90 FP8 tensor-core MLA decode kernel (e4m3 cache, e4m3 wgmma for Q K^T and P V).
+//
+// Geometry in bytes: every operand is e4m3 (1 byte), so a 64-column piece is a 64-byte row, the row of a 64B
+// swizzle atom (GMMA::Layout_K_SW64_Atom). docs/kernel-design.md ("FP8 tensor-core kernel") describes the
+// pipeline; this header only fixes the numbers the roles agree on.
+#pragma once
+
+#include <cstdint>
+
+#include "params.h"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+constexpr int kBlockM = flashmla_backend::kBlockM;      // query rows per CTA
+constexpr int kBlockN = flashmla_backend::kPageSize;    // keys per KV block = one cache page
+constexpr int kHeadDimK = flashmla_backend::kHeadDimK;  // 576
+constexpr int kHeadDimV = flashmla_backend::kHeadDimV;  // 512
+
+// ---- Thread roles ----------------------------------------------------------------------------------
+// Warpgroups 0 and 1 are the consumers (the two halves of the output, the seesaw of docs/kernel-design.md);
+// warpgroup 2 is the producer: its warp 0 issues the KV copies (TMA), its warps 1..3 transpose V.
+constexpr int kThreadsPerWarpGroup = 128;
+constexpr int kNumConsumerWarpGroups = 2;
+constexpr int kNumConsumerThreads = kThreadsPerWarpGroup * kNumConsumerWarpGroups;  // 256
+constexpr int kNumThreads = kNumConsumerThreads + kThreadsPerWarpGroup;             // 384
+constexpr int kNumTransposeWarps = 3;
+constexpr int kHalfDimV = kHeadDimV / kNumConsumerWarpGroups;                       // 256
+// Registers after setmaxnreg: 2 x 128 x kConsumerRegs + 128 x kProducerRegs must not exceed the 64K register
+// file minus nothing (the CTA is alone on its SM); __launch_bounds__(384, 1) starts every thread at 168.
+constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 40;
+static_assert(kNumConsumerThreads * kConsumerRegs + kThreadsPerWarpGroup * kProducerRegs <= 64512,
+              "register split exceeds the CTA's allocation");
+
+// ---- Pieces ----------------------------------------------------------------------------------------
+// A Q term tile and a KV block are (64 rows, 576 e4m3) K-major; they are built of nine 64 x 64-byte pieces,
+// each a 4 KB image of one TMA box with 64B swizzle (the rows of a piece are the rows of the tile).
+constexpr int kPieceCols = 64;
+constexpr int kNumPieces = kHeadDimK / kPieceCols;   // 9
+constexpr int kNumVPieces = kHeadDimV / kPieceCols;  // 8
+constexpr int kPieceBytes = kBlockN * kPieceCols;    // 4096
+constexpr int kTileBytes = kNumPieces * kPieceBytes; // 36864: one Q term tile or one KV block
+constexpr int kSwizzleRowBytes = 64;
+
+// V^T of a block: (512 value columns, 64 keys) K-major (keys contiguous), 64B swizzle: 32 KB. Its key order is
+// permuted within each group of 32 (kernel-design.md: a P accumulator converts to the e4m3 A fragment without
+// moving registers between threads when V^T's key k' holds key kvt_key(k')).
+constexpr int kVtBytes = kHeadDimV * kBlockN;        // 32768
+constexpr int kNumVtBuffers = 2;
+
+// The e4m3 A fragment of a 64 x 64 P tile is 32 bytes per consumer thread (two k32 slices of 16 bytes); the
+// tile a warpgroup hands to the other is stored in that order (thread-major 16-byte chunks, conflict-free).
+constexpr int kPFragBytes = kBlockM * kBlockN / kThreadsPerWarpGroup;  // 32
+constexpr int kPTermBytes = kBlockM * kBlockN;                         // 4096
+
+// P is multiplied by this power of two before its cast to e4m3 (its values are <= 1 relative to the running
+// max), so that small probabilities keep normal e4m3 exponents; the epilogue divides it out exactly.
+constexpr float kPScale = 256.f;
+// The largest finite e4m3 value: a 16-bit q row is split with the scale amax / kE4m3Max.
+constexpr float kE4m3Max = 448.f;
+
+constexpr int kSmemAlign = 1024;
+constexpr int kMaxSmemPerBlock = 227 * 1024;
+
+static_assert(kBlockM == 64 && kBlockN == 64, "one warpgroup's wgmma covers 64 rows; a block is 64 keys");
+static_assert(kPieceCols == kSwizzleRowBytes, "a piece row is one 64B swizzle row");
+static_assert(kNumVPieces * kPieceCols == kHeadDimV, "V = the first eight pieces");
+
+}  // namespace flashmla_backend::sm90::decode_fp8

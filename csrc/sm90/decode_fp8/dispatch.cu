@@ -1,0 +1,38 @@
+// Variant switch of the sm90 FP8 tensor-core decode kernel and the switch between it and the widening kernel.
+// Includes no kernel code (cheap to compile).
+#include <cstdlib>
+#include <cstring>
+
+#include "common/check.h"
+#include "params.h"
+#include "sm90/decode_fp8/decode.h"
+
+namespace flashmla_backend {
+
+bool sm90_fp8_tensorcore_selected() {
+  const char* v = std::getenv("FLASHMLA_BACKEND_FP8_KERNEL");
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "widen") == 0) return false;
+  FMLA_HOST_CHECK(std::strcmp(v, "tensorcore") == 0,
+                  "FLASHMLA_BACKEND_FP8_KERNEL is '" << v << "'; expected 'tensorcore' or 'widen' (or unset)");
+  return true;
+}
+
+void run_sm90_fp8_decode(const DecodeParams& params) {
+  using sm90::decode_fp8::Variant;
+  using sm90::decode_fp8::run_decode_kernel;
+  if (params.q_fp8) {
+    run_decode_kernel<Variant::kFastE4m3Q>(params);
+    return;
+  }
+  switch (params.dtype) {
+    case DType::kBF16:
+      run_decode_kernel<Variant::kAccurateBF16>(params);
+      return;
+    case DType::kFP16:
+      run_decode_kernel<Variant::kAccurateFP16>(params);
+      return;
+  }
+  FMLA_HOST_CHECK(false, "sm90 FP8 decode: unsupported dtype " << int(params.dtype));
+}
+
+}  // namespace flashmla_backend

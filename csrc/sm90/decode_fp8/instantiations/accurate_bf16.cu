@@ -1,0 +1,6 @@
+// sm90 FP8 tensor-core decode kernel, bf16 q (accurate mode).
+#include "sm90/decode_fp8/launch.cuh"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+template void run_decode_kernel<Variant::kAccurateBF16>(const DecodeParams& params);
+}  // namespace flashmla_backend::sm90::decode_fp8

@@ -1,0 +1,172 @@
+// sm90 FP8 tensor-core MLA decode kernel (e4m3 cache; Q K^T and P V on e4m3 wgmma): the __global__ function.
+//
+// grid = (num_m_blocks, num_heads_kv, num_sm_parts), the 16-bit kernel's grid and metadata; block = 384 threads:
+// warpgroups 0 and 1 consume (mainloop.cuh), warpgroup 2 produces (producer.cuh). One CTA per SM.
+//   config.h / traits.h   geometry, MMA types, shared-memory plan, barriers
+//   producer.cuh          KV copies (TMA) and the V transposition
+//   q_tile.cuh            the Q tile: e4m3 q copied, 16-bit q split into e4m3 terms
+//   mainloop.cuh          the consumers' seesaw
+// The tile work (sm90/decode/tile_work.cuh), the softmax pieces (sm90/decode/softmax.cuh) and the epilogue
+// (sm90/decode/epilogue.cuh) are the 16-bit kernel's.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+
+#include <cstdint>
+
+#include "common/device.cuh"
+#include "params.h"
+#include "sm90/decode/epilogue.cuh"
+#include "sm90/decode/softmax.cuh"
+#include "sm90/decode/tile_work.cuh"
+#include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/mainloop.cuh"
+#include "sm90/decode_fp8/producer.cuh"
+#include "sm90/decode_fp8/q_tile.cuh"
+#include "sm90/decode_fp8/traits.h"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+using namespace cute;
+
+// The request loop of consumer warpgroup kWG. Each warpgroup runs its own copy (the output accumulator is
+// declared inside): with one loop and a run-time choice of the main loop, ptxas merged the two warpgroups'
+// accumulators, serialized every wgmma and kept O in local memory.
+template <class T, int kWG>
+__device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T::SharedStorage& ss,
+                                              const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
+                                              int hk, int tid, int lane) {
+  const int tid_in_wg = tid % kThreadsPerWarpGroup;
+  const uint32_t q_addr = cute::cast_smem_ptr_to_uint(ss.q.data());
+
+  decode::RowInfo ri;
+  ri.row[0] = 16 * (tid_in_wg / 32) + lane / 4;
+  ri.row[1] = ri.row[0] + 8;
+
+  typename T::TiledMmaPV mma_pv;
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHalfDimV>>{});  // 128 fp32
+
+  if constexpr (T::kQFp8) issue_q_copy<T>(p, begin_req, m_block, hk, q_addr, tid);
+  uint32_t g_base = 0;
+
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int req = begin_req; req <= end_req; ++req) {
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    decode::set_row_ends(p, w, m_block, ri);
+    if (tid < kBlockM) ss.row_max[tid] = -INFINITY;
+    if constexpr (T::kQFp8) {
+      cp_async_wait_all_clobber();
+    } else {
+      split_q_tile<T>(p, w.req, m_block, hk, q_addr, ss.q_scale, tid);
+    }
+    cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
+    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers));
+
+    // Softmax scale of each row: scale_log2 * descale_k * (descale_q or the row's split scale).
+    if (tid < kBlockM) {
+      const float dk = descale_k_at(p, w.req, hk);
+      const float qs = T::kQFp8 ? descale_q_at(p, w.req, hk) : ss.q_scale[tid];
+      ss.row_scale_log2[tid] = p.scale_log2 * dk * qs;
+      if (tid == 0) ss.value_scale = dk * (1.f / kPScale);
+    }
+    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers));
+
+    float row_sum[2] = {0.f, 0.f};  // O is cleared in the main loop (mainloop.cuh)
+    if constexpr (kWG == 0) {
+      mainloop_wg0<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
+    } else {
+      mainloop_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
+    }
+    g_base += uint32_t(padded_blocks(w.num_blocks));
+
+    decode::publish_row_sums(ss, ri.row, kWG, lane, row_sum);
+    // Both consumer warpgroups are past their last wgmma: the Q tile may be overwritten.
+    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers));
+    if (req < end_req) {
+      if constexpr (T::kQFp8) issue_q_copy<T>(p, req + 1, m_block, hk, q_addr, tid);
+    } else {
+      pdl_launch_dependents();
+    }
+
+    float l[2], m[2];
+    decode::final_row_stats(ss, ri.row, l, m);
+    decode::store_output<T>(p, w, ri, m_block, hk, kWG, tid_in_wg, tOrO, l, m, ss.value_scale);
+    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers));  // row_max / row_sum reused
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    sm90_fp8_decode_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using SharedStorage = typename T::SharedStorage;
+  const DecodeParams& p = params;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = cute::cast_smem_ptr_to_uint(smem_raw);
+  SharedStorage& ss =
+      *reinterpret_cast<SharedStorage*>(smem_raw + ((kSmemAlign - (raw_addr % kSmemAlign)) % kSmemAlign));
+
+  const int m_block = blockIdx.x;
+  const int hk = blockIdx.y;
+  const int part = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffffu, tid / kThreadsPerWarpGroup, 0);  // warp-uniform
+  const int lane = tid & 31;
+
+  pdl_wait_primary();
+
+  const SchedMetaRow meta = reinterpret_cast<const SchedMetaRow*>(p.sched_meta)[part];
+  const int begin_req = meta.begin_req;
+  const int end_req = min(meta.end_req, p.batch - 1);
+  if (begin_req < 0 || begin_req > end_req) {
+    pdl_launch_dependents();
+    return;
+  }
+
+  if (tid == 0) {
+    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tmap_kv));
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < T::kStages; ++s) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
+      ss.kv_empty[s].init(kKvEmptyArrivals);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = 0; b < kNumVtBuffers; ++b) {
+      ss.vt_full[b].init(kVtFullArrivals);
+      ss.vt_empty[b].init(kVtEmptyArrivals);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == kNumConsumerWarpGroups) {
+    // ---- producer ----
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    const int warp = (tid - kNumConsumerThreads) / 32;
+    if (warp == 0) {
+      if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk);
+    } else {
+      transpose_loop<T>(p, ss, meta, begin_req, end_req, m_block, warp - 1, lane);
+    }
+  } else if (wg == 0) {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    consumer_loop<T, 0>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    consumer_loop<T, 1>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
+  }
+#else
+  if (threadIdx.x == 0) printf("flashmla_backend: sm90 FP8 decode kernel was not compiled for sm_90a\n");
+  __trap();
+#endif
+}
+
+}  // namespace flashmla_backend::sm90::decode_fp8

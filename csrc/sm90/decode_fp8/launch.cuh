@@ -1,0 +1,80 @@
+// Host side of the sm90 FP8 tensor-core decode kernel: KV tensor map, shared-memory attribute, launch.
+// Included by the instantiation files only.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/check.h"
+#include "common/check_params.h"
+#include "params.h"
+#include "sm90/decode/launch.cuh"  // get_encode_tiled, decode_requirements
+#include "sm90/decode_fp8/decode.h"
+#include "sm90/decode_fp8/kernel.cuh"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+// e4m3 cache [num_pages, 64, h_kv, 576] as a 4-d tensor map (576 columns, h_kv, 64 tokens, num_pages); box = one
+// piece of 64 columns x 64 tokens, 64B swizzle (the shared-memory layout of traits.h).
+inline CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
+  CUtensorMap tmap;
+  const cuuint64_t dims[4] = {cuuint64_t(kHeadDimK), cuuint64_t(p.num_heads_kv), cuuint64_t(kBlockN),
+                              cuuint64_t(p.num_pages)};
+  const int64_t stride_h = p.num_heads_kv == 1 ? int64_t(kHeadDimK) : p.kv_stride_h;
+  const cuuint64_t strides[3] = {cuuint64_t(stride_h), cuuint64_t(p.kv_stride_token), cuuint64_t(p.kv_stride_page)};
+  const cuuint32_t box[4] = {cuuint32_t(kPieceCols), 1u, cuuint32_t(kBlockN), 1u};
+  const cuuint32_t elem_strides[4] = {1u, 1u, 1u, 1u};
+  const CUresult res = decode::get_encode_tiled()(
+      &tmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  FMLA_HOST_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the FP8 KV cache (CUresult "
+                                           << int(res) << "; strides in elements: page " << p.kv_stride_page
+                                           << ", token " << p.kv_stride_token << ", head " << p.kv_stride_h << ")");
+  return tmap;
+}
+
+template <Variant V>
+struct VariantTraits;
+template <>
+struct VariantTraits<Variant::kFastE4m3Q> {
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 3>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateBF16> {
+  using type = Traits<cutlass::bfloat16_t, 2, 2, 2>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateFP16> {
+  using type = Traits<cutlass::half_t, 2, 2, 2>;
+};
+
+template <Variant V>
+void run_decode_kernel(const DecodeParams& p) {
+  using T = typename VariantTraits<V>::type;
+  FMLA_HOST_CHECK(p.kv_fp8 && p.q_fp8 == T::kQFp8,
+                  "sm90 FP8 decode: kv_fp8 / q_fp8 do not match the kernel variant " << int(V));
+  check_decode_params(p, decode::decode_requirements(int(sizeof(typename T::QIn)), 1));
+
+  const CUtensorMap tmap = make_kv_tensor_map(p);
+  auto kernel = &sm90_fp8_decode_kernel<T>;
+  constexpr int kSmem = T::kSmemBytes;
+  FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = p.pdl ? 1 : 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.num_m_blocks, p.num_heads_kv, p.num_sm_parts);
+  cfg.blockDim = dim3(kNumThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = static_cast<cudaStream_t>(p.stream);
+  cfg.attrs = attrs;
+  cfg.numAttrs = 1;
+  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap));
+  FMLA_CHECK_LAUNCH("sm90_fp8_decode_kernel");
+}
+
+}  // namespace flashmla_backend::sm90::decode_fp8

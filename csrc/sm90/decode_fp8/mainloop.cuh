@@ -1,0 +1,460 @@
+// Consumer warpgroups of the sm90 FP8 tensor-core decode kernel: Q K^T and P V on e4m3 wgmma, the online softmax,
+// and the seesaw between the two warpgroups (the schedule of the 16-bit kernel, docs/kernel-design.md).
+//
+// Blocks of a request piece are taken two at a time: block b0 (even, request-local) is multiplied by Q in
+// warpgroup 0, block b0 + 1 in warpgroup 1; warpgroup 0 accumulates output columns [0, 256) of both, warpgroup 1
+// columns [256, 512). Unlike the 16-bit kernel no consumer issues copies: the producer warpgroup (producer.cuh)
+// refills a KV stage once its owner's Q K^T and the transposer released it (kv_empty), and writes V^T into a
+// buffer once both consumers' P V of its previous block completed (vt_empty).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+
+#include <cstdint>
+
+#include "params.h"
+#include "sm90/decode/softmax.cuh"
+#include "sm90/decode/tile_work.cuh"
+#include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/producer.cuh"
+#include "sm90/decode_fp8/q_tile.cuh"
+#include "sm90/decode_fp8/traits.h"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+using namespace cute;
+using NamedBarrier = cutlass::arch::NamedBarrier;
+using decode::RowInfo;
+
+// A zero the compiler cannot see through (see sm90/decode/mainloop.cuh: it keeps wgmma descriptors from being
+// hoisted across the main loop, which would cost registers).
+__device__ __forceinline__ uint32_t opaque_zero() {
+  uint32_t z;
+  asm volatile("mov.u32 %0, 0;" : "=r"(z));
+  return z;
+}
+
+// One lane of each warp arrives on `bar` once the warp is done with what the barrier guards (its wgmma waited).
+template <class Barrier>
+__device__ __forceinline__ void warp_arrive(Barrier& bar, int lane) {
+  __syncwarp();
+  if (lane == 0) bar.arrive();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Softmax pieces with a per-row scale (the accurate mode's q rows have scales of their own)
+// ------------------------------------------------------------------------------------------------
+template <class Frag>
+__device__ __forceinline__ void exp2_rows_scaled(Frag& s, const float (&sl2)[2], const float (&m_use)[2],
+                                                 float (&sum)[2]) {
+  sum[0] = 0.f;
+  sum[1] = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(s); ++i) {
+    const int v = (i >> 1) & 1;
+    s(i) = fast_exp2(fmaf(s(i), sl2[v], -m_use[v]));
+    sum[v] += s(i);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// P as the e4m3 A fragment
+// ------------------------------------------------------------------------------------------------
+// The accumulator value i of a 64 x 64 S (row g + 8 ((i >> 1) & 1), key 8 (i >> 2) + 2 (l % 4) + (i & 1)) and the
+// A fragment of a k32 slice (word q: row g + 8 (q & 1), k' 16 (q >> 1) + 4 (l % 4) .. + 3) meet without moving data
+// between threads when k' = 4 t + i holds key 2 t + (i & 1) + 8 (i >> 1) (+ 16 for the upper half): word q of slice
+// kk takes values 16 kk + 8 (q >> 1) + 2 (q & 1) + {0, 1, 4, 5}, in that byte order. V^T is written in that key
+// order (producer.cuh: transpose_unit).
+// Term 0 = e4m3(x), term 1 = e4m3(x - term 0), with x = s(i) * f[row].
+template <int kTerms, class Frag>
+__device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int kk, uint32_t (&words)[kTerms][4]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < 4; ++q) {
+    const int i0 = 16 * kk + 8 * (q >> 1) + 2 * (q & 1);
+    const float fr = f[q & 1];
+    const float x0 = s(i0) * fr, x1 = s(i0 + 1) * fr, x2 = s(i0 + 4) * fr, x3 = s(i0 + 5) * fr;
+    const uint32_t hi = f32x4_to_e4m3x4(x0, x1, x2, x3);
+    words[0][q] = hi;
+    if constexpr (kTerms == 2) {
+      float b[4];
+      e4m3x4_to_f32x4(hi, b);
+      words[1][q] = f32x4_to_e4m3x4(x0 - b[0], x1 - b[1], x2 - b[2], x3 - b[3]);
+    }
+  }
+}
+template <int kTerms, class Frag>
+__device__ __forceinline__ void p_fragment(const Frag& s, const float (&f)[2], uint32_t (&words)[kTerms][8]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int kk = 0; kk < 2; ++kk) {
+    uint32_t w[kTerms][4];
+    p_words<kTerms>(s, f, kk, w);
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < kTerms; ++t) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int q = 0; q < 4; ++q) words[t][4 * kk + q] = w[t][q];
+    }
+  }
+}
+
+// A P tile handed to the other warpgroup: thread t's words as 16-byte chunks at (term, chunk, t).
+template <int kTerms>
+__device__ __forceinline__ void store_p(uint8_t* buf, int tid, const uint32_t (&words)[kTerms][8]) {
+  const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < kTerms; ++t) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < 2; ++c) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + t * kPTermBytes + (c * 128 + tid) * 16),
+                   "r"(words[t][4 * c]), "r"(words[t][4 * c + 1]), "r"(words[t][4 * c + 2]), "r"(words[t][4 * c + 3]));
+    }
+  }
+}
+// The same, computed and stored one k32 slice at a time (four words per term live at once).
+template <int kTerms, class Frag>
+__device__ __forceinline__ void store_p_fragment(const Frag& s, const float (&f)[2], uint8_t* buf, int tid) {
+  const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
+  CUTLASS_PRAGMA_UNROLL
+  for (int kk = 0; kk < 2; ++kk) {
+    uint32_t w[kTerms][4];
+    p_words<kTerms>(s, f, kk, w);
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < kTerms; ++t) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + t * kPTermBytes + (kk * 128 + tid) * 16),
+                   "r"(w[t][0]), "r"(w[t][1]), "r"(w[t][2]), "r"(w[t][3]));
+    }
+  }
+}
+template <int kTerms>
+__device__ __forceinline__ void load_p(const uint8_t* buf, int tid, uint32_t (&words)[kTerms][8]) {
+  const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < kTerms; ++t) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < 2; ++c) {
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(words[t][4 * c]), "=r"(words[t][4 * c + 1]), "=r"(words[t][4 * c + 2]),
+                     "=r"(words[t][4 * c + 3])
+                   : "r"(base + t * kPTermBytes + (c * 128 + tid) * 16));
+    }
+  }
+}
+
+// The A-fragment tensors of the P V product: kTerms x 8 words per thread, viewed as the e4m3 fragment of the
+// rs wgmma (the words are the registers the instruction reads, in its order). Kept as 32-bit words: a tensor of
+// 1-byte elements written word by word made the compiler hold bytes in registers of their own.
+template <class T, int kTerms>
+struct PFrag {
+  using Mma = typename T::TiledMmaPV;
+  using ALayout = decltype(make_layout(partition_shape_A(Mma{}, Shape<Int<kBlockM>, Int<kBlockN>>{})));
+  static_assert(cosize_v<ALayout> == 32, "32 e4m3 values per thread");
+  uint32_t w[kTerms][8];
+  __device__ __forceinline__ auto term(int k) {
+    return make_tensor(make_rmem_ptr<typename T::Element>(reinterpret_cast<typename T::Element*>(&w[k][0])),
+                       ALayout{});
+  }
+  __device__ __forceinline__ void set(const uint32_t (&words)[kTerms][8]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kTerms; ++k) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 8; ++i) w[k][i] = words[k][i];
+    }
+  }
+  __device__ __forceinline__ void fence() {
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kTerms; ++k) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(w[k][i]));
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------
+// wgmma steps
+// ------------------------------------------------------------------------------------------------
+// S = Q K^T of block g (stage g % kStages); one commit group. All nine pieces are waited for before the first
+// wgmma: with the waits (and their timeout branches) between the wgmma of one batch, ptxas placed S over O and
+// moved O through local memory around every wgmma.
+template <class T, class FragS>
+__device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss, uint32_t g, FragS& tSrS) {
+  using E = typename T::Element;
+  const int stage = int(stage_of(g, T::kStages));
+  const uint32_t parity = (g / T::kStages) & 1u;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kNumPieces; ++j) consumer_wait(ss.kv_full[stage][j], parity);
+  typename T::TiledMmaQK mma;
+  auto thr = mma.get_slice(tid);
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  const uint32_t z = opaque_zero();
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.kv.data() + stage * kTileBytes) + z),
+                          typename T::SmemLayoutTile{});
+  Tensor tSrK = thr.partition_fragment_B(sK);  // (MMA, 1, 18)
+  warpgroup_fence_operand(tSrS);
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < T::kQTerms; ++t) {
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.q.data() + t * kTileBytes) + z),
+                            typename T::SmemLayoutTile{});
+    Tensor tSrQ = thr.partition_fragment_A(sQ);  // (MMA, 1, 18)
+    CUTLASS_PRAGMA_UNROLL
+    for (int kb = 0; kb < size<2>(tSrQ); ++kb) {
+      cute::gemm(mma, tSrQ(_, _, kb), tSrK(_, _, kb), tSrS);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tSrS);
+}
+
+// O_half += P V_half of block g (V^T buffer g % 2), value columns [256 kHalf, 256 kHalf + 256); one commit group.
+template <class T, int kHalf, int kTerms, class FragO>
+__device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss, uint32_t g, PFrag<T, kTerms>& P,
+                                         FragO& tOrO) {
+  using E = typename T::Element;
+  typename T::TiledMmaPV mma;
+  auto thr = mma.get_slice(tid);
+  const uint32_t z = opaque_zero();
+  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + (g & 1u) * kVtBytes) + z),
+                           typename T::SmemLayoutVt{});                                               // (512, 64)
+  Tensor sV = local_tile(sVt, Shape<Int<kHalfDimV>, Int<kBlockN>>{}, make_coord(Int<kHalf>{}, _0{}));  // (256, 64)
+  Tensor tOrV = thr.partition_fragment_B(sV);                                                        // (MMA, 1, 2)
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  P.fence();
+  warpgroup_fence_operand(tOrO);
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < kTerms; ++t) {
+    Tensor tOrP = P.term(t);
+    CUTLASS_PRAGMA_UNROLL
+    for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tOrO);
+  P.fence();
+}
+
+template <class T>
+__device__ __forceinline__ void wait_vt(typename T::SharedStorage& ss, uint32_t g) {
+  consumer_wait(ss.vt_full[g & 1u], (g >> 1) & 1u);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Blocks are taken in pairs. A request piece with an odd number of blocks gets one virtual block at its end
+// (padded_blocks): its copies complete without data (producer.cuh), its keys are all masked, so its P is 0, and
+// its V^T is zeros. Every step then holds two blocks and there are two step variants: with a next pair (the loop)
+// and without (the last). With the 16-bit kernel's four variants (a missing second block, a missing next block of
+// either warpgroup) ptxas serialized every wgmma of this kernel and kept O in local memory.
+// ------------------------------------------------------------------------------------------------
+template <class StepFn>
+__device__ __forceinline__ void run_steps(int nblk, StepFn&& step) {
+  int b0 = 0;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (; b0 + 2 < nblk; b0 += 2) step(cute::true_type{}, b0);
+  step(cute::false_type{}, b0);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Warpgroup 0: Q K0^T, softmax of block 0 (decides m0), O_L += P0 V0L + P1 V1L.
+// ------------------------------------------------------------------------------------------------
+template <class T, class FragO>
+__device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, const RequestPiece& w, const RowInfo& ri,
+                                             int tid, uint32_t g_base, FragO& tOrO,
+                                             float (&row_sum)[2]) {
+  constexpr int kPT = T::kPTerms;
+  const int lane = tid & 31;
+  const int nblk = padded_blocks(w.num_blocks);
+  if (nblk == 0) {
+    clear(tOrO);
+    return;
+  }
+
+  typename T::TiledMmaQK mma_qk;
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});  // 32 fp32
+  PFrag<T, kPT> P;
+
+  qk_block<T>(tid, ss, g_base, tSrS);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS);
+  clear(tOrO);  // here, not before the first Q K^T: cleared earlier, ptxas kept O in local memory across it
+  warp_arrive(ss.kv_empty[stage_of(g_base, T::kStages)], lane);
+
+  auto step = [&](auto next_c, int b0) CUTLASS_LAMBDA_FUNC_INLINE {
+    constexpr bool kNext = decltype(next_c)::value;  // blocks b0 + 2 and b0 + 3 exist
+    const uint32_t g0 = g_base + uint32_t(b0);
+    const int tok0 = (w.first_page + b0) * kBlockN;
+    const float sl2[2] = {ss.row_scale_log2[ri.row[0]], ss.row_scale_log2[ri.row[1]]};
+
+    // ---- softmax of block 0: m0 = max(m, rowmax S0), P0 = exp2(S0 sl2 - m0) ----
+    if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) decode::mask_scores(tSrS, tok0, w.start, ri.row_end, lane);
+    float mx[2], m_new[2], m_use[2], sc0[2], sum[2];
+    decode::row_max_quad(tSrS, mx);
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) decode::update_max(ss.row_max[ri.row[v]], mx[v], sl2[v], m_new[v], m_use[v], sc0[v]);
+    __syncwarp();
+    if ((lane & 3) == 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < 2; ++v) {
+        ss.row_max[ri.row[v]] = m_new[v];
+        ss.scale0[ri.row[v]] = sc0[v];
+      }
+    }
+    NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
+    exp2_rows_scaled(tSrS, sl2, m_use, sum);
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc0[v] + sum[v];
+    {
+      uint32_t words[kPT][8];
+      p_fragment<kPT>(tSrS, {kPScale, kPScale}, words);
+      P.set(words);
+    }
+
+    // ---- O_L = O_L sc0 + P0 V0L ----
+    decode::scale_rows(tOrO, sc0);
+    wait_vt<T>(ss, g0);
+    pv_block<T, 0>(tid, ss, g0, P, tOrO);
+
+    // ---- warpgroup 1 decided m1 (and stored P1): P0 sc1 for its P0 V0R ----
+    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kScale1Ready));
+    float sc1[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) sc1[v] = ss.scale1[ri.row[v]];
+    store_p_fragment<kPT>(tSrS, {kPScale * sc1[0], kPScale * sc1[1]}, ss.p[0], tid);
+    NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
+
+    warpgroup_wait<0>();  // P0 V0L done
+    warpgroup_fence_operand(tOrO);
+    warp_arrive(ss.vt_empty[g0 & 1u], lane);
+    decode::scale_rows(tOrO, sc1);
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) row_sum[v] *= sc1[v];
+
+    // ---- O_L += P1 V1L; next S = Q K0^T (block b0 + 2) ----
+    {
+      uint32_t words[kPT][8];
+      load_p<kPT>(ss.p[1], tid, words);
+      P.set(words);
+    }
+    wait_vt<T>(ss, g0 + 1);
+    pv_block<T, 0>(tid, ss, g0 + 1, P, tOrO);
+    if constexpr (kNext) qk_block<T>(tid, ss, g0 + 2, tSrS);
+    warpgroup_wait<kNext ? 1 : 0>();
+    warpgroup_fence_operand(tOrO);
+    warp_arrive(ss.vt_empty[(g0 + 1) & 1u], lane);
+    if constexpr (kNext) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      warp_arrive(ss.kv_empty[stage_of(g0 + 2, T::kStages)], lane);
+    }
+  };
+  run_steps(nblk, step);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Warpgroup 1: Q K1^T, softmax of block 1 (decides m1), O_R = O_R sc0 sc1 + P1 V1R + (P0 sc1) V0R.
+// ------------------------------------------------------------------------------------------------
+template <class T, class FragO>
+__device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, const RequestPiece& w, const RowInfo& ri,
+                                             int tid, uint32_t g_base, FragO& tOrO,
+                                             float (&row_sum)[2]) {
+  constexpr int kPT = T::kPTerms;
+  const int lane = tid & 31;
+  const int nblk = padded_blocks(w.num_blocks);
+  if (nblk == 0) {
+    clear(tOrO);
+    return;
+  }
+
+  typename T::TiledMmaQK mma_qk;
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  PFrag<T, kPT> P1, P0own;
+
+  auto step = [&](auto next_c, int b0) CUTLASS_LAMBDA_FUNC_INLINE {
+    constexpr bool kNext = decltype(next_c)::value;  // blocks b0 + 2 and b0 + 3 exist
+    const uint32_t g0 = g_base + uint32_t(b0);
+    const int tok1 = (w.first_page + b0 + 1) * kBlockN;
+    const float sl2[2] = {ss.row_scale_log2[ri.row[0]], ss.row_scale_log2[ri.row[1]]};
+
+    float mx[2];
+    if (tok1 + kBlockN > w.min_row_end) decode::mask_scores(tSrS, tok1, w.start, ri.row_end, lane);
+    decode::row_max_quad(tSrS, mx);
+
+    // ---- softmax of block 1 against m0: m1 = max(m0, rowmax S1); P1 -> p[1] ----
+    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
+    float m0[2], sc0[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) {
+      m0[v] = ss.row_max[ri.row[v]];
+      sc0[v] = ss.scale0[ri.row[v]];
+    }
+    float m_new[2], m_use[2], sc1[2], sum[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) decode::update_max(m0[v], mx[v], sl2[v], m_new[v], m_use[v], sc1[v]);
+    __syncwarp();
+    if ((lane & 3) == 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < 2; ++v) {
+        ss.row_max[ri.row[v]] = m_new[v];
+        ss.scale1[ri.row[v]] = sc1[v];
+      }
+    }
+    {
+      exp2_rows_scaled(tSrS, sl2, m_use, sum);
+      uint32_t words[kPT][8];
+      p_fragment<kPT>(tSrS, {kPScale, kPScale}, words);
+      store_p<kPT>(ss.p[1], tid, words);
+      P1.set(words);
+    }
+    NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale1Ready));
+    float sc01[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) {
+      sc01[v] = sc0[v] * sc1[v];
+      row_sum[v] = row_sum[v] * sc01[v] + sum[v];
+    }
+
+    // ---- O_R = O_R sc0 sc1 + P1 V1R + (P0 sc1) V0R; then the next S = Q K1^T (block b0 + 3) ----
+    decode::scale_rows(tOrO, sc01);
+    wait_vt<T>(ss, g0 + 1);
+    pv_block<T, 1>(tid, ss, g0 + 1, P1, tOrO);
+    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
+    // Two-term P: P1 V1R completes before P0 is loaded into the same registers (both fragments at once, 32
+    // registers, made ptxas spill). One term: P0 gets registers of its own and both products overlap.
+    constexpr bool kReuse = kPT == 2;
+    if constexpr (kReuse) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      warp_arrive(ss.vt_empty[(g0 + 1) & 1u], lane);
+    }
+    auto& P0 = kReuse ? P1 : P0own;
+    {
+      uint32_t words[kPT][8];
+      load_p<kPT>(ss.p[0], tid, words);
+      P0.set(words);
+    }
+    wait_vt<T>(ss, g0);
+    pv_block<T, 1>(tid, ss, g0, P0, tOrO);
+    if constexpr (kNext) qk_block<T>(tid, ss, g0 + 3, tSrS);
+    if constexpr (!kReuse) {
+      warpgroup_wait<kNext ? 2 : 1>();
+      warp_arrive(ss.vt_empty[(g0 + 1) & 1u], lane);
+    }
+    warpgroup_wait<kNext ? 1 : 0>();
+    warpgroup_fence_operand(tOrO);
+    warp_arrive(ss.vt_empty[g0 & 1u], lane);
+    if constexpr (kNext) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      warp_arrive(ss.kv_empty[stage_of(g0 + 3, T::kStages)], lane);
+    }
+  };
+
+  qk_block<T>(tid, ss, g_base + 1, tSrS);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS);
+  clear(tOrO);
+  warp_arrive(ss.kv_empty[stage_of(g_base + 1, T::kStages)], lane);
+  run_steps(nblk, step);
+}
+
+}  // namespace flashmla_backend::sm90::decode_fp8

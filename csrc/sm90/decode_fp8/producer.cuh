@@ -1,0 +1,196 @@
+// Producer warpgroup of the sm90 FP8 tensor-core decode kernel: the KV copies (TMA) and the transposition of V.
+//
+// Both roles walk the same blocks as the consumers: the CTA's request pieces in order, block g (counted over the
+// whole metadata row) in KV stage g % kStages and V^T buffer g % 2. Parities follow from g: the n-th completion
+// of a barrier (n = 0, 1, ...) is waited with parity n & 1.
+//   warp 0, lane 0   block g: waits until stage g % kStages is empty (block g - kStages consumed), issues its nine
+//                    pieces on kv_full[stage][piece].
+//   warps 1..3       block g: waits until V^T buffer g % 2 is empty (block g - 2's P V done in both consumer
+//                    warpgroups), transposes the eight V pieces as they land, zeroes keys past the block's last
+//                    visible key, then arrives on vt_full and kv_empty.
+#pragma once
+
+#include <cuda.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+
+#include <cstdint>
+
+#include "common/device.cuh"
+#include "params.h"
+#include "sm90/decode/tile_work.cuh"
+#include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/traits.h"
+
+#ifndef FMLA_SM90_WAIT_TIMEOUT_NS
+#define FMLA_SM90_WAIT_TIMEOUT_NS 4000000000ull
+#endif
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+using decode::RequestPiece;
+
+// Waits until the completion number `n` (parity n & 1) of an mbarrier. The producer's waits trap after
+// FMLA_SM90_WAIT_TIMEOUT_NS (a lost arrival becomes a launch error, not a hung GPU). The consumers' waits do not:
+// a trap in the code after setmaxnreg.inc made ptxas give the consumer warpgroups about 184 of their 232 registers
+// (wgmma serialized, O moved through local memory). A consumer waits only on what the producer provides; a lost
+// arrival there leaves the producer waiting on the consumer in turn, and its wait traps.
+template <class Barrier>
+__device__ __forceinline__ void wait_barrier(Barrier& bar, uint32_t parity) {
+  mbarrier_wait<uint64_t(FMLA_SM90_WAIT_TIMEOUT_NS)>(cute::cast_smem_ptr_to_uint(&bar), parity);
+}
+template <class Barrier>
+__device__ __forceinline__ void consumer_wait(Barrier& bar, uint32_t parity) {
+  mbarrier_wait<0>(cute::cast_smem_ptr_to_uint(&bar), parity);
+}
+
+__device__ __forceinline__ uint32_t stage_of(uint32_t g, int stages) { return g % uint32_t(stages); }
+
+// ------------------------------------------------------------------------------------------------
+// KV copies
+// ------------------------------------------------------------------------------------------------
+// L2 policy: as the 16-bit kernel (sm90/decode/copies.cuh): one M tile reads each block once (evict-normal), two
+// M tiles read it at about the same time (evict-first).
+constexpr uint64_t kEvictFirst = uint64_t(cute::TMA::CacheHintSm90::EVICT_FIRST);
+constexpr uint64_t kEvictNormal = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+
+template <class T>
+__device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename T::SharedStorage& ss, int stage,
+                                               int page, int hk) {
+  const uint64_t hint = gridDim.x == 1 ? kEvictNormal : kEvictFirst;
+  uint8_t* dst = ss.kv.data() + stage * kTileBytes;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kNumPieces; ++j) {
+    ss.kv_full[stage][j].arrive_and_expect_tx(kPieceBytes);
+    // tensor map dims (fastest first): (576 columns, h_kv, 64 tokens, num_pages)
+    cute::SM90_TMA_LOAD_4D::copy(tmap, reinterpret_cast<uint64_t*>(&ss.kv_full[stage][j]), hint,
+                                 dst + j * kPieceBytes, j * kPieceCols, hk, 0, page);
+  }
+}
+
+// A request piece's blocks, rounded up to an even count (mainloop.cuh: the pairs of the seesaw); the one virtual
+// block of an odd piece has no data.
+__device__ __forceinline__ int padded_blocks(int num_blocks) { return num_blocks > 0 ? (num_blocks + 1) & ~1 : 0; }
+
+// Warp 0 of the producer warpgroup, lane 0. A virtual block's pieces complete without a copy (plain arrivals):
+// its consumer multiplies whatever the stage holds and masks every key.
+template <class T>
+__device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorMap* tmap, typename T::SharedStorage& ss,
+                                          const SchedMetaRow& meta, int begin_req, int end_req, int m_block, int hk) {
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const int nblk = padded_blocks(w.num_blocks);
+    for (int b = 0; b < nblk; ++b, ++g) {
+      const int stage = int(stage_of(g, T::kStages));
+      const int page = b < w.num_blocks ? decode::block_page(p, w, b) : 0;
+      if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
+      if (b < w.num_blocks) {
+        issue_kv_block<T>(tmap, ss, stage, page, hk);
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive();
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// V transposition
+// ------------------------------------------------------------------------------------------------
+// One unit = 32 keys x 16 value columns of a block (512 bytes): one ldmatrix.x4.trans and one stmatrix.x4 per warp.
+// Source: KV piece j (64 keys x 64 columns, row = key, 64B swizzle). ldmatrix matrix m (m = 0..3) is keys
+// 32 th + 8 m .. + 7 x columns 16 cc .. + 15, read as 8 x 8 16-bit pairs and transposed, so that register m of
+// lane l holds the bytes (key a, col c), (a, c + 1), (a + 1, c), (a + 1, c + 1) with a = 32 th + 8 m + 2 (l % 4),
+// c = 16 cc + 2 (l / 4). Two byte permutes of registers (0, 1) give column c's and column c + 1's keys
+// {a, a + 1, a + 8, a + 9} (m = 0): the four bytes at k' = 32 th + 4 (l % 4) .. + 3 of V^T's rows c and c + 1; those
+// of (2, 3) the bytes at k' + 16. That key order, k' = 4 q + i -> key 2 q + (i & 1) + 8 (i >> 1) within each 16,
+// is the order in which a thread's S accumulator values form its e4m3 A fragment (mainloop.cuh: p_fragment).
+// stmatrix writes the four 8 x 16-byte matrices: (even columns, k' 0..15), (odd, 0..15), (even, 16..31),
+// (odd, 16..31) of the group.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&d)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(d[0]), "r"(d[1]),
+               "r"(d[2]), "r"(d[3])
+               : "memory");
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..3) of row `row` in a 64B-swizzled K-major tile (rows of 64 bytes, the
+// tile 512-byte aligned): the chunk index is XORed with bits 1..2 of the row.
+__device__ __forceinline__ uint32_t sw64_offset(int row, int chunk) {
+  return uint32_t(row * kSwizzleRowBytes + ((chunk ^ ((row >> 1) & 3)) << 4));
+}
+
+// Transposes unit u (0..63) of the block in `stage_addr` into the V^T buffer at `vt_addr`; keys >= `valid` are
+// written as zero (a request's last block: the cache rows past its end may hold anything, and 0 x NaN = NaN).
+__device__ __forceinline__ void transpose_unit(uint32_t stage_addr, uint32_t vt_addr, int u, int lane, int valid) {
+  const int j = u >> 3;         // V piece = value columns 64 j .. 64 j + 63
+  const int cc = (u >> 1) & 3;  // 16-column chunk within the piece
+  const int th = u & 1;         // keys 32 th .. 32 th + 31
+  const int src_row = 32 * th + 8 * (lane >> 3) + (lane & 7);
+  uint32_t d[4];
+  ldsm_x4_trans(stage_addr + j * kPieceBytes + sw64_offset(src_row, cc), d);
+  if (valid < kBlockN) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < 4; ++m) {
+      const int a = 32 * th + 8 * m + 2 * (lane & 3);
+      const uint32_t keep = (a < valid ? 0x0000ffffu : 0u) | (a + 1 < valid ? 0xffff0000u : 0u);
+      d[m] &= keep;
+    }
+  }
+  uint32_t o[4];
+  o[0] = __byte_perm(d[0], d[1], 0x6420);
+  o[1] = __byte_perm(d[0], d[1], 0x7531);
+  o[2] = __byte_perm(d[2], d[3], 0x6420);
+  o[3] = __byte_perm(d[2], d[3], 0x7531);
+  const int mm = lane >> 3;
+  const int col = 64 * j + 16 * cc + 2 * (lane & 7) + (mm & 1);
+  stsm_x4(vt_addr + sw64_offset(col, 2 * th + (mm >> 1)), o);
+}
+
+// Warps 1..3 of the producer warpgroup (tw = 0..2).
+template <class T>
+__device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T::SharedStorage& ss,
+                                               const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
+                                               int tw, int lane) {
+  const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
+  const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const int nblk = padded_blocks(w.num_blocks);
+    for (int b = 0; b < nblk; ++b, ++g) {
+      const int stage = int(stage_of(g, T::kStages));
+      const int vb = int(g & 1u);
+      const uint32_t parity = (g / T::kStages) & 1u;
+      const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)
+      if (g >= 2u) wait_barrier(ss.vt_empty[vb], ((g >> 1) + 1) & 1u);
+      const uint32_t stage_addr = kv_addr + stage * kTileBytes;
+      const uint32_t vt_addr = vt_addr0 + vb * kVtBytes;
+      int waited = -1;  // the last piece whose landing this warp waited for
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int u = tw; u < 8 * kNumVPieces; u += kNumTransposeWarps) {
+        const int j = u >> 3;
+        if (j != waited) {
+          wait_barrier(ss.kv_full[stage][j], parity);
+          waited = j;
+        }
+        transpose_unit(stage_addr, vt_addr, u, lane, valid);
+      }
+      cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma (async proxy)
+      __syncwarp();
+      if (lane == 0) {
+        ss.vt_full[vb].arrive();
+        ss.kv_empty[stage].arrive();
+      }
+    }
+  }
+}
+
+}  // namespace flashmla_backend::sm90::decode_fp8

@@ -1,0 +1,176 @@
+// The Q tile of the sm90 FP8 tensor-core decode kernel, loaded by the 256 consumer threads once per request.
+//
+// Layout: kQTerms term tiles of (64 rows, 576) e4m3, each nine 64B-swizzled 4 KB pieces (traits.h). Row r of the
+// tile is query token r / ngroups, head hk * ngroups + r % ngroups; rows past q_rows are zero.
+//   e4m3 q (fast mode): copied as it is with cp.async (16-byte chunks), issued before the previous request's
+//   epilogue so that it lands while the epilogue runs.
+//   16-bit q (accurate mode): split row by row, q ~ s (hi + lo) with s a power of two such that max |q| / s lies in
+//   (224, 448]; hi = e4m3(q / s), lo = e4m3(q / s - hi); s goes to SharedStorage::q_scale.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/device.cuh"
+#include "params.h"
+#include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/producer.cuh"
+#include "sm90/decode_fp8/traits.h"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+// Byte offset of 16-byte chunk c (0..35) of row r in a term tile.
+__device__ __forceinline__ uint32_t q_chunk_offset(int r, int c) {
+  return uint32_t((c >> 2) * kPieceBytes) + sw64_offset(r, c & 3);
+}
+
+__device__ __forceinline__ void cp_async_16_clobber(uint32_t smem_addr, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+// Source address of element column `col` (a multiple of 8 for 16-bit q, of 16 for e4m3) of tile row r, or null for
+// a row past q_rows. Columns 0..511 come from q, 512..575 from q_pe.
+template <class QIn>
+__device__ __forceinline__ const QIn* q_row_src(const DecodeParams& p, int req, int m_block, int hk, int r, int col) {
+  const int row = m_block * kBlockM + r;
+  if (row >= p.q_rows) return nullptr;
+  const int s = row / p.ngroups;
+  const int h = hk * p.ngroups + (row - s * p.ngroups);
+  if (col < kHeadDimV) {
+    return reinterpret_cast<const QIn*>(p.q) + int64_t(req) * p.q_stride_b + int64_t(s) * p.q_stride_s +
+           int64_t(h) * p.q_stride_h + col;
+  }
+  return reinterpret_cast<const QIn*>(p.q_pe) + int64_t(req) * p.q_pe_stride_b + int64_t(s) * p.q_pe_stride_s +
+         int64_t(h) * p.q_pe_stride_h + (col - kHeadDimV);
+}
+
+// e4m3 q: cp.async of the tile (2304 chunks, 9 per consumer thread), one commit group. The caller waits
+// (cp_async_wait_all), fences the async proxy and synchronizes the consumers before the first wgmma.
+template <class T>
+__device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int m_block, int hk, uint32_t q_addr,
+                                             int tid) {
+  static_assert(T::kQFp8, "e4m3 q only");
+  constexpr int kChunksPerRow = kHeadDimK / 16;  // 36
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kNumConsumerThreads) {
+    const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
+    const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
+    cp_async_16_clobber(q_addr + q_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all_clobber() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// Two floats to two e4m3 (x0 in the low byte), satfinite, round to nearest even.
+__device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float x0, float x1) {
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(x1), "f"(x0));
+  return uint32_t(d);
+}
+// Four floats to four e4m3 bytes of one word (x0 in the lowest byte).
+__device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float x0, float x1, float x2, float x3) {
+  return f32x2_to_e4m3x2(x0, x1) | (f32x2_to_e4m3x2(x2, x3) << 16);
+}
+// The four e4m3 bytes of a word back to floats (exact).
+__device__ __forceinline__ void e4m3x4_to_f32x4(uint32_t w, float (&x)[4]) {
+  uint32_t lo, hi;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"(uint16_t(w)));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"(uint16_t(w >> 16)));
+  const __half2 l2 = *reinterpret_cast<const __half2*>(&lo), h2 = *reinterpret_cast<const __half2*>(&hi);
+  x[0] = __low2float(l2);
+  x[1] = __high2float(l2);
+  x[2] = __low2float(h2);
+  x[3] = __high2float(h2);
+}
+
+// Eight 16-bit values (one 16-byte chunk) to floats.
+template <class QIn>
+__device__ __forceinline__ void q16x8_to_f32(const uint4& v, float* x) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<QIn, cutlass::bfloat16_t>) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      const __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
+      x[2 * i] = __low2float(h);
+      x[2 * i + 1] = __high2float(h);
+    }
+  }
+}
+
+// 16-bit q: the split into kQTerms e4m3 terms. Four consumer threads per row (tid / 4 = row); thread part
+// tid % 4 handles the 16-column groups part, part + 4, ..., each of two 16-byte source chunks. Two passes over
+// q (the row's max, then the split; the second reads hit L1/L2): holding the row's 18 chunks in registers made
+// ptxas spill values that live across the main loop. Runs when no accumulator is live (after the previous
+// request's epilogue); the caller fences the async proxy and synchronizes the consumers.
+template <class QIn>
+__device__ __forceinline__ void load_q16_group(const DecodeParams& p, int req, int m_block, int hk, int r, int col,
+                                               float (&x)[16]) {
+  const QIn* src = q_row_src<QIn>(p, req, m_block, hk, r, col);
+  uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
+  if (src != nullptr) {
+    v0 = __ldg(reinterpret_cast<const uint4*>(src));
+    v1 = __ldg(reinterpret_cast<const uint4*>(src + 8));
+  }
+  q16x8_to_f32<QIn>(v0, x);
+  q16x8_to_f32<QIn>(v1, x + 8);
+}
+
+template <class T>
+__device__ __forceinline__ void split_q_tile(const DecodeParams& p, int req, int m_block, int hk, uint32_t q_addr,
+                                             float* q_scale, int tid) {
+  using QIn = typename T::QIn;
+  static_assert(!T::kQFp8, "16-bit q only");
+  constexpr int kGroups = kHeadDimK / 16 / 4;  // 9 groups of 16 columns per thread
+  const int r = tid >> 2, part = tid & 3;
+  float amax = 0.f;
+#pragma unroll 3
+  for (int k = 0; k < kGroups; ++k) {
+    float x[16];
+    load_q16_group<QIn>(p, req, m_block, hk, r, 16 * (part + 4 * k), x);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  // inv = 2^floor(log2(448 / amax)): max |q| * inv in (224, 448]. A zero row keeps inv = 1; an infinite amax gives
+  // inv = 0 and NaN terms (a row with inf in q is NaN, as with NaN).
+  float inv = 1.f;
+  if (amax > 0.f) inv = exp2f(floorf(log2f(kE4m3Max / amax)));
+  if (part == 0) q_scale[r] = 1.f / inv;
+#pragma unroll 3
+  for (int k = 0; k < kGroups; ++k) {
+    float x[16];
+    load_q16_group<QIn>(p, req, m_block, hk, r, 16 * (part + 4 * k), x);
+    uint32_t hi[4], lo[4];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const float y0 = x[4 * i] * inv, y1 = x[4 * i + 1] * inv, y2 = x[4 * i + 2] * inv, y3 = x[4 * i + 3] * inv;
+      hi[i] = f32x4_to_e4m3x4(y0, y1, y2, y3);
+      if constexpr (T::kQTerms == 2) {
+        float b[4];
+        e4m3x4_to_f32x4(hi[i], b);
+        lo[i] = f32x4_to_e4m3x4(y0 - b[0], y1 - b[1], y2 - b[2], y3 - b[3]);
+      }
+    }
+    const uint32_t off = q_chunk_offset(r, part + 4 * k);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(q_addr + off), "r"(hi[0]), "r"(hi[1]), "r"(hi[2]),
+                 "r"(hi[3])
+                 : "memory");
+    if constexpr (T::kQTerms == 2) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(q_addr + kTileBytes + off), "r"(lo[0]),
+                   "r"(lo[1]), "r"(lo[2]), "r"(lo[3])
+                   : "memory");
+    }
+  }
+}
+
+}  // namespace flashmla_backend::sm90::decode_fp8

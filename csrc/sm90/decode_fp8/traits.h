@@ -1,0 +1,105 @@
+// Types of the sm90 FP8 tensor-core decode kernel: the e4m3 wgmma tiled MMAs, the 64B-swizzled shared-memory
+// layouts, the shared-memory plan and the named barriers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/float8.h>
+#include <cutlass/numeric_types.h>
+
+#include <type_traits>
+
+#include "sm90/decode_fp8/config.h"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+using namespace cute;
+
+// QIn: q's element type in global memory. An e4m3 q (the fast mode: true value = stored x descale_q) is used as
+// it is, one term. A 16-bit q (the accurate mode) is split per row into kQTerms e4m3 terms of one power-of-two
+// scale: q ~ s (hi + lo) with hi = e4m3(q / s), lo = e4m3(q / s - hi), so Q K^T is kQTerms e4m3 products into one
+// accumulator. P is cast to kPTerms e4m3 terms the same way (P V: kPTerms products). kStages: KV blocks in flight.
+template <class QIn_, int kQTerms_, int kPTerms_, int kStages_>
+struct Traits {
+  using QIn = QIn_;
+  using Element = cutlass::float_e4m3_t;
+  static constexpr bool kQFp8 = std::is_same_v<QIn, cutlass::float_e4m3_t>;
+  // The output: bf16 for an e4m3 q, q's type otherwise.
+  using Out = std::conditional_t<kQFp8, cutlass::bfloat16_t, QIn>;
+  static constexpr int kQTerms = kQTerms_;
+  static constexpr int kPTerms = kPTerms_;
+  static constexpr int kStages = kStages_;
+  static_assert(std::is_same_v<QIn, cutlass::float_e4m3_t> || std::is_same_v<QIn, cutlass::bfloat16_t> ||
+                    std::is_same_v<QIn, cutlass::half_t>,
+                "q is e4m3, bf16 or fp16");
+  static_assert(!kQFp8 || kQTerms == 1, "an e4m3 q is one term");
+  static_assert(kQTerms >= 1 && kQTerms <= 2 && kPTerms >= 1 && kPTerms <= 2, "one or two terms");
+  static_assert(kStages >= 2, "at least two KV stages");
+
+  // What sm90/decode/epilogue.cuh asks of the cache format: the value scale is applied to the output.
+  struct KvFormat {
+    static constexpr bool kScaled = true;
+  };
+
+  // S = Q K^T of one warpgroup: (64 rows, 64 keys), k32 steps, both operands K-major in shared memory.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN>, Int<kPieceCols>>,
+                           GMMA::Major::K, GMMA::Major::K>()));
+  // O_half += P V_half: P in registers (the e4m3 A fragment), V^T in shared memory, K-major (keys contiguous).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHalfDimV>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::K>()));
+
+  // A Q term tile or a KV block (64 rows, 576): 8 x 64-byte atoms stacked along the rows first, so columns
+  // [64 j, 64 j + 64) are one contiguous 4 KB piece, the image of one TMA box with 64B swizzle.
+  using SmemLayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
+                                                Shape<Int<kBlockM>, Int<kHeadDimK>>{}));
+  // V^T of a block (512 value columns, 64 keys in the permuted order of config.h), one 64-byte row per column.
+  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
+                                              Shape<Int<kHeadDimV>, Int<kBlockN>>{}));
+  static_assert(cosize_v<SmemLayoutTile> == kTileBytes, "tile size");
+  static_assert(cosize_v<SmemLayoutVt> == kVtBytes, "V^T size");
+
+  struct alignas(kSmemAlign) SharedStorage {
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTerms * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kNumVtBuffers * kVtBytes, kSmemAlign> vt;  // block g: g % 2
+    // P tiles handed between the consumer warpgroups in A-fragment order: p[0] = P0 * scale1 (warpgroup 0 ->
+    // 1), p[1] = P1 (warpgroup 1 -> 0); term t at t * 4 KB.
+    alignas(16) uint8_t p[2][kPTerms * kPTermBytes];
+    float row_max[kBlockM];   // running max m (log2 domain, scaled), shared by both consumer warpgroups
+    float scale0[kBlockM];    // exp2(m_prev - m0) of the current step (warpgroup 0)
+    float scale1[kBlockM];    // exp2(m0 - m1) of the current step (warpgroup 1)
+    float row_sum[kNumConsumerWarpGroups][kBlockM];
+    float q_scale[kBlockM];   // a 16-bit q's per-row split scale (q ~ q_scale (hi + lo)); unused for an e4m3 q
+    // The current request's softmax scale per row (log2 domain, the scales folded: scale_log2 * descale_k *
+    // (descale_q or q_scale)) and the value scale of the epilogue (descale_k / kPScale). Kept here rather than in
+    // registers across the main loop.
+    float row_scale_log2[kBlockM];
+    float value_scale;
+    // mbarriers. kv_full[s][j]: piece j of stage s landed (TMA, 4096 transaction bytes). kv_empty[s]: the owner
+    // warpgroup's Q K^T (4 warps) and the transposer warps are done with stage s. vt_full[b]: V^T buffer b
+    // written (transposer warps). vt_empty[b]: both consumer warpgroups' P V of buffer b completed (8 warps).
+    cutlass::arch::ClusterTransactionBarrier kv_full[kStages][kNumPieces];
+    cutlass::arch::ClusterBarrier kv_empty[kStages];
+    cutlass::arch::ClusterBarrier vt_full[kNumVtBuffers];
+    cutlass::arch::ClusterBarrier vt_empty[kNumVtBuffers];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
+  static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
+};
+
+// Arrival counts of the mbarriers (per phase).
+constexpr uint32_t kKvEmptyArrivals = 4 + kNumTransposeWarps;  // owner warpgroup's warps + transposer warps
+constexpr uint32_t kVtFullArrivals = kNumTransposeWarps;
+constexpr uint32_t kVtEmptyArrivals = 8;                        // the warps of both consumer warpgroups
+
+// Named barriers among the 256 consumer threads (IDs relative to CUTLASS's reserved ones).
+enum class NamedBarriers : uint32_t {
+  kScale0Ready = 0,  // warpgroup 0 wrote m0, scale0
+  kScale1Ready = 1,  // warpgroup 1 wrote m1, scale1 and P1
+  kP0Ready = 2,      // warpgroup 0 wrote P0 * scale1
+  kConsumers = 3,    // all consumer threads (request boundaries, Q tile, row sums)
+};
+
+}  // namespace flashmla_backend::sm90::decode_fp8
