@@ -115,11 +115,11 @@ def gencode_flags(archs):
 # --warning-as-error makes those (and its wgmma serialization warnings, C7510..C7515) fail the compile, so a change
 # that makes the kernel spill cannot build. (Its C7519 "warpgroup.arrive is injected" lines are infos, not warnings.)
 SM90_PTXAS_FLAGS = ["-Xptxas=--warn-on-spills,--warning-as-error"]
-# Translation units whose spills are reported but do not fail the build, each with what spills and where. The FP8
-# tensor-core kernel's accurate mode (two e4m3 terms of q and of P) keeps 32-48 bytes of loop-invariant values
-# (metadata fields, the request index) on the stack: they are stored before the main loop and reloaded at request
-# boundaries, never inside a step (checked in the SASS: no LDL/STL between the first and the last wgmma of a step).
-# The kernel is behind FLASHMLA_BACKEND_FP8_KERNEL=tensorcore while it is measured (docs/perf/journal.md).
+# Translation units whose spills are reported but do not fail the build. The FP8 tensor-core kernel's accurate mode
+# (two e4m3 terms of q and of P; behind FLASHMLA_BACKEND_FP8_KERNEL=tensorcore while it is measured) keeps 40 bytes of
+# loop-invariant values (metadata fields, the request index) on the stack: stored before the main loop and reloaded
+# at request boundaries, never inside a step (checked in the SASS: no LDL/STL between the first and the last wgmma
+# of a step). It goes back under the gate before it becomes a default.
 SM90_SPILL_REPORTED_ONLY = {
     "csrc/sm90/decode_fp8/instantiations/accurate_bf16.cu",
     "csrc/sm90/decode_fp8/instantiations/accurate_fp16.cu",

@@ -18,17 +18,16 @@ constexpr int kHeadDimV = flashmla_backend::kHeadDimV;  // 512
 
 // ---- Thread roles ----------------------------------------------------------------------------------
 // Warpgroups 0 and 1 are the consumers (the two halves of the output, the seesaw of docs/kernel-design.md);
-// warpgroup 2 is the producer: its warp 0 issues the KV copies (TMA), its warps 1..3 transpose V.
+// warpgroup 2 is the producer: one lane of its warp 0 issues the KV copies (TMA), its warps 1..3 transpose V.
 constexpr int kThreadsPerWarpGroup = 128;
 constexpr int kNumConsumerWarpGroups = 2;
 constexpr int kNumConsumerThreads = kThreadsPerWarpGroup * kNumConsumerWarpGroups;  // 256
 constexpr int kNumThreads = kNumConsumerThreads + kThreadsPerWarpGroup;             // 384
-constexpr int kNumTransposeWarps = 3;
 constexpr int kHalfDimV = kHeadDimV / kNumConsumerWarpGroups;                       // 256
 // Registers after setmaxnreg: 2 x 128 x kConsumerRegs + 128 x kProducerRegs must not exceed the 64K register
 // file minus nothing (the CTA is alone on its SM); __launch_bounds__(384, 1) starts every thread at 168.
-constexpr int kConsumerRegs = 232;
-constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 56;
 static_assert(kNumConsumerThreads * kConsumerRegs + kThreadsPerWarpGroup * kProducerRegs <= 64512,
               "register split exceeds the CTA's allocation");
 
@@ -46,7 +45,6 @@ constexpr int kSwizzleRowBytes = 64;
 // permuted within each group of 32 (kernel-design.md: a P accumulator converts to the e4m3 A fragment without
 // moving registers between threads when V^T's key k' holds key kvt_key(k')).
 constexpr int kVtBytes = kHeadDimV * kBlockN;        // 32768
-constexpr int kNumVtBuffers = 2;
 
 // The e4m3 A fragment of a 64 x 64 P tile is 32 bytes per consumer thread (two k32 slices of 16 bytes); the
 // tile a warpgroup hands to the other is stored in that order (thread-major 16-byte chunks, conflict-free).

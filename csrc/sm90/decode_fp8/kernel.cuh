@@ -103,7 +103,8 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
 
 template <class T>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    sm90_fp8_decode_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv) {
+    sm90_fp8_decode_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv,
+                           int debug) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using SharedStorage = typename T::SharedStorage;
   const DecodeParams& p = params;
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ss.kv_empty[s].init(kKvEmptyArrivals);
     }
     CUTLASS_PRAGMA_UNROLL
-    for (int b = 0; b < kNumVtBuffers; ++b) {
+    for (int b = 0; b < T::kVtBuffers; ++b) {
       ss.vt_full[b].init(kVtFullArrivals);
       ss.vt_empty[b].init(kVtEmptyArrivals);
     }
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     if (warp == 0) {
       if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk);
     } else {
-      transpose_loop<T>(p, ss, meta, begin_req, end_req, m_block, warp - 1, lane);
+      transpose_loop<T>(p, ss, meta, begin_req, end_req, m_block, warp - 1, lane, debug);
     }
   } else if (wg == 0) {
     cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "common/check.h"
 #include "common/check_params.h"
@@ -36,19 +37,27 @@ inline CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
   return tmap;
 }
 
+// FLASHMLA_BACKEND_FP8_DEBUG: measurement switches (producer.cuh: DebugFlags); unset or 0 in normal use.
+inline int fp8_debug_flags() {
+  const char* v = std::getenv("FLASHMLA_BACKEND_FP8_DEBUG");
+  return v == nullptr ? 0 : std::atoi(v);
+}
+
 template <Variant V>
 struct VariantTraits;
+// The fast mode runs 2 KV stages and 3 V^T buffers: measured faster than 3 + 2 at every shape (the V^T buffers gate the
+// transposition; docs/perf/journal.md). The accurate mode's two Q terms leave room for 2 + 2 only.
 template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 3>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 3>;
 };
 template <>
 struct VariantTraits<Variant::kAccurateBF16> {
-  using type = Traits<cutlass::bfloat16_t, 2, 2, 2>;
+  using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 2>;
 };
 template <>
 struct VariantTraits<Variant::kAccurateFP16> {
-  using type = Traits<cutlass::half_t, 2, 2, 2>;
+  using type = Traits<cutlass::half_t, 2, 2, 2, 2>;
 };
 
 template <Variant V>
@@ -73,7 +82,7 @@ void run_decode_kernel(const DecodeParams& p) {
   cfg.stream = static_cast<cudaStream_t>(p.stream);
   cfg.attrs = attrs;
   cfg.numAttrs = 1;
-  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap));
+  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap, fp8_debug_flags()));
   FMLA_CHECK_LAUNCH("sm90_fp8_decode_kernel");
 }
 

@@ -66,7 +66,7 @@ __device__ __forceinline__ void exp2_rows_scaled(Frag& s, const float (&sl2)[2],
 // A fragment of a k32 slice (word q: row g + 8 (q & 1), k' 16 (q >> 1) + 4 (l % 4) .. + 3) meet without moving data
 // between threads when k' = 4 t + i holds key 2 t + (i & 1) + 8 (i >> 1) (+ 16 for the upper half): word q of slice
 // kk takes values 16 kk + 8 (q >> 1) + 2 (q & 1) + {0, 1, 4, 5}, in that byte order. V^T is written in that key
-// order (producer.cuh: transpose_unit).
+// order (producer.cuh: producer_loop).
 // Term 0 = e4m3(x), term 1 = e4m3(x - term 0), with x = s(i) * f[row].
 template <int kTerms, class Frag>
 __device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int kk, uint32_t (&words)[kTerms][4]) {
@@ -207,7 +207,8 @@ __device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss,
   warpgroup_fence_operand(tSrS);
 }
 
-// O_half += P V_half of block g (V^T buffer g % 2), value columns [256 kHalf, 256 kHalf + 256); one commit group.
+// O_half += P V_half of block g (V^T buffer g % kVtBuffers), value columns [256 kHalf, 256 kHalf + 256); one commit
+// group.
 template <class T, int kHalf, int kTerms, class FragO>
 __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss, uint32_t g, PFrag<T, kTerms>& P,
                                          FragO& tOrO) {
@@ -215,10 +216,10 @@ __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss,
   typename T::TiledMmaPV mma;
   auto thr = mma.get_slice(tid);
   const uint32_t z = opaque_zero();
-  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + (g & 1u) * kVtBytes) + z),
-                           typename T::SmemLayoutVt{});                                               // (512, 64)
+  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + vt_of<T>(g) * kVtBytes) + z),
+                           typename T::SmemLayoutVt{});  // (512, 64)
   Tensor sV = local_tile(sVt, Shape<Int<kHalfDimV>, Int<kBlockN>>{}, make_coord(Int<kHalf>{}, _0{}));  // (256, 64)
-  Tensor tOrV = thr.partition_fragment_B(sV);                                                        // (MMA, 1, 2)
+  Tensor tOrV = thr.partition_fragment_B(sV);  // (MMA, 1, 2)
   mma.accumulate_ = GMMA::ScaleOut::One;
   P.fence();
   warpgroup_fence_operand(tOrO);
@@ -236,7 +237,7 @@ __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss,
 
 template <class T>
 __device__ __forceinline__ void wait_vt(typename T::SharedStorage& ss, uint32_t g) {
-  consumer_wait(ss.vt_full[g & 1u], (g >> 1) & 1u);
+  consumer_wait(ss.vt_full[vt_of<T>(g)], (g / T::kVtBuffers) & 1u);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -324,7 +325,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
     warpgroup_wait<0>();  // P0 V0L done
     warpgroup_fence_operand(tOrO);
-    warp_arrive(ss.vt_empty[g0 & 1u], lane);
+    warp_arrive(ss.vt_empty[vt_of<T>(g0)], lane);
     decode::scale_rows(tOrO, sc1);
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) row_sum[v] *= sc1[v];
@@ -340,7 +341,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 2, tSrS);
     warpgroup_wait<kNext ? 1 : 0>();
     warpgroup_fence_operand(tOrO);
-    warp_arrive(ss.vt_empty[(g0 + 1) & 1u], lane);
+    warp_arrive(ss.vt_empty[vt_of<T>(g0 + 1)], lane);
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
@@ -424,7 +425,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     if constexpr (kReuse) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
-      warp_arrive(ss.vt_empty[(g0 + 1) & 1u], lane);
+      warp_arrive(ss.vt_empty[vt_of<T>(g0 + 1)], lane);
     }
     auto& P0 = kReuse ? P1 : P0own;
     {
@@ -437,11 +438,11 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 3, tSrS);
     if constexpr (!kReuse) {
       warpgroup_wait<kNext ? 2 : 1>();
-      warp_arrive(ss.vt_empty[(g0 + 1) & 1u], lane);
+      warp_arrive(ss.vt_empty[vt_of<T>(g0 + 1)], lane);
     }
     warpgroup_wait<kNext ? 1 : 0>();
     warpgroup_fence_operand(tOrO);
-    warp_arrive(ss.vt_empty[g0 & 1u], lane);
+    warp_arrive(ss.vt_empty[vt_of<T>(g0)], lane);
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);

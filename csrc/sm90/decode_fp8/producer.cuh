@@ -1,13 +1,16 @@
 // Producer warpgroup of the sm90 FP8 tensor-core decode kernel: the KV copies (TMA) and the transposition of V.
 //
-// Both roles walk the same blocks as the consumers: the CTA's request pieces in order, block g (counted over the
-// whole metadata row) in KV stage g % kStages and V^T buffer g % 2. Parities follow from g: the n-th completion
-// of a barrier (n = 0, 1, ...) is waited with parity n & 1.
-//   warp 0, lane 0   block g: waits until stage g % kStages is empty (block g - kStages consumed), issues its nine
-//                    pieces on kv_full[stage][piece].
-//   warps 1..3       block g: waits until V^T buffer g % 2 is empty (block g - 2's P V done in both consumer
-//                    warpgroups), transposes the eight V pieces as they land, zeroes keys past the block's last
-//                    visible key, then arrives on vt_full and kv_empty.
+// The producer walks the same blocks as the consumers: the CTA's request pieces in order, block g (counted over the
+// whole metadata row) in KV stage g % kStages and V^T buffer g % kVtBuffers. Parities follow from g: the n-th
+// completion of a barrier (n = 0, 1, ...) is waited with parity n & 1.
+//   warp 0, lane 0   issues every block in order (copy_loop): block x waits until stage x % kStages is empty (block
+//                    x - kStages consumed by its Q K^T and transposed).
+//   warps 1..3       block g: wait until V^T buffer g % kVtBuffers is empty (block g - kVtBuffers' P V done in both
+//                    consumer warpgroups), transpose the four pairs of V pieces (round-robin over the three warps,
+//                    shifted by one per block) as they land, zero keys past the block's last visible key, then arrive
+//                    on vt_full and kv_empty.
+// Measured (docs/perf/journal.md): with the copies issued by one of the transposing warps instead, a copy waited for
+// that warp's transposition and the kernel was 1.5x slower at h_q = 128.
 #pragma once
 
 #include <cuda.h>
@@ -47,6 +50,8 @@ __device__ __forceinline__ void consumer_wait(Barrier& bar, uint32_t parity) {
 }
 
 __device__ __forceinline__ uint32_t stage_of(uint32_t g, int stages) { return g % uint32_t(stages); }
+template <class T>
+__device__ __forceinline__ uint32_t vt_of(uint32_t g) { return g % uint32_t(T::kVtBuffers); }
 
 // ------------------------------------------------------------------------------------------------
 // KV copies
@@ -61,7 +66,8 @@ __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename
                                                int page, int hk) {
   const uint64_t hint = gridDim.x == 1 ? kEvictNormal : kEvictFirst;
   uint8_t* dst = ss.kv.data() + stage * kTileBytes;
-  CUTLASS_PRAGMA_UNROLL
+  // Not unrolled: the producer runs on 40 registers (config.h).
+  CUTLASS_PRAGMA_NO_UNROLL
   for (int j = 0; j < kNumPieces; ++j) {
     ss.kv_full[stage][j].arrive_and_expect_tx(kPieceBytes);
     // tensor map dims (fastest first): (576 columns, h_kv, 64 tokens, num_pages)
@@ -74,33 +80,72 @@ __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename
 // block of an odd piece has no data.
 __device__ __forceinline__ int padded_blocks(int num_blocks) { return num_blocks > 0 ? (num_blocks + 1) & ~1 : 0; }
 
-// Warp 0 of the producer warpgroup, lane 0. A virtual block's pieces complete without a copy (plain arrivals):
-// its consumer multiplies whatever the stage holds and masks every key.
+// The copy issuer (warp 0, lane 0 of the producer): walks the blocks in the consumers' order. A virtual block's
+// pieces complete without a copy (plain arrivals): its consumer multiplies whatever the stage holds and masks every
+// key.
+template <class T>
+struct CopyCursor {
+  uint32_t g = 0;     // the next block to issue
+  int req;            // its request
+  int b = 0;          // its index in the request piece
+  int nblk = 0;       // padded blocks of the request piece
+  int nreal = 0;      // real blocks of the request piece
+  int first_page = 0;
+  int end_req;
+
+  __device__ __forceinline__ void start(const DecodeParams& p, const SchedMetaRow& meta, int begin_req, int end_req_,
+                                        int m_block) {
+    req = begin_req - 1;
+    end_req = end_req_;
+    next_request(p, meta, m_block);
+  }
+  __device__ __forceinline__ void next_request(const DecodeParams& p, const SchedMetaRow& meta, int m_block) {
+    b = 0;
+    nblk = 0;
+    while (nblk == 0 && req < end_req) {
+      ++req;
+      const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+      nblk = padded_blocks(w.num_blocks);
+      nreal = w.num_blocks;
+      first_page = w.first_page;
+    }
+  }
+  __device__ __forceinline__ bool done() const { return b >= nblk; }
+
+  // Issues block g once its stage is free. Returns false when every block was issued.
+  __device__ __forceinline__ bool issue(const DecodeParams& p, const SchedMetaRow& meta, const CUtensorMap* tmap,
+                                        typename T::SharedStorage& ss, int m_block, int hk) {
+    if (done()) return false;
+    const int stage = int(stage_of(g, T::kStages));
+    if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
+    if (b < nreal) {
+      const int page = __ldg(p.block_table + int64_t(req) * p.block_table_stride_b + (first_page + b));
+      issue_kv_block<T>(tmap, ss, stage, page, hk);
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive();
+    }
+    ++g;
+    if (++b >= nblk) next_request(p, meta, m_block);
+    return true;
+  }
+};
+
+// Warp 0 of the producer, lane 0: issues every block in order, waiting for each stage to be released.
 template <class T>
 __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorMap* tmap, typename T::SharedStorage& ss,
                                           const SchedMetaRow& meta, int begin_req, int end_req, int m_block, int hk) {
-  uint32_t g = 0;
-  for (int req = begin_req; req <= end_req; ++req) {
-    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    const int nblk = padded_blocks(w.num_blocks);
-    for (int b = 0; b < nblk; ++b, ++g) {
-      const int stage = int(stage_of(g, T::kStages));
-      const int page = b < w.num_blocks ? decode::block_page(p, w, b) : 0;
-      if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
-      if (b < w.num_blocks) {
-        issue_kv_block<T>(tmap, ss, stage, page, hk);
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive();
-      }
-    }
+  CopyCursor<T> cursor;
+  cursor.start(p, meta, begin_req, end_req, m_block);
+  while (cursor.issue(p, meta, tmap, ss, m_block, hk)) {
   }
 }
 
 // ------------------------------------------------------------------------------------------------
 // V transposition
 // ------------------------------------------------------------------------------------------------
-// One unit = 32 keys x 16 value columns of a block (512 bytes): one ldmatrix.x4.trans and one stmatrix.x4 per warp.
+// One unit = 32 keys x 16 value columns (cc = chunk 0..3 of the piece, th = key half 0..1) of a block (512 bytes):
+// one ldmatrix.x4.trans and one stmatrix.x4 per warp.
 // Source: KV piece j (64 keys x 64 columns, row = key, 64B swizzle). ldmatrix matrix m (m = 0..3) is keys
 // 32 th + 8 m .. + 7 x columns 16 cc .. + 15, read as 8 x 8 16-bit pairs and transposed, so that register m of
 // lane l holds the bytes (key a, col c), (a, c + 1), (a + 1, c), (a + 1, c + 1) with a = 32 th + 8 m + 2 (l % 4),
@@ -127,61 +172,80 @@ __device__ __forceinline__ uint32_t sw64_offset(int row, int chunk) {
   return uint32_t(row * kSwizzleRowBytes + ((chunk ^ ((row >> 1) & 3)) << 4));
 }
 
-// Transposes unit u (0..63) of the block in `stage_addr` into the V^T buffer at `vt_addr`; keys >= `valid` are
-// written as zero (a request's last block: the cache rows past its end may hold anything, and 0 x NaN = NaN).
-__device__ __forceinline__ void transpose_unit(uint32_t stage_addr, uint32_t vt_addr, int u, int lane, int valid) {
-  const int j = u >> 3;         // V piece = value columns 64 j .. 64 j + 63
-  const int cc = (u >> 1) & 3;  // 16-column chunk within the piece
-  const int th = u & 1;         // keys 32 th .. 32 th + 31
-  const int src_row = 32 * th + 8 * (lane >> 3) + (lane & 7);
-  uint32_t d[4];
-  ldsm_x4_trans(stage_addr + j * kPieceBytes + sw64_offset(src_row, cc), d);
-  if (valid < kBlockN) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < 4; ++m) {
-      const int a = 32 * th + 8 * m + 2 * (lane & 3);
-      const uint32_t keep = (a < valid ? 0x0000ffffu : 0u) | (a + 1 < valid ? 0xffff0000u : 0u);
-      d[m] &= keep;
-    }
-  }
-  uint32_t o[4];
-  o[0] = __byte_perm(d[0], d[1], 0x6420);
-  o[1] = __byte_perm(d[0], d[1], 0x7531);
-  o[2] = __byte_perm(d[2], d[3], 0x6420);
-  o[3] = __byte_perm(d[2], d[3], 0x7531);
-  const int mm = lane >> 3;
-  const int col = 64 * j + 16 * cc + 2 * (lane & 7) + (mm & 1);
-  stsm_x4(vt_addr + sw64_offset(col, 2 * th + (mm >> 1)), o);
-}
+// Measurement switches (FLASHMLA_BACKEND_FP8_DEBUG, launch.cuh); 0 in normal use.
+enum DebugFlags : int {
+  kDebugNoTranspose = 1,  // the transposer waits and arrives but moves no data: wrong results, the time without it
+};
 
-// Warps 1..3 of the producer warpgroup (tw = 0..2).
+// Warps 1..3 of the producer (tw = 0..kNumTransposeWarps - 1, traits.h) transpose: the four pairs of V pieces of a
+// block go round-robin over the three warps, shifted by one per block (each warp handles four pairs every three
+// blocks); kUnitsInFlight units (ldmatrix in flight) at a time.
+constexpr int kUnitsInFlight = 2;
+
 template <class T>
 __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T::SharedStorage& ss,
                                                const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
-                                               int tw, int lane) {
+                                               int tw, int lane, int debug) {
   const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
   const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
+  // This lane's parts of the unit addresses (the unit's constants taken out): the source row of its ldmatrix address
+  // and the XOR of its 16-byte chunk, the destination row of its stmatrix address and its chunk XOR.
+  const int mm = lane >> 3;
+  const uint32_t src_lane = uint32_t((8 * mm + (lane & 7)) * kSwizzleRowBytes);
+  const int src_x = (lane >> 1) & 3;
+  const uint32_t dst_lane = uint32_t((2 * (lane & 7) + (mm & 1)) * kSwizzleRowBytes);
+  const int dst_x = lane & 3;
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
     const int nblk = padded_blocks(w.num_blocks);
     for (int b = 0; b < nblk; ++b, ++g) {
       const int stage = int(stage_of(g, T::kStages));
-      const int vb = int(g & 1u);
+      const int vb = int(vt_of<T>(g));
       const uint32_t parity = (g / T::kStages) & 1u;
       const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)
-      if (g >= 2u) wait_barrier(ss.vt_empty[vb], ((g >> 1) + 1) & 1u);
+      if (g >= uint32_t(T::kVtBuffers)) wait_barrier(ss.vt_empty[vb], (g / T::kVtBuffers + 1) & 1u);
       const uint32_t stage_addr = kv_addr + stage * kTileBytes;
       const uint32_t vt_addr = vt_addr0 + vb * kVtBytes;
-      int waited = -1;  // the last piece whose landing this warp waited for
       CUTLASS_PRAGMA_NO_UNROLL
-      for (int u = tw; u < 8 * kNumVPieces; u += kNumTransposeWarps) {
-        const int j = u >> 3;
-        if (j != waited) {
+      const int first_pair = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
+      for (int pair = first_pair; pair < kNumVPieces / 2; pair += kNumTransposeWarps) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * pair + jj;
           wait_barrier(ss.kv_full[stage][j], parity);
-          waited = j;
+          if (debug & kDebugNoTranspose) continue;
+          CUTLASS_PRAGMA_UNROLL
+          for (int batch = 0; batch < 8 / kUnitsInFlight; ++batch) {
+            // Units (cc, th) of piece j, kUnitsInFlight at a time.
+            uint32_t d[kUnitsInFlight][4];
+            CUTLASS_PRAGMA_UNROLL
+            for (int k = 0; k < kUnitsInFlight; ++k) {
+              const int unit = kUnitsInFlight * batch + k, cc = unit >> 1, th = unit & 1;
+              ldsm_x4_trans(stage_addr + j * kPieceBytes + th * 32 * kSwizzleRowBytes + src_lane + ((cc ^ src_x) << 4),
+                            d[k]);
+            }
+            CUTLASS_PRAGMA_UNROLL
+            for (int k = 0; k < kUnitsInFlight; ++k) {
+              const int unit = kUnitsInFlight * batch + k, cc = unit >> 1, th = unit & 1;
+              if (valid < kBlockN) {
+                CUTLASS_PRAGMA_UNROLL
+                for (int m = 0; m < 4; ++m) {
+                  const int key = 32 * th + 8 * m + 2 * (lane & 3);
+                  d[k][m] &= (key < valid ? 0x0000ffffu : 0u) | (key + 1 < valid ? 0xffff0000u : 0u);
+                }
+              }
+              uint32_t o[4];
+              o[0] = __byte_perm(d[k][0], d[k][1], 0x6420);
+              o[1] = __byte_perm(d[k][0], d[k][1], 0x7531);
+              o[2] = __byte_perm(d[k][2], d[k][3], 0x6420);
+              o[3] = __byte_perm(d[k][2], d[k][3], 0x7531);
+              stsm_x4(vt_addr + (64 * j + 16 * cc) * kSwizzleRowBytes + dst_lane +
+                          (((2 * th + (mm >> 1)) ^ dst_x) << 4),
+                      o);
+            }
+          }
         }
-        transpose_unit(stage_addr, vt_addr, u, lane, valid);
       }
       cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma (async proxy)
       __syncwarp();

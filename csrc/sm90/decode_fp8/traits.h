@@ -18,8 +18,9 @@ using namespace cute;
 // QIn: q's element type in global memory. An e4m3 q (the fast mode: true value = stored x descale_q) is used as
 // it is, one term. A 16-bit q (the accurate mode) is split per row into kQTerms e4m3 terms of one power-of-two
 // scale: q ~ s (hi + lo) with hi = e4m3(q / s), lo = e4m3(q / s - hi), so Q K^T is kQTerms e4m3 products into one
-// accumulator. P is cast to kPTerms e4m3 terms the same way (P V: kPTerms products). kStages: KV blocks in flight.
-template <class QIn_, int kQTerms_, int kPTerms_, int kStages_>
+// accumulator. P is cast to kPTerms e4m3 terms the same way (P V: kPTerms products). kStages: KV blocks in flight;
+// kVtBuffers: transposed V blocks in flight.
+template <class QIn_, int kQTerms_, int kPTerms_, int kStages_, int kVtBuffers_ = 2>
 struct Traits {
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
@@ -29,12 +30,13 @@ struct Traits {
   static constexpr int kQTerms = kQTerms_;
   static constexpr int kPTerms = kPTerms_;
   static constexpr int kStages = kStages_;
+  static constexpr int kVtBuffers = kVtBuffers_;  // V^T buffers: block g uses buffer g % kVtBuffers
   static_assert(std::is_same_v<QIn, cutlass::float_e4m3_t> || std::is_same_v<QIn, cutlass::bfloat16_t> ||
                     std::is_same_v<QIn, cutlass::half_t>,
                 "q is e4m3, bf16 or fp16");
   static_assert(!kQFp8 || kQTerms == 1, "an e4m3 q is one term");
   static_assert(kQTerms >= 1 && kQTerms <= 2 && kPTerms >= 1 && kPTerms <= 2, "one or two terms");
-  static_assert(kStages >= 2, "at least two KV stages");
+  static_assert(kStages >= 2 && kVtBuffers >= 2, "at least two KV stages and two V^T buffers");
 
   // What sm90/decode/epilogue.cuh asks of the cache format: the value scale is applied to the output.
   struct KvFormat {
@@ -63,7 +65,7 @@ struct Traits {
   struct alignas(kSmemAlign) SharedStorage {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTerms * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, kNumVtBuffers * kVtBytes, kSmemAlign> vt;  // block g: g % 2
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtBuffers * kVtBytes, kSmemAlign> vt;  // block g: g % kVtBuffers
     // P tiles handed between the consumer warpgroups in A-fragment order: p[0] = P0 * scale1 (warpgroup 0 ->
     // 1), p[1] = P1 (warpgroup 1 -> 0); term t at t * 4 KB.
     alignas(16) uint8_t p[2][kPTerms * kPTermBytes];
@@ -82,14 +84,15 @@ struct Traits {
     // written (transposer warps). vt_empty[b]: both consumer warpgroups' P V of buffer b completed (8 warps).
     cutlass::arch::ClusterTransactionBarrier kv_full[kStages][kNumPieces];
     cutlass::arch::ClusterBarrier kv_empty[kStages];
-    cutlass::arch::ClusterBarrier vt_full[kNumVtBuffers];
-    cutlass::arch::ClusterBarrier vt_empty[kNumVtBuffers];
+    cutlass::arch::ClusterBarrier vt_full[kVtBuffers];
+    cutlass::arch::ClusterBarrier vt_empty[kVtBuffers];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 };
 
 // Arrival counts of the mbarriers (per phase).
+constexpr int kNumTransposeWarps = 3;                          // producer warps 1..3 (producer.cuh)
 constexpr uint32_t kKvEmptyArrivals = 4 + kNumTransposeWarps;  // owner warpgroup's warps + transposer warps
 constexpr uint32_t kVtFullArrivals = kNumTransposeWarps;
 constexpr uint32_t kVtEmptyArrivals = 8;                        // the warps of both consumer warpgroups
