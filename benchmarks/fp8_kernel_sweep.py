@@ -1,0 +1,119 @@
+"""Time the FP8-cache decode kernels side by side (GPU only): the kernel that widens e4m3 to fp16 and the FP8
+tensor-core kernel (FLASHMLA_BACKEND_FP8_KERNEL), with measurement switches (FLASHMLA_BACKEND_FP8_DEBUG), against
+vLLM's FlashMLA-FP8 on the same e4m3 bytes, in one process.
+
+    python benchmarks/fp8_kernel_sweep.py --shapes b128-sk8192-h128-sq1,b128-sk8192-h16-sq1 \
+        --modes fast,accurate --variants widen:0,tensorcore:0,tensorcore:1
+
+A variant is KERNEL:DEBUG (KERNEL = widen or tensorcore; DEBUG = the value of FLASHMLA_BACKEND_FP8_DEBUG, 0 for
+normal use; 1 skips the V transposition, so its results are wrong and only its time means something). Each call is
+captured in a CUDA graph and its replays timed with triton.testing.do_bench (median). One line per (shape, mode,
+variant) with the time, FlashMLA-FP8's time and the relative difference of the outputs from FlashMLA-FP8's (the
+fast mode reads the same e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's quantization), then one
+JSON line per shape. FlashMLA-FP8 is vLLM 0.26's flash_mla_with_kvcache_fp8 (importable vllm, or the 2 MB package
+of its FlashMLA on PYTHONPATH).
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+DEFAULT_SHAPES = ("b128-sk8192-h128-sq1,b128-sk8192-h16-sq1,b64-sk8192-h32-sq1,b1-sk8192-h128-sq1,"
+                  "b128-varlen4096-h128-sq1")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes (benchmarks/bench.py syntax)")
+    p.add_argument("--modes", default="fast", help="comma-separated: fast (e4m3 q), accurate (bf16 q)")
+    p.add_argument("--variants", default="widen:0,tensorcore:0", help="comma-separated KERNEL:DEBUG")
+    p.add_argument("--rep", type=int, default=50, help="do_bench rep in ms (default 50)")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in args.modes if m not in ("fast", "accurate")]
+    if bad:
+        p.error(f"--modes: unknown {bad}; choose from fast, accurate")
+    variants = []
+    for spec in args.variants.split(","):
+        kernel, _, debug = spec.partition(":")
+        if kernel not in ("widen", "tensorcore") or not debug.isdigit():
+            p.error(f"--variants: {spec!r} is not KERNEL:DEBUG with KERNEL widen or tensorcore, DEBUG an integer")
+        variants.append((kernel, int(debug)))
+    args.variants = variants
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("fp8_kernel_sweep: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    import flashmla_backend as fb
+    from mla_bench.shapes import D_V, make_fp8_inputs, make_inputs, make_seqlens, parse_shapes
+    from vllm.v1.attention.ops import flashmla as vllm_flashmla
+
+    dev = torch.device("cuda")
+
+    def timeit(fn):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+            with torch.cuda.graph(graph, stream=stream):
+                res = fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(graph.replay, warmup=10, rep=args.rep, return_mode="median")
+        return ms * 1e3, res
+
+    saved = {k: os.environ.get(k) for k in ("FLASHMLA_BACKEND_FP8_KERNEL", "FLASHMLA_BACKEND_FP8_DEBUG")}
+    try:
+        for shape in parse_shapes(args.shapes):
+            seqlens = make_seqlens(shape, 0)
+            inp = make_inputs(shape, seqlens, torch.bfloat16, dev, 0, 1)[0]
+            f8 = make_fp8_inputs([inp])[0]
+            lens = torch.tensor(seqlens, dtype=torch.int32, device=dev)
+            scale = 576 ** -0.5
+            rows = shape.s_q * shape.h_q
+            sched, splits = vllm_flashmla.get_mla_metadata_dense_fp8(lens, rows, 1)
+            t_peer, (o_peer, _) = timeit(lambda: vllm_flashmla.flash_mla_with_kvcache_fp8(
+                f8.q, f8.k_cache, inp.block_table, lens, D_V, sched, splits, softmax_scale=scale, causal=True,
+                descale_q=f8.descale_q, descale_k=f8.descale_k))
+            o_peer = o_peer.view(shape.b, shape.s_q, shape.h_q, D_V).float()
+            line = {"shape": shape.name, "flashmla_fp8_us": round(t_peer, 1)}
+            for mode in args.modes:
+                q, dq = (f8.q, f8.descale_q) if mode == "fast" else (inp.q, None)
+                for kernel, debug in args.variants:
+                    os.environ["FLASHMLA_BACKEND_FP8_KERNEL"] = kernel
+                    os.environ["FLASHMLA_BACKEND_FP8_DEBUG"] = str(debug)
+                    meta, nsplits = fb.get_mla_metadata(lens, rows, 1, is_fp8_kvcache=True)
+                    t, (out, _) = timeit(lambda: fb.flash_mla_with_kvcache(
+                        q, f8.k_cache, inp.block_table, lens, D_V, meta, nsplits, softmax_scale=scale, causal=True,
+                        is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k))
+                    diff = ((out.float() - o_peer).norm() / o_peer.norm()).item()
+                    key = f"{mode}-{kernel}-{debug}"
+                    line[key + "_us"] = round(t, 1)
+                    line[key + "_diff"] = float(f"{diff:.1e}")
+                    print(f"{shape.name} {mode} {kernel} debug={debug}: {t:.1f} us (FlashMLA-FP8 {t_peer:.1f} us, "
+                          f"{t_peer / t:.2f}x) output vs FlashMLA-FP8 {diff:.1e}", flush=True)
+            print(json.dumps(line), flush=True)
+            del inp, f8
+            torch.cuda.empty_cache()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""benchmarks/fp8_kernel_sweep.py on the CPU: its options, the errors for bad ones, and the exit without a GPU."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import fp8_kernel_sweep as sweep  # noqa: E402
+
+
+def test_options_parse():
+    a = sweep.parse_args(["--variants", "widen:0,tensorcore:1", "--modes", "fast,accurate", "--rep", "7"])
+    assert a.variants == [("widen", 0), ("tensorcore", 1)]
+    assert a.modes == ["fast", "accurate"] and a.rep == 7
+    assert sweep.parse_args([]).variants == [("widen", 0), ("tensorcore", 0)]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--variants", "fast:0"], "KERNEL widen or tensorcore"),
+    (["--variants", "tensorcore"], "KERNEL:DEBUG"),
+    (["--variants", "tensorcore:x"], "DEBUG an integer"),
+    (["--modes", "quick"], "unknown ['quick']"),
+])
+def test_bad_options_name_the_option(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        sweep.parse_args(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
+def test_exits_2_without_a_gpu(capsys):
+    assert sweep.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
