@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "common/check.h"
 #include "common/check_params.h"
@@ -111,6 +112,26 @@ int decode_smem_bytes() {
   return VariantTraits<V>::type::kSmemBytes;
 }
 
+// Launches a decode kernel on the decode grid (num_m_blocks, num_heads_kv, num_sm_parts) with `threads` threads and
+// `smem` bytes of dynamic shared memory, with programmatic stream serialization when p.pdl; args are the kernel's.
+template <class... KernelArgs, class... Args>
+void launch_on_decode_grid(void (*kernel)(KernelArgs...), int threads, int smem, const char* name,
+                           const DecodeParams& p, Args&&... args) {
+  FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = p.pdl ? 1 : 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.num_m_blocks, p.num_heads_kv, p.num_sm_parts);
+  cfg.blockDim = dim3(threads, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(p.stream);
+  cfg.attrs = attrs;
+  cfg.numAttrs = 1;
+  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+  FMLA_CHECK_LAUNCH(name);
+}
+
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p) {
   using T = typename VariantTraits<V>::type;
@@ -120,22 +141,7 @@ void run_decode_kernel(const DecodeParams& p) {
 
   const CUtensorMap tmap = make_kv_tensor_map<T>(p);
 
-  auto kernel = &sm90_decode_kernel<T>;
-  constexpr int kSmem = T::kSmemBytes;
-  FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[0].val.programmaticStreamSerializationAllowed = p.pdl ? 1 : 0;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.num_m_blocks, p.num_heads_kv, p.num_sm_parts);
-  cfg.blockDim = dim3(kNumThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = static_cast<cudaStream_t>(p.stream);
-  cfg.attrs = attrs;
-  cfg.numAttrs = 1;
-  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap));
-  FMLA_CHECK_LAUNCH("sm90_decode_kernel");
+  launch_on_decode_grid(&sm90_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_decode_kernel", p, p, tmap);
 }
 
 }  // namespace flashmla_backend::sm90::decode

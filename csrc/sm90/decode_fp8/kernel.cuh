@@ -61,7 +61,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     decode::set_row_ends(p, w, m_block, ri);
     if (tid < kBlockM) ss.row_max[tid] = -INFINITY;
     if constexpr (T::kQFp8) {
-      cp_async_wait_all_clobber();
+      decode::cp_async_wait_all();
     } else {
       split_q_tile<T>(p, w.req, m_block, hk, q_addr, ss.q_scale, tid);
     }

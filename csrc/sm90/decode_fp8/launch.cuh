@@ -11,7 +11,7 @@
 #include "common/check.h"
 #include "common/check_params.h"
 #include "params.h"
-#include "sm90/decode/launch.cuh"  // get_encode_tiled, decode_requirements
+#include "sm90/decode/launch.cuh"  // get_encode_tiled, decode_requirements, launch_on_decode_grid
 #include "sm90/decode_fp8/decode.h"
 #include "sm90/decode_fp8/kernel.cuh"
 
@@ -68,22 +68,8 @@ void run_decode_kernel(const DecodeParams& p) {
   check_decode_params(p, decode::decode_requirements(int(sizeof(typename T::QIn)), 1));
 
   const CUtensorMap tmap = make_kv_tensor_map(p);
-  auto kernel = &sm90_fp8_decode_kernel<T>;
-  constexpr int kSmem = T::kSmemBytes;
-  FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[0].val.programmaticStreamSerializationAllowed = p.pdl ? 1 : 0;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.num_m_blocks, p.num_heads_kv, p.num_sm_parts);
-  cfg.blockDim = dim3(kNumThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = static_cast<cudaStream_t>(p.stream);
-  cfg.attrs = attrs;
-  cfg.numAttrs = 1;
-  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap, fp8_debug_flags()));
-  FMLA_CHECK_LAUNCH("sm90_fp8_decode_kernel");
+  decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel", p, p,
+                                tmap, fp8_debug_flags());
 }
 
 }  // namespace flashmla_backend::sm90::decode_fp8

@@ -23,6 +23,7 @@
 
 #include "common/device.cuh"
 #include "params.h"
+#include "sm90/decode/copies.cuh"  // kEvictFirst / kEvictNormal
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
 #include "sm90/decode_fp8/traits.h"
@@ -56,15 +57,13 @@ __device__ __forceinline__ uint32_t vt_of(uint32_t g) { return g % uint32_t(T::k
 // ------------------------------------------------------------------------------------------------
 // KV copies
 // ------------------------------------------------------------------------------------------------
-// L2 policy: as the 16-bit kernel (sm90/decode/copies.cuh): one M tile reads each block once (evict-normal), two
-// M tiles read it at about the same time (evict-first).
-constexpr uint64_t kEvictFirst = uint64_t(cute::TMA::CacheHintSm90::EVICT_FIRST);
-constexpr uint64_t kEvictNormal = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+// L2 policy: the 16-bit kernel's (sm90/decode/copies.cuh: one M tile reads each block once, evict-normal; two M
+// tiles read it at about the same time, evict-first).
 
 template <class T>
 __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename T::SharedStorage& ss, int stage,
                                                int page, int hk) {
-  const uint64_t hint = gridDim.x == 1 ? kEvictNormal : kEvictFirst;
+  const uint64_t hint = gridDim.x == 1 ? decode::kEvictNormal : decode::kEvictFirst;
   uint8_t* dst = ss.kv.data() + stage * kTileBytes;
   // Not unrolled: the producer runs on 40 registers (config.h).
   CUTLASS_PRAGMA_NO_UNROLL

@@ -17,6 +17,7 @@
 
 #include "common/device.cuh"
 #include "params.h"
+#include "sm90/decode/copies.cuh"  // cp_async_16 / commit / wait_all (with memory clobbers), e4m3x2_to_f16x2
 #include "sm90/decode_fp8/config.h"
 #include "sm90/decode_fp8/producer.cuh"
 #include "sm90/decode_fp8/traits.h"
@@ -26,11 +27,6 @@ namespace flashmla_backend::sm90::decode_fp8 {
 // Byte offset of 16-byte chunk c (0..35) of row r in a term tile.
 __device__ __forceinline__ uint32_t q_chunk_offset(int r, int c) {
   return uint32_t((c >> 2) * kPieceBytes) + sw64_offset(r, c & 3);
-}
-
-__device__ __forceinline__ void cp_async_16_clobber(uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0)
-               : "memory");
 }
 
 // Source address of element column `col` (a multiple of 8 for 16-bit q, of 16 for e4m3) of tile row r, or null for
@@ -60,12 +56,10 @@ __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int
   for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kNumConsumerThreads) {
     const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
     const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
-    cp_async_16_clobber(q_addr + q_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
+    decode::cp_async_16(q_addr + q_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
   }
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
+  decode::cp_async_commit();
 }
-
-__device__ __forceinline__ void cp_async_wait_all_clobber() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Two floats to two e4m3 (x0 in the low byte), satfinite, round to nearest even.
 __device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float x0, float x1) {
@@ -79,9 +73,7 @@ __device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float x0, float x1, float x2
 }
 // The four e4m3 bytes of a word back to floats (exact).
 __device__ __forceinline__ void e4m3x4_to_f32x4(uint32_t w, float (&x)[4]) {
-  uint32_t lo, hi;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(lo) : "h"(uint16_t(w)));
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hi) : "h"(uint16_t(w >> 16)));
+  const uint32_t lo = decode::e4m3x2_to_f16x2(uint16_t(w)), hi = decode::e4m3x2_to_f16x2(uint16_t(w >> 16));
   const __half2 l2 = *reinterpret_cast<const __half2*>(&lo), h2 = *reinterpret_cast<const __half2*>(&hi);
   x[0] = __low2float(l2);
   x[1] = __high2float(l2);
