@@ -1,6 +1,8 @@
 """The standalone check programs of the sm90 kernel, run as tests.
 
 - csrc/sm90/decode/checks/protocol_model.py: pure-Python model of the KV load / mbarrier protocol (CPU).
+- csrc/sm90/decode_fp8/checks/protocol_model.py: the FP8 tensor-core kernel's producer / consumer barriers under
+  random interleavings: no deadlock, no missed phase, no stage or V^T buffer overwritten while read (CPU).
 - csrc/sm90/decode/checks/layout_check.cu: host-only check of the kernel's hand-written index formulas against
   the CuTe layouts (needs nvcc and the CUTLASS headers, no GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
@@ -18,6 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS = ROOT / "csrc" / "sm90" / "decode" / "checks"
 PROTOCOL_MODEL = CHECKS / "protocol_model.py"
+FP8_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "protocol_model.py"
 LAYOUT_CHECK = CHECKS / "layout_check.cu"
 NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
 
@@ -84,6 +87,47 @@ def test_protocol_model_rejects_a_changed_config_h(model, tmp_path):
     config.write_text(text.replace("{0x10Fu, 0x0F0u}", "{0x00Fu, 0x0F0u}"))  # stage 1's piece 8 never refilled
     with pytest.raises(model.ProtocolError):
         model.run([5], model.read_refill_masks(config))
+
+
+# ---- protocol model of the FP8 tensor-core kernel (producer warpgroup + consumers) -------------------------------
+@pytest.fixture(scope="module")
+def fp8_model():
+    spec = importlib.util.spec_from_file_location("fp8_protocol_model", FP8_PROTOCOL_MODEL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fp8_protocol_model_accepts_the_kernel_schedule():
+    res = subprocess.run([sys.executable, str(FP8_PROTOCOL_MODEL)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "consistent" in res.stdout
+
+
+def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
+    variants = fp8_model.read_variants()
+    assert set(variants) == {"kFastE4m3Q", "kAccurateBF16", "kAccurateFP16"}
+    assert all(stages >= 2 and vt >= 2 for _, _, stages, vt in variants.values())
+    arrivals = fp8_model.read_arrivals()
+    assert arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumTransposeWarps"]
+    assert arrivals["kVtFullArrivals"] == arrivals["kNumTransposeWarps"] and arrivals["kVtEmptyArrivals"] == 8
+
+
+@pytest.mark.parametrize("mutation", ["copy ignores kv_empty", "transposer ignores vt_empty",
+                                      "transposer does not release the stage", "early vt_empty"])
+def test_fp8_protocol_model_rejects_a_broken_schedule(fp8_model, mutation):
+    with pytest.raises(fp8_model.ProtocolError):
+        for seed in range(40):
+            for stages, vt in ((2, 3), (2, 2), (3, 2)):
+                fp8_model.run([9, 4, 7], stages, vt, reuse_p=False, seed=seed, mutation=mutation)
+
+
+def test_fp8_protocol_model_rejects_wrong_arrival_counts(fp8_model):
+    arrivals = dict(fp8_model.read_arrivals())
+    arrivals["kVtEmptyArrivals"] = 4  # one consumer warpgroup's release would free a V^T buffer the other still reads
+    with pytest.raises(fp8_model.ProtocolError):
+        for seed in range(40):
+            fp8_model.run([9, 4, 7], 2, 3, reuse_p=False, arrivals=arrivals, seed=seed)
 
 
 # ---- CUDA check programs ----------------------------------------------------------------------------------------

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Python model of the sm90 FP8 tensor-core decode kernel's barrier protocol (producer and consumers).
+
+A mirror of the order of waits, arrivals, reads and writes in producer.cuh (copy_loop, transpose_loop), mainloop.cuh
+(mainloop_wg0 / mainloop_wg1, run_steps, padded_blocks) and kernel.cuh (the consumers' request barriers); the stage
+counts come from launch.cuh's VariantTraits and the arrival counts from traits.h, so a change there is checked as it
+is. It is not a test of the compiled code: keep the agents below in step with those files when the schedule changes.
+Run by tests/test_device_checks.py; `python3 protocol_model.py` prints the verdict.
+
+Each role is an agent (the copy lane, the three transposer warps, the two consumer warpgroups) that runs its
+sequence of operations; a random scheduler interleaves them, many times per sequence of request pieces. Checked:
+  - no deadlock: some agent can always move until all have finished;
+  - a wait for completion n of an mbarrier (parity n & 1) never finds completion n + 1 already past (the hardware
+    would then miss the phase and hang);
+  - data: a KV stage is written (TMA) only after every reader of its previous block (the owner's Q K^T, the three
+    transposer warps) finished; a V^T buffer is written only after both consumers' P V of its previous block
+    finished; a reader reads only the block it expects, after it was written.
+"""
+from __future__ import annotations
+
+import random
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LAUNCH_CUH = HERE.parent / "launch.cuh"
+TRAITS_H = HERE.parent / "traits.h"
+
+
+class ProtocolError(AssertionError):
+    """A schedule the kernel would get wrong: a hang, a skipped barrier phase or a read of stale data."""
+
+
+def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int]]:
+    """{variant: (q terms, P terms, KV stages, V^T buffers)} from VariantTraits in launch.cuh."""
+    text = launch_cuh.read_text()
+    found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+),\s*(\d+)"
+                       r"(?:,\s*(\d+))?>", text)
+    if not found:
+        raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
+    return {name: (int(a), int(b), int(c), int(d) if d else 2) for name, a, b, c, d in found}
+
+
+def read_arrivals(traits_h: Path = TRAITS_H) -> dict[str, int]:
+    """kKvEmptyArrivals, kVtFullArrivals, kVtEmptyArrivals of traits.h (kNumTransposeWarps substituted)."""
+    text = traits_h.read_text()
+    warps = re.search(r"constexpr int kNumTransposeWarps = (\d+);", text)
+    if not warps:
+        raise ProtocolError(f"kNumTransposeWarps not found in {traits_h}")
+    env = {"kNumTransposeWarps": int(warps.group(1))}
+    out = {}
+    for name in ("kKvEmptyArrivals", "kVtFullArrivals", "kVtEmptyArrivals"):
+        m = re.search(rf"constexpr uint32_t {name} = ([^;]+);", text)
+        if not m:
+            raise ProtocolError(f"{name} not found in {traits_h}")
+        out[name] = int(eval(m.group(1), {}, dict(env)))  # noqa: S307 (a constant expression of traits.h)
+    out["kNumTransposeWarps"] = env["kNumTransposeWarps"]
+    return out
+
+
+def padded_blocks(n: int) -> int:
+    return (n + 1) & ~1 if n > 0 else 0
+
+
+class Sim:
+    def __init__(self, stages: int, vt_buffers: int, arrivals: dict[str, int]):
+        self.kS, self.kVt = stages, vt_buffers
+        self.count = {"kv_full": 1, "kv_empty": arrivals["kKvEmptyArrivals"], "vt_full": arrivals["kVtFullArrivals"],
+                      "vt_empty": arrivals["kVtEmptyArrivals"]}
+        self.done = {}      # (barrier, index) -> completed phases
+        self.got = {}       # (barrier, index) -> arrivals in the current phase
+        self.named = {}     # named barrier -> (arrivals, syncs) per generation
+        self.holder = {}    # resource -> block written there
+        self.readers = {}   # resource -> {block: finished reads}
+        self.active = {}    # resource -> number of reads in progress
+
+    # ---- mbarriers -------------------------------------------------------------------------------------------
+    def arrive(self, bar: str, i: int) -> None:
+        key = (bar, i)
+        self.got[key] = self.got.get(key, 0) + 1
+        if self.got[key] == self.count[bar]:
+            self.got[key] = 0
+            self.done[key] = self.done.get(key, 0) + 1
+
+    def can_wait(self, bar: str, i: int, n: int, who: str) -> bool:
+        c = self.done.get((bar, i), 0)
+        if c >= n + 2:
+            raise ProtocolError(f"{who}: waits for completion {n} of {bar}[{i}], which has {c}: the phase was missed")
+        return c >= n + 1
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    def write(self, res, block: int, expected_readers: int, who: str) -> None:
+        prev = self.holder.get(res)
+        if prev is not None and prev != block:
+            if self.active.get(res, 0):
+                raise ProtocolError(f"{who}: writes block {block} into {res} while block {prev} is being read")
+            if self.readers.get(res, {}).get(prev, 0) < expected_readers:
+                raise ProtocolError(f"{who}: writes block {block} into {res} before block {prev} was read by all "
+                                    f"({self.readers.get(res, {}).get(prev, 0)} of {expected_readers})")
+        self.holder[res] = block
+
+    def read_begin(self, res, block: int, who: str) -> None:
+        if self.holder.get(res) != block:
+            raise ProtocolError(f"{who}: reads block {block} from {res}, which holds {self.holder.get(res)}")
+        self.active[res] = self.active.get(res, 0) + 1
+
+    def read_end(self, res, block: int) -> None:
+        self.active[res] -= 1
+        self.readers.setdefault(res, {})
+        self.readers[res][block] = self.readers[res].get(block, 0) + 1
+
+
+# Operations an agent yields: ("wait", bar, i, n) blocks until completion n of bar[i]; ("arrive", bar, i);
+# ("named_arrive", id) / ("named_sync", id): the consumers' named barriers (one arrive and one sync per generation,
+# or two syncs for kConsumers); ("write"|"read_begin"|"read_end", resource, block[, readers]).
+def copy_agent(blocks, kS, mutation=None):
+    for x in range(blocks):
+        if x >= kS and mutation != "copy ignores kv_empty":
+            yield ("wait", "kv_empty", x % kS, x // kS - 1)
+        yield ("write", ("kv", x % kS), x, "kv")
+        yield ("arrive", "kv_full", x % kS)
+
+
+def transposer_agent(blocks, kS, kVt, mutation=None):
+    for g in range(blocks):
+        if g >= kVt and mutation != "transposer ignores vt_empty":
+            yield ("wait", "vt_empty", g % kVt, g // kVt - 1)
+        yield ("wait", "kv_full", g % kS, g // kS)
+        yield ("read_begin", ("kv", g % kS), g)
+        yield ("write", ("vt", g % kVt), g, "vt")
+        yield ("read_end", ("kv", g % kS), g)
+        yield ("arrive", "vt_full", g % kVt)
+        if mutation != "transposer does not release the stage":
+            yield ("arrive", "kv_empty", g % kS)
+
+
+def qk(g, kS):
+    yield ("wait", "kv_full", g % kS, g // kS)
+    yield ("read_begin", ("kv", g % kS), g)
+
+
+CONSUMER_WARPS = 4  # each warp of a consumer warpgroup arrives once it waited for its wgmma (mainloop.cuh: warp_arrive)
+
+
+def qk_done(g, kS):
+    yield ("read_end", ("kv", g % kS), g)
+    for _ in range(CONSUMER_WARPS):
+        yield ("arrive", "kv_empty", g % kS)
+
+
+def pv_issue(g, kVt):
+    yield ("wait", "vt_full", g % kVt, g // kVt)
+    yield ("read_begin", ("vt", g % kVt), g)
+
+
+def pv_done(g, kVt):
+    yield ("read_end", ("vt", g % kVt), g)
+    for _ in range(CONSUMER_WARPS):
+        yield ("arrive", "vt_empty", g % kVt)
+
+
+def consumer_agent(wg, requests, kS, kVt, reuse_p, mutation=None):
+    g_base = 0
+    for n in requests:
+        yield ("named_sync", "consumers")      # Q tile ready
+        yield ("named_sync", "consumers")      # per-row scales written
+        nblk = padded_blocks(n)
+        if nblk:
+            first = g_base + wg
+            yield from qk(first, kS)
+            yield from qk_done(first, kS)
+            for b0 in range(0, nblk, 2):
+                nxt = b0 + 2 < nblk
+                g0 = g_base + b0
+                if wg == 0:
+                    yield ("named_arrive", "scale0")
+                    yield from pv_issue(g0, kVt)
+                    yield ("named_sync", "scale1")
+                    yield ("named_arrive", "p0")
+                    yield from pv_done(g0, kVt)
+                    yield from pv_issue(g0 + 1, kVt)
+                    if nxt:
+                        yield from qk(g0 + 2, kS)
+                    yield from pv_done(g0 + 1, kVt)
+                    if nxt:
+                        yield from qk_done(g0 + 2, kS)
+                else:
+                    yield ("named_sync", "scale0")
+                    yield ("named_arrive", "scale1")
+                    yield from pv_issue(g0 + 1, kVt)
+                    yield ("named_sync", "p0")
+                    if reuse_p:                  # two-term P: P1 V1R completes before P0 takes its registers
+                        yield from pv_done(g0 + 1, kVt)
+                    if mutation == "early vt_empty":
+                        for _ in range(CONSUMER_WARPS):
+                            yield ("arrive", "vt_empty", g0 % kVt)
+                    yield from pv_issue(g0, kVt)
+                    if nxt:
+                        yield from qk(g0 + 3, kS)   # its nine pieces are waited for before the batch is issued
+                    if not reuse_p:
+                        yield from pv_done(g0 + 1, kVt)
+                    if mutation == "early vt_empty":
+                        yield ("read_end", ("vt", g0 % kVt), g0)
+                    else:
+                        yield from pv_done(g0, kVt)
+                    if nxt:
+                        yield from qk_done(g0 + 3, kS)
+        g_base += nblk
+        yield ("named_sync", "consumers")      # past the main loop
+        yield ("named_sync", "consumers")      # past the epilogue
+
+
+def run(requests: list[int], stages: int, vt_buffers: int, reuse_p: bool, arrivals: dict[str, int] | None = None,
+        seed: int = 0, mutation: str | None = None) -> None:
+    """One random interleaving of the CTA's agents over request pieces with these block counts."""
+    arrivals = read_arrivals() if arrivals is None else arrivals
+    sim = Sim(stages, vt_buffers, arrivals)
+    blocks = sum(padded_blocks(n) for n in requests)
+    agents = {"copy": copy_agent(blocks, stages, mutation)}
+    for w in range(arrivals["kNumTransposeWarps"]):
+        agents[f"transposer{w}"] = transposer_agent(blocks, stages, vt_buffers, mutation)
+    for wg in (0, 1):
+        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt_buffers, reuse_p, mutation)
+    # Named barriers: generation counters. scale0 / scale1 / p0: one side arrives, the other syncs; consumers: both
+    # warpgroups sync (a generation completes when both arrived).
+    named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0]}
+    consumer_gen = {"wg0": 0, "wg1": 0}
+    pending = {name: next(agent, None) for name, agent in agents.items()}
+    readers = {"kv": 1 + arrivals["kNumTransposeWarps"], "vt": 2}
+    rng = random.Random(seed)
+
+    def ready(name, op) -> bool:
+        kind = op[0]
+        if kind == "wait":
+            return sim.can_wait(op[1], op[2], op[3], name)
+        if kind == "named_sync":
+            if op[1] == "consumers":
+                other = "wg1" if name == "wg0" else "wg0"
+                return consumer_gen[other] >= consumer_gen[name]
+            return named[op[1]][0] > named[op[1]][1]
+        return True
+
+    def execute(name, op) -> None:
+        kind = op[0]
+        if kind == "arrive":
+            sim.arrive(op[1], op[2])
+        elif kind == "named_arrive":
+            named[op[1]][0] += 1
+        elif kind == "named_sync":
+            if op[1] == "consumers":
+                consumer_gen[name] += 1
+            else:
+                named[op[1]][1] += 1
+        elif kind == "write":
+            sim.write(op[1], op[2], readers[op[3]], name)
+        elif kind == "read_begin":
+            sim.read_begin(op[1], op[2], name)
+        elif kind == "read_end":
+            sim.read_end(op[1], op[2])
+
+    while any(op is not None for op in pending.values()):
+        runnable = [n for n, op in pending.items() if op is not None and ready(n, op)]
+        if not runnable:
+            stuck = {n: op for n, op in pending.items() if op is not None}
+            raise ProtocolError(f"deadlock over requests {requests} (stages {stages}, V^T {vt_buffers}): {stuck}")
+        name = rng.choice(runnable)
+        execute(name, pending[name])
+        pending[name] = next(agents[name], None)
+
+
+def check_all(seeds: int = 30) -> int:
+    """Every variant of launch.cuh over request sequences of 0..7 blocks; returns the number of runs."""
+    runs = 0
+    gen = random.Random(1)
+    sequences = [[n] for n in range(8)] + [[a, b] for a in range(6) for b in range(6)]
+    sequences += [[gen.randrange(0, 12) for _ in range(gen.randrange(1, 5))] for _ in range(20)]
+    for name, (_, p_terms, stages, vt) in read_variants().items():
+        for reqs in sequences:
+            for seed in range(seeds):
+                run(reqs, stages, vt, reuse_p=p_terms == 2, seed=seed)
+                runs += 1
+    return runs
+
+
+if __name__ == "__main__":
+    try:
+        n = check_all()
+    except ProtocolError as e:
+        print(f"protocol model: INCONSISTENT: {e}")
+        sys.exit(1)
+    print(f"protocol model: consistent ({n} interleavings of {', '.join(read_variants())})")
