@@ -5,6 +5,8 @@
   random interleavings: no deadlock, no missed phase, no stage or V^T buffer overwritten while read (CPU).
 - csrc/sm90/decode/checks/layout_check.cu: host-only check of the kernel's hand-written index formulas against
   the CuTe layouts (needs nvcc and the CUTLASS headers, no GPU).
+- csrc/sm90/decode_fp8/checks/layout_check.cu: the same for the FP8 tensor-core kernel (layout.h), with a host
+  replay of its V transposition against the P fragment's key order (needs nvcc and the CUTLASS headers, no GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
   isolation (compiled on the CPU; run on a GPU).
 """
@@ -22,6 +24,7 @@ CHECKS = ROOT / "csrc" / "sm90" / "decode" / "checks"
 PROTOCOL_MODEL = CHECKS / "protocol_model.py"
 FP8_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "protocol_model.py"
 LAYOUT_CHECK = CHECKS / "layout_check.cu"
+FP8_LAYOUT_CHECK = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "layout_check.cu"
 NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
 
 
@@ -184,6 +187,36 @@ def test_layout_check_compiles_and_agrees(tmp_path):
               str(LAYOUT_CHECK), "-o", str(exe)], "layout_check.cu")
     res = subprocess.run([str(exe)], capture_output=True, text=True)
     assert res.returncode == 0 and "all layouts agree" in res.stdout, res.stdout + res.stderr
+
+
+def _run_fp8_layout_check(csrc: Path, exe: Path) -> subprocess.CompletedProcess:
+    nvcc, cutlass = _nvcc(), _cutlass_include()
+    reason = _missing(nvcc, cutlass)
+    if reason:
+        pytest.skip(reason)
+    _compile([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{csrc}", f"-I{cutlass}",
+              str(csrc / "sm90" / "decode_fp8" / "checks" / "layout_check.cu"), "-o", str(exe)], "FP8 layout_check.cu")
+    return subprocess.run([str(exe)], capture_output=True, text=True)
+
+
+def test_fp8_layout_check_compiles_and_agrees(tmp_path):
+    res = _run_fp8_layout_check(ROOT / "csrc", tmp_path / "fp8_layout_check")
+    assert res.returncode == 0 and "all layouts agree" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("edit", [
+    ("+ (i & 1) + 4 * (i >> 1);", "+ i;"),                          # P bytes in plain key order
+    ("(lane >> 1) & 3,", "(lane >> 2) & 3,"),                       # the ldmatrix row swizzle
+])
+def test_fp8_layout_check_rejects_a_changed_formula(tmp_path, edit):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", csrc)
+    layout = csrc / "sm90" / "decode_fp8" / "layout.h"
+    text = layout.read_text()
+    assert edit[0] in text, "update this test to layout.h"
+    layout.write_text(text.replace(edit[0], edit[1], 1))
+    res = _run_fp8_layout_check(csrc, tmp_path / "fp8_layout_check")
+    assert res.returncode != 0 and "MISMATCH" in res.stdout, res.stdout + res.stderr
 
 
 def test_layout_check_skip_reason_without_cutlass(monkeypatch, tmp_path):

@@ -18,6 +18,7 @@
 #include "sm90/decode/softmax.cuh"
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/producer.cuh"
 #include "sm90/decode_fp8/q_tile.cuh"
 #include "sm90/decode_fp8/traits.h"
@@ -72,9 +73,9 @@ template <int kTerms, class Frag>
 __device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int kk, uint32_t (&words)[kTerms][4]) {
   CUTLASS_PRAGMA_UNROLL
   for (int q = 0; q < 4; ++q) {
-    const int i0 = 16 * kk + 8 * (q >> 1) + 2 * (q & 1);
     const float fr = f[q & 1];
-    const float x0 = s(i0) * fr, x1 = s(i0 + 1) * fr, x2 = s(i0 + 4) * fr, x3 = s(i0 + 5) * fr;
+    const float x0 = s(p_source_index(kk, q, 0)) * fr, x1 = s(p_source_index(kk, q, 1)) * fr;
+    const float x2 = s(p_source_index(kk, q, 2)) * fr, x3 = s(p_source_index(kk, q, 3)) * fr;
     const uint32_t hi = f32x4_to_e4m3x4(x0, x1, x2, x3);
     words[0][q] = hi;
     if constexpr (kTerms == 2) {

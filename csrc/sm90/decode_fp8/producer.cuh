@@ -26,6 +26,7 @@
 #include "sm90/decode/copies.cuh"  // kEvictFirst / kEvictNormal
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/traits.h"
 
 #ifndef FMLA_SM90_WAIT_TIMEOUT_NS
@@ -165,12 +166,6 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&d)[4]) {
                : "memory");
 }
 
-// Byte offset of 16-byte chunk `chunk` (0..3) of row `row` in a 64B-swizzled K-major tile (rows of 64 bytes, the
-// tile 512-byte aligned): the chunk index is XORed with bits 1..2 of the row.
-__device__ __forceinline__ uint32_t sw64_offset(int row, int chunk) {
-  return uint32_t(row * kSwizzleRowBytes + ((chunk ^ ((row >> 1) & 3)) << 4));
-}
-
 // Measurement switches (FLASHMLA_BACKEND_FP8_DEBUG, launch.cuh); 0 in normal use.
 enum DebugFlags : int {
   kDebugNoTranspose = 1,  // the transposer waits and arrives but moves no data: wrong results, the time without it
@@ -187,13 +182,7 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
                                                int tw, int lane, int debug) {
   const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
   const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
-  // This lane's parts of the unit addresses (the unit's constants taken out): the source row of its ldmatrix address
-  // and the XOR of its 16-byte chunk, the destination row of its stmatrix address and its chunk XOR.
-  const int mm = lane >> 3;
-  const uint32_t src_lane = uint32_t((8 * mm + (lane & 7)) * kSwizzleRowBytes);
-  const int src_x = (lane >> 1) & 3;
-  const uint32_t dst_lane = uint32_t((2 * (lane & 7) + (mm & 1)) * kSwizzleRowBytes);
-  const int dst_x = lane & 3;
+  const TransposeLane tl = TransposeLane::of(lane);  // layout.h
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -206,8 +195,8 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
       if (g >= uint32_t(T::kVtBuffers)) wait_barrier(ss.vt_empty[vb], (g / T::kVtBuffers + 1) & 1u);
       const uint32_t stage_addr = kv_addr + stage * kTileBytes;
       const uint32_t vt_addr = vt_addr0 + vb * kVtBytes;
-      CUTLASS_PRAGMA_NO_UNROLL
       const int first_pair = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
+      CUTLASS_PRAGMA_NO_UNROLL
       for (int pair = first_pair; pair < kNumVPieces / 2; pair += kNumTransposeWarps) {
         CUTLASS_PRAGMA_UNROLL
         for (int jj = 0; jj < 2; ++jj) {
@@ -221,8 +210,7 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
             CUTLASS_PRAGMA_UNROLL
             for (int k = 0; k < kUnitsInFlight; ++k) {
               const int unit = kUnitsInFlight * batch + k, cc = unit >> 1, th = unit & 1;
-              ldsm_x4_trans(stage_addr + j * kPieceBytes + th * 32 * kSwizzleRowBytes + src_lane + ((cc ^ src_x) << 4),
-                            d[k]);
+              ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d[k]);
             }
             CUTLASS_PRAGMA_UNROLL
             for (int k = 0; k < kUnitsInFlight; ++k) {
@@ -230,7 +218,7 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
               if (valid < kBlockN) {
                 CUTLASS_PRAGMA_UNROLL
                 for (int m = 0; m < 4; ++m) {
-                  const int key = 32 * th + 8 * m + 2 * (lane & 3);
+                  const int key = transposed_key(th, m, lane);
                   d[k][m] &= (key < valid ? 0x0000ffffu : 0u) | (key + 1 < valid ? 0xffff0000u : 0u);
                 }
               }
@@ -239,9 +227,7 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
               o[1] = __byte_perm(d[k][0], d[k][1], 0x7531);
               o[2] = __byte_perm(d[k][2], d[k][3], 0x6420);
               o[3] = __byte_perm(d[k][2], d[k][3], 0x7531);
-              stsm_x4(vt_addr + (64 * j + 16 * cc) * kSwizzleRowBytes + dst_lane +
-                          (((2 * th + (mm >> 1)) ^ dst_x) << 4),
-                      o);
+              stsm_x4(vt_addr + tl.dst(j, cc, th), o);
             }
           }
         }

@@ -19,15 +19,12 @@
 #include "params.h"
 #include "sm90/decode/copies.cuh"  // cp_async_16 / commit / wait_all (with memory clobbers), e4m3x2_to_f16x2
 #include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/producer.cuh"
 #include "sm90/decode_fp8/traits.h"
 
 namespace flashmla_backend::sm90::decode_fp8 {
 
-// Byte offset of 16-byte chunk c (0..35) of row r in a term tile.
-__device__ __forceinline__ uint32_t q_chunk_offset(int r, int c) {
-  return uint32_t((c >> 2) * kPieceBytes) + sw64_offset(r, c & 3);
-}
 
 // Source address of element column `col` (a multiple of 8 for 16-bit q, of 16 for e4m3) of tile row r, or null for
 // a row past q_rows. Columns 0..511 come from q, 512..575 from q_pe.
@@ -56,7 +53,7 @@ __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int
   for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kNumConsumerThreads) {
     const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
     const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
-    decode::cp_async_16(q_addr + q_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
+    decode::cp_async_16(q_addr + tile_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
   }
   decode::cp_async_commit();
 }
@@ -153,7 +150,7 @@ __device__ __forceinline__ void split_q_tile(const DecodeParams& p, int req, int
         lo[i] = f32x4_to_e4m3x4(y0 - b[0], y1 - b[1], y2 - b[2], y3 - b[3]);
       }
     }
-    const uint32_t off = q_chunk_offset(r, part + 4 * k);
+    const uint32_t off = tile_chunk_offset(r, part + 4 * k);
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(q_addr + off), "r"(hi[0]), "r"(hi[1]), "r"(hi[2]),
                  "r"(hi[3])
                  : "memory");

@@ -1,0 +1,156 @@
+// Host-only check of the sm90 FP8 tensor-core decode kernel's index formulas (layout.h) against the CuTe layouts
+// and MMA fragments they must agree with, and a host replay of the V transposition. Needs no GPU:
+//   nvcc -std=c++17 --expt-relaxed-constexpr -I csrc -I <cutlass include> \
+//        csrc/sm90/decode_fp8/checks/layout_check.cu -o /tmp/fp8_layout_check && /tmp/fp8_layout_check
+// Not part of the extension build; tests/test_device_checks.py compiles and runs it. Exits non-zero after reporting
+// the mismatches. What it shows: the swizzled byte offsets the Q copy, the TMA boxes and the transposer use are
+// those of the wgmma layouts; the accumulator and A-fragment coordinates are CuTe's; and replaying ldmatrix.trans,
+// the byte permutes and stmatrix lane by lane puts V[key][c] at V^T[c][k'] with key = the key whose probability the
+// P fragment places at k', for every key, column and lane, so that P V sums P[row][key] V[key][c].
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "sm90/decode_fp8/layout.h"
+#include "sm90/decode_fp8/traits.h"
+
+using namespace cute;
+using namespace flashmla_backend::sm90::decode_fp8;
+
+static int g_fail = 0;
+#define EXPECT_EQ(a, b, what, ...)                                              \
+  do {                                                                          \
+    long long va_ = (long long)(a), vb_ = (long long)(b);                       \
+    if (va_ != vb_) {                                                           \
+      if (g_fail < 20) {                                                        \
+        printf("MISMATCH %s: got %lld expected %lld at ", what, va_, vb_);      \
+        printf(__VA_ARGS__);                                                    \
+        printf("\n");                                                           \
+      }                                                                         \
+      ++g_fail;                                                                 \
+    }                                                                           \
+  } while (0)
+
+using T = Traits<cutlass::float_e4m3_t, 1, 1, 2, 3>;
+using F8 = cutlass::float_e4m3_t;
+
+// The 32-bit result of PTX prmt / __byte_perm(x, y, s): byte k = byte s_k of the 8-byte value (y:x).
+static uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t v = (uint64_t(y) << 32) | x;
+  uint32_t r = 0;
+  for (int k = 0; k < 4; ++k) r |= uint32_t((v >> (8 * ((s >> (4 * k)) & 7))) & 0xff) << (8 * k);
+  return r;
+}
+
+static void check_tiles() {
+  F8* buf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, kTileBytes));
+  Tensor tile = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutTile{});
+  for (int r = 0; r < kBlockM; ++r)
+    for (int c = 0; c < kHeadDimK; ++c)
+      EXPECT_EQ(&tile(r, c) - buf, tile_chunk_offset(r, c / 16) + c % 16, "Q / KV tile byte", "row %d col %d", r, c);
+  Tensor vt = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutVt{});
+  for (int n = 0; n < kHeadDimV; ++n)
+    for (int k = 0; k < kBlockN; ++k)
+      EXPECT_EQ(&vt(n, k) - buf, sw64_offset(n, k / 16) + k % 16, "V^T byte", "column %d k' %d", n, k);
+  std::free(buf);
+}
+
+// Accumulator value i of thread t of a 64 x N wgmma: (row, column) by CuTe against the formula of softmax.cuh.
+static void check_fragments() {
+  typename T::TiledMmaQK mma_s;
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  typename T::TiledMmaPV mma_pv;
+  Tensor cP = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  for (int t = 0; t < 128; ++t) {
+    const int l = t % 32, g = 16 * (t / 32) + l / 4;
+    Tensor s = mma_s.get_slice(t).partition_C(cS);
+    for (int i = 0; i < size(s); ++i) {
+      EXPECT_EQ(get<0>(s(i)), g + 8 * ((i >> 1) & 1), "S row", "thread %d value %d", t, i);
+      EXPECT_EQ(get<1>(s(i)), 8 * (i >> 2) + 2 * (l % 4) + (i & 1), "S key", "thread %d value %d", t, i);
+    }
+    // The A fragment of P V: byte i of word w (w = 4 kk + q) of the thread's fragment.
+    Tensor a = mma_pv.get_slice(t).partition_A(cP);  // ((4,2,2), 1, 2): byte = value + 16 k-block
+    for (int kk = 0; kk < 2; ++kk)
+      for (int q = 0; q < 4; ++q)
+        for (int i = 0; i < 4; ++i) {
+          const int value = 4 * q + i;  // within the k-block: v0 = i, v1 = q & 1, v2 = q >> 1
+          const auto coord = a(value, 0, kk);
+          EXPECT_EQ(get<0>(coord), g + 8 * (q & 1), "P fragment row", "thread %d kk %d q %d i %d", t, kk, q, i);
+          EXPECT_EQ(get<1>(coord), 32 * kk + 16 * (q >> 1) + 4 * (l % 4) + i, "P fragment k'",
+                    "thread %d kk %d q %d i %d", t, kk, q, i);
+          // The S value placed there: same row, and its key is the key V^T holds at that k' (checked below).
+          const int src = p_source_index(kk, q, i);
+          EXPECT_EQ(get<0>(s(src)), get<0>(coord), "P source row", "thread %d kk %d q %d i %d", t, kk, q, i);
+        }
+  }
+}
+
+// The key whose probability the P fragment places at k' (any thread of a quad: the same for all).
+static int key_of_kprime(int kp) {
+  typename T::TiledMmaQK mma_s;
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  const int kk = kp / 32, half = (kp % 32) / 16, t = (kp % 16) / 4, i = kp % 4;
+  Tensor s = mma_s.get_slice(t).partition_C(cS);  // thread t of warp 0: lane % 4 == t
+  return get<1>(s(p_source_index(kk, 2 * half, i)));
+}
+
+// Replays the transposition of one block: V (64 keys x 512 columns, in its KV stage) -> V^T.
+static void check_transposition() {
+  std::vector<uint8_t> stage(kTileBytes), vt(kVtBytes, 0xEE);
+  auto v_at = [](int key, int col) { return uint8_t((key * 131 + col * 7 + (col >> 6)) & 0xff); };
+  for (int key = 0; key < kBlockN; ++key)
+    for (int col = 0; col < kHeadDimV; ++col)
+      stage[tile_chunk_offset(key, col / 16) + col % 16] = v_at(key, col);
+  for (int j = 0; j < kNumVPieces; ++j)
+    for (int cc = 0; cc < 4; ++cc)
+      for (int th = 0; th < 2; ++th) {
+        uint32_t d[32][4];
+        for (int lane = 0; lane < 32; ++lane) {
+          // ldmatrix.x4.trans: lane L receives, of matrix m, the 16-bit pair (row 2 (L % 4) + e, column L / 4) of the
+          // 8 x 8 pairs whose row r starts at the address lane 8 m + r supplied.
+          for (int m = 0; m < 4; ++m) {
+            uint32_t reg = 0;
+            for (int e = 0; e < 2; ++e) {
+              const uint32_t row_addr = TransposeLane::of(8 * m + 2 * (lane % 4) + e).src(j, cc, th);
+              uint16_t pair;
+              std::memcpy(&pair, &stage[row_addr + 2 * (lane / 4)], 2);
+              reg |= uint32_t(pair) << (16 * e);
+            }
+            d[lane][m] = reg;
+            // The keys the kernel's masking assumes for the two halves.
+            const int key0 = transposed_key(th, m, lane);
+            EXPECT_EQ(reg & 0xff, v_at(key0, 64 * j + 16 * cc + 2 * (lane / 4)), "ldmatrix key", "lane %d m %d",
+                      lane, m);
+          }
+        }
+        // Byte permutes, then stmatrix.x4: lane L's register m goes to bytes 4 (L % 4) .. of row L / 4 of matrix m,
+        // whose row r address lane 8 m + r supplied.
+        for (int lane = 0; lane < 32; ++lane) {
+          const uint32_t o[4] = {byte_perm(d[lane][0], d[lane][1], 0x6420), byte_perm(d[lane][0], d[lane][1], 0x7531),
+                                 byte_perm(d[lane][2], d[lane][3], 0x6420), byte_perm(d[lane][2], d[lane][3], 0x7531)};
+          for (int m = 0; m < 4; ++m) {
+            const uint32_t row_addr = TransposeLane::of(8 * m + lane / 4).dst(j, cc, th);
+            std::memcpy(&vt[row_addr + 4 * (lane % 4)], &o[m], 4);
+          }
+        }
+      }
+  F8* buf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, kVtBytes));
+  Tensor layout = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutVt{});
+  for (int col = 0; col < kHeadDimV; ++col)
+    for (int kp = 0; kp < kBlockN; ++kp)
+      EXPECT_EQ(vt[&layout(col, kp) - buf], v_at(key_of_kprime(kp), col), "V^T", "column %d k' %d", col, kp);
+  std::free(buf);
+}
+
+int main() {
+  check_tiles();
+  check_fragments();
+  check_transposition();
+  if (g_fail) {
+    printf("%d mismatches\n", g_fail);
+    return 1;
+  }
+  printf("all layouts agree\n");
+  return 0;
+}

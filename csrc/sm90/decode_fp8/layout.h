@@ -1,0 +1,65 @@
+// The hand-written index formulas of the sm90 FP8 tensor-core decode kernel, host and device: where a byte of a
+// 64B-swizzled tile lives, the lane addresses of the V transposition, and which S accumulator value goes into which
+// byte of the e4m3 P fragment. checks/layout_check.cu compares them with the CuTe layouts and plays the
+// transposition on the host.
+#pragma once
+
+#include <cstdint>
+
+#include "sm90/decode_fp8/config.h"
+
+#if defined(__CUDACC__)
+#define FMLA_HD __host__ __device__ __forceinline__
+#else
+#define FMLA_HD inline
+#endif
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+// Byte offset of 16-byte chunk `chunk` (0..3) of row `row` in a 64B-swizzled K-major tile (rows of 64 bytes, the
+// tile 512-byte aligned): the chunk index is XORed with bits 1..2 of the row.
+FMLA_HD uint32_t sw64_offset(int row, int chunk) {
+  return uint32_t(row * kSwizzleRowBytes + ((chunk ^ ((row >> 1) & 3)) << 4));
+}
+
+// Byte offset of 16-byte chunk c (0..35) of row r in a Q term tile or a KV block (nine 4 KB pieces of 64 columns).
+FMLA_HD uint32_t tile_chunk_offset(int r, int c) { return uint32_t((c >> 2) * kPieceBytes) + sw64_offset(r, c & 3); }
+
+// The V transposition, per lane (producer.cuh). One unit = keys 32 th .. + 31 x value columns 16 cc .. + 15 of V
+// piece j: one ldmatrix.x4.trans (matrix m = keys 32 th + 8 m .. + 7, the lane supplying row lane % 8 of matrix
+// lane / 8) and one stmatrix.x4 (matrix mm = lane / 8: V^T rows 16 cc + 2 i + (mm & 1), i = lane % 8, 16 bytes at
+// k' = 32 th + 16 (mm >> 1)).
+struct TransposeLane {
+  uint32_t src_lane;  // this lane's ldmatrix row within a unit's 32 keys
+  int src_x;          // the swizzle XOR of that row's chunk
+  uint32_t dst_lane;  // this lane's stmatrix row within a unit's 16 V^T rows
+  int dst_x;          // the swizzle XOR of that row's chunk
+  int mm;             // the stmatrix matrix this lane addresses
+
+  FMLA_HD static TransposeLane of(int lane) {
+    const int mm = lane >> 3;
+    return {uint32_t((8 * mm + (lane & 7)) * kSwizzleRowBytes), (lane >> 1) & 3,
+            uint32_t((2 * (lane & 7) + (mm & 1)) * kSwizzleRowBytes), lane & 3, mm};
+  }
+  // Byte offsets of this lane's ldmatrix row in the KV stage and of its stmatrix row in the V^T buffer.
+  FMLA_HD uint32_t src(int j, int cc, int th) const {
+    return uint32_t(j * kPieceBytes + th * 32 * kSwizzleRowBytes) + src_lane + uint32_t((cc ^ src_x) << 4);
+  }
+  FMLA_HD uint32_t dst(int j, int cc, int th) const {
+    return uint32_t((64 * j + 16 * cc) * kSwizzleRowBytes) + dst_lane + uint32_t(((2 * th + (mm >> 1)) ^ dst_x) << 4);
+  }
+};
+
+// The 16-bit halves of ldmatrix register m of `lane` hold keys 32 th + 8 m + 2 (lane % 4) and that + 1.
+FMLA_HD int transposed_key(int th, int m, int lane) { return 32 * th + 8 * m + 2 * (lane & 3); }
+
+// P as the e4m3 A fragment: byte i of word q of k32 slice kk (k' = 32 kk + 16 (q >> 1) + 4 (lane % 4) + i, row
+// g + 8 (q & 1)) holds the S accumulator value with this index (row g + 8 ((idx >> 1) & 1), key 8 (idx >> 2) +
+// 2 (lane % 4) + (idx & 1)), i.e. key 32 kk + 16 (q >> 1) + 2 (lane % 4) + (i & 1) + 8 (i >> 1).
+FMLA_HD int p_source_index(int kk, int q, int i) {
+  return 16 * kk + 8 * (q >> 1) + 2 * (q & 1) + (i & 1) + 4 * (i >> 1);
+}
+
+}  // namespace flashmla_backend::sm90::decode_fp8
+
+#undef FMLA_HD
