@@ -142,9 +142,8 @@ __device__ __forceinline__ void load_p(const uint8_t* buf, int tid, uint32_t (&w
   }
 }
 
-// The A-fragment tensors of the P V product: kTerms x 8 words per thread, viewed as the e4m3 fragment of the
-// rs wgmma (the words are the registers the instruction reads, in its order). Kept as 32-bit words: a tensor of
-// 1-byte elements written word by word made the compiler hold bytes in registers of their own.
+// The A-fragment tensors of the P V product: kTerms x 8 words per thread (the registers the rs wgmma reads, in its
+// order), viewed as the e4m3 fragment the CuTe MMA expects.
 template <class T, int kTerms>
 struct PFrag {
   using Mma = typename T::TiledMmaPV;

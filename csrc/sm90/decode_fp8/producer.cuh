@@ -66,7 +66,7 @@ __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename
                                                int page, int hk) {
   const uint64_t hint = gridDim.x == 1 ? decode::kEvictNormal : decode::kEvictFirst;
   uint8_t* dst = ss.kv.data() + stage * kTileBytes;
-  // Not unrolled: the producer runs on 40 registers (config.h).
+  // Not unrolled: the producer runs on few registers (config.h: kProducerRegs).
   CUTLASS_PRAGMA_NO_UNROLL
   for (int j = 0; j < kNumPieces; ++j) {
     ss.kv_full[stage][j].arrive_and_expect_tx(kPieceBytes);
@@ -80,64 +80,26 @@ __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename
 // block of an odd piece has no data.
 __device__ __forceinline__ int padded_blocks(int num_blocks) { return num_blocks > 0 ? (num_blocks + 1) & ~1 : 0; }
 
-// The copy issuer (warp 0, lane 0 of the producer): walks the blocks in the consumers' order. A virtual block's
-// pieces complete without a copy (plain arrivals): its consumer multiplies whatever the stage holds and masks every
-// key.
-template <class T>
-struct CopyCursor {
-  uint32_t g = 0;     // the next block to issue
-  int req;            // its request
-  int b = 0;          // its index in the request piece
-  int nblk = 0;       // padded blocks of the request piece
-  int nreal = 0;      // real blocks of the request piece
-  int first_page = 0;
-  int end_req;
-
-  __device__ __forceinline__ void start(const DecodeParams& p, const SchedMetaRow& meta, int begin_req, int end_req_,
-                                        int m_block) {
-    req = begin_req - 1;
-    end_req = end_req_;
-    next_request(p, meta, m_block);
-  }
-  __device__ __forceinline__ void next_request(const DecodeParams& p, const SchedMetaRow& meta, int m_block) {
-    b = 0;
-    nblk = 0;
-    while (nblk == 0 && req < end_req) {
-      ++req;
-      const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-      nblk = padded_blocks(w.num_blocks);
-      nreal = w.num_blocks;
-      first_page = w.first_page;
-    }
-  }
-  __device__ __forceinline__ bool done() const { return b >= nblk; }
-
-  // Issues block g once its stage is free. Returns false when every block was issued.
-  __device__ __forceinline__ bool issue(const DecodeParams& p, const SchedMetaRow& meta, const CUtensorMap* tmap,
-                                        typename T::SharedStorage& ss, int m_block, int hk) {
-    if (done()) return false;
-    const int stage = int(stage_of(g, T::kStages));
-    if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
-    if (b < nreal) {
-      const int page = __ldg(p.block_table + int64_t(req) * p.block_table_stride_b + (first_page + b));
-      issue_kv_block<T>(tmap, ss, stage, page, hk);
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive();
-    }
-    ++g;
-    if (++b >= nblk) next_request(p, meta, m_block);
-    return true;
-  }
-};
-
-// Warp 0 of the producer, lane 0: issues every block in order, waiting for each stage to be released.
+// Warp 0 of the producer, lane 0: issues every block in the consumers' order, waiting for each stage to be released.
+// A virtual block's pieces complete without a copy (plain arrivals): its consumer multiplies whatever the stage holds
+// and masks every key.
 template <class T>
 __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorMap* tmap, typename T::SharedStorage& ss,
                                           const SchedMetaRow& meta, int begin_req, int end_req, int m_block, int hk) {
-  CopyCursor<T> cursor;
-  cursor.start(p, meta, begin_req, end_req, m_block);
-  while (cursor.issue(p, meta, tmap, ss, m_block, hk)) {
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const int nblk = padded_blocks(w.num_blocks);
+    for (int b = 0; b < nblk; ++b, ++g) {
+      const int stage = int(stage_of(g, T::kStages));
+      if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
+      if (b < w.num_blocks) {
+        issue_kv_block<T>(tmap, ss, stage, decode::block_page(p, w, b), hk);
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive();
+      }
+    }
   }
 }
 
