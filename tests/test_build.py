@@ -1,4 +1,5 @@
 """The compiled module: present where it must be, torch-free, built for the right targets."""
+import json
 import os
 import re
 import shutil
@@ -62,14 +63,134 @@ def test_schedule_constants_match_python():
     assert (c["head_dim_k"], c["head_dim_v"]) == (geometry.HEAD_DIM_K, geometry.HEAD_DIM_V)
 
 
+# ---- The build's configuration (CMakeLists.txt), checked by configuring it: no compile ----------------------
+
+def _cmake_tools():
+    cmake = shutil.which("cmake")
+    if not cmake:
+        pytest.skip("cmake not installed (pip's build installs its own; these tests configure the build by hand)")
+    return cmake, ("Ninja" if shutil.which("ninja") else "Unix Makefiles")
+
+
+def _configure(tmp_path, name, **env_vars):
+    """Configures CMakeLists.txt into tmp_path/name with these environment variables; returns the result."""
+    cmake, generator = _cmake_tools()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLASHMLA_BACKEND_") and k != "MAX_JOBS"}
+    env.update(env_vars)
+    return subprocess.run([cmake, "-S", str(ROOT), "-B", str(tmp_path / name), "-G", generator,
+                           f"-DPython_EXECUTABLE={sys.executable}"], env=env, capture_output=True, text=True)
+
+
+def _needs_nvcc_and_pybind11():
+    if not (shutil.which("nvcc") or os.environ.get("CUDA_HOME") or Path("/usr/local/cuda/bin/nvcc").exists()):
+        pytest.skip("nvcc not installed: configuring the build needs it")
+    pytest.importorskip("pybind11", reason="pybind11 (the test extra) not installed: configuring the build needs it")
+
+
+@pytest.fixture
+def fake_cutlass(tmp_path):
+    """A CUTLASS include folder as the build checks it (cute/ and cutlass/); configuring reads no header."""
+    inc = tmp_path / "cutlass-include"
+    (inc / "cute").mkdir(parents=True)
+    (inc / "cutlass").mkdir()
+    return str(inc)
+
+
+def _commands(build_dir: Path) -> dict[str, str]:
+    """compile_commands.json of a configured build: {path from the repository root: command line}."""
+    entries = json.loads((build_dir / "compile_commands.json").read_text())
+    return {Path(e["file"]).resolve().relative_to(ROOT).as_posix(): e["command"] for e in entries}
+
+
+def _spill_reported_only() -> set[str]:
+    """The FLASHMLA_SM90_SPILL_REPORTED_ONLY list of CMakeLists.txt."""
+    text = (ROOT / "CMakeLists.txt").read_text()
+    body = re.search(r"^set\(FLASHMLA_SM90_SPILL_REPORTED_ONLY\b(.*?)\)", text, flags=re.M | re.S)
+    assert body, "CMakeLists.txt has no FLASHMLA_SM90_SPILL_REPORTED_ONLY list"
+    return set(body.group(1).split())
+
+
 def test_build_without_nvcc_says_what_is_missing(tmp_path):
-    env = dict(os.environ, CUDA_HOME=str(tmp_path / "no-cuda-here"))
-    env.pop("CUDA_PATH", None)
-    res = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-temp", str(tmp_path / "b"),
-                          "--build-lib", str(tmp_path / "l")], cwd=ROOT, env=env, capture_output=True, text=True)
+    res = _configure(tmp_path, "b", CUDA_HOME=str(tmp_path / "no-cuda-here"), CUDA_PATH="")
     assert res.returncode != 0
-    text = res.stdout + res.stderr
-    assert "nvcc" in text and "CUDA toolkit" in text, text[-2000:]
+    text = " ".join((res.stdout + res.stderr).split())   # CMake wraps its messages
+    assert "nvcc" in text and "CUDA toolkit" in text and "no-cuda-here" in text, text[-2000:]
+
+
+def test_build_without_cutlass_says_what_is_missing(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = _configure(tmp_path, "b", FLASHMLA_BACKEND_CUTLASS_INCLUDE=str(empty))
+    assert res.returncode != 0
+    text = " ".join((res.stdout + res.stderr).split())
+    assert "does not hold cute/ and cutlass/" in text, text[-2000:]
+
+
+def test_build_refuses_unknown_targets(tmp_path, fake_cutlass):
+    res = _configure(tmp_path, "b", FLASHMLA_BACKEND_CUTLASS_INCLUDE=fake_cutlass, FLASHMLA_BACKEND_CUDA_ARCHS="80;89")
+    assert res.returncode != 0
+    assert "supported targets: 80;90a" in " ".join((res.stdout + res.stderr).split())
+
+
+def test_default_build_compiles_what_the_module_needs_with_the_spill_gate(tmp_path, fake_cutlass):
+    """Default targets (80;90a): every unit's flags, read from the compile_commands.json the build writes."""
+    _needs_nvcc_and_pybind11()
+    res = _configure(tmp_path, "b", FLASHMLA_BACKEND_CUTLASS_INCLUDE=fake_cutlass, MAX_JOBS="3")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    cmds = _commands(tmp_path / "b")
+    csrc = ROOT / "csrc"
+    module_sources = {p.relative_to(ROOT).as_posix()
+                      for p in [*csrc.glob("portable/**/*.cu"), *csrc.glob("sm90/**/*.cu"), *csrc.glob("smxx/*.cu")]
+                      if "checks" not in p.relative_to(csrc).parts}
+    module_sources.add("csrc/binding/module.cpp")
+    assert set(cmds) == module_sources, "the module's sources: csrc/{portable,sm90}/**/*.cu, csrc/smxx/*.cu, the binding"
+    assert not [f for f in cmds if "/checks/" in f], "files under checks/ are not part of the module"
+
+    reported_only = _spill_reported_only()
+    assert reported_only <= set(cmds), f"listed but not compiled: {sorted(reported_only - set(cmds))}"
+    gate = "-Xptxas=--warn-on-spills,--warning-as-error"
+    for f, cmd in cmds.items():
+        args = cmd.split()
+        assert "-fvisibility=hidden" in cmd and "-std=c++17" in args and "-O3" in args, (f, cmd)
+        assert '-DFLASHMLA_BACKEND_ARCH_LIST="\\"80;90a\\""' in cmd, cmd   # the string _C.cuda_archs reports
+        assert "-DFLASHMLA_BACKEND_WITH_SM90" in args, (f, cmd)
+        codes = re.findall(r"--generate-code=arch=(compute_\w+),code=(\w+)", cmd)
+        if f.startswith("csrc/sm90/"):
+            assert codes == [("compute_90a", "sm_90a")], (f, cmd)
+            ptxas = [a for a in args if a.startswith("-Xptxas")]
+            assert ptxas == (["-Xptxas=--warn-on-spills"] if f in reported_only else [gate]), (f, ptxas)
+        elif f.endswith(".cu"):
+            assert codes == [("compute_80", "sm_80"), ("compute_80", "compute_80"), ("compute_90a", "sm_90a")], (f, cmd)
+            assert "-Xptxas" not in cmd and "--expt-relaxed-constexpr" in args and "-lineinfo" in args, (f, cmd)
+        else:  # the binding: the host compiler, no device code
+            assert not codes and "-fPIC" in args, (f, cmd)
+
+    ninja = tmp_path / "b" / "build.ninja"
+    if ninja.exists():  # header dependencies (nvcc -MD depfiles) and MAX_JOBS as the compile pool
+        text = ninja.read_text() + (tmp_path / "b" / "CMakeFiles" / "rules.ninja").read_text()
+        assert text.count("pool = flashmla_compile") == len(cmds), "every compile runs in the MAX_JOBS pool"
+        assert re.search(r"pool flashmla_compile\s+depth = 3", text), "MAX_JOBS=3 must cap the compiles"
+        cuda_rule = re.search(r"rule CUDA_COMPILER__\S+\n(.*?)\n\n", text, flags=re.S).group(1)
+        assert "deps = gcc" in cuda_rule and "-MD" in cuda_rule, cuda_rule
+
+
+def test_targets_and_sm90_switch(tmp_path, fake_cutlass):
+    """FLASHMLA_BACKEND_CUDA_ARCHS=80 and FLASHMLA_BACKEND_SM90_KERNEL=0 leave the sm90 units out."""
+    _needs_nvcc_and_pybind11()
+    for name, env in (("a80", {"FLASHMLA_BACKEND_CUDA_ARCHS": "80"}),
+                      ("no90", {"FLASHMLA_BACKEND_SM90_KERNEL": "0", "FLASHMLA_BACKEND_NVCC_FLAGS": "-DX_ONE -DX_TWO"})):
+        res = _configure(tmp_path, name, FLASHMLA_BACKEND_CUTLASS_INCLUDE=fake_cutlass, **env)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        cmds = _commands(tmp_path / name)
+        assert cmds and not [f for f in cmds if f.startswith("csrc/sm90/")], sorted(cmds)
+        assert not ["x" for c in cmds.values() if "-DFLASHMLA_BACKEND_WITH_SM90" in c.split()]
+        portable = cmds["csrc/portable/dispatch.cu"]
+        codes = re.findall(r"--generate-code=arch=(compute_\w+),code=(\w+)", portable)
+        if name == "a80":
+            assert codes == [("compute_80", "sm_80"), ("compute_80", "compute_80")], portable
+        else:
+            assert ("compute_90a", "sm_90a") in codes and "-DX_ONE -DX_TWO" in portable, portable
+            assert "-DX_ONE" not in cmds["csrc/binding/module.cpp"], "the extra nvcc flags are for the .cu files"
 
 
 # ---- The decode field list (csrc/params.h FMLA_DECODE_PARAMS) ------------------------------------------
