@@ -21,7 +21,8 @@ For each shape and variant one decode call (metadata of get_mla_metadata, CUDA g
 zero_ before each replay) is timed twice: "cool", the median of 60 replays after 2 s idle, and "sustained",
 the median of --sustain-s seconds of back-to-back replays, with the SM clock and board power that nvidia-smi
 samples every 50 ms meanwhile (shapes near the board's power limit lose clock in the sustained run).
-Needs a Hopper GPU, nvcc and the build requirements of setup.py; takes about a minute per variant to build.
+Needs a Hopper GPU, nvcc, cmake, ninja and the in-place build's requirements (docs/build.md); takes about a minute
+per variant to build.
 """
 from __future__ import annotations
 
@@ -141,8 +142,12 @@ def build(mask: int, work_dir: Path, jobs: int) -> tuple[int, float, Path]:
     with open(log, "w") as fh:
         fh.write(f"variant {mask} ({label(mask)}); edited: {', '.join(changed) or 'nothing'}\n")
         fh.flush()
-        rc = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=dst, env=env,
-                            stdout=fh, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(["cmake", "-S", ".", "-B", "build", "-G", "Ninja", f"-DPython_EXECUTABLE={sys.executable}"],
+                            cwd=dst, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+        if rc == 0:  # in place: the module lands in dst/flashmla_backend/
+            fh.flush()
+            rc = subprocess.run(["cmake", "--build", "build"], cwd=dst, env=env, stdout=fh,
+                                stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise SystemExit(f"build of variant {mask} ({label(mask)}) failed (rc {rc}); see {log}")
     return mask, time.time() - t0, dst
@@ -167,7 +172,7 @@ def kernel_resources(tree: Path) -> list[str]:
     if cuobjdump is None:
         return ["registers not read: cuobjdump not found (PATH, CUDA_HOME/bin, next to nvcc)"]
     lines = []
-    for obj in sorted(tree.glob("build/temp*/flashmla_backend_obj/csrc_sm90_decode_instantiations_*.o")):
+    for obj in sorted(tree.glob("build/CMakeFiles/_C.dir/csrc/sm90/decode/instantiations/*.o")):
         out = subprocess.run([cuobjdump, "-res-usage", str(obj)], capture_output=True, text=True).stdout
         for m in re.finditer(r"Function (\S*sm90_decode_kernel\S*):\s*\n\s*(REG:\d+) (STACK:\d+) \S+ (LOCAL:\d+)", out):
             dtype = "bf16" if "bfloat16" in m.group(1) else "fp16" if "half" in m.group(1) else m.group(1)

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         if torch.cuda.is_available():
             print(f"warning: {fb.__file__} has no compiled module; if flashmla_backend is installed, run this "
                   "from another folder (the source checkout shadows the installed package), or build in place "
-                  "with `python setup.py build_ext --inplace`", file=sys.stderr)
+                  "with `cmake -S . -B build -G Ninja && cmake --build build` (docs/build.md)", file=sys.stderr)
     ok, why = fb.is_supported()
     dev = args.device if args.device != "auto" else ("cuda" if ok else "cpu")
     if dev == "cuda" and not ok:

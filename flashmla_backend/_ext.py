@@ -33,7 +33,7 @@ def ext():
         raise ExtensionNotBuiltError(
             "flashmla_backend: the CUDA extension flashmla_backend._C is not available "
             f"({error}). GPU tensors need it: install the package with `pip install .` on a machine with "
-            "nvcc (CUDA 12.8+), or `python setup.py build_ext --inplace` for a source checkout. "
+            "nvcc (CUDA 12.8+), or `cmake -S . -B build -G Ninja && cmake --build build` for a source checkout (docs/build.md). "
             "CPU tensors work without it (pure-PyTorch reference)."
         ) from error
     return module

@@ -71,7 +71,7 @@ def unbuilt_notice() -> str | None:
         return None
     folder = Path(flashmla_backend.__file__).resolve().parent
     if folder == ROOT / "flashmla_backend":
-        how = ("build it in place with `python setup.py build_ext --inplace` (needs nvcc, no GPU) and run the tests "
+        how = ("build it in place with `cmake -S . -B build -G Ninja && cmake --build build` (needs nvcc, no GPU; docs/build.md) and run the tests "
                "again; to test an installed package instead, run `bash tests/run.sh` (the checkout's sources then do "
                "not shadow it)")
     else:

@@ -16,7 +16,7 @@ stage() { echo; echo "=== $1 ($(date +%T))"; }
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -25,7 +25,9 @@ for s in "$@"; do
     build)
       stage build
       nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-      MAX_JOBS=${MAX_JOBS:-16} python3 setup.py build_ext --inplace 2>&1 | tee "$OUT/build.log" | grep -E "done in|error|linked|Error" || { status=1; break; }
+      # in place with CMake (docs/build.md); cmake and ninja may come from .whl/ (their wheels' bin/ is on PATH)
+      { MAX_JOBS=${MAX_JOBS:-16} cmake -S . -B build -G Ninja -DPython_EXECUTABLE="$(command -v python3)" &&
+        cmake --build build; } 2>&1 | tee "$OUT/build.log" | grep -E "^\[|error|Error" || { status=1; break; }
       [ -f "$(ls flashmla_backend/_C*.so 2>/dev/null | head -1)" ] || { echo "build failed"; tail -50 "$OUT/build.log"; status=1; break; }
       ;;
     test)

@@ -7,7 +7,7 @@
 #
 # Core run: pytest on tests/ with the active Python ($PYTHON, else `python`, else `python3`) as it is.
 #   The package under test is an in-place build of this checkout if flashmla_backend/_C*.so exists
-#   (python setup.py build_ext --inplace), else the installed package, else this checkout's sources
+#   (CMake by itself, docs/build.md), else the installed package, else this checkout's sources
 #   without the compiled module (CPU tensors only). pytest must be installed there; if it is not, this
 #   says how to add it and exits with 2 (it does not install it for you, nor run a pytest from elsewhere:
 #   see tests/README.md).

@@ -118,7 +118,7 @@ def test_license_matches_pyproject():
 
 def test_pyproject_classifiers():
     """What a package index shows: Python versions from requires-python on, OS, CUDA, topics, and the license as
-    the SPDX expression alone (setuptools refuses "License ::" classifiers next to it)."""
+    the SPDX expression alone (PEP 639 forbids "License ::" classifiers next to it)."""
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11 on")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     classifiers = project["classifiers"]

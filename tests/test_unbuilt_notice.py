@@ -35,7 +35,7 @@ def test_unbuilt_checkout_says_so_once(tmp_path):
     assert out.count(HEADING) == 1, out
     assert out.count("flashmla_backend._C is not built") == 1, out
     assert f"{root / 'flashmla_backend'} has no compiled module" in out
-    assert "python setup.py build_ext --inplace" in out and "bash tests/run.sh" in out
+    assert "`cmake -S . -B build -G Ninja && cmake --build build`" in out and "bash tests/run.sh" in out
 
 
 def test_no_notice_with_the_module(monkeypatch):

@@ -180,7 +180,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("sm90_decode_smem_bytes", &sm90_decode_smem_bytes);
 #endif
 #ifndef FLASHMLA_BACKEND_ARCH_LIST
-#error "setup.py passes -DFLASHMLA_BACKEND_ARCH_LIST=\"80;90a\" (the targets this build compiled)"
+#error "CMakeLists.txt passes -DFLASHMLA_BACKEND_ARCH_LIST=\"80;90a\" (the targets this build compiled)"
 #endif
   m.attr("cuda_archs") = std::string(FLASHMLA_BACKEND_ARCH_LIST);
   m.attr("cuda_runtime_version") = CUDART_VERSION;
