@@ -10,22 +10,10 @@
 #include "sm90/decode/kv_format.h"
 #include "sm90/decode/traits.h"
 
+#include "common/host_check.h"
+
 using namespace cute;
 using namespace flashmla_backend::sm90::decode;
-
-static int g_fail = 0;
-#define EXPECT_EQ(a, b, what, ...)                                              \
-  do {                                                                          \
-    long long va_ = (long long)(a), vb_ = (long long)(b);                       \
-    if (va_ != vb_) {                                                           \
-      if (g_fail < 20) {                                                        \
-        printf("MISMATCH %s: got %lld expected %lld at ", what, va_, vb_);      \
-        printf(__VA_ARGS__);                                                    \
-        printf("\n");                                                           \
-      }                                                                         \
-      ++g_fail;                                                                 \
-    }                                                                           \
-  } while (0)
 
 // Element offset of (row, col) in a 64-row, 128B-swizzled K-major tile made of 64-column pieces:
 // the formula load_q_async (bytes = 2 * this) and the TMA box placement rely on.

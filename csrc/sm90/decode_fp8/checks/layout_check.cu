@@ -15,22 +15,10 @@
 #include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/traits.h"
 
+#include "common/host_check.h"
+
 using namespace cute;
 using namespace flashmla_backend::sm90::decode_fp8;
-
-static int g_fail = 0;
-#define EXPECT_EQ(a, b, what, ...)                                              \
-  do {                                                                          \
-    long long va_ = (long long)(a), vb_ = (long long)(b);                       \
-    if (va_ != vb_) {                                                           \
-      if (g_fail < 20) {                                                        \
-        printf("MISMATCH %s: got %lld expected %lld at ", what, va_, vb_);      \
-        printf(__VA_ARGS__);                                                    \
-        printf("\n");                                                           \
-      }                                                                         \
-      ++g_fail;                                                                 \
-    }                                                                           \
-  } while (0)
 
 using T = Traits<cutlass::float_e4m3_t, 1, 1, 2, 3>;
 using F8 = cutlass::float_e4m3_t;
