@@ -29,18 +29,26 @@ NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
 
 
 # ---- protocol model ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model():
-    spec = importlib.util.spec_from_file_location("protocol_model", PROTOCOL_MODEL)
+def _load_script(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_protocol_model_accepts_the_kernel_schedule():
-    res = subprocess.run([sys.executable, str(PROTOCOL_MODEL)], capture_output=True, text=True)
+def _assert_script_says_consistent(path: Path) -> None:
+    res = subprocess.run([sys.executable, str(path)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "consistent" in res.stdout
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _load_script(PROTOCOL_MODEL, "protocol_model")
+
+
+def test_protocol_model_accepts_the_kernel_schedule():
+    _assert_script_says_consistent(PROTOCOL_MODEL)
 
 
 def test_protocol_model_reads_the_refill_masks_of_config_h(model):
@@ -95,16 +103,11 @@ def test_protocol_model_rejects_a_changed_config_h(model, tmp_path):
 # ---- protocol model of the FP8 tensor-core kernel (producer warpgroup + consumers) -------------------------------
 @pytest.fixture(scope="module")
 def fp8_model():
-    spec = importlib.util.spec_from_file_location("fp8_protocol_model", FP8_PROTOCOL_MODEL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_script(FP8_PROTOCOL_MODEL, "fp8_protocol_model")
 
 
 def test_fp8_protocol_model_accepts_the_kernel_schedule():
-    res = subprocess.run([sys.executable, str(FP8_PROTOCOL_MODEL)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "consistent" in res.stdout
+    _assert_script_says_consistent(FP8_PROTOCOL_MODEL)
 
 
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
