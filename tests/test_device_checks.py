@@ -112,11 +112,12 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
-    assert set(variants) == {"kFastE4m3Q", "kAccurateBF16", "kAccurateFP16"}
-    assert all(stages >= 2 and vt >= 2 for _, _, stages, vt in variants.values())
+    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kAccurateBF16", "kAccurateFP16"}
+    assert variants["kFastE4m3Q"] == (1, 1, 2, 2, 4) and variants["kFastE4m3QStream"] == (1, 1, 3, 2, 2)
+    assert all(stages >= 2 and left >= 2 and right >= 2 for _, _, stages, left, right in variants.values())
     arrivals = fp8_model.read_arrivals()
-    assert arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumTransposeWarps"]
-    assert arrivals["kVtFullArrivals"] == arrivals["kNumTransposeWarps"] and arrivals["kVtEmptyArrivals"] == 8
+    assert arrivals["kNumVPairs"] == 4 and arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumVPairs"]
+    assert arrivals["kVtFullArrivals"] == 2 and arrivals["kVtEmptyArrivals"] == 4
 
 
 @pytest.mark.parametrize("mutation", ["copy ignores kv_empty", "transposer ignores vt_empty",
@@ -124,16 +125,21 @@ def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
 def test_fp8_protocol_model_rejects_a_broken_schedule(fp8_model, mutation):
     with pytest.raises(fp8_model.ProtocolError):
         for seed in range(40):
-            for stages, vt in ((2, 3), (2, 2), (3, 2)):
-                fp8_model.run([9, 4, 7], stages, vt, reuse_p=False, seed=seed, mutation=mutation)
+            for stages, rings in ((2, (2, 4)), (2, (2, 2)), (3, (2, 3))):
+                fp8_model.run([9, 4, 7], stages, rings, reuse_p=False, seed=seed, mutation=mutation)
 
 
-def test_fp8_protocol_model_rejects_wrong_arrival_counts(fp8_model):
+@pytest.mark.parametrize("name, count", [
+    ("kVtEmptyArrivals", 8),  # the count of the full-block buffers: a half slot would never be released
+    ("kVtFullArrivals", 1),   # a half would count as written after one of its two piece pairs
+    ("kKvEmptyArrivals", 7),  # one arrival per transposer warp instead of per pair
+])
+def test_fp8_protocol_model_rejects_wrong_arrival_counts(fp8_model, name, count):
     arrivals = dict(fp8_model.read_arrivals())
-    arrivals["kVtEmptyArrivals"] = 4  # one consumer warpgroup's release would free a V^T buffer the other still reads
+    arrivals[name] = count
     with pytest.raises(fp8_model.ProtocolError):
         for seed in range(40):
-            fp8_model.run([9, 4, 7], 2, 3, reuse_p=False, arrivals=arrivals, seed=seed)
+            fp8_model.run([9, 4, 7], 2, (2, 4), reuse_p=False, arrivals=arrivals, seed=seed)
 
 
 # ---- CUDA check programs ----------------------------------------------------------------------------------------
@@ -208,16 +214,20 @@ def test_fp8_layout_check_compiles_and_agrees(tmp_path):
 
 
 @pytest.mark.parametrize("edit", [
-    ("+ (i & 1) + 4 * (i >> 1);", "+ i;"),                          # P bytes in plain key order
-    ("(lane >> 1) & 3,", "(lane >> 2) & 3,"),                       # the ldmatrix row swizzle
+    ("sm90/decode_fp8/layout.h", "+ (i & 1) + 4 * (i >> 1);", "+ i;"),     # P bytes in plain key order
+    ("sm90/decode_fp8/layout.h", "(lane >> 1) & 3,", "(lane >> 2) & 3,"),  # the ldmatrix row swizzle
+    # the stmatrix rows in natural column order (2-way bank conflicts, and V^T rows the epilogue does not expect)
+    ("sm90/decode_fp8/layout.h", "8 * (mm & 1) + (lane & 7)", "2 * (lane & 7) + (mm & 1)"),
+    ("sm90/decode/epilogue.cuh", "4 * (k & 1) + (k >> 1)", "k"),           # the epilogue's column map
 ])
 def test_fp8_layout_check_rejects_a_changed_formula(tmp_path, edit):
     csrc = tmp_path / "csrc"
     shutil.copytree(ROOT / "csrc", csrc)
-    layout = csrc / "sm90" / "decode_fp8" / "layout.h"
-    text = layout.read_text()
-    assert edit[0] in text, "update this test to layout.h"
-    layout.write_text(text.replace(edit[0], edit[1], 1))
+    path, old, new = edit
+    source = csrc / path
+    text = source.read_text()
+    assert old in text, f"update this test to {path}"
+    source.write_text(text.replace(old, new, 1))
     res = _run_fp8_layout_check(csrc, tmp_path / "fp8_layout_check")
     assert res.returncode != 0 and "MISMATCH" in res.stdout, res.stdout + res.stderr
 

@@ -17,6 +17,20 @@ namespace flashmla_backend::sm90::decode {
 
 using namespace cute;
 
+// Interleaved accumulator columns (T::kOutColumnsInterleaved; sm90/decode_fp8/layout.h: vt_row_column): within each
+// group of 16, column i < 8 holds value column 2 i and column 8 + i value column 2 i + 1. A thread's values of
+// columns 16 a + 2 t + {0, 1} and 16 a + 8 + 2 t + {0, 1} (t = lane % 4) are then the four consecutive value
+// columns 16 a + 4 t .. + 3: value column 16 a + 4 t + k of the thread's row v is fragment value
+// interleaved_value_index(a, v, k). (decode_fp8/checks/layout_check.cu checks it against CuTe.)
+__host__ __device__ __forceinline__ constexpr int interleaved_value_index(int a, int v, int k) {
+  return 8 * a + 2 * v + 4 * (k & 1) + (k >> 1);
+}
+template <class FragO>
+__device__ __forceinline__ void interleaved_quad(const FragO& tOrO, int a, int v, float inv, float (&x)[4]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 4; ++k) x[k] = tOrO(interleaved_value_index(a, v, k)) * inv;
+}
+
 // l: final row sums, m: running max (log2 domain, scaled) of the thread's two rows (softmax.cuh).
 // v_scale: a scaled cache format's value scale of this request and kv head (kv_format.h; V = V_stored * v_scale),
 // applied once here (the split accumulators carry it too, so the combine does not see it); unused otherwise.
@@ -38,11 +52,22 @@ __device__ __forceinline__ void store_output(const DecodeParams& p, const Reques
     if (!w.split) {
       Element* out = reinterpret_cast<Element*>(p.out) + int64_t(w.req) * p.out_stride_b + int64_t(s) * p.out_stride_s +
                      int64_t(h) * p.out_stride_h + col0;
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size(tOrO) / 4; ++c) {
-        const int i = 4 * c + 2 * v;
-        Element pair[2] = {static_cast<Element>(tOrO(i) * inv), static_cast<Element>(tOrO(i + 1) * inv)};
-        *reinterpret_cast<uint32_t*>(out + 8 * c) = *reinterpret_cast<const uint32_t*>(pair);
+      if constexpr (T::kOutColumnsInterleaved) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int a = 0; a < size(tOrO) / 8; ++a) {
+          float x[4];
+          interleaved_quad(tOrO, a, v, inv, x);
+          Element quad[4] = {static_cast<Element>(x[0]), static_cast<Element>(x[1]), static_cast<Element>(x[2]),
+                             static_cast<Element>(x[3])};
+          *reinterpret_cast<uint2*>(out + 16 * a + 2 * (lane & 3)) = *reinterpret_cast<const uint2*>(quad);
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size(tOrO) / 4; ++c) {
+          const int i = 4 * c + 2 * v;
+          Element pair[2] = {static_cast<Element>(tOrO(i) * inv), static_cast<Element>(tOrO(i + 1) * inv)};
+          *reinterpret_cast<uint32_t*>(out + 8 * c) = *reinterpret_cast<const uint32_t*>(pair);
+        }
       }
       if (wg == 0 && (lane & 3) == 0) {
         p.lse[int64_t(w.req) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + s] =
@@ -51,10 +76,19 @@ __device__ __forceinline__ void store_output(const DecodeParams& p, const Reques
     } else {
       const int64_t row_id = (int64_t(w.split_id) * p.num_heads_kv + hk) * p.q_rows + r;
       float* oacc = p.o_accum + row_id * kHeadDimV + col0;
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size(tOrO) / 4; ++c) {
-        const int i = 4 * c + 2 * v;
-        *reinterpret_cast<float2*>(oacc + 8 * c) = make_float2(tOrO(i) * inv, tOrO(i + 1) * inv);
+      if constexpr (T::kOutColumnsInterleaved) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int a = 0; a < size(tOrO) / 8; ++a) {
+          float x[4];
+          interleaved_quad(tOrO, a, v, inv, x);
+          *reinterpret_cast<float4*>(oacc + 16 * a + 2 * (lane & 3)) = make_float4(x[0], x[1], x[2], x[3]);
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size(tOrO) / 4; ++c) {
+          const int i = 4 * c + 2 * v;
+          *reinterpret_cast<float2*>(oacc + 8 * c) = make_float2(tOrO(i) * inv, tOrO(i + 1) * inv);
+        }
       }
       if (wg == 0 && (lane & 3) == 0) {
         p.lse_accum[row_id] = has_key ? row_lse(m[v], l[v]) : kNoKeySplitLse;

@@ -32,6 +32,8 @@ struct Traits {
   using QIn = QIn_;
   static constexpr bool kQFp8 = std::is_same_v<QIn, cutlass::float_e4m3_t>;
   static constexpr bool kQConvert = !std::is_same_v<QIn, Element>;  // Q is rewritten in smem before use
+  // The P V accumulator's column n is value column n (epilogue.cuh; the FP8 tensor-core kernel permutes them).
+  static constexpr bool kOutColumnsInterleaved = false;
   static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>,
                 "bf16 or fp16 only");
   static_assert(sizeof(Element) == kElemBytes, "16-bit elements");

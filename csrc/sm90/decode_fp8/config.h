@@ -24,12 +24,9 @@ constexpr int kNumConsumerWarpGroups = 2;
 constexpr int kNumConsumerThreads = kThreadsPerWarpGroup * kNumConsumerWarpGroups;  // 256
 constexpr int kNumThreads = kNumConsumerThreads + kThreadsPerWarpGroup;             // 384
 constexpr int kHalfDimV = kHeadDimV / kNumConsumerWarpGroups;                       // 256
-// Registers after setmaxnreg: 2 x 128 x kConsumerRegs + 128 x kProducerRegs must not exceed the 64K register
-// file minus nothing (the CTA is alone on its SM); __launch_bounds__(384, 1) starts every thread at 168.
-constexpr int kConsumerRegs = 224;
-constexpr int kProducerRegs = 56;
-static_assert(kNumConsumerThreads * kConsumerRegs + kThreadsPerWarpGroup * kProducerRegs <= 64512,
-              "register split exceeds the CTA's allocation");
+// Registers after setmaxnreg (Traits::kConsumerRegs / kProducerRegs, per variant): 2 x 128 x consumer + 128 x
+// producer must not exceed the 64,512 the launch gave the CTA (__launch_bounds__(384, 1): 168 a thread).
+constexpr int kCtaRegisters = 64512;
 
 // ---- Pieces ----------------------------------------------------------------------------------------
 // A Q term tile and a KV block are (64 rows, 576 e4m3) K-major; they are built of nine 64 x 64-byte pieces,
@@ -41,10 +38,15 @@ constexpr int kPieceBytes = kBlockN * kPieceCols;    // 4096
 constexpr int kTileBytes = kNumPieces * kPieceBytes; // 36864: one Q term tile or one KV block
 constexpr int kSwizzleRowBytes = 64;
 
-// V^T of a block: (512 value columns, 64 keys) K-major (keys contiguous), 64B swizzle: 32 KB. Its key order is
-// permuted within each group of 32 (kernel-design.md: a P accumulator converts to the e4m3 A fragment without
-// moving registers between threads when V^T's key k' holds key kvt_key(k')).
+// V^T of a block: (512 value columns, 64 keys) K-major (keys contiguous), 64B swizzle: 32 KB, kept as two halves of
+// 16 KB (value columns [0, 256) for consumer warpgroup 0, [256, 512) for warpgroup 1), each in a ring of its own.
+// Its key order is permuted within each group of 32 (kernel-design.md: a P accumulator converts to the e4m3 A
+// fragment without moving registers between threads when V^T's key k' holds key kvt_key(k')), and its rows
+// (value columns) within each group of 16 (layout.h: vt_row_column), so that every stmatrix writes eight
+// consecutive rows.
 constexpr int kVtBytes = kHeadDimV * kBlockN;        // 32768
+constexpr int kVtHalfBytes = kVtBytes / 2;          // 16384: one consumer warpgroup's half
+constexpr int kVPiecesPerHalf = kNumVPieces / 2;     // 4
 
 // The e4m3 A fragment of a 64 x 64 P tile is 32 bytes per consumer thread (two k32 slices of 16 bytes); the
 // tile a warpgroup hands to the other is stored in that order (thread-major 16-byte chunks, conflict-free).

@@ -13,14 +13,26 @@ bool sm90_fp8_tensorcore_selected();
 // Same contract as run_sm90_decode for a kv_fp8 cache.
 void run_sm90_fp8_decode(const DecodeParams& params);
 
+// FLASHMLA_BACKEND_FP8_DEBUG: measurement switches of the tensor-core kernel (sm90::decode_fp8::DebugFlags, bits);
+// unset or 0 in normal use.
+int sm90_fp8_debug_flags();
+
 namespace sm90::decode_fp8 {
 enum class Variant {
-  kFastE4m3Q,    // e4m3 q (one term), P one term, bf16 out
+  kFastE4m3Q,        // e4m3 q (one term), P one term, bf16 out; for two or more M tiles (tensor-core bound)
+  kFastE4m3QStream,  // the same with one more KV stage and fewer V^T halves; for one M tile (memory bound)
   kAccurateBF16, // bf16 q split in two e4m3 terms, P two terms, bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms, P two terms, fp16 out
 };
 template <Variant V>
 void run_decode_kernel(const DecodeParams& params);
+
+// Measurement switches (FLASHMLA_BACKEND_FP8_DEBUG): benchmarks/fp8_kernel_sweep.py times them side by side.
+enum DebugFlags : int {
+  kDebugNoTranspose = 1,       // the transposer waits and arrives but moves no data: wrong results, its time without it
+  kDebugTwoUnitsInFlight = 2,  // the transposer keeps two ldmatrix in flight instead of four (same results)
+  kDebugOtherFastPlan = 4,     // the fast mode runs the other pipeline plan than the shape's (same results)
+};
 }  // namespace sm90::decode_fp8
 
 }  // namespace flashmla_backend

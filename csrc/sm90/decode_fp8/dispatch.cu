@@ -17,11 +17,23 @@ bool sm90_fp8_tensorcore_selected() {
   return true;
 }
 
+int sm90_fp8_debug_flags() {
+  const char* v = std::getenv("FLASHMLA_BACKEND_FP8_DEBUG");
+  return v == nullptr ? 0 : std::atoi(v);
+}
+
 void run_sm90_fp8_decode(const DecodeParams& params) {
   using sm90::decode_fp8::Variant;
   using sm90::decode_fp8::run_decode_kernel;
   if (params.q_fp8) {
-    run_decode_kernel<Variant::kFastE4m3Q>(params);
+    // One M tile: memory bound, the plan with the deeper KV pipeline (launch.cuh: VariantTraits).
+    bool stream = params.num_m_blocks == 1;
+    if (sm90_fp8_debug_flags() & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
+    if (stream) {
+      run_decode_kernel<Variant::kFastE4m3QStream>(params);
+    } else {
+      run_decode_kernel<Variant::kFastE4m3Q>(params);
+    }
     return;
   }
   switch (params.dtype) {

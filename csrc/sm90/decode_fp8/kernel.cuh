@@ -35,6 +35,14 @@ namespace flashmla_backend::sm90::decode_fp8 {
 
 using namespace cute;
 
+// All 256 consumer threads at a request boundary. Each warpgroup runs its own copy of the request loop (below), so
+// the two reach this barrier at different instructions: the barrier is the non-.aligned barrier.sync, which allows
+// that (bar.sync is barrier.sync.aligned, every participating thread at the same instruction; compute-sanitizer's
+// synccheck reported it as divergent threads).
+__device__ __forceinline__ void consumers_sync() {
+  NamedBarrier(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers)).arrive_and_wait_unaligned();
+}
+
 // The request loop of consumer warpgroup kWG. Each warpgroup runs its own copy (the output accumulator is
 // declared inside): with one loop and a run-time choice of the main loop, ptxas merged the two warpgroups'
 // accumulators, serialized every wgmma and kept O in local memory.
@@ -66,7 +74,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
       split_q_tile<T>(p, w.req, m_block, hk, q_addr, ss.q_scale, tid);
     }
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
-    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers));
+    consumers_sync();
 
     // Softmax scale of each row: scale_log2 * descale_k * (descale_q or the row's split scale).
     if (tid < kBlockM) {
@@ -75,7 +83,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
       ss.row_scale_log2[tid] = p.scale_log2 * dk * qs;
       if (tid == 0) ss.value_scale = dk * (1.f / kPScale);
     }
-    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers));
+    consumers_sync();
 
     float row_sum[2] = {0.f, 0.f};  // O is cleared in the main loop (mainloop.cuh)
     if constexpr (kWG == 0) {
@@ -87,7 +95,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
 
     decode::publish_row_sums(ss, ri.row, kWG, lane, row_sum);
     // Both consumer warpgroups are past their last wgmma: the Q tile may be overwritten.
-    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers));
+    consumers_sync();
     if (req < end_req) {
       if constexpr (T::kQFp8) issue_q_copy<T>(p, req + 1, m_block, hk, q_addr, tid);
     } else {
@@ -97,7 +105,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     float l[2], m[2];
     decode::final_row_stats(ss, ri.row, l, m);
     decode::store_output<T>(p, w, ri, m_block, hk, kWG, tid_in_wg, tOrO, l, m, ss.value_scale);
-    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers));  // row_max / row_sum reused
+    consumers_sync();  // row_max / row_sum reused
   }
 }
 
@@ -140,7 +148,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ss.kv_empty[s].init(kKvEmptyArrivals);
     }
     CUTLASS_PRAGMA_UNROLL
-    for (int b = 0; b < T::kVtBuffers; ++b) {
+    for (int b = 0; b < T::kVtSlots; ++b) {
       ss.vt_full[b].init(kVtFullArrivals);
       ss.vt_empty[b].init(kVtEmptyArrivals);
     }
@@ -150,7 +158,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (wg == kNumConsumerWarpGroups) {
     // ---- producer ----
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     const int warp = (tid - kNumConsumerThreads) / 32;
     if (warp == 0) {
       if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk);
@@ -158,10 +166,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       transpose_loop<T>(p, ss, meta, begin_req, end_req, m_block, warp - 1, lane, debug);
     }
   } else if (wg == 0) {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     consumer_loop<T, 0>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     consumer_loop<T, 1>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
   }
 #else

@@ -37,27 +37,31 @@ inline CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
   return tmap;
 }
 
-// FLASHMLA_BACKEND_FP8_DEBUG: measurement switches (producer.cuh: DebugFlags); unset or 0 in normal use.
-inline int fp8_debug_flags() {
-  const char* v = std::getenv("FLASHMLA_BACKEND_FP8_DEBUG");
-  return v == nullptr ? 0 : std::atoi(v);
-}
 
 template <Variant V>
 struct VariantTraits;
-// The fast mode runs 2 KV stages and 3 V^T buffers: measured faster than 3 + 2 at every shape (the V^T buffers gate the
-// transposition; docs/perf/journal.md). The accurate mode's two Q terms leave room for 2 + 2 only.
+// The fast mode runs 2 KV stages, a ring of 2 left V^T halves and one of 4 right halves (docs/perf/journal.md: the
+// V^T buffers gate the transposition, and warpgroup 1 needs the right half of a block soon after the right half
+// of the block three earlier is released), consumers on 216 registers and the producer on 72 (at 56 the
+// transposer spilled). The accurate mode's two Q terms leave room for 2 + 2 + 2 only; the same register split
+// spills less there than 224 + 56 (52 / 132 bytes stored / loaded against 64 / 144).
 template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 3>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4, 216, 72>;
+};
+// With one M tile (h_q s_q / h_kv <= 64) each KV block is read by one CTA only and the kernel waits on memory
+// more than on the tensor cores: 3 KV stages, V^T rings of 2 + 2 (the shared memory of both plans is ~210 KB).
+template <>
+struct VariantTraits<Variant::kFastE4m3QStream> {
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 3, 2, 2, 216, 72>;
 };
 template <>
 struct VariantTraits<Variant::kAccurateBF16> {
-  using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 2>;
+  using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 2, 2, 216, 72>;
 };
 template <>
 struct VariantTraits<Variant::kAccurateFP16> {
-  using type = Traits<cutlass::half_t, 2, 2, 2, 2>;
+  using type = Traits<cutlass::half_t, 2, 2, 2, 2, 2, 216, 72>;
 };
 
 template <Variant V>
@@ -65,11 +69,16 @@ void run_decode_kernel(const DecodeParams& p) {
   using T = typename VariantTraits<V>::type;
   FMLA_HOST_CHECK(p.kv_fp8 && p.q_fp8 == T::kQFp8,
                   "sm90 FP8 decode: kv_fp8 / q_fp8 do not match the kernel variant " << int(V));
-  check_decode_params(p, decode::decode_requirements(int(sizeof(typename T::QIn)), 1));
+  DecodeRequirements req = decode::decode_requirements(int(sizeof(typename T::QIn)), 1);
+  // The epilogue writes four consecutive output columns (8 bytes) and four o_accum floats (16 bytes) at a time
+  // (T::kOutColumnsInterleaved).
+  req.out = AccessRule{8, 4, true};
+  req.o_accum = AccessRule{16, 1, false};
+  check_decode_params(p, req);
 
   const CUtensorMap tmap = make_kv_tensor_map(p);
   decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel", p, p,
-                                tmap, fp8_debug_flags());
+                                tmap, sm90_fp8_debug_flags());
 }
 
 }  // namespace flashmla_backend::sm90::decode_fp8

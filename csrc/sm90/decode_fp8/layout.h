@@ -25,10 +25,18 @@ FMLA_HD uint32_t sw64_offset(int row, int chunk) {
 // Byte offset of 16-byte chunk c (0..35) of row r in a Q term tile or a KV block (nine 4 KB pieces of 64 columns).
 FMLA_HD uint32_t tile_chunk_offset(int r, int c) { return uint32_t((c >> 2) * kPieceBytes) + sw64_offset(r, c & 3); }
 
+// V^T rows within each group of 16 value columns: row 16 a + i holds column 16 a + 2 i for i < 8 and column
+// 16 a + 2 (i - 8) + 1 for i >= 8 (even columns first, then odd ones), so that each 8 x 16-byte matrix of a
+// stmatrix lands on eight consecutive 64-byte rows, which the 64B swizzle spreads over all 32 banks (with the
+// natural order a matrix's rows were two rows apart and every store was a 2-way bank conflict). The P V
+// accumulator's column n is then value column vt_row_column(n); the epilogue writes it there.
+FMLA_HD int vt_row_column(int n) { return (n & ~15) + (n & 8 ? 2 * (n & 7) + 1 : 2 * (n & 7)); }
+
 // The V transposition, per lane (producer.cuh). One unit = keys 32 th .. + 31 x value columns 16 cc .. + 15 of V
 // piece j: one ldmatrix.x4.trans (matrix m = keys 32 th + 8 m .. + 7, the lane supplying row lane % 8 of matrix
-// lane / 8) and one stmatrix.x4 (matrix mm = lane / 8: V^T rows 16 cc + 2 i + (mm & 1), i = lane % 8, 16 bytes at
-// k' = 32 th + 16 (mm >> 1)).
+// lane / 8) and one stmatrix.x4 (matrix mm = lane / 8 holds the even (mm & 1 = 0) or odd value columns of the unit,
+// 16 bytes at k' = 32 th + 16 (mm >> 1); the lane supplies V^T row 16 cc + 8 (mm & 1) + lane % 8 of the piece).
+// Offsets in the destination are relative to the V^T half that holds piece j (pieces 0..3 and 4..7).
 struct TransposeLane {
   uint32_t src_lane;  // this lane's ldmatrix row within a unit's 32 keys
   int src_x;          // the swizzle XOR of that row's chunk
@@ -39,14 +47,15 @@ struct TransposeLane {
   FMLA_HD static TransposeLane of(int lane) {
     const int mm = lane >> 3;
     return {uint32_t((8 * mm + (lane & 7)) * kSwizzleRowBytes), (lane >> 1) & 3,
-            uint32_t((2 * (lane & 7) + (mm & 1)) * kSwizzleRowBytes), lane & 3, mm};
+            uint32_t((8 * (mm & 1) + (lane & 7)) * kSwizzleRowBytes), (lane >> 1) & 3, mm};
   }
-  // Byte offsets of this lane's ldmatrix row in the KV stage and of its stmatrix row in the V^T buffer.
+  // Byte offsets of this lane's ldmatrix row in the KV stage and of its stmatrix row in piece j's V^T half.
   FMLA_HD uint32_t src(int j, int cc, int th) const {
     return uint32_t(j * kPieceBytes + th * 32 * kSwizzleRowBytes) + src_lane + uint32_t((cc ^ src_x) << 4);
   }
   FMLA_HD uint32_t dst(int j, int cc, int th) const {
-    return uint32_t((64 * j + 16 * cc) * kSwizzleRowBytes) + dst_lane + uint32_t(((2 * th + (mm >> 1)) ^ dst_x) << 4);
+    return uint32_t((64 * (j % kVPiecesPerHalf) + 16 * cc) * kSwizzleRowBytes) + dst_lane +
+           uint32_t(((2 * th + (mm >> 1)) ^ dst_x) << 4);
   }
 };
 

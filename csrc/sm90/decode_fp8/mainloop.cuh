@@ -4,8 +4,11 @@
 // Blocks of a request piece are taken two at a time: block b0 (even, request-local) is multiplied by Q in
 // warpgroup 0, block b0 + 1 in warpgroup 1; warpgroup 0 accumulates output columns [0, 256) of both, warpgroup 1
 // columns [256, 512). Unlike the 16-bit kernel no consumer issues copies: the producer warpgroup (producer.cuh)
-// refills a KV stage once its owner's Q K^T and the transposer released it (kv_empty), and writes V^T into a
-// buffer once both consumers' P V of its previous block completed (vt_empty).
+// refills a KV stage once its owner's Q K^T and the transposer released it (kv_empty), and writes a V^T half into
+// its slot once the P V of the slot's previous block completed in the warpgroup that reads that half (vt_empty).
+// Warpgroup 0 reads the left half of block b0 mid-step and of b0 + 1 at the end; warpgroup 1 the right half of
+// b0 + 1 early and of b0 at the end, so the right half of b0 + 3 is needed soon after b0's is released: the right
+// ring is the longer one (launch.cuh).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -207,8 +210,8 @@ __device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss,
   warpgroup_fence_operand(tSrS);
 }
 
-// O_half += P V_half of block g (V^T buffer g % kVtBuffers), value columns [256 kHalf, 256 kHalf + 256); one commit
-// group.
+// O_half += P V_half of block g (its V^T half kHalf: value columns [256 kHalf, 256 kHalf + 256) in the order of
+// layout.h); one commit group.
 template <class T, int kHalf, int kTerms, class FragO>
 __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss, uint32_t g, PFrag<T, kTerms>& P,
                                          FragO& tOrO) {
@@ -216,9 +219,8 @@ __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss,
   typename T::TiledMmaPV mma;
   auto thr = mma.get_slice(tid);
   const uint32_t z = opaque_zero();
-  Tensor sVt = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + vt_of<T>(g) * kVtBytes) + z),
-                           typename T::SmemLayoutVt{});  // (512, 64)
-  Tensor sV = local_tile(sVt, Shape<Int<kHalfDimV>, Int<kBlockN>>{}, make_coord(Int<kHalf>{}, _0{}));  // (256, 64)
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(kHalf, g) * kVtHalfBytes) + z),
+                          typename T::SmemLayoutVtHalf{});  // (256, 64)
   Tensor tOrV = thr.partition_fragment_B(sV);  // (MMA, 1, 2)
   mma.accumulate_ = GMMA::ScaleOut::One;
   P.fence();
@@ -235,9 +237,14 @@ __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss,
   P.fence();
 }
 
-template <class T>
+// V^T half kHalf of block g: wait until it is written; release it once this warpgroup's P V of it completed.
+template <class T, int kHalf>
 __device__ __forceinline__ void wait_vt(typename T::SharedStorage& ss, uint32_t g) {
-  consumer_wait(ss.vt_full[vt_of<T>(g)], (g / T::kVtBuffers) & 1u);
+  consumer_wait(ss.vt_full[T::vt_slot(kHalf, g)], T::vt_use(kHalf, g) & 1u);
+}
+template <class T, int kHalf>
+__device__ __forceinline__ void release_vt(typename T::SharedStorage& ss, uint32_t g, int lane) {
+  warp_arrive(ss.vt_empty[T::vt_slot(kHalf, g)], lane);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -312,7 +319,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
     // ---- O_L = O_L sc0 + P0 V0L ----
     decode::scale_rows(tOrO, sc0);
-    wait_vt<T>(ss, g0);
+    wait_vt<T, 0>(ss, g0);
     pv_block<T, 0>(tid, ss, g0, P, tOrO);
 
     // ---- warpgroup 1 decided m1 (and stored P1): P0 sc1 for its P0 V0R ----
@@ -325,7 +332,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
     warpgroup_wait<0>();  // P0 V0L done
     warpgroup_fence_operand(tOrO);
-    warp_arrive(ss.vt_empty[vt_of<T>(g0)], lane);
+    release_vt<T, 0>(ss, g0, lane);
     decode::scale_rows(tOrO, sc1);
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) row_sum[v] *= sc1[v];
@@ -336,12 +343,12 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
       load_p<kPT>(ss.p[1], tid, words);
       P.set(words);
     }
-    wait_vt<T>(ss, g0 + 1);
+    wait_vt<T, 0>(ss, g0 + 1);
     pv_block<T, 0>(tid, ss, g0 + 1, P, tOrO);
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 2, tSrS);
     warpgroup_wait<kNext ? 1 : 0>();
     warpgroup_fence_operand(tOrO);
-    warp_arrive(ss.vt_empty[vt_of<T>(g0 + 1)], lane);
+    release_vt<T, 0>(ss, g0 + 1, lane);
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
@@ -416,7 +423,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
 
     // ---- O_R = O_R sc0 sc1 + P1 V1R + (P0 sc1) V0R; then the next S = Q K1^T (block b0 + 3) ----
     decode::scale_rows(tOrO, sc01);
-    wait_vt<T>(ss, g0 + 1);
+    wait_vt<T, 1>(ss, g0 + 1);
     pv_block<T, 1>(tid, ss, g0 + 1, P1, tOrO);
     NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     // Two-term P: P1 V1R completes before P0 is loaded into the same registers (both fragments at once, 32
@@ -425,7 +432,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     if constexpr (kReuse) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
-      warp_arrive(ss.vt_empty[vt_of<T>(g0 + 1)], lane);
+      release_vt<T, 1>(ss, g0 + 1, lane);
     }
     auto& P0 = kReuse ? P1 : P0own;
     {
@@ -433,16 +440,16 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
       load_p<kPT>(ss.p[0], tid, words);
       P0.set(words);
     }
-    wait_vt<T>(ss, g0);
+    wait_vt<T, 1>(ss, g0);
     pv_block<T, 1>(tid, ss, g0, P0, tOrO);
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 3, tSrS);
     if constexpr (!kReuse) {
       warpgroup_wait<kNext ? 2 : 1>();
-      warp_arrive(ss.vt_empty[vt_of<T>(g0 + 1)], lane);
+      release_vt<T, 1>(ss, g0 + 1, lane);
     }
     warpgroup_wait<kNext ? 1 : 0>();
     warpgroup_fence_operand(tOrO);
-    warp_arrive(ss.vt_empty[vt_of<T>(g0)], lane);
+    release_vt<T, 1>(ss, g0, lane);
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);

@@ -1,14 +1,14 @@
 // Producer warpgroup of the sm90 FP8 tensor-core decode kernel: the KV copies (TMA) and the transposition of V.
 //
 // The producer walks the same blocks as the consumers: the CTA's request pieces in order, block g (counted over the
-// whole metadata row) in KV stage g % kStages and V^T buffer g % kVtBuffers. Parities follow from g: the n-th
+// whole metadata row) in KV stage g % kStages and V^T slots T::vt_slot(0, g), T::vt_slot(1, g) (its two halves). Parities follow from g: the n-th
 // completion of a barrier (n = 0, 1, ...) is waited with parity n & 1.
 //   warp 0, lane 0   issues every block in order (copy_loop): block x waits until stage x % kStages is empty (block
 //                    x - kStages consumed by its Q K^T and transposed).
-//   warps 1..3       block g: wait until V^T buffer g % kVtBuffers is empty (block g - kVtBuffers' P V done in both
-//                    consumer warpgroups), transpose the four pairs of V pieces (round-robin over the three warps,
-//                    shifted by one per block) as they land, zero keys past the block's last visible key, then arrive
-//                    on vt_full and kv_empty.
+//   warps 1..3       block g: the four pairs of V pieces go round-robin over the three warps, shifted by one per
+//                    block; a pair (half of a V^T half) waits until its half's slot is empty (the P V of the block
+//                    that used the slot before done in that half's consumer warpgroup), is transposed as its pieces
+//                    land, keys past the block's last visible key zeroed, then arrives on vt_full and kv_empty.
 // Measured (docs/perf/journal.md): with the copies issued by one of the transposing warps instead, a copy waited for
 // that warp's transposition and the kernel was 1.5x slower at h_q = 128.
 #pragma once
@@ -26,6 +26,7 @@
 #include "sm90/decode/copies.cuh"  // kEvictFirst / kEvictNormal
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/decode.h"  // DebugFlags
 #include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/traits.h"
 
@@ -52,8 +53,6 @@ __device__ __forceinline__ void consumer_wait(Barrier& bar, uint32_t parity) {
 }
 
 __device__ __forceinline__ uint32_t stage_of(uint32_t g, int stages) { return g % uint32_t(stages); }
-template <class T>
-__device__ __forceinline__ uint32_t vt_of(uint32_t g) { return g % uint32_t(T::kVtBuffers); }
 
 // ------------------------------------------------------------------------------------------------
 // KV copies
@@ -66,7 +65,7 @@ __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename
                                                int page, int hk) {
   const uint64_t hint = gridDim.x == 1 ? decode::kEvictNormal : decode::kEvictFirst;
   uint8_t* dst = ss.kv.data() + stage * kTileBytes;
-  // Not unrolled: the producer runs on few registers (config.h: kProducerRegs).
+  // Not unrolled: the producer runs on few registers (Traits::kProducerRegs).
   CUTLASS_PRAGMA_NO_UNROLL
   for (int j = 0; j < kNumPieces; ++j) {
     ss.kv_full[stage][j].arrive_and_expect_tx(kPieceBytes);
@@ -128,15 +127,55 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&d)[4]) {
                : "memory");
 }
 
-// Measurement switches (FLASHMLA_BACKEND_FP8_DEBUG, launch.cuh); 0 in normal use.
-enum DebugFlags : int {
-  kDebugNoTranspose = 1,  // the transposer waits and arrives but moves no data: wrong results, the time without it
-};
 
 // Warps 1..3 of the producer (tw = 0..kNumTransposeWarps - 1, traits.h) transpose: the four pairs of V pieces of a
 // block go round-robin over the three warps, shifted by one per block (each warp handles four pairs every three
-// blocks); kUnitsInFlight units (ldmatrix in flight) at a time.
-constexpr int kUnitsInFlight = 2;
+// blocks); kUnitsInFlight units (ldmatrix in flight) at a time (kDebugTwoUnitsInFlight: two). A pair is one V^T
+// half's worth of work for its barriers: the warp waits for the half's slot to be empty, transposes, and arrives
+// once on the half's vt_full and on the stage's kv_empty (traits.h: the arrival counts count pairs).
+constexpr int kUnitsInFlight = 4;
+
+template <class T, int kUnits>
+__device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t vt_addr,
+                                               int stage, uint32_t parity, int pair, int valid,
+                                               const TransposeLane& tl, int lane, int debug) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int jj = 0; jj < 2; ++jj) {
+    const int j = 2 * pair + jj;
+    wait_barrier(ss.kv_full[stage][j], parity);
+    if (debug & kDebugNoTranspose) continue;
+    CUTLASS_PRAGMA_UNROLL
+    for (int batch = 0; batch < 8 / kUnits; ++batch) {
+      // Units (cc, th) of piece j, kUnits at a time.
+      uint32_t d[kUnits][4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kUnits; ++k) {
+        const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
+        ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d[k]);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kUnits; ++k) {
+        const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
+        if (valid < kBlockN) {
+          // key = transposed_key(th, m, lane) = 32 th + 8 m + 2 (lane % 4): compared as 32 th + 8 m against
+          // valid - 2 (lane % 4), so that no per-lane key is kept in a register (the producer has few).
+          const int lane_valid = valid - transposed_key(0, 0, lane);
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < 4; ++m) {
+            const int key = transposed_key(th, m, 0);
+            d[k][m] &= (key < lane_valid ? 0x0000ffffu : 0u) | (key + 1 < lane_valid ? 0xffff0000u : 0u);
+          }
+        }
+        uint32_t o[4];
+        o[0] = __byte_perm(d[k][0], d[k][1], 0x6420);
+        o[1] = __byte_perm(d[k][0], d[k][1], 0x7531);
+        o[2] = __byte_perm(d[k][2], d[k][3], 0x6420);
+        o[3] = __byte_perm(d[k][2], d[k][3], 0x7531);
+        stsm_x4(vt_addr + tl.dst(j, cc, th), o);
+      }
+    }
+  }
+}
 
 template <class T>
 __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T::SharedStorage& ss,
@@ -151,54 +190,26 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
     const int nblk = padded_blocks(w.num_blocks);
     for (int b = 0; b < nblk; ++b, ++g) {
       const int stage = int(stage_of(g, T::kStages));
-      const int vb = int(vt_of<T>(g));
       const uint32_t parity = (g / T::kStages) & 1u;
       const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)
-      if (g >= uint32_t(T::kVtBuffers)) wait_barrier(ss.vt_empty[vb], (g / T::kVtBuffers + 1) & 1u);
-      const uint32_t stage_addr = kv_addr + stage * kTileBytes;
-      const uint32_t vt_addr = vt_addr0 + vb * kVtBytes;
       const int first_pair = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
       CUTLASS_PRAGMA_NO_UNROLL
-      for (int pair = first_pair; pair < kNumVPieces / 2; pair += kNumTransposeWarps) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int jj = 0; jj < 2; ++jj) {
-          const int j = 2 * pair + jj;
-          wait_barrier(ss.kv_full[stage][j], parity);
-          if (debug & kDebugNoTranspose) continue;
-          CUTLASS_PRAGMA_UNROLL
-          for (int batch = 0; batch < 8 / kUnitsInFlight; ++batch) {
-            // Units (cc, th) of piece j, kUnitsInFlight at a time.
-            uint32_t d[kUnitsInFlight][4];
-            CUTLASS_PRAGMA_UNROLL
-            for (int k = 0; k < kUnitsInFlight; ++k) {
-              const int unit = kUnitsInFlight * batch + k, cc = unit >> 1, th = unit & 1;
-              ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d[k]);
-            }
-            CUTLASS_PRAGMA_UNROLL
-            for (int k = 0; k < kUnitsInFlight; ++k) {
-              const int unit = kUnitsInFlight * batch + k, cc = unit >> 1, th = unit & 1;
-              if (valid < kBlockN) {
-                CUTLASS_PRAGMA_UNROLL
-                for (int m = 0; m < 4; ++m) {
-                  const int key = transposed_key(th, m, lane);
-                  d[k][m] &= (key < valid ? 0x0000ffffu : 0u) | (key + 1 < valid ? 0xffff0000u : 0u);
-                }
-              }
-              uint32_t o[4];
-              o[0] = __byte_perm(d[k][0], d[k][1], 0x6420);
-              o[1] = __byte_perm(d[k][0], d[k][1], 0x7531);
-              o[2] = __byte_perm(d[k][2], d[k][3], 0x6420);
-              o[3] = __byte_perm(d[k][2], d[k][3], 0x7531);
-              stsm_x4(vt_addr + tl.dst(j, cc, th), o);
-            }
-          }
+      for (int pair = first_pair; pair < kNumVPairs; pair += kNumTransposeWarps) {
+        const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
+        const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
+        if (use > 0) wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
+        const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * kVtHalfBytes;
+        if (debug & kDebugTwoUnitsInFlight) {
+          transpose_pair<T, 2>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+        } else {
+          transpose_pair<T, kUnitsInFlight>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
         }
-      }
-      cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma (async proxy)
-      __syncwarp();
-      if (lane == 0) {
-        ss.vt_full[vb].arrive();
-        ss.kv_empty[stage].arrive();
+        cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma (async proxy)
+        __syncwarp();
+        if (lane == 0) {
+          ss.vt_full[slot].arrive();
+          ss.kv_empty[stage].arrive();
+        }
       }
     }
   }

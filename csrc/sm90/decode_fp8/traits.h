@@ -19,8 +19,11 @@ using namespace cute;
 // it is, one term. A 16-bit q (the accurate mode) is split per row into kQTerms e4m3 terms of one power-of-two
 // scale: q ~ s (hi + lo) with hi = e4m3(q / s), lo = e4m3(q / s - hi), so Q K^T is kQTerms e4m3 products into one
 // accumulator. P is cast to kPTerms e4m3 terms the same way (P V: kPTerms products). kStages: KV blocks in flight;
-// kVtBuffers: transposed V blocks in flight.
-template <class QIn_, int kQTerms_, int kPTerms_, int kStages_, int kVtBuffers_ = 2>
+// kVtLeft / kVtRight: V^T halves in flight for consumer warpgroup 0 / 1 (config.h: each warpgroup reads only its
+// half, and the two read them at different points of a step; mainloop.cuh).
+// kConsumerRegs / kProducerRegs: the setmaxnreg split (config.h).
+template <class QIn_, int kQTerms_, int kPTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
+          int kConsumerRegs_ = 216, int kProducerRegs_ = 72>
 struct Traits {
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
@@ -30,14 +33,25 @@ struct Traits {
   static constexpr int kQTerms = kQTerms_;
   static constexpr int kPTerms = kPTerms_;
   static constexpr int kStages = kStages_;
-  static constexpr int kVtBuffers = kVtBuffers_;  // V^T buffers: block g uses buffer g % kVtBuffers
+  // V^T half h of block g lives in slot vt_slot(h, g) of the kVtSlots half buffers: g modulo half h's ring, the
+  // left ring first.
+  static constexpr int kVtLeft = kVtLeft_;
+  static constexpr int kVtRight = kVtRight_;
+  static constexpr int kVtSlots = kVtLeft + kVtRight;
   static_assert(std::is_same_v<QIn, cutlass::float_e4m3_t> || std::is_same_v<QIn, cutlass::bfloat16_t> ||
                     std::is_same_v<QIn, cutlass::half_t>,
                 "q is e4m3, bf16 or fp16");
   static_assert(!kQFp8 || kQTerms == 1, "an e4m3 q is one term");
   static_assert(kQTerms >= 1 && kQTerms <= 2 && kPTerms >= 1 && kPTerms <= 2, "one or two terms");
-  static_assert(kStages >= 2 && kVtBuffers >= 2, "at least two KV stages and two V^T buffers");
+  static_assert(kStages >= 2 && kVtLeft_ >= 2 && kVtRight_ >= 2, "at least two KV stages and two V^T halves a ring");
+  static constexpr int kConsumerRegs = kConsumerRegs_;
+  static constexpr int kProducerRegs = kProducerRegs_;
+  static_assert(kNumConsumerThreads * kConsumerRegs + kThreadsPerWarpGroup * kProducerRegs <= kCtaRegisters,
+                "register split exceeds the CTA's allocation");
 
+  // The P V accumulator's columns are V^T's rows: value columns in the order of layout.h (vt_row_column), which
+  // sm90/decode/epilogue.cuh undoes.
+  static constexpr bool kOutColumnsInterleaved = true;
   // What sm90/decode/epilogue.cuh asks of the cache format: the value scale is applied to the output.
   struct KvFormat {
     static constexpr bool kScaled = true;
@@ -56,16 +70,17 @@ struct Traits {
   // [64 j, 64 j + 64) are one contiguous 4 KB piece, the image of one TMA box with 64B swizzle.
   using SmemLayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
                                                 Shape<Int<kBlockM>, Int<kHeadDimK>>{}));
-  // V^T of a block (512 value columns, 64 keys in the permuted order of config.h), one 64-byte row per column.
-  using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
-                                              Shape<Int<kHeadDimV>, Int<kBlockN>>{}));
+  // A V^T half of a block (256 value columns, 64 keys; both in the permuted orders of config.h), one 64-byte row per
+  // column.
+  using SmemLayoutVtHalf = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
+                                                  Shape<Int<kHalfDimV>, Int<kBlockN>>{}));
   static_assert(cosize_v<SmemLayoutTile> == kTileBytes, "tile size");
-  static_assert(cosize_v<SmemLayoutVt> == kVtBytes, "V^T size");
+  static_assert(cosize_v<SmemLayoutVtHalf> == kVtHalfBytes, "V^T half size");
 
   struct alignas(kSmemAlign) SharedStorage {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTerms * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtBuffers * kVtBytes, kSmemAlign> vt;  // block g: g % kVtBuffers
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVtHalfBytes, kSmemAlign> vt;  // slot s at s * 16 KB
     // P tiles handed between the consumer warpgroups in A-fragment order: p[0] = P0 * scale1 (warpgroup 0 ->
     // 1), p[1] = P1 (warpgroup 1 -> 0); term t at t * 4 KB.
     alignas(16) uint8_t p[2][kPTerms * kPTermBytes];
@@ -80,22 +95,32 @@ struct Traits {
     float row_scale_log2[kBlockM];
     float value_scale;
     // mbarriers. kv_full[s][j]: piece j of stage s landed (TMA, 4096 transaction bytes). kv_empty[s]: the owner
-    // warpgroup's Q K^T (4 warps) and the transposer warps are done with stage s. vt_full[b]: V^T buffer b
-    // written (transposer warps). vt_empty[b]: both consumer warpgroups' P V of buffer b completed (8 warps).
+    // warpgroup's Q K^T (4 warps) and the four piece pairs of the transposition are done with stage s. vt_full[s]:
+    // V^T slot s written (its two piece pairs). vt_empty[s]: the P V of its consumer warpgroup completed (4 warps).
     cutlass::arch::ClusterTransactionBarrier kv_full[kStages][kNumPieces];
     cutlass::arch::ClusterBarrier kv_empty[kStages];
-    cutlass::arch::ClusterBarrier vt_full[kVtBuffers];
-    cutlass::arch::ClusterBarrier vt_empty[kVtBuffers];
+    cutlass::arch::ClusterBarrier vt_full[kVtSlots];
+    cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
+
+  // The slot of V^T half h of block g, and the completion of its barriers that block g's use is (n = 0, 1, ...).
+  static __host__ __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t g) {
+    return h == 0 ? g % uint32_t(kVtLeft_) : uint32_t(kVtLeft_) + g % uint32_t(kVtRight_);
+  }
+  static __host__ __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) {
+    return g / uint32_t(h == 0 ? kVtLeft_ : kVtRight_);
+  }
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 };
 
-// Arrival counts of the mbarriers (per phase).
-constexpr int kNumTransposeWarps = 3;                          // producer warps 1..3 (producer.cuh)
-constexpr uint32_t kKvEmptyArrivals = 4 + kNumTransposeWarps;  // owner warpgroup's warps + transposer warps
-constexpr uint32_t kVtFullArrivals = kNumTransposeWarps;
-constexpr uint32_t kVtEmptyArrivals = 8;                        // the warps of both consumer warpgroups
+// Arrival counts of the mbarriers (per phase). The transposition works in pairs of V pieces (producer.cuh); the
+// warp that did a pair arrives once for it, whichever warp that is.
+constexpr int kNumTransposeWarps = 3;                       // producer warps 1..3 (producer.cuh)
+constexpr int kNumVPairs = kNumVPieces / 2;                 // 4 pairs a block, 2 a V^T half
+constexpr uint32_t kKvEmptyArrivals = 4 + kNumVPairs;       // owner warpgroup's warps + the block's pairs
+constexpr uint32_t kVtFullArrivals = kNumVPairs / 2;        // the half's pairs
+constexpr uint32_t kVtEmptyArrivals = 4;                    // the warps of the consumer warpgroup reading the half
 
 // Named barriers among the 256 consumer threads (IDs relative to CUTLASS's reserved ones).
 enum class NamedBarriers : uint32_t {

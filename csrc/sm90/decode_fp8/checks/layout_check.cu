@@ -12,6 +12,7 @@
 #include <cstring>
 #include <vector>
 
+#include "sm90/decode/epilogue.cuh"
 #include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/traits.h"
 
@@ -20,7 +21,7 @@
 using namespace cute;
 using namespace flashmla_backend::sm90::decode_fp8;
 
-using T = Traits<cutlass::float_e4m3_t, 1, 1, 2, 3>;
+using T = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4>;
 using F8 = cutlass::float_e4m3_t;
 
 // The 32-bit result of PTX prmt / __byte_perm(x, y, s): byte k = byte s_k of the 8-byte value (y:x).
@@ -37,8 +38,8 @@ static void check_tiles() {
   for (int r = 0; r < kBlockM; ++r)
     for (int c = 0; c < kHeadDimK; ++c)
       EXPECT_EQ(&tile(r, c) - buf, tile_chunk_offset(r, c / 16) + c % 16, "Q / KV tile byte", "row %d col %d", r, c);
-  Tensor vt = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutVt{});
-  for (int n = 0; n < kHeadDimV; ++n)
+  Tensor vt = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutVtHalf{});
+  for (int n = 0; n < kHalfDimV; ++n)
     for (int k = 0; k < kBlockN; ++k)
       EXPECT_EQ(&vt(n, k) - buf, sw64_offset(n, k / 16) + k % 16, "V^T byte", "column %d k' %d", n, k);
   std::free(buf);
@@ -83,9 +84,20 @@ static int key_of_kprime(int kp) {
   return get<1>(s(p_source_index(kk, 2 * half, i)));
 }
 
-// Replays the transposition of one block: V (64 keys x 512 columns, in its KV stage) -> V^T.
+// The 32 banks of 4 bytes a 16-byte access at this shared-memory offset covers start at bank (offset / 4) % 32.
+static int bank_group(uint32_t offset) { return int((offset / 16) % 8); }
+
+// One 8 x 16-byte matrix of ldmatrix / stmatrix is one shared-memory wavefront when its eight rows fall into eight
+// distinct 16-byte bank groups.
+static void expect_conflict_free(const uint32_t (&rows)[8], const char* what, int j, int cc, int th, int m) {
+  int seen = 0;
+  for (int r = 0; r < 8; ++r) seen |= 1 << bank_group(rows[r]);
+  EXPECT_EQ(seen, 0xff, what, "piece %d cc %d th %d matrix %d", j, cc, th, m);
+}
+
+// Replays the transposition of one block: V (64 keys x 512 columns, in its KV stage) -> V^T (two halves).
 static void check_transposition() {
-  std::vector<uint8_t> stage(kTileBytes), vt(kVtBytes, 0xEE);
+  std::vector<uint8_t> stage(kTileBytes), vt(kVtBytes, 0xEE);  // left half, then right half
   auto v_at = [](int key, int col) { return uint8_t((key * 131 + col * 7 + (col >> 6)) & 0xff); };
   for (int key = 0; key < kBlockN; ++key)
     for (int col = 0; col < kHeadDimV; ++col)
@@ -93,6 +105,15 @@ static void check_transposition() {
   for (int j = 0; j < kNumVPieces; ++j)
     for (int cc = 0; cc < 4; ++cc)
       for (int th = 0; th < 2; ++th) {
+        for (int m = 0; m < 4; ++m) {
+          uint32_t src[8], dst[8];
+          for (int r = 0; r < 8; ++r) {
+            src[r] = TransposeLane::of(8 * m + r).src(j, cc, th);
+            dst[r] = TransposeLane::of(8 * m + r).dst(j, cc, th);
+          }
+          expect_conflict_free(src, "ldmatrix bank groups", j, cc, th, m);
+          expect_conflict_free(dst, "stmatrix bank groups", j, cc, th, m);
+        }
         uint32_t d[32][4];
         for (int lane = 0; lane < 32; ++lane) {
           // ldmatrix.x4.trans: lane L receives, of matrix m, the 16-bit pair (row 2 (L % 4) + e, column L / 4) of the
@@ -118,23 +139,52 @@ static void check_transposition() {
           const uint32_t o[4] = {byte_perm(d[lane][0], d[lane][1], 0x6420), byte_perm(d[lane][0], d[lane][1], 0x7531),
                                  byte_perm(d[lane][2], d[lane][3], 0x6420), byte_perm(d[lane][2], d[lane][3], 0x7531)};
           for (int m = 0; m < 4; ++m) {
-            const uint32_t row_addr = TransposeLane::of(8 * m + lane / 4).dst(j, cc, th);
+            const uint32_t row_addr = (j / kVPiecesPerHalf) * kVtHalfBytes + TransposeLane::of(8 * m + lane / 4).dst(j, cc, th);
             std::memcpy(&vt[row_addr + 4 * (lane % 4)], &o[m], 4);
           }
         }
       }
-  F8* buf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, kVtBytes));
-  Tensor layout = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutVt{});
-  for (int col = 0; col < kHeadDimV; ++col)
-    for (int kp = 0; kp < kBlockN; ++kp)
-      EXPECT_EQ(vt[&layout(col, kp) - buf], v_at(key_of_kprime(kp), col), "V^T", "column %d k' %d", col, kp);
+  // Row n of half h (the P V accumulator's column n of consumer warpgroup h) holds value column
+  // 256 h + vt_row_column(n), the column the epilogue writes it to.
+  F8* buf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, kVtHalfBytes));
+  Tensor layout = make_tensor(make_smem_ptr(buf), typename T::SmemLayoutVtHalf{});
+  for (int h = 0; h < 2; ++h)
+    for (int n = 0; n < kHalfDimV; ++n)
+      for (int kp = 0; kp < kBlockN; ++kp) {
+        const int col = kHalfDimV * h + vt_row_column(n);
+        EXPECT_EQ(vt[h * kVtHalfBytes + (&layout(n, kp) - buf)], v_at(key_of_kprime(kp), col), "V^T", "half %d row %d k' %d",
+                  h, n, kp);
+      }
   std::free(buf);
+}
+
+// The epilogue's column map: P V accumulator value i of thread t (CuTe: its column n) is written to value column
+// vt_row_column(n), the column V^T row n holds.
+static void check_output_columns() {
+  typename T::TiledMmaPV mma_pv;
+  Tensor cO = make_identity_tensor(Shape<Int<kBlockM>, Int<kHalfDimV>>{});
+  bool hit[kHalfDimV] = {};
+  for (int t = 0; t < 128; ++t) {
+    const int l = t % 32, g = 16 * (t / 32) + l / 4;
+    Tensor o = mma_pv.get_slice(t).partition_C(cO);
+    for (int a = 0; a < size(o) / 8; ++a)
+      for (int v = 0; v < 2; ++v)
+        for (int k = 0; k < 4; ++k) {
+          const auto c = o(flashmla_backend::sm90::decode::interleaved_value_index(a, v, k));
+          EXPECT_EQ(get<0>(c), g + 8 * v, "epilogue row", "thread %d a %d v %d k %d", t, a, v, k);
+          const int col = vt_row_column(get<1>(c));
+          EXPECT_EQ(col, 16 * a + 4 * (l % 4) + k, "epilogue column", "thread %d a %d v %d k %d", t, a, v, k);
+          if (col >= 0 && col < kHalfDimV) hit[col] = true;
+        }
+  }
+  for (int c = 0; c < kHalfDimV; ++c) EXPECT_EQ(hit[c], true, "value column written", "column %d", c);
 }
 
 int main() {
   check_tiles();
   check_fragments();
   check_transposition();
+  check_output_columns();
   if (g_fail) {
     printf("%d mismatches\n", g_fail);
     return 1;

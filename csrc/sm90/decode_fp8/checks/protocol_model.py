@@ -12,9 +12,10 @@ sequence of operations; a random scheduler interleaves them, many times per sequ
   - no deadlock: some agent can always move until all have finished;
   - a wait for completion n of an mbarrier (parity n & 1) never finds completion n + 1 already past (the hardware
     would then miss the phase and hang);
-  - data: a KV stage is written (TMA) only after every reader of its previous block (the owner's Q K^T, the three
-    transposer warps) finished; a V^T buffer is written only after both consumers' P V of its previous block
-    finished; a reader reads only the block it expects, after it was written.
+  - data: a KV stage is written (TMA) only after every reader of its previous block (the owner's Q K^T, the four
+    piece pairs of the transposition) finished; a V^T half slot is written only after the P V of its previous block
+    in the consumer warpgroup that reads that half finished; a reader reads only the block it expects, after it was
+    written.
 """
 from __future__ import annotations
 
@@ -32,23 +33,28 @@ class ProtocolError(AssertionError):
     """A schedule the kernel would get wrong: a hang, a skipped barrier phase or a read of stale data."""
 
 
-def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int]]:
-    """{variant: (q terms, P terms, KV stages, V^T buffers)} from VariantTraits in launch.cuh."""
+def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, int]]:
+    """{variant: (q terms, P terms, KV stages, left V^T ring, right V^T ring)} from VariantTraits in launch.cuh."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+),\s*(\d+)"
-                       r"(?:,\s*(\d+))?>", text)
+                       r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
-    return {name: (int(a), int(b), int(c), int(d) if d else 2) for name, a, b, c, d in found}
+    return {name: (int(a), int(b), int(c), int(d) if d else 2, int(e) if e else 2) for name, a, b, c, d, e in found}
+
+
+V_PIECES = 8  # config.h: kNumVPieces, the 512 value columns in pieces of 64
 
 
 def read_arrivals(traits_h: Path = TRAITS_H) -> dict[str, int]:
-    """kKvEmptyArrivals, kVtFullArrivals, kVtEmptyArrivals of traits.h (kNumTransposeWarps substituted)."""
+    """kKvEmptyArrivals, kVtFullArrivals, kVtEmptyArrivals of traits.h (kNumTransposeWarps, kNumVPairs substituted)."""
     text = traits_h.read_text()
     warps = re.search(r"constexpr int kNumTransposeWarps = (\d+);", text)
-    if not warps:
-        raise ProtocolError(f"kNumTransposeWarps not found in {traits_h}")
-    env = {"kNumTransposeWarps": int(warps.group(1))}
+    pairs = re.search(r"constexpr int kNumVPairs = ([^;]+);", text)
+    if not warps or not pairs:
+        raise ProtocolError(f"kNumTransposeWarps or kNumVPairs not found in {traits_h}")
+    env = {"kNumTransposeWarps": int(warps.group(1)), "kNumVPieces": V_PIECES}
+    env["kNumVPairs"] = int(eval(pairs.group(1), {}, dict(env)))  # noqa: S307 (a constant expression of traits.h)
     out = {}
     for name in ("kKvEmptyArrivals", "kVtFullArrivals", "kVtEmptyArrivals"):
         m = re.search(rf"constexpr uint32_t {name} = ([^;]+);", text)
@@ -56,6 +62,7 @@ def read_arrivals(traits_h: Path = TRAITS_H) -> dict[str, int]:
             raise ProtocolError(f"{name} not found in {traits_h}")
         out[name] = int(eval(m.group(1), {}, dict(env)))  # noqa: S307 (a constant expression of traits.h)
     out["kNumTransposeWarps"] = env["kNumTransposeWarps"]
+    out["kNumVPairs"] = env["kNumVPairs"]
     return out
 
 
@@ -63,9 +70,22 @@ def padded_blocks(n: int) -> int:
     return (n + 1) & ~1 if n > 0 else 0
 
 
+class VtRings:
+    """traits.h's vt_slot / vt_use: half h of block g in slot g % ring[h] of its half's ring (the left ring first)."""
+
+    def __init__(self, left: int, right: int):
+        self.ring = (left, right)
+
+    def slot(self, h: int, g: int) -> int:
+        return g % self.ring[0] if h == 0 else self.ring[0] + g % self.ring[1]
+
+    def use(self, h: int, g: int) -> int:
+        return g // self.ring[h]
+
+
 class Sim:
-    def __init__(self, stages: int, vt_buffers: int, arrivals: dict[str, int]):
-        self.kS, self.kVt = stages, vt_buffers
+    def __init__(self, stages: int, arrivals: dict[str, int]):
+        self.kS = stages
         self.count = {"kv_full": 1, "kv_empty": arrivals["kKvEmptyArrivals"], "vt_full": arrivals["kVtFullArrivals"],
                       "vt_empty": arrivals["kVtEmptyArrivals"]}
         self.done = {}      # (barrier, index) -> completed phases
@@ -122,17 +142,20 @@ def copy_agent(blocks, kS, mutation=None):
         yield ("arrive", "kv_full", x % kS)
 
 
-def transposer_agent(blocks, kS, kVt, mutation=None):
+def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None):
     for g in range(blocks):
-        if g >= kVt and mutation != "transposer ignores vt_empty":
-            yield ("wait", "vt_empty", g % kVt, g // kVt - 1)
-        yield ("wait", "kv_full", g % kS, g // kS)
-        yield ("read_begin", ("kv", g % kS), g)
-        yield ("write", ("vt", g % kVt), g, "vt")
-        yield ("read_end", ("kv", g % kS), g)
-        yield ("arrive", "vt_full", g % kVt)
-        if mutation != "transposer does not release the stage":
-            yield ("arrive", "kv_empty", g % kS)
+        for pair in range((tw + warps - g % warps) % warps, pairs, warps):  # round-robin, shifted by one per block
+            h = pair // (pairs // 2)
+            slot, use = vt.slot(h, g), vt.use(h, g)
+            if use > 0 and mutation != "transposer ignores vt_empty":
+                yield ("wait", "vt_empty", slot, use - 1)
+            yield ("wait", "kv_full", g % kS, g // kS)
+            yield ("read_begin", ("kv", g % kS), g)
+            yield ("write", ("vt", slot), g, "vt")
+            yield ("read_end", ("kv", g % kS), g)
+            yield ("arrive", "vt_full", slot)
+            if mutation != "transposer does not release the stage":
+                yield ("arrive", "kv_empty", g % kS)
 
 
 def qk(g, kS):
@@ -149,18 +172,19 @@ def qk_done(g, kS):
         yield ("arrive", "kv_empty", g % kS)
 
 
-def pv_issue(g, kVt):
-    yield ("wait", "vt_full", g % kVt, g // kVt)
-    yield ("read_begin", ("vt", g % kVt), g)
+def pv_issue(g, h, vt: VtRings):
+    yield ("wait", "vt_full", vt.slot(h, g), vt.use(h, g))
+    yield ("read_begin", ("vt", vt.slot(h, g)), g)
 
 
-def pv_done(g, kVt):
-    yield ("read_end", ("vt", g % kVt), g)
+def pv_done(g, h, vt: VtRings):
+    yield ("read_end", ("vt", vt.slot(h, g)), g)
     for _ in range(CONSUMER_WARPS):
-        yield ("arrive", "vt_empty", g % kVt)
+        yield ("arrive", "vt_empty", vt.slot(h, g))
 
 
-def consumer_agent(wg, requests, kS, kVt, reuse_p, mutation=None):
+def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None):
+    # Warpgroup wg reads V^T half wg of every block.
     g_base = 0
     for n in requests:
         yield ("named_sync", "consumers")      # Q tile ready
@@ -175,35 +199,35 @@ def consumer_agent(wg, requests, kS, kVt, reuse_p, mutation=None):
                 g0 = g_base + b0
                 if wg == 0:
                     yield ("named_arrive", "scale0")
-                    yield from pv_issue(g0, kVt)
+                    yield from pv_issue(g0, wg, kVt)
                     yield ("named_sync", "scale1")
                     yield ("named_arrive", "p0")
-                    yield from pv_done(g0, kVt)
-                    yield from pv_issue(g0 + 1, kVt)
+                    yield from pv_done(g0, wg, kVt)
+                    yield from pv_issue(g0 + 1, wg, kVt)
                     if nxt:
                         yield from qk(g0 + 2, kS)
-                    yield from pv_done(g0 + 1, kVt)
+                    yield from pv_done(g0 + 1, wg, kVt)
                     if nxt:
                         yield from qk_done(g0 + 2, kS)
                 else:
                     yield ("named_sync", "scale0")
                     yield ("named_arrive", "scale1")
-                    yield from pv_issue(g0 + 1, kVt)
+                    yield from pv_issue(g0 + 1, wg, kVt)
                     yield ("named_sync", "p0")
                     if reuse_p:                  # two-term P: P1 V1R completes before P0 takes its registers
-                        yield from pv_done(g0 + 1, kVt)
+                        yield from pv_done(g0 + 1, wg, kVt)
                     if mutation == "early vt_empty":
                         for _ in range(CONSUMER_WARPS):
-                            yield ("arrive", "vt_empty", g0 % kVt)
-                    yield from pv_issue(g0, kVt)
+                            yield ("arrive", "vt_empty", kVt.slot(1, g0))
+                    yield from pv_issue(g0, wg, kVt)
                     if nxt:
                         yield from qk(g0 + 3, kS)   # its nine pieces are waited for before the batch is issued
                     if not reuse_p:
-                        yield from pv_done(g0 + 1, kVt)
+                        yield from pv_done(g0 + 1, wg, kVt)
                     if mutation == "early vt_empty":
-                        yield ("read_end", ("vt", g0 % kVt), g0)
+                        yield ("read_end", ("vt", kVt.slot(1, g0)), g0)
                     else:
-                        yield from pv_done(g0, kVt)
+                        yield from pv_done(g0, wg, kVt)
                     if nxt:
                         yield from qk_done(g0 + 3, kS)
         g_base += nblk
@@ -211,23 +235,25 @@ def consumer_agent(wg, requests, kS, kVt, reuse_p, mutation=None):
         yield ("named_sync", "consumers")      # past the epilogue
 
 
-def run(requests: list[int], stages: int, vt_buffers: int, reuse_p: bool, arrivals: dict[str, int] | None = None,
-        seed: int = 0, mutation: str | None = None) -> None:
+def run(requests: list[int], stages: int, vt_rings: tuple[int, int], reuse_p: bool,
+        arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts."""
     arrivals = read_arrivals() if arrivals is None else arrivals
-    sim = Sim(stages, vt_buffers, arrivals)
+    sim = Sim(stages, arrivals)
+    vt = VtRings(*vt_rings)
     blocks = sum(padded_blocks(n) for n in requests)
     agents = {"copy": copy_agent(blocks, stages, mutation)}
     for w in range(arrivals["kNumTransposeWarps"]):
-        agents[f"transposer{w}"] = transposer_agent(blocks, stages, vt_buffers, mutation)
+        agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
+                                                    arrivals["kNumVPairs"], mutation)
     for wg in (0, 1):
-        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt_buffers, reuse_p, mutation)
+        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, reuse_p, mutation)
     # Named barriers: generation counters. scale0 / scale1 / p0: one side arrives, the other syncs; consumers: both
     # warpgroups sync (a generation completes when both arrived).
     named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0]}
     consumer_gen = {"wg0": 0, "wg1": 0}
     pending = {name: next(agent, None) for name, agent in agents.items()}
-    readers = {"kv": 1 + arrivals["kNumTransposeWarps"], "vt": 2}
+    readers = {"kv": 1 + arrivals["kNumVPairs"], "vt": 1}
     rng = random.Random(seed)
 
     def ready(name, op) -> bool:
@@ -263,7 +289,7 @@ def run(requests: list[int], stages: int, vt_buffers: int, reuse_p: bool, arriva
         runnable = [n for n, op in pending.items() if op is not None and ready(n, op)]
         if not runnable:
             stuck = {n: op for n, op in pending.items() if op is not None}
-            raise ProtocolError(f"deadlock over requests {requests} (stages {stages}, V^T {vt_buffers}): {stuck}")
+            raise ProtocolError(f"deadlock over requests {requests} (stages {stages}, V^T rings {vt_rings}): {stuck}")
         name = rng.choice(runnable)
         execute(name, pending[name])
         pending[name] = next(agents[name], None)
@@ -275,10 +301,10 @@ def check_all(seeds: int = 30) -> int:
     gen = random.Random(1)
     sequences = [[n] for n in range(8)] + [[a, b] for a in range(6) for b in range(6)]
     sequences += [[gen.randrange(0, 12) for _ in range(gen.randrange(1, 5))] for _ in range(20)]
-    for name, (_, p_terms, stages, vt) in read_variants().items():
+    for name, (_, p_terms, stages, left, right) in read_variants().items():
         for reqs in sequences:
             for seed in range(seeds):
-                run(reqs, stages, vt, reuse_p=p_terms == 2, seed=seed)
+                run(reqs, stages, (left, right), reuse_p=p_terms == 2, seed=seed)
                 runs += 1
     return runs
 

@@ -1,0 +1,6 @@
+// sm90 FP8 tensor-core decode kernel, e4m3 q (fast mode), the plan for one M tile (launch.cuh: VariantTraits).
+#include "sm90/decode_fp8/launch.cuh"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+template void run_decode_kernel<Variant::kFastE4m3QStream>(const DecodeParams& params);
+}  // namespace flashmla_backend::sm90::decode_fp8
