@@ -9,9 +9,13 @@
   replay of its V transposition against the P fragment's key order (needs nvcc and the CUTLASS headers, no GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
   isolation (compiled on the CPU; run on a GPU).
+- tests/device_checks/row_sum_handoff.cu: the epilogue's row-sum exchange (publish_row_sums / final_row_stats)
+  in isolation, one mode per suspect of its racecheck reports: __syncthreads, the FP8 kernel's non-aligned consumer
+  barrier, PDL, named-barrier hand-offs nearby, and a real race as control (compiled on the CPU; run on a GPU).
 """
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +30,7 @@ FP8_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "protoco
 LAYOUT_CHECK = CHECKS / "layout_check.cu"
 FP8_LAYOUT_CHECK = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "layout_check.cu"
 NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
+ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 
 
 # ---- protocol model ---------------------------------------------------------------------------------------------
@@ -256,10 +261,50 @@ def test_named_barrier_war_runs_on_the_gpu(tmp_path):
     exe = tmp_path / "named_barrier_war"
     _compile([nvcc, "-arch=sm_90a", str(NAMED_BARRIER_WAR), "-o", str(exe)], "named_barrier_war.cu")
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0 and "0 wrong values" in res.stdout, res.stdout + res.stderr
+    wrong = re.search(r"(\d+) wrong values", res.stdout)
+    assert res.returncode == 0 and wrong and int(wrong.group(1)) == 0, res.stdout + res.stderr
     # What the probe is for: whether racecheck reports this (correct) hand-off. Informational: the verdict
     # is the tool's, and the kernel's racecheck reports are judged against it (see the probe's header).
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer:
         rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe)], capture_output=True, text=True, timeout=300)
         print(f"racecheck on the named-barrier hand-off (rc {rc.returncode}):\n{rc.stdout[-2000:]}")
+
+
+# The probe's modes (row_sum_handoff.cu's header says what each reproduces); `race` is the control, a real race.
+ROW_SUM_MODES = ("syncthreads", "named", "syncthreads-pdl", "named-pdl", "syncthreads-arrive", "named-arrive", "race")
+
+
+def _build_row_sum_handoff(tmp_path: Path) -> Path:
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    exe = tmp_path / "row_sum_handoff"
+    _compile([nvcc, "-arch=sm_90a", "-lineinfo", str(ROW_SUM_HANDOFF), "-o", str(exe)], "row_sum_handoff.cu")
+    return exe
+
+
+def test_row_sum_handoff_compiles(tmp_path):
+    exe = _build_row_sum_handoff(tmp_path)
+    # `--list` is host code only (no CUDA call), so it runs here: the probe's modes are the ones the GPU test runs.
+    res = subprocess.run([str(exe), "--list"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and tuple(res.stdout.split()) == ROW_SUM_MODES, res.stdout + res.stderr
+
+
+@pytest.mark.gpu
+def test_row_sum_handoff_runs_on_the_gpu(tmp_path):
+    exe = _build_row_sum_handoff(tmp_path)
+    sanitizer = shutil.which("compute-sanitizer")
+    for mode in ROW_SUM_MODES:
+        res = subprocess.run([str(exe), mode], capture_output=True, text=True, timeout=60)
+        wrong = re.search(r"(\d+) wrong values", res.stdout)
+        assert res.returncode == 0 and wrong, f"mode {mode}:\n{res.stdout}{res.stderr}"
+        if mode != "race":  # the control races on purpose; its values are not checked
+            assert int(wrong.group(1)) == 0, f"mode {mode}:\n{res.stdout}"
+        print(res.stdout, end="")
+        # What the probe is for: racecheck's verdict on each pattern. Informational, as for named_barrier_war.cu:
+        # the kernel's reports are judged against these (see the probe's header for how to read them).
+        if sanitizer:
+            rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe), mode], capture_output=True, text=True,
+                                timeout=600)
+            print(f"racecheck, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-2000:]}")

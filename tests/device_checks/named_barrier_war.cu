@@ -11,6 +11,8 @@
 //   nvcc -arch=sm_90a -o /tmp/probe tests/device_checks/named_barrier_war.cu
 //   compute-sanitizer --tool racecheck /tmp/probe
 // tests/test_device_checks.py compiles it (CPU) and, on a GPU, runs it and checks the values handed off.
+// Measured on an H100 (2026-11-27, compute-sanitizer of CUDA 13.0): 0 wrong values, and racecheck reports
+// Write/Read hazards at the slot: the tool does not see the ordering of this hand-off.
 #include <cstdio>
 
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory"); }

@@ -30,7 +30,6 @@ void run_decode_kernel(const DecodeParams& params);
 // Measurement switches (FLASHMLA_BACKEND_FP8_DEBUG): benchmarks/fp8_kernel_sweep.py times them side by side.
 enum DebugFlags : int {
   kDebugNoTranspose = 1,       // the transposer waits and arrives but moves no data: wrong results, its time without it
-  kDebugTwoUnitsInFlight = 2,  // the transposer keeps two ldmatrix in flight instead of four (same results)
   kDebugOtherFastPlan = 4,     // the fast mode runs the other pipeline plan than the shape's (same results)
 };
 }  // namespace sm90::decode_fp8

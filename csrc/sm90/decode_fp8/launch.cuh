@@ -42,18 +42,18 @@ template <Variant V>
 struct VariantTraits;
 // The fast mode runs 2 KV stages, a ring of 2 left V^T halves and one of 4 right halves (docs/perf/journal.md: the
 // V^T buffers gate the transposition, and warpgroup 1 needs the right half of a block soon after the right half
-// of the block three earlier is released), consumers on 216 registers and the producer on 72 (at 56 the
-// transposer spilled). The accurate mode's two Q terms leave room for 2 + 2 + 2 only; the same register split
-// spills less there than 224 + 56 (52 / 132 bytes stored / loaded against 64 / 144).
+// of the block three earlier is released), consumers on 208 registers and the producer on 80 (at 56 and 72 the
+// transposer spilled). The accurate mode's two Q terms leave room for 2 + 2 + 2 only; its consumers need more
+// registers (two-term P): 216 + 72 spills 80 / 172 bytes (stored / loaded), 208 + 80 spills 140 / 312.
 template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4, 216, 72>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4, 208, 80>;
 };
 // With one M tile (h_q s_q / h_kv <= 64) each KV block is read by one CTA only and the kernel waits on memory
 // more than on the tensor cores: 3 KV stages, V^T rings of 2 + 2 (the shared memory of both plans is ~210 KB).
 template <>
 struct VariantTraits<Variant::kFastE4m3QStream> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 3, 2, 2, 216, 72>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 3, 2, 2, 208, 80>;
 };
 template <>
 struct VariantTraits<Variant::kAccurateBF16> {

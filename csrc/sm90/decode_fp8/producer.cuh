@@ -130,12 +130,15 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&d)[4]) {
 
 // Warps 1..3 of the producer (tw = 0..kNumTransposeWarps - 1, traits.h) transpose: the four pairs of V pieces of a
 // block go round-robin over the three warps, shifted by one per block (each warp handles four pairs every three
-// blocks); kUnitsInFlight units (ldmatrix in flight) at a time (kDebugTwoUnitsInFlight: two). A pair is one V^T
+// blocks); kUnitsInFlight units (ldmatrix in flight) at a time (measured: 4 faster than 2). A pair is one V^T
 // half's worth of work for its barriers: the warp waits for the half's slot to be empty, transposes, and arrives
 // once on the half's vt_full and on the stage's kv_empty (traits.h: the arrival counts count pairs).
 constexpr int kUnitsInFlight = 4;
 
-template <class T, int kUnits>
+// kMask: the block has keys past its last visible one (zeroed). A separate instantiation: predicated-off mask
+// instructions still take issue slots, which the consumer warps on the same schedulers need (measured: extra
+// instructions in this loop cost the kernel more than the loads and stores of the transposition).
+template <class T, int kUnits, bool kMask>
 __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t vt_addr,
                                                int stage, uint32_t parity, int pair, int valid,
                                                const TransposeLane& tl, int lane, int debug) {
@@ -156,7 +159,7 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kUnits; ++k) {
         const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
-        if (valid < kBlockN) {
+        if constexpr (kMask) {
           // key = transposed_key(th, m, lane) = 32 th + 8 m + 2 (lane % 4): compared as 32 th + 8 m against
           // valid - 2 (lane % 4), so that no per-lane key is kept in a register (the producer has few).
           const int lane_valid = valid - transposed_key(0, 0, lane);
@@ -199,10 +202,10 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
         const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
         if (use > 0) wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
         const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * kVtHalfBytes;
-        if (debug & kDebugTwoUnitsInFlight) {
-          transpose_pair<T, 2>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+        if (valid < kBlockN) {
+          transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
         } else {
-          transpose_pair<T, kUnitsInFlight>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+          transpose_pair<T, kUnitsInFlight, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
         }
         cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma (async proxy)
         __syncwarp();
