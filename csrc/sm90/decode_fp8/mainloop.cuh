@@ -63,6 +63,14 @@ __device__ __forceinline__ void exp2_rows_scaled(Frag& s, const float (&sl2)[2],
   }
 }
 
+// O *= sc per row, skipped by a warp whose rows all kept their running max (sc == 1, the common case once the
+// max has settled): 128 multiplications a thread that take issue slots the other warps need. Skipping a
+// multiplication by exactly 1 changes no bit.
+template <class Frag>
+__device__ __forceinline__ void rescale_o(Frag& o, const float (&sc)[2]) {
+  if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) decode::scale_rows(o, sc);
+}
+
 // ------------------------------------------------------------------------------------------------
 // P as the e4m3 A fragment
 // ------------------------------------------------------------------------------------------------
@@ -318,7 +326,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     }
 
     // ---- O_L = O_L sc0 + P0 V0L ----
-    decode::scale_rows(tOrO, sc0);
+    rescale_o(tOrO, sc0);
     wait_vt<T, 0>(ss, g0);
     pv_block<T, 0>(tid, ss, g0, P, tOrO);
 
@@ -333,7 +341,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     warpgroup_wait<0>();  // P0 V0L done
     warpgroup_fence_operand(tOrO);
     release_vt<T, 0>(ss, g0, lane);
-    decode::scale_rows(tOrO, sc1);
+    rescale_o(tOrO, sc1);
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) row_sum[v] *= sc1[v];
 
@@ -422,7 +430,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     }
 
     // ---- O_R = O_R sc0 sc1 + P1 V1R + (P0 sc1) V0R; then the next S = Q K1^T (block b0 + 3) ----
-    decode::scale_rows(tOrO, sc01);
+    rescale_o(tOrO, sc01);
     wait_vt<T, 1>(ss, g0 + 1);
     pv_block<T, 1>(tid, ss, g0 + 1, P1, tOrO);
     NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
