@@ -19,8 +19,8 @@ int sm90_fp8_debug_flags();
 
 namespace sm90::decode_fp8 {
 enum class Variant {
-  kFastE4m3Q,        // e4m3 q (one term), P one term, bf16 out; for two or more M tiles (tensor-core bound)
-  kFastE4m3QStream,  // the same with one more KV stage and fewer V^T halves; for one M tile (memory bound)
+  kFastE4m3Q,        // e4m3 q (one term), P one term, bf16 out; 2 KV stages, V^T rings 2 + 4: three or more M tiles
+  kFastE4m3QStream,  // the same with 3 KV stages and V^T rings 2 + 2: one or two M tiles
   kAccurateBF16, // bf16 q split in two e4m3 terms, P two terms, bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms, P two terms, fp16 out
 };

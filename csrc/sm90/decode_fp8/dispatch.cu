@@ -26,8 +26,8 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   using sm90::decode_fp8::Variant;
   using sm90::decode_fp8::run_decode_kernel;
   if (params.q_fp8) {
-    // One M tile: memory bound, the plan with the deeper KV pipeline (launch.cuh: VariantTraits).
-    bool stream = params.num_m_blocks == 1;
+    // Up to two M tiles per (request, KV head): the plan with the deeper KV pipeline (launch.cuh: VariantTraits).
+    bool stream = params.num_m_blocks <= 2;
     if (sm90_fp8_debug_flags() & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
     if (stream) {
       run_decode_kernel<Variant::kFastE4m3QStream>(params);

@@ -40,7 +40,8 @@ inline CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
 
 template <Variant V>
 struct VariantTraits;
-// The fast mode runs 2 KV stages, a ring of 2 left V^T halves and one of 4 right halves (docs/perf/journal.md: the
+// The fast mode with three or more M tiles (s_q h_q / h_kv > 128) runs 2 KV stages, a ring of 2 left V^T halves
+// and one of 4 right halves (docs/perf/journal.md: the
 // V^T buffers gate the transposition, and warpgroup 1 needs the right half of a block soon after the right half
 // of the block three earlier is released), consumers on 208 registers and the producer on 80 (at 56 and 72 the
 // transposer spilled). The accurate mode's two Q terms leave room for 2 + 2 + 2 only; its consumers need more
@@ -49,8 +50,10 @@ template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
   using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4, 208, 80>;
 };
-// With one M tile (h_q s_q / h_kv <= 64) each KV block is read by one CTA only and the kernel waits on memory
-// more than on the tensor cores: 3 KV stages, V^T rings of 2 + 2 (the shared memory of both plans is ~210 KB).
+// With one or two M tiles (h_q s_q / h_kv <= 128) 3 KV stages and V^T rings of 2 + 2 (the shared memory of both
+// plans is ~210 KB) measured faster once the transposer and the rescale got lighter: 1-4% at b128 h_q 16, 32 and
+// 128, on the varlen h_q 128 batch and at b = 1; 1% slower on the varlen h_q 16 batch, and at s_q 2 with h_q 128
+// (four M tiles, which keep the other plan). docs/perf/journal.md, 2026-11-27, has the repeated A/B.
 template <>
 struct VariantTraits<Variant::kFastE4m3QStream> {
   using type = Traits<cutlass::float_e4m3_t, 1, 1, 3, 2, 2, 208, 80>;
