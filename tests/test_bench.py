@@ -271,6 +271,17 @@ def test_compare_outputs_flags_errors():
     assert not check.compare_outputs(out[:2], lse[:2], out, lse, rows).ok  # shape mismatch
 
 
+def test_agreement_bound_is_twice_the_reference_bound():
+    # Two results 2.5e-2 off the reference in opposite directions: each passes against it, and against each other
+    # they pass the agreement bound only (a 5e-2 difference).
+    out, lse, rows = _guard_case()
+    a, b = out * 1.025, out * 0.975
+    assert check.compare_outputs(a, None, out, None, rows).ok and check.compare_outputs(b, None, out, None, rows).ok
+    assert not check.compare_outputs(a, None, b, None, rows).ok
+    assert check.compare_outputs(a, None, b, None, rows, row_tol=check.AGREE_ROW_REL_TOL).ok
+    assert not check.compare_outputs(out * 1.07, None, out, None, rows, row_tol=check.AGREE_ROW_REL_TOL).ok
+
+
 def test_compare_outputs_ignores_rows_without_keys():
     out, lse, rows = _guard_case()
     bad = out.clone()

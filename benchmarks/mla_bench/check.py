@@ -11,6 +11,11 @@ from typing import Optional, Sequence
 import torch
 
 OUT_ROW_REL_TOL = 3e-2     # max over query rows of ||out - ref||_2 / ||ref||_2
+# Two implementations compared with each other (the whole-batch agreement check): each may be OUT_ROW_REL_TOL from
+# the reference, so they may differ by twice that per row (triangle inequality). Two FP8 kernels that round P to
+# e4m3 independently (ours in the fast mode and FlashMLA-FP8) differ by up to 3.6e-2 on a row, each within 2.1e-2
+# of the reference (H100, varlen batches).
+AGREE_ROW_REL_TOL = 2 * OUT_ROW_REL_TOL
 LSE_ATOL = 1e-2
 LSE_RTOL_FP32 = 1e-3       # lse returned in fp32
 LSE_RTOL_LOWP = 1.6e-2     # lse returned in bf16/fp16 (vLLM's Triton kernel)
@@ -33,8 +38,9 @@ def visible_rows(cache_seqlens: torch.Tensor, s_q: int, causal: bool) -> torch.T
 
 
 def compare_outputs(out: torch.Tensor, lse: Optional[torch.Tensor], ref_out: torch.Tensor,
-                    ref_lse: Optional[torch.Tensor], rows: torch.Tensor) -> Check:
-    """out/ref_out [n, s_q, h_q, dv], lse/ref_lse [n, h_q, s_q] or None, rows [n, s_q] bool.
+                    ref_lse: Optional[torch.Tensor], rows: torch.Tensor, row_tol: float = OUT_ROW_REL_TOL) -> Check:
+    """out/ref_out [n, s_q, h_q, dv], lse/ref_lse [n, h_q, s_q] or None, rows [n, s_q] bool; row_tol bounds each
+    row's relative error (AGREE_ROW_REL_TOL when ref_out is another implementation's output).
     Only rows that see a key are compared (rows without keys are convention, checked by tests)."""
     if tuple(out.shape) != tuple(ref_out.shape):
         return Check(False, None, None, f"output shape {tuple(out.shape)} != {tuple(ref_out.shape)}")
@@ -46,7 +52,7 @@ def compare_outputs(out: torch.Tensor, lse: Optional[torch.Tensor], ref_out: tor
     if not bool(torch.isfinite(o).all()):
         return Check(False, None, None, "non-finite values in the output")
     row_err = float(((o - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-30)).max())
-    ok = row_err <= OUT_ROW_REL_TOL
+    ok = row_err <= row_tol
     detail = f"max row err {row_err:.1e}"
     lse_err = None
     if lse is not None and ref_lse is not None:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .check import Check, check_indices, compare_outputs, dequantized_reference, rel_norm_error, visible_rows
+from .check import AGREE_ROW_REL_TOL, Check, check_indices, compare_outputs, dequantized_reference, rel_norm_error, visible_rows
 from .impls import (ADAPTERS, ALL_IMPLS, FP8_IMPLS, FP8_Q_IMPLS, METADATA_IMPL, PEERS, ImplUnavailable, ShapeContext,
                     Variant, baseline_of, metadata_call)
 from .shapes import (D_QK, D_V, DEFAULT_L2_BYTES, DTYPES, Shape, Work, bytes_per_copy, count_work,
@@ -103,7 +103,7 @@ def _guard(variant: Variant, ctx: ShapeContext, ref: Optional[tuple], ours_full:
         check = compare_outputs(out.index_select(0, sel), sub_lse, ref_out, ref_lse, rows_all[idx])
     vs_ours = None
     if ours_full is not None:
-        agree = compare_outputs(out, None, ours_full[0], None, rows_all)
+        agree = compare_outputs(out, None, ours_full[0], None, rows_all, row_tol=AGREE_ROW_REL_TOL)
         vs_ours = agree.max_row_err
         if not agree.ok and check.ok:
             check = Check(False, check.max_row_err, check.max_lse_err,

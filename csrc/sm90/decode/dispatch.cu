@@ -10,7 +10,7 @@ namespace flashmla_backend {
 void run_sm90_decode(const DecodeParams& params) {
   using sm90::decode::Variant;
   using sm90::decode::run_decode_kernel;
-  if (params.kv_fp8 && sm90_fp8_tensorcore_selected()) {
+  if (params.kv_fp8 && sm90_fp8_tensorcore_selected(params.q_fp8)) {
     run_sm90_fp8_decode(params);
     return;
   }

@@ -6,9 +6,11 @@
 
 namespace flashmla_backend {
 
-// True when this build holds the FP8 tensor-core kernel and FLASHMLA_BACKEND_FP8_KERNEL selects it for e4m3
-// caches ("tensorcore"; "widen", the default while it is measured, keeps the kernel that widens e4m3 to fp16).
-bool sm90_fp8_tensorcore_selected();
+// True when the FP8 tensor-core kernel reads this e4m3 cache. FLASHMLA_BACKEND_FP8_KERNEL: "auto" (or unset) picks
+// it for an e4m3 q (the fast mode, where it is faster than FlashMLA-FP8 at the same precision) and keeps the kernel
+// that widens e4m3 to fp16 for a 16-bit q (the accurate mode, whose precision the tensor-core kernel does not reach
+// yet); "tensorcore" and "widen" force one.
+bool sm90_fp8_tensorcore_selected(bool q_fp8);
 
 // Same contract as run_sm90_decode for a kv_fp8 cache.
 void run_sm90_fp8_decode(const DecodeParams& params);
