@@ -53,9 +53,10 @@ constexpr int kVPiecesPerHalf = kNumVPieces / 2;     // 4
 constexpr int kPFragBytes = kBlockM * kBlockN / kThreadsPerWarpGroup;  // 32
 constexpr int kPTermBytes = kBlockM * kBlockN;                         // 4096
 
-// P is multiplied by this power of two before its cast to e4m3 (its values are <= 1 relative to the running
-// max), so that small probabilities keep normal e4m3 exponents; the epilogue divides it out exactly.
-constexpr float kPScale = 256.f;
+// P = exp2(s - m + kPScaleLog2): 2^8 times the probability relative to the running max (<= 1), so that small
+// probabilities keep normal e4m3 exponents. The factor costs no multiplication (it rides in the exponent's offset);
+// the row sums carry it too, so O / l is unchanged, and the epilogue takes it out of the lse.
+constexpr float kPScaleLog2 = 8.f;
 // The largest finite e4m3 value: a 16-bit q row is split with the scale amax / kE4m3Max.
 constexpr float kE4m3Max = 448.f;
 

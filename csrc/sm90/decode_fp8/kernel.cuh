@@ -81,7 +81,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
       const float dk = descale_k_at(p, w.req, hk);
       const float qs = T::kQFp8 ? descale_q_at(p, w.req, hk) : ss.q_scale[tid];
       ss.row_scale_log2[tid] = p.scale_log2 * dk * qs;
-      if (tid == 0) ss.value_scale = dk * (1.f / kPScale);
+      if (tid == 0) ss.value_scale = dk;
     }
     consumers_sync();
 
@@ -104,6 +104,9 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
 
     float l[2], m[2];
     decode::final_row_stats(ss, ri.row, l, m);
+    // l carries P's 2^kPScaleLog2 (config.h): O / l does not see it, lse = (m + log2 l) ln 2 must not.
+    m[0] -= kPScaleLog2;
+    m[1] -= kPScaleLog2;
     decode::store_output<T>(p, w, ri, m_block, hk, kWG, tid_in_wg, tOrO, l, m, ss.value_scale);
     consumers_sync();  // row_max / row_sum reused
   }

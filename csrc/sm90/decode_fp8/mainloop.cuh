@@ -50,15 +50,17 @@ __device__ __forceinline__ void warp_arrive(Barrier& bar, int lane) {
 // ------------------------------------------------------------------------------------------------
 // Softmax pieces with a per-row scale (the accurate mode's q rows have scales of their own)
 // ------------------------------------------------------------------------------------------------
+// P = exp2(s sl2 - m + kPScaleLog2) (config.h: the e4m3 range factor rides in the offset), and its row sums.
 template <class Frag>
 __device__ __forceinline__ void exp2_rows_scaled(Frag& s, const float (&sl2)[2], const float (&m_use)[2],
                                                  float (&sum)[2]) {
+  const float off[2] = {kPScaleLog2 - m_use[0], kPScaleLog2 - m_use[1]};
   sum[0] = 0.f;
   sum[1] = 0.f;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(s); ++i) {
     const int v = (i >> 1) & 1;
-    s(i) = fast_exp2(fmaf(s(i), sl2[v], -m_use[v]));
+    s(i) = fast_exp2(fmaf(s(i), sl2[v], off[v]));
     sum[v] += s(i);
   }
 }
@@ -79,14 +81,14 @@ __device__ __forceinline__ void rescale_o(Frag& o, const float (&sc)[2]) {
 // between threads when k' = 4 t + i holds key 2 t + (i & 1) + 8 (i >> 1) (+ 16 for the upper half): word q of slice
 // kk takes values 16 kk + 8 (q >> 1) + 2 (q & 1) + {0, 1, 4, 5}, in that byte order. V^T is written in that key
 // order (producer.cuh: producer_loop).
-// Term 0 = e4m3(x), term 1 = e4m3(x - term 0), with x = s(i) * f[row].
-template <int kTerms, class Frag>
+// Term 0 = e4m3(x), term 1 = e4m3(x - term 0), with x = s(i) * f[row] (kScaled) or s(i).
+template <int kTerms, bool kScaled, class Frag>
 __device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int kk, uint32_t (&words)[kTerms][4]) {
   CUTLASS_PRAGMA_UNROLL
   for (int q = 0; q < 4; ++q) {
-    const float fr = f[q & 1];
-    const float x0 = s(p_source_index(kk, q, 0)) * fr, x1 = s(p_source_index(kk, q, 1)) * fr;
-    const float x2 = s(p_source_index(kk, q, 2)) * fr, x3 = s(p_source_index(kk, q, 3)) * fr;
+    const float fr = kScaled ? f[q & 1] : 1.f;
+    const auto at = [&](int i) { return kScaled ? s(p_source_index(kk, q, i)) * fr : s(p_source_index(kk, q, i)); };
+    const float x0 = at(0), x1 = at(1), x2 = at(2), x3 = at(3);
     const uint32_t hi = f32x4_to_e4m3x4(x0, x1, x2, x3);
     words[0][q] = hi;
     if constexpr (kTerms == 2) {
@@ -96,12 +98,14 @@ __device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int 
     }
   }
 }
+// P's own fragment (no row factor).
 template <int kTerms, class Frag>
-__device__ __forceinline__ void p_fragment(const Frag& s, const float (&f)[2], uint32_t (&words)[kTerms][8]) {
+__device__ __forceinline__ void p_fragment(const Frag& s, uint32_t (&words)[kTerms][8]) {
+  const float none[2] = {1.f, 1.f};
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
     uint32_t w[kTerms][4];
-    p_words<kTerms>(s, f, kk, w);
+    p_words<kTerms, false>(s, none, kk, w);
     CUTLASS_PRAGMA_UNROLL
     for (int t = 0; t < kTerms; ++t) {
       CUTLASS_PRAGMA_UNROLL
@@ -130,7 +134,7 @@ __device__ __forceinline__ void store_p_fragment(const Frag& s, const float (&f)
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
     uint32_t w[kTerms][4];
-    p_words<kTerms>(s, f, kk, w);
+    p_words<kTerms, true>(s, f, kk, w);
     CUTLASS_PRAGMA_UNROLL
     for (int t = 0; t < kTerms; ++t) {
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + t * kPTermBytes + (kk * 128 + tid) * 16),
@@ -321,7 +325,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc0[v] + sum[v];
     {
       uint32_t words[kPT][8];
-      p_fragment<kPT>(tSrS, {kPScale, kPScale}, words);
+      p_fragment<kPT>(tSrS, words);
       P.set(words);
     }
 
@@ -335,7 +339,12 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     float sc1[2];
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) sc1[v] = ss.scale1[ri.row[v]];
-    store_p_fragment<kPT>(tSrS, {kPScale * sc1[0], kPScale * sc1[1]}, ss.p[0], tid);
+    // P0 sc1: when no row of the warp changed its max (sc1 == 1, the common case) that is P0's own fragment.
+    if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
+      store_p_fragment<kPT>(tSrS, {sc1[0], sc1[1]}, ss.p[0], tid);
+    } else {
+      store_p<kPT>(ss.p[0], tid, P.w);
+    }
     NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
 
     warpgroup_wait<0>();  // P0 V0L done
@@ -417,7 +426,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     {
       exp2_rows_scaled(tSrS, sl2, m_use, sum);
       uint32_t words[kPT][8];
-      p_fragment<kPT>(tSrS, {kPScale, kPScale}, words);
+      p_fragment<kPT>(tSrS, words);
       store_p<kPT>(ss.p[1], tid, words);
       P1.set(words);
     }

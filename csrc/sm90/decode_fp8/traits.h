@@ -90,7 +90,7 @@ struct Traits {
     float row_sum[kNumConsumerWarpGroups][kBlockM];
     float q_scale[kBlockM];   // a 16-bit q's per-row split scale (q ~ q_scale (hi + lo)); unused for an e4m3 q
     // The current request's softmax scale per row (log2 domain, the scales folded: scale_log2 * descale_k *
-    // (descale_q or q_scale)) and the value scale of the epilogue (descale_k / kPScale). Kept here rather than in
+    // (descale_q or q_scale)) and the value scale of the epilogue (descale_k). Kept here rather than in
     // registers across the main loop.
     float row_scale_log2[kBlockM];
     float value_scale;
