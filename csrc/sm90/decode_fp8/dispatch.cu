@@ -13,8 +13,8 @@ bool sm90_fp8_tensorcore_selected(bool q_fp8) {
   const char* v = std::getenv("FLASHMLA_BACKEND_FP8_KERNEL");
   if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return q_fp8;
   if (std::strcmp(v, "widen") == 0) return false;
-  FMLA_HOST_CHECK(std::strcmp(v, "tensorcore") == 0, "FLASHMLA_BACKEND_FP8_KERNEL is '"
-                                                         << v << "'; expected 'auto', 'tensorcore' or 'widen' (or unset)");
+  FMLA_HOST_CHECK(std::strcmp(v, "tensorcore") == 0,
+                  "FLASHMLA_BACKEND_FP8_KERNEL is '" << v << "'; expected 'auto', 'tensorcore' or 'widen' (or unset)");
   return true;
 }
 

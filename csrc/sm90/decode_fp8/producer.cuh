@@ -1,8 +1,8 @@
 // Producer warpgroup of the sm90 FP8 tensor-core decode kernel: the KV copies (TMA) and the transposition of V.
 //
 // The producer walks the same blocks as the consumers: the CTA's request pieces in order, block g (counted over the
-// whole metadata row) in KV stage g % kStages and V^T slots T::vt_slot(0, g), T::vt_slot(1, g) (its two halves). Parities follow from g: the n-th
-// completion of a barrier (n = 0, 1, ...) is waited with parity n & 1.
+// whole metadata row) in KV stage g % kStages and V^T slots T::vt_slot(0, g), T::vt_slot(1, g) (its two halves).
+// Parities follow from g: the n-th completion of a barrier (n = 0, 1, ...) is waited with parity n & 1.
 //   warp 0, lane 0   issues every block in order (copy_loop): block x waits until stage x % kStages is empty (block
 //                    x - kStages consumed by its Q K^T and transposed).
 //   warps 1..3       block g: the four pairs of V pieces go round-robin over the three warps, shifted by one per
@@ -127,7 +127,6 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&d)[4]) {
                : "memory");
 }
 
-
 // Warps 1..3 of the producer (tw = 0..kNumTransposeWarps - 1, traits.h) transpose: the four pairs of V pieces of a
 // block go round-robin over the three warps, shifted by one per block (each warp handles four pairs every three
 // blocks); kUnitsInFlight units (ldmatrix in flight) at a time (measured: 4 faster than 2). A pair is one V^T
@@ -205,7 +204,8 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
         if (valid < kBlockN) {
           transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
         } else {
-          transpose_pair<T, kUnitsInFlight, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+          transpose_pair<T, kUnitsInFlight, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane,
+                                                   debug);
         }
         cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma (async proxy)
         __syncwarp();
