@@ -16,7 +16,8 @@ from kit import D_V, Case, brute_force_fp64
 
 pytestmark = pytest.mark.gpu
 
-# Every test runs on both FP8 kernels: the one that widens e4m3 to fp16 (the default) and the FP8 tensor-core one.
+# Every test runs on both FP8 kernels, forced by FLASHMLA_BACKEND_FP8_KERNEL: the one that widens e4m3 to fp16 (the
+# accurate mode's default) and the FP8 tensor-core one (the fast mode's).
 KERNELS = ("widen", "tensorcore")
 
 
@@ -28,6 +29,7 @@ def fp8_kernel(request, monkeypatch):
 
 def _out_tol(mode, kernel):
     return out_tolerance(mode == "e4m3q", kernel)
+
 
 CASES = [
     Case(lengths=[100, 300], h_q=16),
