@@ -13,6 +13,9 @@ Commands (each prints its plan first, one progress line per engine process, and 
         MODE accurate or fast (CUSTOM with fp8 only; FLASHMLA_BACKEND_FP8_MODE in that engine's environment)
     python integration/bench_vllm_throughput.py --capacity [--configs CUSTOM:fp8,CUSTOM:auto,FLASHMLA:fp8,FLASHMLA:auto]
         a batch that fits only with FP8 (default configs CUSTOM:fp8:accurate,CUSTOM:auto; see "Capacity" below)
+    python integration/bench_vllm_throughput.py --dcp 2 --configs CUSTOM:auto,FLASHMLA:auto --rounds 4
+        decode context parallelism: every engine at tensor_parallel_size 2 + decode_context_parallel_size 2, so
+        each needs 2 GPUs (see "Decode context parallelism" below)
     python integration/bench_vllm_throughput.py --dry-run [other options]
         prints the plan (processes in order, rough time) and starts nothing
     python integration/bench_vllm_throughput.py --table-from RUN.json [RUN2.json ...]
@@ -44,6 +47,21 @@ the default shape on an H100. The plan line estimates the whole run. When device
 spread is then not measured, and the table says "1 round"). A call limited to 10 minutes fits about 5 configs x 1
 round; more rounds can run in separate calls (--first-round) and be merged with --table-from.
 
+Decode context parallelism (--dcp N, default 1 = off): every engine of the run is made with
+tensor_parallel_size=N and decode_context_parallel_size=N (vLLM 0.26 engine arguments, as integration/vllm_run.py
+--tp and integration/vllm_dcp_run.py --dcp pass them): vLLM's DCP group reuses the tensor-parallel ranks, so it needs
+TP >= DCP (DCP dividing TP), and each engine needs N GPUs; the script refuses to start when
+torch.cuda.device_count() is below N (--dry-run does not check). Each rank keeps 1/N of every request's tokens and
+attends with all heads; vLLM merges the partial results. The comparison of ours against vLLM's FLASHMLA at TP 2 +
+DCP 2 on two GPUs:
+    python integration/bench_vllm_throughput.py --dcp 2 --configs CUSTOM:auto,FLASHMLA:auto --rounds 4
+(alternating order and repeats as above; the table's "vs CUSTOM:auto" column is FLASHMLA against ours). CUSTOM runs
+must also log "decode context parallelism (rank" on our decode line (checked). The DCP size is in the plan, in every
+record of the results JSON ("dcp"; records of older files without it count as DCP 1) and in the tables (a header
+line; rows of DCP N > 1 read "CONFIG (DCP N)", and ratios are taken against the reference at the same DCP size, so
+results of different DCP sizes merged with --table-from stay apart). Not with --capacity (its cap is sized for one
+GPU holding the whole batch).
+
 Capacity (--capacity): vLLM's KV cache is capped with kv_cache_memory_bytes (LLM(...) argument, ignores
 gpu_memory_utilization) at --capacity-headroom (1.05) x the bytes an FP8 cache needs for the whole batch,
 prompts x (prompt_len + output_len) tokens, each request rounded up to 256-token blocks (override:
@@ -58,8 +76,9 @@ preempted requests and decode at smaller batches: it is the cost of generating N
 that cache, not the speed of a decode step. That is the quantity capacity buys; the end-to-end column says the same
 without the subtraction.
 
-Results: $FLASHMLA_BACKEND_RUN_DIR/bench.json (bench-capacity.json with --capacity; --results PATH), rewritten after
-every process, so a run cut short still leaves its measurements; engine logs next to it (bench-r<round>-<config>.log).
+Results: $FLASHMLA_BACKEND_RUN_DIR/bench.json (bench-capacity.json with --capacity, bench-dcp<N>.json with --dcp N > 1;
+--results PATH), rewritten after every process, so a run cut short still leaves its measurements; engine logs next to
+it (bench-r<round>-<config>.log, bench-r<round>-<config>-dcp<N>.log with --dcp N > 1).
 """
 from __future__ import annotations
 
@@ -88,6 +107,7 @@ FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
 REFERENCES = ("FLASHMLA:fp8", "CUSTOM:auto")      # the throughput table's ratio columns
 CAPACITY_REFERENCE = "CUSTOM:auto"
 OUR_LOG_LINE = "MLA decode attention runs on flashmla_backend"
+OUR_DCP_LOG_WORDS = "decode context parallelism (rank"   # our decode line with a DCP group of more than one rank
 LATENT_BYTES_PER_TOKEN = 576                       # kv_lora_rank 512 + rope 64, one byte each in e4m3
 CAPACITY_BLOCK_ROUNDING = 256                      # largest KV block size: each request rounded up to it
 # Rough H100 figures at the default shape, for the plan line only.
@@ -168,8 +188,9 @@ def config_env(cfg: Config, base: dict | None = None) -> dict:
     return env
 
 
-def custom_log_problem(log: str, cfg: Config) -> str | None:
-    """None when a CUSTOM run's log shows our decode (and, with fp8, the FP8 cache in the requested mode)."""
+def custom_log_problem(log: str, cfg: Config, dcp: int = 1) -> str | None:
+    """None when a CUSTOM run's log shows our decode (and, with fp8, the FP8 cache in the requested mode; with
+    dcp > 1, decode context parallelism)."""
     if cfg.backend != "CUSTOM":
         return None
     ours = [line for line in log.splitlines() if OUR_LOG_LINE in line]
@@ -180,7 +201,32 @@ def custom_log_problem(log: str, cfg: Config) -> str | None:
                 f"{ours[0].strip()!r}")
     if not cfg.fp8 and any("FP8 KV cache" in line for line in ours):
         return f"{cfg.label}: a 16-bit run whose log says 'FP8 KV cache': {ours[0].strip()!r}"
+    if dcp > 1 and not any(OUR_DCP_LOG_WORDS in line for line in ours):
+        return (f"{cfg.label} at DCP {dcp}: the log's flashmla_backend line does not mention decode context "
+                f"parallelism ({OUR_DCP_LOG_WORDS!r}): {ours[0].strip()!r}")
     return None
+
+
+def record_dcp(record: dict) -> int:
+    """The DCP size of a results record (measurement, process, failure); records of files written before --dcp
+    existed have none: 1."""
+    return int(record.get("dcp") or 1)
+
+
+def row_label(label: str, dcp: int) -> str:
+    """A table row's name: the config's label, with ' (DCP N)' when N > 1."""
+    return label if dcp == 1 else f"{label} (DCP {dcp})"
+
+
+def _by_row(records: list[dict]) -> list[dict]:
+    """Copies of the records with "config" replaced by row_label(config, DCP size)."""
+    return [dict(r, config=row_label(r["config"], record_dcp(r))) for r in records]
+
+
+def dcp_sizes(results: dict) -> list[int]:
+    """The DCP sizes of a results dict's records (meta's "dcp", else 1, when it has none)."""
+    records = results.get("measurements", []) + results.get("processes", []) + results.get("failures", [])
+    return sorted({record_dcp(r) for r in records}) or [int(results["meta"].get("dcp") or 1)]
 
 
 # ---- capacity -----------------------------------------------------------------------------------
@@ -276,14 +322,28 @@ def header_lines(results: dict) -> list[str]:
         f"CUDA graphs; {len(rounds)} round{'s' if len(rounds) != 1 else ''} (order alternating) x "
         f"{meta['repeats']} repeats per config",
     ]
+    sizes = dcp_sizes(results)
+    if sizes == [1]:
+        lines.append("- decode context parallel: none (DCP 1: tensor_parallel_size 1, one GPU per engine)")
+    elif len(sizes) == 1:
+        n = sizes[0]
+        lines.append(f"- decode context parallel: DCP {n} for every config (tensor_parallel_size {n} + "
+                     f"decode_context_parallel_size {n}, {n} GPUs per engine)")
+    else:
+        lines.append(f"- decode context parallel: DCP sizes {', '.join(map(str, sizes))} in these results (DCP N: "
+                     "tensor_parallel_size N + decode_context_parallel_size N, N GPUs per engine); rows of DCP N > 1 "
+                     "read \"CONFIG (DCP N)\", ratios are against the reference at the same DCP size")
     return lines
 
 
 def throughput_table(results: dict) -> str:
-    meta, ms = results["meta"], results["measurements"]
-    labels = list(dict.fromkeys(meta["configs"] + [m["config"] for m in ms]))
+    meta, ms = results["meta"], _by_row(results["measurements"])
+    meta_dcp = int(meta.get("dcp") or 1)
+    dcp_of = {m["config"]: record_dcp(m) for m in ms}
+    labels = list(dict.fromkeys([row_label(c, meta_dcp) for c in meta["configs"]] + [m["config"] for m in ms]))
     stats = summarize(ms, labels)
-    refs = [r for r in REFERENCES if r in stats]
+    sizes = sorted(set(dcp_of.values())) or [meta_dcp]
+    refs = [r for r in REFERENCES if any(row_label(r, d) in stats for d in sizes)]
     lines = ["### vLLM decode throughput (integration/bench_vllm_throughput.py)", ""] + header_lines(results) + [""]
     head = ["config", "n", "decode tok/s min", "median", "max", "ms/step (median)"] + [f"vs {r}" for r in refs]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -293,19 +353,25 @@ def throughput_table(results: dict) -> str:
         s = stats[label]
         ms_step = meta["num_prompts"] * 1e3 / s["median"]
         row = [label, str(s["n"]), f"{s['min']:,.0f}", f"{s['median']:,.0f}", f"{s['max']:,.0f}", f"{ms_step:.3f}"]
-        row += [versus(stats, label, r) for r in refs]
+        d = dcp_of.get(label, meta_dcp)
+        row += [versus(stats, label, row_label(r, d)) for r in refs]
         lines.append("| " + " | ".join(row) + " |")
     if refs:
         lines += ["", "Ratios are of medians. \"apart\": the two configs' [min, max] ranges do not overlap, so the "
                       "difference exceeds the spread of these runs; \"overlap\": it does not, and these runs do not "
                       "establish it."]
+        if sizes != [1]:
+            lines[-1] += " Each ratio is against the reference at the row's own DCP size."
     lines += _failure_lines(results)
     return "\n".join(lines)
 
 
 def capacity_table(results: dict) -> str:
-    meta, ms = results["meta"], results["measurements"]
-    labels = list(dict.fromkeys(meta["configs"] + [m["config"] for m in ms]))
+    meta, ms = results["meta"], _by_row(results["measurements"])
+    meta_dcp = int(meta.get("dcp") or 1)
+    dcp_of = {m["config"]: record_dcp(m) for m in ms}
+    procs_by_row = _by_row(results.get("processes", []))
+    labels = list(dict.fromkeys([row_label(c, meta_dcp) for c in meta["configs"]] + [m["config"] for m in ms]))
     stats = summarize(ms, labels)
     e2e = summarize(ms, labels, "e2e_tok_s")
     pre = summarize(ms, labels, "preemptions")
@@ -319,7 +385,7 @@ def capacity_table(results: dict) -> str:
                   "(median) | decode tok/s median [min, max] | end-to-end tok/s (median) | decode vs "
                   f"{CAPACITY_REFERENCE} |", "|" + "---|" * 8]
     for label in labels:
-        procs = [p for p in results.get("processes", []) if p["config"] == label]
+        procs = [p for p in procs_by_row if p["config"] == label]
         kv = [p.get("capacity", {}) for p in procs]
         tokens = _unique(f"{k['kv_tokens']:,}" for k in kv if k.get("kv_tokens") is not None)
         conc = _unique(f"{k['max_concurrency']:.2f}x for {k['concurrency_tokens_per_request']:,}"
@@ -330,7 +396,7 @@ def capacity_table(results: dict) -> str:
         dec = f"{s['median']:,.0f} [{s['min']:,.0f}, {s['max']:,.0f}]" if s else "-"
         e = f"{e2e[label]['median']:,.0f}" if label in e2e else "-"
         p = f"{pre[label]['median']:g}" if label in pre else "-"
-        rel = versus(stats, label, CAPACITY_REFERENCE) if s else "-"
+        rel = versus(stats, label, row_label(CAPACITY_REFERENCE, dcp_of.get(label, meta_dcp))) if s else "-"
         lines.append(f"| {label} | {tokens} | {fits} | {conc} | {p} | {dec} | {e} | {rel} |")
     lines += ["", "With a cache that does not hold the batch, vLLM queues and preempts requests: t(N) - t(1) then "
                   "includes prefill waves and recomputation, so the decode column is the cost of generating the "
@@ -343,7 +409,7 @@ def _failure_lines(results: dict) -> list[str]:
     fails = results.get("failures", [])
     if not fails:
         return []
-    return [""] + [f"- FAILED: {f['config']} (round {f['round']}): {f['why']}" for f in fails]
+    return [""] + [f"- FAILED: {row_label(f['config'], record_dcp(f))} (round {f['round']}): {f['why']}" for f in fails]
 
 
 def render(results: dict) -> str:
@@ -396,6 +462,9 @@ def worker(args) -> int:
     if args.kv_cache_memory_bytes:
         kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
         kwargs["disable_log_stats"] = False   # the preemption counter (llm.get_metrics)
+    if args.dcp > 1:   # vLLM 0.26 engine arguments, as integration/vllm_run.py (--tp) and vllm_dcp_run.py pass them
+        kwargs["tensor_parallel_size"] = args.dcp
+        kwargs["decode_context_parallel_size"] = args.dcp
     print(f"[bench] {cfg.label}: LLM({json.dumps({k: v for k, v in kwargs.items() if k != 'model'})})", flush=True)
     t0 = time.time()
     llm = LLM(**kwargs)
@@ -437,8 +506,9 @@ def worker(args) -> int:
               f"{t_n:.2f} s, decode {rate} tok/s ({m['ms_per_step']:.3f} ms/step)"
               f"{f', {pre:g} preemptions' if pre is not None else ''}", flush=True)
     cache = llm.llm_engine.vllm_config.cache_config
-    result = {"config": cfg.label, "vllm_version": vllm.__version__, "torch_version": torch.__version__,
-              "gpu": torch.cuda.get_device_name(), "init_s": init_s, "measurements": measurements,
+    result = {"config": cfg.label, "dcp": args.dcp, "vllm_version": vllm.__version__,
+              "torch_version": torch.__version__, "gpu": torch.cuda.get_device_name(), "init_s": init_s,
+              "measurements": measurements,
               "cache_config": {k: getattr(cache, k, None) for k in ("num_gpu_blocks", "block_size",
                                                                        "kv_cache_size_tokens",
                                                                        "kv_cache_max_concurrency")}}
@@ -477,6 +547,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-round", type=int, default=1,
                     help="number of the first round (its parity sets the order; for rounds split over several calls)")
     ap.add_argument("--repeats", type=int, default=3, help="measurements inside each process (default 3)")
+    ap.add_argument("--dcp", type=int, default=1, metavar="N",
+                    help="decode context parallelism for every config: each engine at tensor_parallel_size N + "
+                         "decode_context_parallel_size N on N GPUs (vLLM's DCP needs TP >= DCP, the DCP group reusing "
+                         "the TP ranks); default 1 = off")
     ap.add_argument("--capacity", action="store_true", help="the capped-KV-cache run (see the docstring)")
     ap.add_argument("--capacity-headroom", type=float, default=1.05)
     ap.add_argument("--kv-cache-memory-bytes", type=int, help="with --capacity: the cap itself (default: computed)")
@@ -506,8 +580,21 @@ def resolve(args) -> list[Config]:
         raise ValueError("--output-len must be at least 2 (decode steps = output_len - 1)")
     if args.kv_cache_memory_bytes is not None and not args.capacity:
         raise ValueError("--kv-cache-memory-bytes belongs to --capacity")
+    if args.dcp < 1:
+        raise ValueError(f"--dcp must be at least 1 (1 = no decode context parallelism; N > 1 runs every engine at "
+                         f"tensor_parallel_size N + decode_context_parallel_size N on N GPUs), got {args.dcp}")
+    if args.dcp > 1 and args.capacity:
+        raise ValueError("--dcp does not combine with --capacity (the capped cache is sized for one GPU holding the "
+                         "whole batch)")
     text = args.configs or args.backends or (DEFAULT_CAPACITY_CONFIGS if args.capacity else DEFAULT_BACKENDS)
     return parse_configs(text, args.kv_cache_dtype)
+
+
+def visible_cuda_devices() -> int:
+    """torch.cuda.device_count() in this (the driver's) process: the GPUs the engine processes will see."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def main(argv=None) -> int:
@@ -522,6 +609,12 @@ def main(argv=None) -> int:
         configs = resolve(args)
     except ValueError as e:
         ap.error(str(e))
+    if args.dcp > 1 and not args.dry_run:
+        gpus = visible_cuda_devices()
+        if gpus < args.dcp:
+            ap.error(f"--dcp {args.dcp} needs {args.dcp} CUDA devices per engine (tensor_parallel_size "
+                     f"{args.dcp} + decode_context_parallel_size {args.dcp}); torch.cuda.device_count() is {gpus}")
+    dcp_tag = f" (DCP {args.dcp})" if args.dcp > 1 else ""
 
     kv_bytes = None
     need = batch_tokens(args.num_prompts, args.prompt_len, args.output_len)
@@ -538,14 +631,17 @@ def main(argv=None) -> int:
     print(f"[bench] plan: {len(plan)} engine processes ({len(configs)} configs x {args.rounds} "
           f"round{'s' if args.rounds != 1 else ''}, {args.repeats} repeats each), about {est / 60:.0f} min (rough: "
           f"H100 figures at the default shape{longer}):", flush=True)
+    if args.dcp > 1:
+        print(f"[bench]   DCP {args.dcp}: every engine at tensor_parallel_size {args.dcp} + "
+              f"decode_context_parallel_size {args.dcp}, on {args.dcp} GPUs", flush=True)
     for i, (r, c) in enumerate(plan, 1):
-        print(f"[bench]   {i:>2}. round {r}: {c.label}", flush=True)
+        print(f"[bench]   {i:>2}. round {r}: {c.label}{dcp_tag}", flush=True)
     if args.dry_run:
         return 0
 
     kind = "capacity" if args.capacity else "throughput"
     results_path = Path(args.results) if args.results else harness.RUN_DIR / (
-        "bench-capacity.json" if args.capacity else "bench.json")
+        "bench-capacity.json" if args.capacity else f"bench-dcp{args.dcp}.json" if args.dcp > 1 else "bench.json")
     results = {"kind": kind, "meta": {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": shlex.join(["python", "integration/bench_vllm_throughput.py"] + list(sys.argv[1:] if argv is None
@@ -553,6 +649,7 @@ def main(argv=None) -> int:
         "git": git_describe(), "model": Path(args.model).name, "num_prompts": args.num_prompts,
         "prompt_len": args.prompt_len, "output_len": args.output_len, "rounds": args.rounds,
         "first_round": args.first_round, "repeats": args.repeats, "configs": [c.label for c in configs],
+        "dcp": args.dcp, "tensor_parallel_size": args.dcp,
         "kv_cache_memory_bytes": kv_bytes, "need_tokens": need if args.capacity else None},
         "processes": [], "measurements": [], "failures": []}
     base_env = harness.engine_env()
@@ -561,32 +658,34 @@ def main(argv=None) -> int:
         elapsed = time.time() - t_start
         left = (elapsed / (i - 1) * (len(plan) - i + 1)) if i > 1 else est
         print(f"\n[bench] process {i}/{len(plan)}: round {r} ({'forward' if r % 2 else 'reversed'} order), "
-              f"{cfg.label}; {elapsed:.0f} s elapsed, about {left:.0f} s left", flush=True)
-        name = f"bench{'-capacity' if args.capacity else ''}-r{r}-{cfg.slug}"
+              f"{cfg.label}{dcp_tag}; {elapsed:.0f} s elapsed, about {left:.0f} s left", flush=True)
+        name = f"bench{'-capacity' if args.capacity else ''}-r{r}-{cfg.slug}{f'-dcp{args.dcp}' if args.dcp > 1 else ''}"
         out = harness.RUN_DIR / f"{name}.json"
         out.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--worker", cfg.label, "--worker-out", str(out), "--model", args.model,
                "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len),
                "--output-len", str(args.output_len), "--repeats", str(args.repeats),
-               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed)]
+               "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed),
+               "--dcp", str(args.dcp)]
         if kv_bytes:
             cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
         try:
             log = harness.run_logged(name, cmd, config_env(cfg, base_env), timeout_s=args.timeout)
-            problem = custom_log_problem(log, cfg)
+            problem = custom_log_problem(log, cfg, args.dcp)
             if problem:
                 raise harness.RunFailed(problem)
             data = json.loads(out.read_text())
-            proc = {"config": cfg.label, "round": r, "init_s": data["init_s"], "gpu": data["gpu"],
+            proc = {"config": cfg.label, "round": r, "dcp": args.dcp, "init_s": data["init_s"], "gpu": data["gpu"],
                     "vllm_version": data["vllm_version"], "torch_version": data["torch_version"],
                     "cache_config": data["cache_config"], "log": str(harness.RUN_DIR / f"{name}.log")}
             if args.capacity:
                 proc["capacity"] = capacity_of(log, data["cache_config"])
                 print(f"[bench] {cfg.label}: KV cache {proc['capacity']}", flush=True)
             results["processes"].append(proc)
-            results["measurements"] += [dict(m, config=cfg.label, round=r) for m in data["measurements"]]
+            results["measurements"] += [dict(m, config=cfg.label, round=r, dcp=args.dcp) for m in data["measurements"]]
         except harness.RunFailed as e:
-            results["failures"].append({"config": cfg.label, "round": r, "why": str(e).splitlines()[0]})
+            results["failures"].append({"config": cfg.label, "round": r, "dcp": args.dcp,
+                                        "why": str(e).splitlines()[0]})
             print(e, flush=True)
         harness.write_json(results_path, results)
     print(f"\n[bench] {len(plan)} processes in {time.time() - t_start:.0f} s; results: {results_path}\n", flush=True)

@@ -371,3 +371,117 @@ def test_dry_run_starts_nothing(driver, tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "plan: 6 engine processes (2 configs x 3 rounds" in out
     assert re.search(r"6\. round 3: FLASHMLA:fp8", out) and not (tmp_path / "bench.json").exists()
+
+
+# ---- decode context parallelism (--dcp) -----------------------------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["--dcp", "0"], "--dcp must be at least 1"),
+    (["--dcp", "-2"], "--dcp must be at least 1"),
+    (["--dcp", "2", "--capacity"], "--dcp does not combine with --capacity"),
+])
+def test_dcp_refusals(argv, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        bench.resolve(_args(argv))
+
+
+def test_dcp_zero_is_a_usage_error_naming_the_option(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--dcp", "0", "--dry-run"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--dcp must be at least 1" in err and "got 0" in err
+
+
+def test_dcp_needs_as_many_gpus_outside_dry_run(driver, monkeypatch, capsys):
+    def refuse(*a, **k):
+        raise AssertionError("an engine process was started")
+
+    monkeypatch.setattr(bench.harness, "run_logged", refuse)
+    monkeypatch.setattr(bench, "visible_cuda_devices", lambda: 1)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--dcp", "2", "--configs", "CUSTOM:auto,FLASHMLA:auto"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--dcp 2 needs 2 CUDA devices" in err and "device_count() is 1" in err
+    # --dry-run does not look at the GPUs
+    monkeypatch.setattr(bench, "visible_cuda_devices", lambda: 0)
+    assert bench.main(["--dcp", "2", "--dry-run"]) == 0
+
+
+def test_dcp_dry_run_plan_names_the_dcp_size(driver, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench.harness, "run_logged", lambda *a, **k: pytest.fail("an engine process was started"))
+    assert bench.main(["--dry-run", "--dcp", "2", "--configs", "CUSTOM:auto,FLASHMLA:auto", "--rounds", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: 8 engine processes (2 configs x 4 rounds" in out
+    assert "tensor_parallel_size 2 + decode_context_parallel_size 2, on 2 GPUs" in out
+    assert re.search(r"1\. round 1: CUSTOM:auto \(DCP 2\)", out)
+    assert re.search(r"8\. round 4: CUSTOM:auto \(DCP 2\)", out)
+    assert re.search(r"3\. round 2: FLASHMLA:auto \(DCP 2\)", out)          # the order still alternates
+    assert bench.main(["--dry-run", "--configs", "CUSTOM:auto"]) == 0
+    assert "DCP" not in capsys.readouterr().out                             # default: off, plan as before
+
+
+def test_custom_log_problem_with_dcp():
+    dcp_line = f"{OURS}, KV cache auto, decode context parallelism (rank 1 of its DCP group: attends its share)"
+    assert bench.custom_log_problem(dcp_line, Config("CUSTOM"), 2) is None
+    assert "decode context parallelism" in bench.custom_log_problem(OURS + ", KV cache auto", Config("CUSTOM"), 2)
+    assert bench.custom_log_problem(OURS + ", KV cache auto", Config("CUSTOM"), 1) is None
+    assert bench.custom_log_problem("nothing", Config("FLASHMLA"), 2) is None
+
+
+def test_driver_with_dcp_records_the_size_and_passes_it_to_the_engines(driver, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench, "visible_cuda_devices", lambda: 2)
+    seen = []
+
+    class DcpEngines(FakeEngines):
+        def __call__(self, name, cmd, env, timeout_s):
+            seen.append(cmd[cmd.index("--dcp") + 1])
+            log = super().__call__(name, cmd, env, timeout_s)
+            return log.replace(OURS, OURS + ", decode context parallelism (rank 0 of its DCP group)")
+
+    fake = DcpEngines({"CUSTOM:auto": 24000, "FLASHMLA:auto": 22000})
+    monkeypatch.setattr(bench.harness, "run_logged", fake)
+    rc = bench.main(["--dcp", "2", "--configs", "CUSTOM:auto,FLASHMLA:auto", "--rounds", "2", "--repeats", "2"])
+    assert rc == 0 and seen == ["2"] * 4
+    res = json.loads((tmp_path / "bench-dcp2.json").read_text())      # not bench.json: a DCP 1 run's file stays
+    assert [c[1] for c in fake.calls] == ["CUSTOM:auto", "FLASHMLA:auto", "FLASHMLA:auto", "CUSTOM:auto"]
+    assert [c[0] for c in fake.calls][0] == "bench-r1-custom-auto-dcp2"
+    assert res["meta"]["dcp"] == 2 and res["meta"]["tensor_parallel_size"] == 2
+    assert all(r["dcp"] == 2 for r in res["measurements"] + res["processes"]) and len(res["measurements"]) == 8
+    out = capsys.readouterr().out
+    assert "DCP 2 for every config" in out
+    rows = _rows(out)
+    assert rows["CUSTOM:auto (DCP 2)"][1] == "4"
+    assert rows["FLASHMLA:auto (DCP 2)"][6].startswith(f"{22000.5 / 24000.5:.3f}x")    # against ours at DCP 2
+
+
+def test_driver_with_dcp_fails_a_custom_run_without_dcp_in_its_log(driver, monkeypatch):
+    monkeypatch.setattr(bench, "visible_cuda_devices", lambda: 4)
+    monkeypatch.setattr(bench.harness, "run_logged", FakeEngines({"CUSTOM:auto": 1, "FLASHMLA:auto": 2}))
+    assert bench.main(["--dcp", "2", "--configs", "CUSTOM:auto,FLASHMLA:auto", "--repeats", "1"]) == 1
+    res = json.loads((bench.harness.RUN_DIR / "bench-dcp2.json").read_text())
+    assert [(f["config"], f["dcp"]) for f in res["failures"]] == [("CUSTOM:auto", 2)]
+    assert "decode context parallelism" in res["failures"][0]["why"]
+    assert "FAILED: CUSTOM:auto (DCP 2) (round 1)" in bench.render(res)
+
+
+def test_tables_keep_dcp_sizes_apart_and_read_older_files_as_dcp_1(tmp_path, capsys):
+    old = _results([_m("CUSTOM:auto", 15000), _m("CUSTOM:auto", 15400), _m("FLASHMLA:auto", 16000)])
+    assert "dcp" not in old["meta"] and all("dcp" not in m for m in old["measurements"])
+    table = bench.throughput_table(old)
+    assert "decode context parallel: none" in table and "CUSTOM:auto" in _rows(table)
+    new = _results([_m("CUSTOM:auto", 24000, dcp=2), _m("CUSTOM:auto", 24600, dcp=2), _m("FLASHMLA:auto", 22000, dcp=2),
+                    _m("FLASHMLA:auto", 22500, dcp=2)], dcp=2)
+    for p in new["processes"]:
+        p["dcp"] = 2
+    paths = [tmp_path / "old.json", tmp_path / "new.json"]
+    paths[0].write_text(json.dumps(old))
+    paths[1].write_text(json.dumps(new))
+    assert bench.main(["--table-from"] + [str(p) for p in paths]) == 0
+    out = capsys.readouterr().out
+    assert "DCP sizes 1, 2" in out
+    rows = _rows(out)
+    assert rows["CUSTOM:auto"][1:5] == ["2", "15,000", "15,200", "15,400"]           # not mixed with DCP 2
+    assert rows["CUSTOM:auto (DCP 2)"][1:5] == ["2", "24,000", "24,300", "24,600"]
+    assert rows["CUSTOM:auto (DCP 2)"][6] == "1.000x (ref)"
+    assert rows["FLASHMLA:auto (DCP 2)"][6] == f"{22250 / 24300:.3f}x, apart"      # against the DCP 2 reference
+    assert rows["FLASHMLA:auto"][6] == f"{16000 / 15200:.3f}x, no spread"          # against the DCP 1 reference
