@@ -1,0 +1,60 @@
+"""benchmarks/fp8_accumulation_model.py (CPU): the accumulator model behaves as its docstring says."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_accumulation_model.py"
+
+
+@pytest.fixture(scope="module")
+def mod():
+    spec = importlib.util.spec_from_file_location("fp8_accumulation_model", SCRIPT)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def test_keep_bits_truncates_toward_zero(mod):
+    x = torch.tensor([1.0 + 2.0 ** -10, -(1.0 + 2.0 ** -10), 3.0, 0.0], dtype=torch.float64)
+    assert mod.keep_bits(x, 24).tolist() == x.tolist()
+    assert mod.keep_bits(x, 8).tolist() == [1.0, -1.0, 3.0, 0.0]
+
+
+def test_q_split_recovers_q(mod):
+    q = torch.randn(4, mod.D, dtype=torch.float64)
+    inv, (hi, lo) = mod.split_rows(q)
+    assert torch.all((q.abs().amax(-1, keepdim=True) * inv > 224) & (q.abs().amax(-1, keepdim=True) * inv <= 448))
+    # two e4m3 terms: about 8 bits of precision (each term 4), against 4 for one term
+    two, one = ((hi + lo) / inv - q).abs().max(), (hi / inv - q).abs().max()
+    assert two < 2.0 ** -7 * q.abs().max() and two < one / 4
+
+
+def _errors(mod, bits, keys=256, rows=8):
+    torch.manual_seed(0)
+    q = torch.randn(rows, mod.D).to(torch.bfloat16).double()
+    real = torch.randn(keys, mod.D, dtype=torch.float64)
+    dk = real.abs().max().item() / mod.E4M3_MAX
+    k = mod.e4m3(real / dk)
+    scale = mod.D ** -0.5
+    ref = torch.softmax(q @ (k * dk).T * scale, -1) @ (k[:, :mod.DV] * dk)
+    return [((mod.model(q, k, dk, scale, bits, pv, qk) - ref).norm() / ref.norm()).item()
+            for pv, qk in ((False, False), (True, False), (True, True))]
+
+
+def test_fewer_accumulator_bits_cost_accuracy_and_promotion_recovers_it(mod):
+    full, short = _errors(mod, 24), _errors(mod, 12)
+    assert max(full) < 2e-3                      # the two-term split with exact accumulation
+    assert short[0] > 3 * full[0]                # a 12-bit accumulator chain is visibly worse
+    assert short[1] < short[0] and short[2] <= short[1] * 1.01
+
+
+def test_cli_refuses_bad_arguments(mod, capsys):
+    for argv, message in ((["--keys", "100"], "--keys must be a positive multiple of 64"),
+                          (["--rows", "0"], "--rows must be positive"),
+                          (["--bits", "x"], "--bits must be comma-separated integers"),
+                          (["--bits", "60"], "--bits: each between 4 and 52")):
+        with pytest.raises(SystemExit) as e:
+            mod.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
