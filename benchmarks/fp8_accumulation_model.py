@@ -1,6 +1,7 @@
 """CPU model of the FP8 tensor-core kernel's accurate mode with a wgmma accumulator of limited precision.
 
-    python benchmarks/fp8_accumulation_model.py [--keys 8192] [--rows 64] [--bits 24,16,14,13] [--seed 0]
+    python benchmarks/fp8_accumulation_model.py [--keys 8192] [--rows 64] [--bits 24,16,14,13] [--promote-every 1]
+        [--seed 0]
 
 Why: on an H100 the accurate mode (q and P split into two e4m3 terms) measured 3.8e-3 against fp64 at b128 x 8192
 keys, where a simulation with exact accumulation predicts about 7e-4 and the widening kernel measures 1.7e-3
@@ -11,7 +12,8 @@ each B in three arrangements:
   chain     as the kernel does it: S accumulates all 36 chunks of Q K^T (18 per q term) in one accumulator, O
             accumulates every block's P V (2 chunks x 2 P terms a block) in one accumulator over the whole split;
   pv-block  the same, but each block's P V goes into a fresh accumulator that is added to O in fp32 (promotion per
-            block; needs a second output accumulator);
+            block; needs a second output accumulator); `--promote-every N` promotes every N blocks instead (the
+            kernel takes blocks in pairs, so 2 is a promotion per step);
   both      pv-block and Q K^T promoted per q term (each term's 18 chunks in a fresh accumulator).
 Data as the benchmark's: q bf16 ~ N(0, 1), the cache N(0, 1) stored as e4m3 with a per-tensor scale; one query
 tile of `rows` rows against one split of `keys` keys (64-key blocks). P is taken against each row's final max (the
@@ -55,7 +57,7 @@ def p_terms(p: torch.Tensor) -> list[torch.Tensor]:
     return [hi, e4m3(x - hi)]
 
 
-def model(q, k_stored, dk, scale, bits, pv_block, qk_term):
+def model(q, k_stored, dk, scale, bits, pv_block, qk_term, every=1):
     inv, q_terms = split_rows(q)
     # Q K^T in the stored units: S_stored = sum over terms and k32 chunks, accumulated with `bits` bits.
     s_acc = torch.zeros(q.shape[0], k_stored.shape[0], dtype=torch.float64)
@@ -70,11 +72,13 @@ def model(q, k_stored, dk, scale, bits, pv_block, qk_term):
     terms = p_terms(p)
     v = k_stored[:, :DV]
     o = torch.zeros(q.shape[0], DV, dtype=torch.float64)
-    for b in range(0, k_stored.shape[0], BLOCK):
+    span = BLOCK * (every if pv_block else 1)
+    for b in range(0, k_stored.shape[0], span):
         blk = torch.zeros_like(o) if pv_block else o
-        for t in terms:
-            for c in range(b, b + BLOCK, CHUNK):
-                blk = keep_bits(blk + t[:, c:c + CHUNK] @ v[c:c + CHUNK], bits)
+        for bb in range(b, min(b + span, k_stored.shape[0]), BLOCK):
+            for t in terms:
+                for c in range(bb, bb + BLOCK, CHUNK):
+                    blk = keep_bits(blk + t[:, c:c + CHUNK] @ v[c:c + CHUNK], bits)
         o = keep_bits(o + blk, 24) if pv_block else blk
     return o * dk / l
 
@@ -84,10 +88,14 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", type=int, default=8192, help="keys of the split, a multiple of 64 (default 8192)")
     ap.add_argument("--rows", type=int, default=64, help="query rows (default 64: one M tile)")
     ap.add_argument("--bits", default="24,16,14,13", help="accumulator precisions to model, bits (24 = fp32)")
+    ap.add_argument("--promote-every", type=int, default=1,
+                    help="blocks per fresh P V accumulator in the pv-block and both columns (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.keys <= 0 or args.keys % BLOCK:
         ap.error(f"--keys must be a positive multiple of {BLOCK}, got {args.keys}")
+    if args.promote_every <= 0:
+        ap.error(f"--promote-every must be positive, got {args.promote_every}")
     if args.rows <= 0:
         ap.error(f"--rows must be positive, got {args.rows}")
     try:
@@ -103,14 +111,14 @@ def main(argv=None) -> int:
     k_stored = e4m3(real / dk)
     scale = D ** -0.5
     ref = torch.softmax(q @ (k_stored * dk).T * scale, -1) @ (k_stored[:, :DV] * dk)
-    print(f"rows {args.rows}, keys {args.keys}: relative norm of the output error against fp64 "
-          "(bf16 q, dequantized cache)")
+    print(f"rows {args.rows}, keys {args.keys}, P V promoted every {args.promote_every} block(s) where promoted: "
+          "relative norm of the output error against fp64 (bf16 q, dequantized cache)")
     print("| accumulator bits | chain (the kernel) | pv-block | both |")
     print("|---|---|---|---|")
     for b in bits:
         errs = []
         for pv_block, qk_term in ((False, False), (True, False), (True, True)):
-            o = model(q, k_stored, dk, scale, b, pv_block, qk_term)
+            o = model(q, k_stored, dk, scale, b, pv_block, qk_term, args.promote_every)
             errs.append(((o - ref).norm() / ref.norm()).item())
         print(f"| {b} | " + " | ".join(f"{e:.1e}" for e in errs) + " |", flush=True)
     return 0

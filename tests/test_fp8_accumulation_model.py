@@ -50,8 +50,22 @@ def test_fewer_accumulator_bits_cost_accuracy_and_promotion_recovers_it(mod):
     assert short[1] < short[0] and short[2] <= short[1] * 1.01
 
 
+def test_promoting_less_often_lies_between(mod):
+    torch.manual_seed(0)
+    q = torch.randn(8, mod.D).to(torch.bfloat16).double()
+    real = torch.randn(512, mod.D, dtype=torch.float64)
+    dk = real.abs().max().item() / mod.E4M3_MAX
+    k = mod.e4m3(real / dk)
+    scale = mod.D ** -0.5
+    ref = torch.softmax(q @ (k * dk).T * scale, -1) @ (k[:, :mod.DV] * dk)
+    err = {n: ((mod.model(q, k, dk, scale, 12, True, False, n) - ref).norm() / ref.norm()).item() for n in (1, 4, 8)}
+    chain = ((mod.model(q, k, dk, scale, 12, False, False) - ref).norm() / ref.norm()).item()
+    assert err[1] < err[4] < chain and abs(err[8] - chain) < 1e-12   # every 8 blocks = the whole 512-key split
+
+
 def test_cli_refuses_bad_arguments(mod, capsys):
-    for argv, message in ((["--keys", "100"], "--keys must be a positive multiple of 64"),
+    for argv, message in ((["--promote-every", "0"], "--promote-every must be positive"),
+                          (["--keys", "100"], "--keys must be a positive multiple of 64"),
                           (["--rows", "0"], "--rows must be positive"),
                           (["--bits", "x"], "--bits must be comma-separated integers"),
                           (["--bits", "60"], "--bits: each between 4 and 52")):
