@@ -22,7 +22,8 @@ decode kernel serves every key comes from the cache; for prefill tokens vLLM's p
 and only the context from the cache, and the reference does the same. A second reference in the absorbed form takes
 the e4m3 query the fast mode and FLASHMLA-FP8 read. Printed for every backend: max abs error and relative norm
 ||out - ref|| / ||ref|| of decode and prefill tokens. Required: the accurate mode within atol = rtol = 1e-2 of the
-bf16-q reference and at least as close to it as FLASHMLA-FP8; the fast mode within 1e-2 of the e4m3-q reference;
+bf16-q reference and at least as close to it as FLASHMLA-FP8; the fast mode (P rounded to e4m3 by its kernel) within
+a relative norm of 4e-2 of the e4m3-q reference and at most 1.25x FLASHMLA-FP8's error there (+1e-3);
 ours' prefill tokens within 1e-2 of theirs. The FP8 CUDA-graph test captures forward_mqa, changes _k_scale (and in
 the fast mode _q_scale) in place afterwards, and the replay must follow the new values.
 """
@@ -373,6 +374,9 @@ E4M3_NAN = 0xFF
 # FLASHMLA-FP8 farther than this (rel-norm) from its own e4m3-q reference means the test's setup is wrong: its kernel
 # may round more (e.g. P to e4m3), but a wrong scale or cache layout is off by far more.
 FP8_SANITY_REL = 0.1
+# The fast mode's kernel (FP8 tensor cores) rounds P to e4m3 as FLASHMLA-FP8 does: a relative-norm bound against the
+# e4m3-q reference, tests/fp8kit.py's for that kernel (FAST_OUT_TENSORCORE), and about FLASHMLA-FP8's own error.
+FAST_REL = 4e-2
 
 
 class Fp8Cache:
@@ -506,8 +510,9 @@ def test_fp8_layer_matches_references(name, scales, monkeypatch):
         assert torch.isfinite(out).all()
         if mode == "accurate":
             torch.testing.assert_close(out[:nd], ref_decode[:nd].to(out.dtype), atol=ATOL, rtol=RTOL)
-        else:
-            torch.testing.assert_close(out[:nd], ref_e4m3_q[:nd].to(out.dtype), atol=ATOL, rtol=RTOL)
+        else:  # the FP8 tensor-core kernel rounds P to e4m3, as FLASHMLA-FP8 does: a relative-norm bound
+            rel = errors(out[:nd], ref_e4m3_q[:nd])[1]
+            assert rel < FAST_REL, f"fast mode: rel-norm {rel:.3e} against the e4m3-q reference"
         torch.testing.assert_close(out[nd:], ref_prefill[nd:].to(out.dtype), atol=ATOL, rtol=RTOL)
 
     # FLASHMLA-FP8 (e4m3 q) against the bf16-q reference, on the tokens both serve with a decode kernel.
@@ -521,6 +526,11 @@ def test_fp8_layer_matches_references(name, scales, monkeypatch):
         print(f"  decode tokens 0..{common - 1}: rel-norm vs the bf16-q reference: ours accurate {acc:.3e}, "
               f"FLASHMLA-FP8 {flash:.3e}")
         assert acc <= flash, "the accurate mode must be at least as close to the bf16-q reference as FLASHMLA-FP8"
+        fast = errors(outs["CUSTOM fast"][:common], ref_e4m3_q[:common])[1]
+        flash_e4m3 = errors(outs["FLASHMLA"][:common], ref_e4m3_q[:common])[1]
+        print(f"  decode tokens 0..{common - 1}: rel-norm vs the e4m3-q reference: ours fast {fast:.3e}, "
+              f"FLASHMLA-FP8 {flash_e4m3:.3e}")
+        assert fast <= 1.25 * flash_e4m3 + 1e-3, "the fast mode must be about as close to its reference as FLASHMLA-FP8"
 
 
 @pytest.mark.parametrize("mode", FP8_MODES)
