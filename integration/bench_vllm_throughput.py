@@ -107,7 +107,6 @@ FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
 REFERENCES = ("FLASHMLA:fp8", "CUSTOM:auto")      # the throughput table's ratio columns
 CAPACITY_REFERENCE = "CUSTOM:auto"
 OUR_LOG_LINE = "MLA decode attention runs on flashmla_backend"
-OUR_DCP_LOG_WORDS = "decode context parallelism (rank"   # our decode line with a DCP group of more than one rank
 LATENT_BYTES_PER_TOKEN = 576                       # kv_lora_rank 512 + rope 64, one byte each in e4m3
 CAPACITY_BLOCK_ROUNDING = 256                      # largest KV block size: each request rounded up to it
 # Rough H100 figures at the default shape, for the plan line only.
@@ -201,9 +200,9 @@ def custom_log_problem(log: str, cfg: Config, dcp: int = 1) -> str | None:
                 f"{ours[0].strip()!r}")
     if not cfg.fp8 and any("FP8 KV cache" in line for line in ours):
         return f"{cfg.label}: a 16-bit run whose log says 'FP8 KV cache': {ours[0].strip()!r}"
-    if dcp > 1 and not any(OUR_DCP_LOG_WORDS in line for line in ours):
+    if dcp > 1 and not any(harness.OUR_DCP_LOG_WORDS in line for line in ours):
         return (f"{cfg.label} at DCP {dcp}: the log's flashmla_backend line does not mention decode context "
-                f"parallelism ({OUR_DCP_LOG_WORDS!r}): {ours[0].strip()!r}")
+                f"parallelism ({harness.OUR_DCP_LOG_WORDS!r}): {ours[0].strip()!r}")
     return None
 
 

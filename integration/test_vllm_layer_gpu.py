@@ -374,9 +374,6 @@ E4M3_NAN = 0xFF
 # FLASHMLA-FP8 farther than this (rel-norm) from its own e4m3-q reference means the test's setup is wrong: its kernel
 # may round more (e.g. P to e4m3), but a wrong scale or cache layout is off by far more.
 FP8_SANITY_REL = 0.1
-# The fast mode's kernel (FP8 tensor cores) rounds P to e4m3 as FLASHMLA-FP8 does: a relative-norm bound against the
-# e4m3-q reference, tests/fp8kit.py's for that kernel (FAST_OUT_TENSORCORE), and about FLASHMLA-FP8's own error.
-FAST_REL = 4e-2
 
 
 class Fp8Cache:
@@ -512,7 +509,7 @@ def test_fp8_layer_matches_references(name, scales, monkeypatch):
             torch.testing.assert_close(out[:nd], ref_decode[:nd].to(out.dtype), atol=ATOL, rtol=RTOL)
         else:  # the FP8 tensor-core kernel rounds P to e4m3, as FLASHMLA-FP8 does: a relative-norm bound
             rel = errors(out[:nd], ref_e4m3_q[:nd])[1]
-            assert rel < FAST_REL, f"fast mode: rel-norm {rel:.3e} against the e4m3-q reference"
+            assert rel < harness.FAST_MODE_REL, f"fast mode: rel-norm {rel:.3e} against the e4m3-q reference"
         torch.testing.assert_close(out[nd:], ref_prefill[nd:].to(out.dtype), atol=ATOL, rtol=RTOL)
 
     # FLASHMLA-FP8 (e4m3 q) against the bf16-q reference, on the tokens both serve with a decode kernel.

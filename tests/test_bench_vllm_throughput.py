@@ -478,3 +478,11 @@ def test_tables_keep_dcp_sizes_apart_and_read_older_files_as_dcp_1(tmp_path, cap
     assert rows["CUSTOM:auto (DCP 2)"][6] == "1.000x (ref)"
     assert rows["FLASHMLA:auto (DCP 2)"][6] == f"{22250 / 24300:.3f}x, apart"      # against the DCP 2 reference
     assert rows["FLASHMLA:auto"][6] == f"{16000 / 15200:.3f}x, no spread"          # against the DCP 1 reference
+
+
+def test_the_fast_mode_bound_of_the_layer_tests_is_the_kernel_tests_one():
+    # integration/harness.py states the bound the vLLM layer tests hold the FP8 fast mode to; it must stay the one
+    # tests/test_fp8_gpu.py holds the same kernel to.
+    import fp8kit
+
+    assert bench.harness.FAST_MODE_REL == fp8kit.FAST_OUT_TENSORCORE
