@@ -83,6 +83,19 @@ def model(q, k_stored, dk, scale, bits, pv_block, qk_term, every=1):
     return o * dk / l
 
 
+def make_inputs(keys: int, rows: int, seed: int):
+    """(q, the stored e4m3 cache as float64, its descale, the softmax scale, the fp64 reference output): q bf16 ~
+    N(0, 1), the cache N(0, 1) stored as e4m3 with a per-tensor scale, as the benchmark's data."""
+    torch.manual_seed(seed)
+    q = torch.randn(rows, D).to(torch.bfloat16).double()
+    real = torch.randn(keys, D, dtype=torch.float64)
+    dk = real.abs().max().item() / E4M3_MAX
+    k_stored = e4m3(real / dk)
+    scale = D ** -0.5
+    ref = torch.softmax(q @ (k_stored * dk).T * scale, -1) @ (k_stored[:, :DV] * dk)
+    return q, k_stored, dk, scale, ref
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, default=8192, help="keys of the split, a multiple of 64 (default 8192)")
@@ -104,13 +117,7 @@ def main(argv=None) -> int:
         ap.error(f"--bits must be comma-separated integers, got {args.bits!r}")
     if not bits or any(b < 4 or b > 52 for b in bits):
         ap.error(f"--bits: each between 4 and 52, got {args.bits!r}")
-    torch.manual_seed(args.seed)
-    q = torch.randn(args.rows, D).to(torch.bfloat16).double()
-    real = torch.randn(args.keys, D, dtype=torch.float64)
-    dk = real.abs().max().item() / E4M3_MAX
-    k_stored = e4m3(real / dk)
-    scale = D ** -0.5
-    ref = torch.softmax(q @ (k_stored * dk).T * scale, -1) @ (k_stored[:, :DV] * dk)
+    q, k_stored, dk, scale, ref = make_inputs(args.keys, args.rows, args.seed)
     print(f"rows {args.rows}, keys {args.keys}, P V promoted every {args.promote_every} block(s) where promoted: "
           "relative norm of the output error against fp64 (bf16 q, dequantized cache)")
     print("| accumulator bits | chain (the kernel) | pv-block | both |")

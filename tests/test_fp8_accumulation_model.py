@@ -32,13 +32,7 @@ def test_q_split_recovers_q(mod):
 
 
 def _errors(mod, bits, keys=256, rows=8):
-    torch.manual_seed(0)
-    q = torch.randn(rows, mod.D).to(torch.bfloat16).double()
-    real = torch.randn(keys, mod.D, dtype=torch.float64)
-    dk = real.abs().max().item() / mod.E4M3_MAX
-    k = mod.e4m3(real / dk)
-    scale = mod.D ** -0.5
-    ref = torch.softmax(q @ (k * dk).T * scale, -1) @ (k[:, :mod.DV] * dk)
+    q, k, dk, scale, ref = mod.make_inputs(keys, rows, 0)
     return [((mod.model(q, k, dk, scale, bits, pv, qk) - ref).norm() / ref.norm()).item()
             for pv, qk in ((False, False), (True, False), (True, True))]
 
@@ -51,13 +45,7 @@ def test_fewer_accumulator_bits_cost_accuracy_and_promotion_recovers_it(mod):
 
 
 def test_promoting_less_often_lies_between(mod):
-    torch.manual_seed(0)
-    q = torch.randn(8, mod.D).to(torch.bfloat16).double()
-    real = torch.randn(512, mod.D, dtype=torch.float64)
-    dk = real.abs().max().item() / mod.E4M3_MAX
-    k = mod.e4m3(real / dk)
-    scale = mod.D ** -0.5
-    ref = torch.softmax(q @ (k * dk).T * scale, -1) @ (k[:, :mod.DV] * dk)
+    q, k, dk, scale, ref = mod.make_inputs(512, 8, 0)
     err = {n: ((mod.model(q, k, dk, scale, 12, True, False, n) - ref).norm() / ref.norm()).item() for n in (1, 4, 8)}
     chain = ((mod.model(q, k, dk, scale, 12, False, False) - ref).norm() / ref.norm()).item()
     assert err[1] < err[4] < chain and abs(err[8] - chain) < 1e-12   # every 8 blocks = the whole 512-key split
