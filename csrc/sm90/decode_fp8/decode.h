@@ -15,9 +15,6 @@ bool sm90_fp8_tensorcore_selected(bool q_fp8);
 // Same contract as run_sm90_decode for a kv_fp8 cache.
 void run_sm90_fp8_decode(const DecodeParams& params);
 
-// FLASHMLA_BACKEND_FP8_DEBUG: measurement switches of the tensor-core kernel (sm90::decode_fp8::DebugFlags, bits);
-// unset or 0 in normal use.
-int sm90_fp8_debug_flags();
 
 namespace sm90::decode_fp8 {
 enum class Variant {
@@ -26,8 +23,9 @@ enum class Variant {
   kAccurateBF16, // bf16 q split in two e4m3 terms, P two terms, bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms, P two terms, fp16 out
 };
+// debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
-void run_decode_kernel(const DecodeParams& params);
+void run_decode_kernel(const DecodeParams& params, int debug);
 
 // Measurement switches (FLASHMLA_BACKEND_FP8_DEBUG): benchmarks/fp8_kernel_sweep.py times them side by side.
 enum DebugFlags : int {

@@ -18,7 +18,9 @@ bool sm90_fp8_tensorcore_selected(bool q_fp8) {
   return true;
 }
 
-int sm90_fp8_debug_flags() {
+// FLASHMLA_BACKEND_FP8_DEBUG: measurement switches of the tensor-core kernel (DebugFlags in decode.h, bits); unset or
+// 0 in normal use. Read once per call, here.
+static int sm90_fp8_debug_flags() {
   const char* v = std::getenv("FLASHMLA_BACKEND_FP8_DEBUG");
   return v == nullptr ? 0 : std::atoi(v);
 }
@@ -26,23 +28,24 @@ int sm90_fp8_debug_flags() {
 void run_sm90_fp8_decode(const DecodeParams& params) {
   using sm90::decode_fp8::Variant;
   using sm90::decode_fp8::run_decode_kernel;
+  const int debug = sm90_fp8_debug_flags();
   if (params.q_fp8) {
     // Up to two M tiles per (request, KV head): the plan with the deeper KV pipeline (launch.cuh: VariantTraits).
     bool stream = params.num_m_blocks <= 2;
-    if (sm90_fp8_debug_flags() & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
+    if (debug & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
     if (stream) {
-      run_decode_kernel<Variant::kFastE4m3QStream>(params);
+      run_decode_kernel<Variant::kFastE4m3QStream>(params, debug);
     } else {
-      run_decode_kernel<Variant::kFastE4m3Q>(params);
+      run_decode_kernel<Variant::kFastE4m3Q>(params, debug);
     }
     return;
   }
   switch (params.dtype) {
     case DType::kBF16:
-      run_decode_kernel<Variant::kAccurateBF16>(params);
+      run_decode_kernel<Variant::kAccurateBF16>(params, debug);
       return;
     case DType::kFP16:
-      run_decode_kernel<Variant::kAccurateFP16>(params);
+      run_decode_kernel<Variant::kAccurateFP16>(params, debug);
       return;
   }
   FMLA_HOST_CHECK(false, "sm90 FP8 decode: unsupported dtype " << int(params.dtype));

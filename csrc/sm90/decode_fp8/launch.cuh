@@ -68,7 +68,7 @@ struct VariantTraits<Variant::kAccurateFP16> {
 };
 
 template <Variant V>
-void run_decode_kernel(const DecodeParams& p) {
+void run_decode_kernel(const DecodeParams& p, int debug) {
   using T = typename VariantTraits<V>::type;
   FMLA_HOST_CHECK(p.kv_fp8 && p.q_fp8 == T::kQFp8,
                   "sm90 FP8 decode: kv_fp8 / q_fp8 do not match the kernel variant " << int(V));
@@ -81,7 +81,7 @@ void run_decode_kernel(const DecodeParams& p) {
 
   const CUtensorMap tmap = make_kv_tensor_map(p);
   decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel", p, p,
-                                tmap, sm90_fp8_debug_flags());
+                                tmap, debug);
 }
 
 }  // namespace flashmla_backend::sm90::decode_fp8

@@ -2,5 +2,5 @@
 #include "sm90/decode_fp8/launch.cuh"
 
 namespace flashmla_backend::sm90::decode_fp8 {
-template void run_decode_kernel<Variant::kFastE4m3QStream>(const DecodeParams& params);
+template void run_decode_kernel<Variant::kFastE4m3QStream>(const DecodeParams& params, int debug);
 }  // namespace flashmla_backend::sm90::decode_fp8
