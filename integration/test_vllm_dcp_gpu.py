@@ -21,6 +21,8 @@ same DCP (the engine test's comparison: greedy tokens and logprobs, near-tie fli
 ours at DCP 2 against ours at TP 2 without DCP (printed: the other layers reduce in another order), the
 scale-breaking hook must fail the comparison, and the KV capacity vLLM logs ("GPU KV cache size") must grow
 with DCP (each rank keeps half the tokens: about 2x, at least 1.8x asserted).
+Serving (test_serve_dcp2_*): `vllm serve` at TP 2 + DCP 2 with the engine test's 64 concurrent completions, 16-bit
+and FP8 caches; every response complete, our DCP decode line in the server log.
 Throughput (ours vs FLASHMLA at DCP 2, alternating): integration/README.md gives the commands.
 """
 from __future__ import annotations
@@ -244,3 +246,18 @@ def test_engine_dcp2_doubles_the_kv_capacity(checkpoint, prompts_file):
           flush=True)
     assert plain["kv_cache_tokens"] and sharded["kv_cache_tokens"]
     assert sharded["kv_cache_tokens"] >= 1.8 * plain["kv_cache_tokens"]
+
+
+# ---- vllm serve at TP 2 + DCP 2 --------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_serve_dcp2_64_concurrent_completions(kv, checkpoint):
+    """`vllm serve --attention-backend CUSTOM --tensor-parallel-size 2 --decode-context-parallel-size 2` (with
+    --kv-cache-dtype fp8: the plugin's default query mode) and the engine test's 64 concurrent completions: every
+    request returns all its tokens, and the server log shows our decode line naming DCP on the ranks."""
+    log = eng.serve_64_concurrent(checkpoint, kv, f"serve-custom{'-fp8' if kv == 'fp8' else ''}-tp2-dcp2",
+                                  ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"))
+    problems = eng.run_log_problems(log, "CUSTOM", kv=kv, mode="accurate" if kv == "fp8" else None)
+    if harness.OUR_DCP_LOG_WORDS not in log:
+        problems.append(f"our decode line does not mention decode context parallelism ({harness.OUR_DCP_LOG_WORDS!r})")
+    assert not problems, f"server log: {'; '.join(problems)}"

@@ -441,14 +441,24 @@ def test_fp8_scales_from_prompts(mode, checkpoint, prompts_file):
 def test_serve_64_concurrent_completions(kv, checkpoint):
     """`vllm serve --attention-backend CUSTOM` (with --kv-cache-dtype fp8: the plugin's default query mode) and 64
     concurrent completions of 1-128 tokens on prompts of 1-2530 tokens: every request returns all its tokens."""
+    log = serve_64_concurrent(checkpoint, kv, f"serve-custom{'-fp8' if kv == 'fp8' else ''}")
+    problems = run_log_problems(log, "CUSTOM", kv=kv, mode="accurate" if kv == "fp8" else None)
+    assert not problems, f"server log: {'; '.join(problems)}"
+
+
+def serve_64_concurrent(checkpoint: Path, kv: str, name: str, extra_args: tuple[str, ...] = ()) -> str:
+    """Starts `vllm serve` on the checkpoint with our backend (extra_args appended to its command line), sends
+    SERVE_REQUESTS concurrent greedy completions with ignore_eos, asserts that each returns all its tokens, stops
+    the server and returns its log ($FLASHMLA_BACKEND_RUN_DIR/<name>.log). test_vllm_dcp_gpu.py serves TP 2 + DCP 2
+    through it."""
     port = harness.free_port()
     base = f"http://127.0.0.1:{port}"
     harness.RUN_DIR.mkdir(parents=True, exist_ok=True)
-    log_path = harness.RUN_DIR / f"serve-custom{'-fp8' if kv == 'fp8' else ''}.log"
+    log_path = harness.RUN_DIR / f"{name}.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint), "--attention-backend",
            "CUSTOM", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
            "--gpu-memory-utilization", "0.5", "--max-num-seqs", "64", "--served-model-name", "tiny",
-           "--kv-cache-dtype", kv]
+           "--kv-cache-dtype", kv, *extra_args]
     env = harness.engine_env()
     env.pop(FP8_MODE_ENV, None)
     print(f"\n[serve] start: {' '.join(cmd)} (log: {log_path})", flush=True)
@@ -486,12 +496,11 @@ def test_serve_64_concurrent_completions(kv, checkpoint):
         slowest = max(dt for *_, dt in results)
         print(f"[serve] {len(results)} concurrent completions ok in {wall:.1f} s (slowest {slowest:.1f} s)", flush=True)
         assert wall < SERVE_REQUESTS_TIMEOUT_S
-        problems = run_log_problems(log_path.read_text(), "CUSTOM", kv=kv, mode="accurate" if kv == "fp8" else None)
-        assert not problems, f"server log: {'; '.join(problems)}"
     finally:
         _shutdown(proc)
         print(f"[serve] server stopped (exit code {proc.returncode})", flush=True)
     assert proc.returncode is not None
+    return log_path.read_text(errors="replace")
 
 
 def _shutdown(proc: subprocess.Popen) -> None:
