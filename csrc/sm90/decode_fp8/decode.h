@@ -20,6 +20,7 @@ namespace sm90::decode_fp8 {
 enum class Variant {
   kFastE4m3Q,        // e4m3 q (one term), P one term, bf16 out; 2 KV stages, V^T rings 2 + 4: three or more M tiles
   kFastE4m3QStream,  // the same with 3 KV stages and V^T rings 2 + 2: one or two M tiles
+  kFastE4m3QCluster, // kFastE4m3QStream as 2-CTA clusters over the two M tiles, sharing the V transposition
   kAccurateBF16, // bf16 q split in two e4m3 terms, P two terms, bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms, P two terms, fp16 out
 };
@@ -31,7 +32,11 @@ void run_decode_kernel(const DecodeParams& params, int debug);
 enum DebugFlags : int {
   kDebugNoTranspose = 1,       // the transposer waits and arrives but moves no data: wrong results, its time without it
   kDebugOtherFastPlan = 4,     // the fast mode runs the other pipeline plan than the shape's (same results)
+  kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
 };
+// Whether a shape can run the 2-CTA cluster plan: two M tiles whose rows see the same keys (one query token, or no
+// causal limit, or each tile's rows within one query token), so that both CTAs of a cluster walk the same blocks.
+bool cluster_plan_applies(const DecodeParams& params);
 }  // namespace sm90::decode_fp8
 
 }  // namespace flashmla_backend

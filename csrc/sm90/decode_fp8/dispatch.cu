@@ -25,6 +25,15 @@ static int sm90_fp8_debug_flags() {
   return v == nullptr ? 0 : std::atoi(v);
 }
 
+namespace sm90::decode_fp8 {
+bool cluster_plan_applies(const DecodeParams& p) {
+  if (p.num_m_blocks != 2) return false;
+  // Tile m covers rows [64 m, 64 m + 64), row r is query token r / ngroups: both tiles see the same keys when no
+  // causal limit differs between their rows.
+  return !p.causal || p.seqlen_q == 1 || p.ngroups % (2 * kBlockM) == 0;
+}
+}  // namespace sm90::decode_fp8
+
 void run_sm90_fp8_decode(const DecodeParams& params) {
   using sm90::decode_fp8::Variant;
   using sm90::decode_fp8::run_decode_kernel;
@@ -33,7 +42,9 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
     // Up to two M tiles per (request, KV head): the plan with the deeper KV pipeline (launch.cuh: VariantTraits).
     bool stream = params.num_m_blocks <= 2;
     if (debug & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
-    if (stream) {
+    if (stream && (debug & sm90::decode_fp8::kDebugClusterPlan) && sm90::decode_fp8::cluster_plan_applies(params)) {
+      run_decode_kernel<Variant::kFastE4m3QCluster>(params, debug);
+    } else if (stream) {
       run_decode_kernel<Variant::kFastE4m3QStream>(params, debug);
     } else {
       run_decode_kernel<Variant::kFastE4m3Q>(params, debug);

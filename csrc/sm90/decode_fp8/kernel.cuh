@@ -1,7 +1,8 @@
 // sm90 FP8 tensor-core MLA decode kernel (e4m3 cache; Q K^T and P V on e4m3 wgmma): the __global__ function.
 //
 // grid = (num_m_blocks, num_heads_kv, num_sm_parts), the 16-bit kernel's grid and metadata; block = 384 threads:
-// warpgroups 0 and 1 consume (mainloop.cuh), warpgroup 2 produces (producer.cuh). One CTA per SM.
+// warpgroups 0 and 1 consume (mainloop.cuh), warpgroup 2 produces (producer.cuh). One CTA per SM. The cluster plan
+// (Traits::kShareVt) launches the same grid in clusters of (2, 1, 1): the two M tiles of a (part, KV head).
 //   config.h / traits.h   geometry, MMA types, shared-memory plan, barriers
 //   producer.cuh          KV copies (TMA) and the V transposition
 //   q_tile.cuh            the Q tile: e4m3 q copied, 16-bit q split into e4m3 terms
@@ -148,16 +149,28 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (int s = 0; s < T::kStages; ++s) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
-      ss.kv_empty[s].init(kKvEmptyArrivals);
+      ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kKvEmptyArrivals);
     }
     CUTLASS_PRAGMA_UNROLL
     for (int b = 0; b < T::kVtSlots; ++b) {
-      ss.vt_full[b].init(kVtFullArrivals);
+      // With the shared transposition the other rank's half arrives by the peer's bulk copy (producer.cuh).
+      const bool copied = T::kShareVt && uint32_t(T::vt_half_of_slot(b)) != cluster_rank();
+      ss.vt_full[b].init(copied ? kVtFullArrivalsCopied : kVtFullArrivals);
       ss.vt_empty[b].init(kVtEmptyArrivals);
+      if constexpr (T::kShareVt) {
+        ss.peer_empty[b].init(kPeerEmptyArrivals);
+        ss.vt_pairs_sent[b] = 0;
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
-  __syncthreads();
+  // The shared transposition: the peer's barriers must be initialized before the first remote arrival or copy. Both
+  // CTAs of a cluster have the same metadata row, so both got here or both returned above.
+  if constexpr (T::kShareVt) {
+    cluster_sync_all();
+  } else {
+    __syncthreads();
+  }
 
   if (wg == kNumConsumerWarpGroups) {
     // ---- producer ----
@@ -175,6 +188,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     consumer_loop<T, 1>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
   }
+  // The shared transposition: no CTA leaves while the peer may still arrive on its barriers (the consumers' last
+  // releases) or read its shared memory (the last bulk copies, consumed by the peer before it gets here).
+  if constexpr (T::kShareVt) cluster_sync_all();
 #else
   if (threadIdx.x == 0) printf("flashmla_backend: sm90 FP8 decode kernel was not compiled for sm_90a\n");
   __trap();

@@ -58,6 +58,15 @@ template <>
 struct VariantTraits<Variant::kFastE4m3QStream> {
   using type = Traits<cutlass::float_e4m3_t, 1, 1, 3, 2, 2, 208, 80>;
 };
+// Two M tiles as 2-CTA clusters: each CTA transposes one V^T half and copies it to the other (producer.cuh,
+// Traits::kShareVt). Measured (H100, b128 x 8192, h_q 128; docs/perf/journal.md): 2 KV stages and rings of 3 + 3
+// 363 us against the one-CTA plan's 348 (3 KV stages and 2 + 2: 436), so it stays behind FLASHMLA_BACKEND_FP8_DEBUG
+// bit 8: the transposition's share halves (21 us against 46-51) but the hand-off between the CTAs costs more (the
+// kernel without the transposition: 342 us against 302). The producer needs 88 registers (at 80 it spilled).
+template <>
+struct VariantTraits<Variant::kFastE4m3QCluster> {
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 3, 3, 208, 88, true>;
+};
 template <>
 struct VariantTraits<Variant::kAccurateBF16> {
   using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 2, 2, 216, 72>;
@@ -80,8 +89,32 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
   check_decode_params(p, req);
 
   const CUtensorMap tmap = make_kv_tensor_map(p);
-  decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel", p, p,
-                                tmap, debug);
+  if constexpr (T::kShareVt) {
+    FMLA_HOST_CHECK(cluster_plan_applies(p), "sm90 FP8 decode: the 2-CTA cluster plan needs two M tiles whose rows "
+                                             "see the same keys (num_m_blocks "
+                                                 << p.num_m_blocks << ", s_q " << p.seqlen_q << ")");
+    auto kernel = &sm90_fp8_decode_kernel<T>;
+    FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
+    cudaLaunchAttribute attrs[2];
+    attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[0].val.programmaticStreamSerializationAllowed = p.pdl ? 1 : 0;
+    attrs[1].id = cudaLaunchAttributeClusterDimension;
+    attrs[1].val.clusterDim.x = 2;
+    attrs[1].val.clusterDim.y = 1;
+    attrs[1].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(p.num_m_blocks, p.num_heads_kv, p.num_sm_parts);
+    cfg.blockDim = dim3(kNumThreads, 1, 1);
+    cfg.dynamicSmemBytes = T::kSmemBytes;
+    cfg.stream = static_cast<cudaStream_t>(p.stream);
+    cfg.attrs = attrs;
+    cfg.numAttrs = 2;
+    FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap, debug));
+    FMLA_CHECK_LAUNCH("sm90_fp8_decode_kernel (2-CTA clusters)");
+  } else {
+    decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel", p,
+                                  p, tmap, debug);
+  }
 }
 
 }  // namespace flashmla_backend::sm90::decode_fp8

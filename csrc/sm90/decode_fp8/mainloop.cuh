@@ -254,9 +254,19 @@ template <class T, int kHalf>
 __device__ __forceinline__ void wait_vt(typename T::SharedStorage& ss, uint32_t g) {
   consumer_wait(ss.vt_full[T::vt_slot(kHalf, g)], T::vt_use(kHalf, g) & 1u);
 }
+// With the shared transposition (Traits::kShareVt) the half of the other cluster rank was copied here by the peer
+// CTA, which is told instead (its peer_empty), one arrival per warp.
 template <class T, int kHalf>
 __device__ __forceinline__ void release_vt(typename T::SharedStorage& ss, uint32_t g, int lane) {
-  warp_arrive(ss.vt_empty[T::vt_slot(kHalf, g)], lane);
+  const uint32_t slot = T::vt_slot(kHalf, g);
+  if constexpr (T::kShareVt) {
+    if (uint32_t(kHalf) != cluster_rank()) {
+      __syncwarp();
+      if (lane == 0) arrive_on_peer(ss.peer_empty[slot]);
+      return;
+    }
+  }
+  warp_arrive(ss.vt_empty[slot], lane);
 }
 
 // ------------------------------------------------------------------------------------------------

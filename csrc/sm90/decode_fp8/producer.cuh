@@ -103,6 +103,53 @@ __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorM
 }
 
 // ------------------------------------------------------------------------------------------------
+// The 2-CTA cluster of the shared transposition (Traits::kShareVt)
+// ------------------------------------------------------------------------------------------------
+// The grid's x is the M tile and the cluster is (2, 1, 1): the CTA's rank in the cluster is blockIdx.x & 1, the
+// rank of the other CTA its complement. Both CTAs run the same kernel, so a shared-memory object has the same
+// address in both; mapa gives the peer's copy of it in the cluster's shared window.
+__device__ __forceinline__ uint32_t cluster_rank() { return blockIdx.x & 1u; }
+__device__ __forceinline__ uint32_t peer_address(uint32_t local_smem_addr) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_smem_addr), "r"(cluster_rank() ^ 1u));
+  return remote;
+}
+// One arrival on the peer's copy of a barrier, with mbarrier.arrive's default semantics (release at CTA scope), the
+// form CUTLASS's cluster pipelines use for a consumer's release of a peer's buffer. The explicit .release.cluster
+// form (here and on the sender's expect_tx arrival) made the cluster plan 1.5x slower (670 us against 436 at b128
+// h_q 128 on an H100, same plan otherwise): a cluster-scope release waits until all of the arriving thread's earlier
+// memory operations are visible to the whole cluster, and the consumer warps arrive after each P V of a copied half.
+template <class Barrier>
+__device__ __forceinline__ void arrive_on_peer(Barrier& bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(
+                   peer_address(cute::cast_smem_ptr_to_uint(&bar)))
+               : "memory");
+}
+// All threads of both CTAs (the non-.aligned form: the producer's warps reach it from divergent roles).
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// Sends V^T slot `slot` (written here, 16 KB) to the same slot of the peer CTA: one arrival with the expected bytes
+// on the peer's vt_full[slot], then a shared-memory bulk copy that completes those bytes there. The caller has
+// waited for this CTA's vt_full[slot] (both piece pairs written and fenced for the async proxy) and, before the
+// pairs were written, for peer_empty[slot] (the peer's previous copy consumed), so the peer's slot is free. The
+// source slot is rewritten only after the peer's consumers released this copy (peer_empty), which they do after
+// its bytes arrived: the copy has read it by then.
+template <class T>
+__device__ __forceinline__ void send_vt_half(typename T::SharedStorage& ss, uint32_t slot) {
+  const uint32_t src = cute::cast_smem_ptr_to_uint(ss.vt.data()) + slot * kVtHalfBytes;
+  const uint32_t dst = peer_address(src);
+  const uint32_t full = peer_address(cute::cast_smem_ptr_to_uint(&ss.vt_full[slot]));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], %1;" ::"r"(full),
+               "r"(uint32_t(kVtHalfBytes))
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "r"(src), "r"(uint32_t(kVtHalfBytes)), "r"(full)
+               : "memory");
+}
+
+// ------------------------------------------------------------------------------------------------
 // V transposition
 // ------------------------------------------------------------------------------------------------
 // One unit = 32 keys x 16 value columns (cc = chunk 0..3 of the piece, th = key half 0..1) of a block (512 bytes):
@@ -179,10 +226,73 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
   }
 }
 
+// One pair of V pieces of block g (its stage, the masked or unmasked instantiation).
+template <class T>
+__device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss, uint32_t kv_addr, uint32_t vt_addr0,
+                                                   int stage, uint32_t parity, uint32_t slot, int pair, int valid,
+                                                   const TransposeLane& tl, int lane, int debug) {
+  const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * kVtHalfBytes;
+  if (valid < kBlockN) {
+    transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+  } else {
+    transpose_pair<T, kUnitsInFlight, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+  }
+  cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma and by the bulk copy (async proxy)
+  __syncwarp();
+}
+
+// The shared transposition (Traits::kShareVt): this CTA transposes the two pairs of its own half r (= its cluster
+// rank) of every block, in turn over the three warps. A pair waits for its slot's local release (vt_empty) and for
+// the peer's release of the copy it got of the slot's last use (peer_empty). The warp that writes the half's second
+// pair sends the half to the peer (send_vt_half). The keys masked here are those past the block's last key any row
+// of this CTA sees; the host runs this plan only where both CTAs of a cluster see the same keys (dispatch.cu).
+template <class T>
+__device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typename T::SharedStorage& ss,
+                                                      const SchedMetaRow& meta, int begin_req, int end_req,
+                                                      int m_block, int tw, int lane, int debug) {
+  const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
+  const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
+  const TransposeLane tl = TransposeLane::of(lane);
+  const int half = int(cluster_rank());
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const int nblk = padded_blocks(w.num_blocks);
+    for (int b = 0; b < nblk; ++b, ++g) {
+      const int stage = int(stage_of(g, T::kStages));
+      const uint32_t parity = (g / T::kStages) & 1u;
+      const int valid = w.stop_eff - (w.first_page + b) * kBlockN;
+      const uint32_t slot = T::vt_slot(half, g), use = T::vt_use(half, g);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int i = 0; i < 2; ++i) {
+        if (int((2 * g + uint32_t(i)) % kNumTransposeWarps) != tw) continue;
+        if (use > 0) {
+          wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
+          wait_barrier(ss.peer_empty[slot], (use - 1) & 1u);
+        }
+        transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, valid, tl, lane, debug);
+        if (lane == 0) {
+          ss.vt_full[slot].arrive();
+          ss.kv_empty[stage].arrive();
+          if (atomicAdd(&ss.vt_pairs_sent[slot], 1u) & 1u) {  // the half's second pair: both are written
+            wait_barrier(ss.vt_full[slot], use & 1u);         // the other pair's stores, acquired
+            send_vt_half<T>(ss, slot);
+          }
+        }
+        __syncwarp();
+      }
+    }
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T::SharedStorage& ss,
                                                const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
                                                int tw, int lane, int debug) {
+  if constexpr (T::kShareVt) {
+    transpose_loop_shared<T>(p, ss, meta, begin_req, end_req, m_block, tw, lane, debug);
+    return;
+  }
   const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
   const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   const TransposeLane tl = TransposeLane::of(lane);  // layout.h

@@ -15,6 +15,18 @@ namespace flashmla_backend::sm90::decode_fp8 {
 
 using namespace cute;
 
+// The shared transposition's barriers and counters (Traits::kShareVt), a base of SharedStorage: empty otherwise, so
+// that the other plans' shared memory does not grow. peer_empty[s] (a slot of this CTA's own half): the other CTA's
+// consumer warpgroup finished the P V of its copy of the slot's last use (remote arrivals), so the next use may be
+// written and sent. vt_pairs_sent[s]: piece pairs of the slot written so far (odd: the second pair's warp sends).
+template <bool kShareVt, int kVtSlots>
+struct ShareVtState {};
+template <int kVtSlots>
+struct ShareVtState<true, kVtSlots> {
+  cutlass::arch::ClusterBarrier peer_empty[kVtSlots];
+  uint32_t vt_pairs_sent[kVtSlots];
+};
+
 // QIn: q's element type in global memory. An e4m3 q (the fast mode: true value = stored x descale_q) is used as
 // it is, one term. A 16-bit q (the accurate mode) is split per row into kQTerms e4m3 terms of one power-of-two
 // scale: q ~ s (hi + lo) with hi = e4m3(q / s), lo = e4m3(q / s - hi), so Q K^T is kQTerms e4m3 products into one
@@ -22,8 +34,11 @@ using namespace cute;
 // kVtLeft / kVtRight: V^T halves in flight for consumer warpgroup 0 / 1 (config.h: each warpgroup reads only its
 // half, and the two read them at different points of a step; mainloop.cuh).
 // kConsumerRegs / kProducerRegs: the setmaxnreg split (config.h).
+// kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
+// CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
+// copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 template <class QIn_, int kQTerms_, int kPTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
-          int kConsumerRegs_ = 216, int kProducerRegs_ = 72>
+          int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false>
 struct Traits {
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
@@ -44,6 +59,8 @@ struct Traits {
   static_assert(!kQFp8 || kQTerms == 1, "an e4m3 q is one term");
   static_assert(kQTerms >= 1 && kQTerms <= 2 && kPTerms >= 1 && kPTerms <= 2, "one or two terms");
   static_assert(kStages >= 2 && kVtLeft_ >= 2 && kVtRight_ >= 2, "at least two KV stages and two V^T halves a ring");
+  static constexpr bool kShareVt = kShareVt_;
+  static_assert(!kShareVt || kQFp8, "the shared transposition serves the fast mode");
   static constexpr int kConsumerRegs = kConsumerRegs_;
   static constexpr int kProducerRegs = kProducerRegs_;
   static_assert(kNumConsumerThreads * kConsumerRegs + kThreadsPerWarpGroup * kProducerRegs <= kCtaRegisters,
@@ -77,7 +94,7 @@ struct Traits {
   static_assert(cosize_v<SmemLayoutTile> == kTileBytes, "tile size");
   static_assert(cosize_v<SmemLayoutVtHalf> == kVtHalfBytes, "V^T half size");
 
-  struct alignas(kSmemAlign) SharedStorage {
+  struct alignas(kSmemAlign) SharedStorage : ShareVtState<kShareVt, kVtSlots> {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTerms * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVtHalfBytes, kSmemAlign> vt;  // slot s at s * 16 KB
@@ -111,6 +128,8 @@ struct Traits {
   static __host__ __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) {
     return g / uint32_t(h == 0 ? kVtLeft_ : kVtRight_);
   }
+  // The V^T half that slot s holds (the left ring first).
+  static __host__ __device__ __forceinline__ int vt_half_of_slot(int s) { return s < kVtLeft_ ? 0 : 1; }
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 };
 
@@ -121,6 +140,12 @@ constexpr int kNumVPairs = kNumVPieces / 2;                 // 4 pairs a block, 
 constexpr uint32_t kKvEmptyArrivals = 4 + kNumVPairs;       // owner warpgroup's warps + the block's pairs
 constexpr uint32_t kVtFullArrivals = kNumVPairs / 2;        // the half's pairs
 constexpr uint32_t kVtEmptyArrivals = 4;                    // the warps of the consumer warpgroup reading the half
+// With the shared transposition (Traits::kShareVt) a CTA transposes the two pairs of its own half of each block; the
+// other half's slot is written by the peer CTA's bulk copy, whose sender arrives once (with the expected bytes), and
+// peer_empty counts the warps of the peer's consumer warpgroup that read the copy.
+constexpr uint32_t kKvEmptyArrivalsShared = 4 + kNumVPairs / 2;
+constexpr uint32_t kVtFullArrivalsCopied = 1;
+constexpr uint32_t kPeerEmptyArrivals = 4;
 
 // Named barriers among the 256 consumer threads (IDs relative to CUTLASS's reserved ones).
 enum class NamedBarriers : uint32_t {

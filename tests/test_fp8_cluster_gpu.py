@@ -1,0 +1,85 @@
+"""The FP8 tensor-core kernel's 2-CTA cluster plan (sm_90a, GPU only): two M tiles of a request as one cluster, each
+CTA transposing one V^T half and copying it to the other (csrc/sm90/decode_fp8/producer.cuh, Traits::kShareVt),
+chosen with FLASHMLA_BACKEND_FP8_DEBUG bit 8 while it is measured.
+
+The plan changes who writes the V^T halves, not a value in them or the order of any sum, so its output and lse must
+be bitwise those of the one-CTA plan (which tests/test_fp8_gpu.py holds against fp64) on every shape it serves:
+one query token at h_q / h_kv = 128, a non-causal s_q 2 at 64 heads, h_kv 2, lengths 0, 1, 63, 64, 65 (odd block
+counts: the virtual block), many requests per scheduler part, and the 8192-key request; and the kernel that ran
+must be the cluster one (its name in the profiler carries the plan's traits).
+"""
+import pytest
+import torch
+
+import flashmla_backend as fb
+from flashmla_backend import device as fdevice, kv_format
+from fp8kit import fp8_inputs
+from kit import D_V, Case
+
+pytestmark = pytest.mark.gpu
+
+CLUSTER_FLAG = "8"   # kDebugClusterPlan in csrc/sm90/decode_fp8/decode.h
+
+CASES = [
+    Case(lengths=[64, 1000, 0], h_q=128),
+    Case(lengths=[8192], h_q=128),
+    Case(lengths=[1, 63, 64, 65, 129, 3000], h_q=128, seed=1),
+    Case(lengths=[37 * i % 2100 for i in range(40)], h_q=128, seed=3),
+    Case(lengths=[100, 700, 2500], s_q=2, h_q=64, causal=False, seed=2),
+    Case(lengths=[300, 5000], h_q=256, h_kv=2, seed=4),
+]
+
+
+@pytest.fixture(autouse=True)
+def _sm90():
+    problem = kv_format.FP8_E4M3.kernel_problem(fdevice.kernel_for(torch.device("cuda")), sparse=False)
+    if problem:
+        pytest.skip(problem)
+
+
+def _run(inp, case, dq, dk):
+    meta, splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv,
+                                       is_fp8_kvcache=True)
+    return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                     softmax_scale=inp.scale, causal=case.causal, descale_q=dq, descale_k=dk)
+
+
+def _kernel_names(fn) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.key for e in prof.key_averages() if "fp8_decode_kernel" in e.key]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_cluster_plan_is_bitwise_the_one_cta_plan(case, monkeypatch):
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_KERNEL", "tensorcore")
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "0")
+    out, lse = _run(inp, case, dq, dk)
+    one_cta = _kernel_names(lambda: _run(inp, case, dq, dk))
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
+    out_c, lse_c = _run(inp, case, dq, dk)
+    out_c2, lse_c2 = _run(inp, case, dq, dk)
+    cluster = _kernel_names(lambda: _run(inp, case, dq, dk))
+    print(f"{case}: one-CTA kernel {one_cta}, cluster kernel {cluster}")
+    # The plans differ only in the template's last argument (kShareVt): false, true.
+    assert one_cta and all("true" not in k for k in one_cta), one_cta
+    assert cluster and all("true" in k for k in cluster), cluster
+    assert not torch.isnan(out_c).any()
+    assert torch.equal(out_c.view(torch.int16), out_c2.view(torch.int16)) and torch.equal(lse_c, lse_c2)
+    assert torch.equal(out_c.view(torch.int16), out.view(torch.int16)), (
+        f"max |diff| {(out_c.float() - out.float()).abs().max().item():.3g}")
+    assert torch.equal(lse_c, lse)
+
+
+def test_cluster_flag_leaves_other_shapes_on_their_plan(monkeypatch):
+    """Four M tiles (s_q 2 causal at 128 heads) and one M tile (16 heads) do not take the cluster plan."""
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_KERNEL", "tensorcore")
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
+    for case in (Case(lengths=[300, 1500], s_q=2, h_q=128), Case(lengths=[300, 1500], h_q=16)):
+        inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
+        names = _kernel_names(lambda: _run(inp, case, dq, dk))
+        assert names and all("true" not in k for k in names), (str(case), names)
