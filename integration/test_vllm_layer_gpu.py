@@ -5,7 +5,7 @@
 For each fake batch (vLLM's test style: decode, uniform spec-decode, mixed prefill + decode, KV-manager
 blocks of 64 and 256 tokens with a random block permutation, block 0 the null block, unused slots NaN)
 the layer's forward_impl runs once with attn_backend = our plugin and once with TRITON_MLA (FLASHMLA for
-uniform multi-token decode batches, which TRITON_MLA's single-token decode kernel does not handle), on one
+uniform multi-token decode batches, which TRITON_MLA, decode threshold 1, runs through vLLM's prefill path), on one
 KV-cache tensor viewed in each backend's kernel block size; outputs must agree (atol = rtol = 1e-2),
 and both must agree with an fp32 reference in MHA form (K/V up-projected with kv_b_proj). On our
 side decode tokens go to flashmla_backend's kernel and prefill tokens to vLLM's prefill backend.
@@ -56,8 +56,9 @@ class Case:
 CASES = {
     "decode": Case([1, 33, 64, 65, 400, 1500, 4000], [1] * 7),
     "decode_bs256": Case([5, 255, 256, 257, 2500], [1] * 5, manager_block_size=256),
-    "spec2": Case([2, 64, 300, 2049], [2] * 4, spec_tokens=1),
-    "spec4_bs256": Case([4, 65, 1000, 3000], [4] * 4, manager_block_size=256, spec_tokens=3),
+    # The request without context last: vLLM orders every batch so (prefill_order_problems below).
+    "spec2": Case([64, 300, 2049, 2], [2] * 4, spec_tokens=1),
+    "spec4_bs256": Case([65, 1000, 3000, 4], [4] * 4, manager_block_size=256, spec_tokens=3),
     "mixed": Case([50, 700, 2000, 300, 1200, 128], [1, 1, 1, 37, 200, 128]),
     "mixed_bs256": Case([3000, 9, 640, 513], [1, 1, 100, 513], manager_block_size=256),
     "mixed_spec2": Case([40, 900, 260, 77], [2, 2, 31, 77], spec_tokens=1),
@@ -163,6 +164,10 @@ class LayerUnderTest:
 
         with set_current_vllm_config(self.cfg):
             md = self.builder.build(common_prefix_len=0, common_attn_metadata=common)
+        problems = prefill_order_problems(batch.case, md.num_decodes)
+        assert not problems, f"{batch.case}: not in vLLM's batch order for {self.backend.get_name()}: " \
+                             + "; ".join(problems)
+        with set_current_vllm_config(self.cfg):
             out = torch.empty((batch.num_tokens, self.num_heads * V_DIM), dtype=torch.bfloat16, device="cuda")
             with set_forward_context({self.name: md}, self.cfg, num_tokens=batch.num_tokens):
                 self.layer.forward_impl(batch.q, batch.new_kv_c, batch.new_k_pe, cache, md, output=out)
@@ -172,11 +177,46 @@ class LayerUnderTest:
 
 # ---- batches ------------------------------------------------------------------------------------
 
-def common_attn_metadata(**kw):
-    from vllm.v1.attention.backend import CommonAttentionMetadata
+def prefill_order_problems(case: Case, num_decodes: int) -> list[str]:
+    """Where a batch breaks the order vLLM's MLA prefill path relies on: among the requests a backend treats as
+    prefills (those after its num_decodes), the ones with cached context come before the ones without.
+    vLLM's model runner orders every batch so (vllm/v1/attention/backends/utils.py:
+    reorder_batch_to_split_decodes_and_prefills: decode, short extend, long extend, then requests without context),
+    and the chunked-context prefill counts the prefills with context from the front (mla_attention.py:
+    build_mla_chunked_context_metadata; every token past them gets only its own new keys). A batch built by hand in
+    another order is one vLLM never produces: TRITON_MLA (decode threshold 1) runs spec-decode requests as prefills,
+    and this file's spec-decode batches once put their request without context first, so the last request's tokens
+    lost their context (relative error 1.0 against the reference; a CPU replay of vLLM's split and merge gave 1.02)."""
+    problems = []
+    seen_without = None
+    for i in range(num_decodes, len(case.seq_lens)):
+        has_context = case.seq_lens[i] - case.query_lens[i] > 0
+        if not has_context and seen_without is None:
+            seen_without = i
+        elif has_context and seen_without is not None:
+            problems.append(f"prefill request {i} has cached context but comes after request {seen_without}, "
+                            "which has none")
+    return problems
 
-    known = {f.name for f in fields(CommonAttentionMetadata)}
-    return CommonAttentionMetadata(**{k: v for k, v in kw.items() if k in known})
+
+def vllm_num_decodes(case: Case, threshold: int, require_uniform: bool) -> int:
+    """The decode requests vLLM 0.26's split_decodes_and_prefills counts (vllm/v1/attention/backends/utils.py, with
+    short extends as decodes): the leading requests of query length <= threshold, and with require_uniform (a
+    backend serving uniform multi-token decode) of the first request's query length."""
+    q = case.query_lens
+    if q[0] > threshold:
+        return 0
+    if require_uniform and threshold > 1:
+        return next((i for i, s in enumerate(q) if s != q[0]), len(q))
+    return next((i for i, s in enumerate(q) if s > threshold), len(q))
+
+
+# Decode thresholds and uniformity of the backends these tests run, as read in vLLM 0.26's sources (on the GPU,
+# LayerUnderTest.forward checks each batch with the split its builder made; tests/test_vllm_layer_batches.py checks
+# CASES with these on CPU): TRITON_MLA keeps vLLM's default threshold 1; FLASHMLA serves uniform batches up to 128
+# query tokens; ours uniform batches of 1 + the speculative tokens.
+DECODE_SPLITS = {"TRITON_MLA": lambda case: (1, False), "FLASHMLA": lambda case: (128, True),
+                 "CUSTOM": lambda case: (1 + case.spec_tokens, True)}
 
 
 class Batch:
@@ -276,10 +316,11 @@ def test_layer_matches_triton_mla(name):
     out_triton = triton.forward(batch)
     ref = batch.reference(w, _scale(), heads).to(torch.bfloat16)
     if num_decodes == len(case.query_lens) and case.query_lens[0] > 1:
-        # Uniform multi-token decode (spec decode). TRITON_MLA's decode kernel is single-token only
-        # (QueryLenSupport.SINGLE_ONLY); on these batches its output was measured 3.5 away from the fp32
-        # reference (H200, vLLM 0.26.0) while ours was within 1.6e-2, so it is no oracle here.
-        # vLLM's FLASHMLA supports uniform query lengths natively: compare against it instead.
+        # Uniform multi-token decode (spec decode). TRITON_MLA's decode threshold is 1, so it runs these requests
+        # through vLLM's prefill path, not its decode kernel. Before the batches were put in vLLM's order
+        # (prefill_order_problems) its output was 3.5 away from the fp32 reference here (H200, vLLM 0.26.0): the last
+        # request lost its context. vLLM's FLASHMLA serves uniform query lengths as decode, like ours: compare
+        # against it.
         tri_err = (out_triton.float() - ref.float()).abs().max().item()
         print(f"\n[layer {name}] TRITON_MLA vs reference: max {tri_err:.3e} (not asserted, see comment); "
               "comparing with FLASHMLA")
@@ -495,7 +536,7 @@ def test_fp8_layer_matches_references(name, scales, monkeypatch):
         dec_bf16q, dec_e4m3q = errors(out[:nd], ref_decode[:nd]), errors(out[:nd], ref_e4m3_q[:nd])
         pre = errors(out[nd:], ref_prefill[nd:])
         figures[label] = (nd, dec_bf16q, dec_e4m3q, pre)
-        note = " (single-token decode kernel on a uniform multi-token batch: not a reference here)" \
+        note = " (every token through vLLM's prefill path: its decode threshold is 1)" \
             if label == "TRITON_MLA" and uniform_spec else ""
         print(f"  {label:<16} decode tokens {nd:>3}: vs bf16-q ref {dec_bf16q[0]:.3e} / {dec_bf16q[1]:.3e}, vs e4m3-q "
               f"ref {dec_e4m3q[0]:.3e} / {dec_e4m3q[1]:.3e}; prefill tokens {batch.num_tokens - nd:>3}: "
