@@ -7,6 +7,8 @@
   the CuTe layouts (needs nvcc and the CUTLASS headers, no GPU).
 - csrc/sm90/decode_fp8/checks/layout_check.cu: the same for the FP8 tensor-core kernel (layout.h), with a host
   replay of its V transposition against the P fragment's key order (needs nvcc and the CUTLASS headers, no GPU).
+- csrc/sm90/sparse_fp8/checks/layout_check.cu: the sparse kernel's gather of fp8_ds_mla tokens (sparse_fp8/layout.h)
+  against the e4m3 and bf16 wgmma tile layouts, with a host replay of a gathered block (nvcc and CUTLASS, no GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
   isolation (compiled on the CPU; run on a GPU).
 - tests/device_checks/row_sum_handoff.cu: the epilogue's row-sum exchange (publish_row_sums / final_row_stats)
@@ -235,6 +237,39 @@ def test_fp8_layout_check_rejects_a_changed_formula(tmp_path, edit):
     source.write_text(text.replace(old, new, 1))
     res = _run_fp8_layout_check(csrc, tmp_path / "fp8_layout_check")
     assert res.returncode != 0 and "MISMATCH" in res.stdout, res.stdout + res.stderr
+
+
+def _run_sparse_layout_check(csrc: Path, exe: Path) -> subprocess.CompletedProcess:
+    nvcc, cutlass = _nvcc(), _cutlass_include()
+    reason = _missing(nvcc, cutlass)
+    if reason:
+        pytest.skip(reason)
+    _compile([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{csrc}", f"-I{cutlass}",
+              str(csrc / "sm90" / "sparse_fp8" / "checks" / "layout_check.cu"), "-o", str(exe)],
+             "sparse layout_check.cu")
+    return subprocess.run([str(exe)], capture_output=True, text=True)
+
+
+def test_sparse_layout_check_compiles_and_agrees(tmp_path):
+    res = _run_sparse_layout_check(ROOT / "csrc", tmp_path / "sparse_layout_check")
+    assert res.returncode == 0 and "all layouts agree (sparse gather)" in res.stdout, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("edit", [
+    ("sm90/sparse_fp8/layout.h", "((chunk ^ (row & 7)) << 4)", "((chunk ^ (row & 3)) << 4)"),  # the rope swizzle
+    ("sm90/sparse_fp8/layout.h", "kScalesAt + row * kChunkBytes", "kScalesAt + (row ^ 1) * kChunkBytes"),  # scales
+    ("sm90/sparse_fp8/layout.h", "constexpr int kRopeChunk0 = 33;", "constexpr int kRopeChunk0 = 34;"),  # token bytes
+])
+def test_sparse_layout_check_rejects_a_changed_formula(tmp_path, edit):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", csrc)
+    path, old, new = edit
+    source = csrc / path
+    text = source.read_text()
+    assert old in text, f"update this test to {path}"
+    source.write_text(text.replace(old, new, 1))
+    res = _run_sparse_layout_check(csrc, tmp_path / "sparse_layout_check")
+    assert res.returncode != 0, res.stdout + res.stderr
 
 
 def test_layout_check_skip_reason_without_cutlass(monkeypatch, tmp_path):
