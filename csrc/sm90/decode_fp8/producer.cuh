@@ -310,15 +310,7 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
         const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
         const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
         if (use > 0) wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
-        const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * kVtHalfBytes;
-        if (valid < kBlockN) {
-          transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
-        } else {
-          transpose_pair<T, kUnitsInFlight, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane,
-                                                   debug);
-        }
-        cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma (async proxy)
-        __syncwarp();
+        transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, valid, tl, lane, debug);
         if (lane == 0) {
           ss.vt_full[slot].arrive();
           ss.kv_empty[stage].arrive();
