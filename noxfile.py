@@ -166,7 +166,7 @@ if nox is not None:
         reuse = is_current(ROOT / env_location(ENVDIR, engine), wanted)
 
         def session(s: nox.Session) -> None:
-            location = Path(s.virtual_env)
+            location = Path(s.virtualenv.location)
             log = location.with_name(location.name + ".log")
             if is_current(location, wanted):
                 s.log(f"[{engine.name}] using {location} (recipe unchanged)")

@@ -261,7 +261,7 @@ class FakeSession:
         pass
 
     def __init__(self, location: Path, backend: str = "uv", posargs=(), pytest_rc: int = 0):
-        self.virtual_env = str(location)
+        self.virtualenv = types.SimpleNamespace(location=str(location))
         self.venv_backend = backend
         self.posargs = list(posargs)
         self.pytest_rc = pytest_rc
