@@ -203,6 +203,10 @@ if [ $engines -eq 1 ]; then
   else
     engine_pythonpath="$ROOT"
   fi
+  old=("$ENVS"/*-py[0-9]*/.recipe)   # environments the former tests/run.sh made itself
+  if [ -e "${old[0]}" ]; then
+    say "not used any more (the nox sessions' are .test-envs/engines-*), rm -rf them to free their disk: ${old[*]%/.recipe}"
+  fi
   if command -v flock >/dev/null; then exec 9>"$ENVS/.lock"; fi   # two runs at once take turns
   lock() { if command -v flock >/dev/null; then flock "$@" 9; fi; }
   lock

@@ -473,6 +473,16 @@ def test_engines_run_one_nox_session_each_with_tools_made_once(run):
     assert "recipe changed" in run.out
 
 
+def test_environments_of_the_former_layout_are_named_not_used(run):
+    former = run.root / ".test-envs" / f"vllm-0.26.0-py{PYVER}"
+    former.mkdir(parents=True)
+    (former / ".recipe").write_text("recipe 1\n")
+    assert run("--engines") == 0, run.out
+    assert run.out.count(f"rm -rf them to free their disk: {former}\n") == 1 and former.exists()
+    (former / ".recipe").unlink()
+    assert run("--engines") == 0 and "not used any more" not in run.out
+
+
 def test_tools_that_cannot_be_made_fail_the_engines_and_are_made_again(run):
     assert run("--engines", FAKE_PIP_FAIL="1") == 1
     assert "could not make" in run.out and "tools.log" in run.out
