@@ -44,18 +44,6 @@ for a in "$@"; do
   if [ "$a" = "--engines" ]; then engines=1; else args+=("$a"); fi
 done
 
-# The engine table lives in noxfile.py (plain Python, no nox needed to read it): "name session files extra".
-table=$("$PYTHON" "$ROOT/noxfile.py" table) || { say "cannot read the engine table: $PYTHON noxfile.py table" >&2; exit 2; }
-engine_files=()
-selected=()   # "name session files" of the sessions --engines runs
-while read -r name session files extra; do
-  for file in ${files//,/ }; do
-    case " ${engine_files[*]-} " in *" $file "*) ;; *) engine_files+=("$file") ;; esac
-  done
-  [ "$extra" = 1 ] && [ "${FLASHMLA_BACKEND_EXTRA_ENGINES:-0}" != 1 ] && continue
-  selected+=("$name $session $files")
-done <<<"$table"
-
 # ---- the active environment: pytest and the package under test ---------------------------------
 cd "$ROOT/tests" || exit 1   # not the repo root: an installed package must not be shadowed by the sources
 # The tests' own requirements (the package's `test` extra): pytest, and numpy for the numpy-scalar cases.
@@ -68,6 +56,18 @@ tests/run.sh: pytest and numpy (the package's test extra) are not both installed
 EOF
   exit 2
 fi
+
+# The engine table lives in noxfile.py (plain Python, no nox needed to read it): "name session files extra".
+table=$("$PYTHON" "$ROOT/noxfile.py" table) || { say "cannot read the engine table: $PYTHON noxfile.py table" >&2; exit 2; }
+engine_files=()
+selected=()   # "name session files" of the sessions --engines runs
+while read -r name session files extra; do
+  for file in ${files//,/ }; do
+    case " ${engine_files[*]-} " in *" $file "*) ;; *) engine_files+=("$file") ;; esac
+  done
+  [ "$extra" = 1 ] && [ "${FLASHMLA_BACKEND_EXTRA_ENGINES:-0}" != 1 ] && continue
+  selected+=("$name $session $files")
+done <<<"$table"
 
 pyver=$("$PYTHON" -c "import sys; print('%d.%d' % sys.version_info[:2])") || exit 1
 if compgen -G "$ROOT/flashmla_backend/_C*.so" >/dev/null; then
