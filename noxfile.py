@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent
 TESTS = ROOT / "tests"
 ENVDIR = ".test-envs"
 TORCH_REQ = "torch==2.13.0"
-RECIPE_VERSION = 2  # raise when the way the environments are made changes: every one is made again
+RECIPE_VERSION = 3  # raise when the way the environments are made changes: every one is made again
 
 
 class Engine(NamedTuple):
@@ -82,14 +82,18 @@ def requirement_lines(path: Path) -> list[str]:
 def install_steps(engine: Engine, uv: bool, torch_index: str = "") -> list[tuple[str, list[str]]]:
     """The install commands of a session, in order, as (label, arguments of `pip install` / `uv pip
     install`). With an extra torch index, uv is told to pick the best version across the indexes, as pip
-    does (uv's default takes every package the first index has only from that index)."""
+    does (uv's default takes every package the first index has only from that index); and uv compiles
+    the .pyc files at install, as pip does."""
     index = ["--extra-index-url", torch_index] if torch_index else []
     if index and uv:
         index += ["--index-strategy", "unsafe-best-match"]
+    # uv writes no .pyc files unless asked (pip does): without them every import compiles from source, and
+    # with PYTHONDONTWRITEBYTECODE set it does so on every run (the vLLM runs took twice as long).
+    compile_ = ["--compile-bytecode"] if uv else []
     return [
-        (f"{TORCH_REQ} and pytest", [*index, TORCH_REQ, "pytest"]),
-        (f"{' '.join(engine.nodeps)} (--no-deps)", ["--no-deps", *engine.nodeps]),
-        (f"tests/{engine.requirements}", ["-r", str(TESTS / engine.requirements)]),
+        (f"{TORCH_REQ} and pytest", [*compile_, *index, TORCH_REQ, "pytest"]),
+        (f"{' '.join(engine.nodeps)} (--no-deps)", [*compile_, "--no-deps", *engine.nodeps]),
+        (f"tests/{engine.requirements}", [*compile_, "-r", str(TESTS / engine.requirements)]),
     ]
 
 

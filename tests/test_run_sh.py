@@ -206,13 +206,14 @@ def test_run_sh_reads_the_table_from_the_noxfile_without_nox():
 def test_install_steps(uv, index):
     vllm = next(e for e in NOXFILE.ENGINES if e.name == "vllm-0.26.0")
     (torch_label, torch), (engine_label, engine), (req_label, req) = NOXFILE.install_steps(vllm, uv, index)
+    compile_ = ["--compile-bytecode"] if uv else []   # pip compiles .pyc files by itself, uv when asked
     assert torch[-2:] == ["torch==2.13.0", "pytest"]
     extra = ["--extra-index-url", index] if index else []
     if index and uv:   # uv's first-index default would take torch's helpers from the torch index only
         extra += ["--index-strategy", "unsafe-best-match"]
-    assert torch[:-2] == extra
-    assert engine == ["--no-deps", "vllm==0.26.0", "xgrammar==0.2.7"] and "(--no-deps)" in engine_label
-    assert req == ["-r", str(REPO / "tests" / "requirements-vllm-cpu.txt")]
+    assert torch[:-2] == compile_ + extra
+    assert engine == [*compile_, "--no-deps", "vllm==0.26.0", "xgrammar==0.2.7"] and "(--no-deps)" in engine_label
+    assert req == [*compile_, "-r", str(REPO / "tests" / "requirements-vllm-cpu.txt")]
 
 
 def test_env_location_is_nox_naming():
@@ -391,7 +392,7 @@ def test_a_changed_torch_index_remakes_the_environment(sessions, monkeypatch):
     s = FakeSession(location)
     func(s)
     torch_step = [c[1] for c in s.calls if c[0] == "install"][0]
-    assert torch_step[:4] == ["--extra-index-url", "https://example.invalid/cpu", "--index-strategy", "unsafe-best-match"]
+    assert torch_step[1:5] == ["--extra-index-url", "https://example.invalid/cpu", "--index-strategy", "unsafe-best-match"]
 
 
 def test_a_reused_env_with_another_recipe_is_not_tested_in(sessions):
