@@ -141,6 +141,47 @@ print('imports OK with torch', torch.__version__)
 # Unset for every install: they would send packages elsewhere than the environment.
 INSTALL_ENV = {"PYTHONPATH": None, "PIP_USER": None, "PIP_TARGET": None, "PIP_PREFIX": None}
 
+# pip's settings that decide where packages come from, and uv's variables for the same (uv reads no pip.conf and
+# no PIP_* variable). A machine whose pip is set up with a wheel folder, a mirror or constraints (this project's CI
+# gets its CPU torch that way) must give uv the same, or uv would take torch's CUDA build from PyPI.
+PIP_TO_UV = {"find-links": ("UV_FIND_LINKS", ","), "index-url": ("UV_INDEX_URL", " "),
+             "extra-index-url": ("UV_EXTRA_INDEX_URL", " "), "constraint": ("UV_CONSTRAINT", " ")}
+PIP_SCOPES = (":env:", "install", "site", "user", "global")   # the first scope that sets a key wins, as in pip
+
+
+def uv_settings_from_pip(config_lines: list[str], environ: dict[str, str]) -> dict[str, str]:
+    """uv variables for the package sources pip is configured with (`pip config list` lines, key='value'),
+    skipping any uv variable already set in environ. With extra indexes uv is told to pick the best version
+    across them, as pip does."""
+    found: dict[str, dict[str, str]] = {}
+    for line in config_lines:
+        key, sep, value = line.partition("=")
+        scope, dot, name = key.rpartition(".")
+        if not sep or not dot or name not in PIP_TO_UV:
+            continue
+        found.setdefault(name, {})[scope] = value.strip().strip("'\"")
+    out: dict[str, str] = {}
+    for name, (var, joiner) in PIP_TO_UV.items():
+        scopes = found.get(name, {})
+        value = next((scopes[sc] for sc in PIP_SCOPES if sc in scopes), None)
+        if value and var not in environ:
+            out[var] = joiner.join(value.split())
+    if "UV_EXTRA_INDEX_URL" in out and "UV_INDEX_STRATEGY" not in environ:
+        out["UV_INDEX_STRATEGY"] = "unsafe-best-match"
+    return out
+
+
+def pip_config_lines() -> list[str]:
+    """`pip config list` of the Python that runs nox (tests/run.sh's tools environment), [] where pip fails."""
+    import subprocess
+
+    try:
+        res = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return res.stdout.splitlines() if res.returncode == 0 else []
+
 
 def _main(argv: list[str]) -> int:
     """`python noxfile.py table`: one line per engine, "name session files extra" (tests/run.sh)."""
@@ -188,6 +229,13 @@ if nox is not None:
     def _install(s: nox.Session, engine: Engine, location: Path, log: Path) -> None:
         uv = s.venv_backend == "uv"
         steps = install_steps(engine, uv, os.environ.get("FLASHMLA_BACKEND_TORCH_INDEX", ""))
+        env = dict(INSTALL_ENV)
+        if uv:
+            from_pip = uv_settings_from_pip(pip_config_lines(), dict(os.environ))
+            env.update(from_pip)
+            if from_pip:
+                s.log(f"[{engine.name}] uv takes pip's package sources: "
+                      + ", ".join(f"{k}={v}" for k, v in sorted(from_pip.items())))
         n = len(steps) + 1
         start = time.monotonic()
         times = []
@@ -199,12 +247,12 @@ if nox is not None:
                 out.write(f"==== {label}: {'uv pip' if uv else 'pip'} install {' '.join(args)}\n")
                 out.flush()
                 t0 = time.monotonic()
-                s.install(*args, env=INSTALL_ENV, stdout=out, silent=False, log=False)
+                s.install(*args, env=env, stdout=out, silent=False, log=False)
                 times.append(time.monotonic() - t0)
             s.log(f"[{engine.name}] {n}/{n} check: torch and the engine import")
             out.write("==== check: torch and the engine import\n")
             out.flush()
-            s.run_install("python", "-c", IMPORT_CHECK, *engine.nodeps, env=INSTALL_ENV, stdout=out,
+            s.run_install("python", "-c", IMPORT_CHECK, *engine.nodeps, env=env, stdout=out,
                           silent=False, log=False)
         s.log(f"[{engine.name}] ready in {time.monotonic() - start:.0f} s (steps: "
               + ", ".join(f"{t:.0f} s" for t in times) + ")")

@@ -201,6 +201,38 @@ def test_run_sh_reads_the_table_from_the_noxfile_without_nox():
     assert "ENGINES=(" not in text and "vllm==" not in text and "requirements-" not in text  # not repeated
 
 
+PIP_CONFIG = [
+    ":env:.find-links='/opt/wheels'",
+    "global.find-links='/other/wheels'",            # the environment variable wins, as in pip
+    "global.extra-index-url='file:///a/simple file:///b/simple'",
+    "global.constraint='/etc/pip/constraints.txt'",
+    "global.cert='/etc/ssl/certs/ca.crt'",          # not a package source: not passed on
+]
+
+
+def test_uv_takes_pips_package_sources():
+    assert NOXFILE.uv_settings_from_pip(PIP_CONFIG, {}) == {
+        "UV_FIND_LINKS": "/opt/wheels",
+        "UV_EXTRA_INDEX_URL": "file:///a/simple file:///b/simple",
+        "UV_CONSTRAINT": "/etc/pip/constraints.txt",
+        "UV_INDEX_STRATEGY": "unsafe-best-match",     # pip's choice across indexes
+    }
+
+
+def test_uv_settings_of_the_user_win_over_pips():
+    got = NOXFILE.uv_settings_from_pip(PIP_CONFIG, {"UV_FIND_LINKS": "/mine", "UV_INDEX_STRATEGY": "first-index"})
+    assert "UV_FIND_LINKS" not in got and "UV_INDEX_STRATEGY" not in got
+    assert got["UV_CONSTRAINT"] == "/etc/pip/constraints.txt"
+
+
+def test_uv_settings_from_an_unconfigured_pip():
+    assert NOXFILE.uv_settings_from_pip([], {}) == {}
+    assert NOXFILE.uv_settings_from_pip(["global.index-url='https://mirror/simple'", "garbage"], {}) == {
+        "UV_INDEX_URL": "https://mirror/simple"}
+    # several find-links locations: uv's variable separates them with commas
+    assert NOXFILE.uv_settings_from_pip(["user.find-links='/a /b'"], {}) == {"UV_FIND_LINKS": "/a,/b"}
+
+
 @pytest.mark.parametrize("uv", [True, False])
 @pytest.mark.parametrize("index", ["", "https://example.invalid/whl/cpu"])
 def test_install_steps(uv, index):
