@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/kit.py
 ROOT = Path(__file__).resolve().parent.parent
 
 # Engine conformance test files that tests/run.sh runs in their own environments (bash tests/run.sh
-# --engines): its core run names them here, and they are skipped whatever this environment holds.
+# --engines: the nox sessions of noxfile.py): its core run names them here, and they are skipped whatever this environment holds.
 SKIP_ENGINE_TESTS = set(os.environ.get("FLASHMLA_BACKEND_SKIP_ENGINE_TESTS", "").split())
 ENGINE_TESTS_REASON = ("engine conformance tests run in their own environments under .test-envs/: "
                        "bash tests/run.sh --engines")

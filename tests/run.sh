@@ -11,47 +11,29 @@
 #   without the compiled module (CPU tensors only). pytest must be installed there; if it is not, this
 #   says how to add it and exits with 2 (it does not install it for you, nor run a pytest from elsewhere:
 #   see tests/README.md).
-#   The engine conformance tests (the ENGINES table below) are skipped here, with a reason that says
+#   The engine conformance tests (the table in noxfile.py) are skipped here, with a reason that says
 #   how to run them.
-# --engines: also runs each engine conformance test file in its own virtualenv under .test-envs/
-#   (git-ignored), made on first use by the same Python and reused while its recipe is unchanged:
-#   torch 2.13.0 (CPU), the engine with --no-deps, its requirement file, pytest. pip's output goes to
-#   .test-envs/<env>.log; one progress line per step is printed.
+# --engines: also runs each engine conformance session of noxfile.py (one per engine release, the table
+#   there; tests/README.md): each a virtualenv under .test-envs/ (git-ignored) that nox makes with uv on
+#   first use and reuses while its recipe is unchanged. nox and uv themselves come from .test-envs/tools,
+#   a virtualenv this makes once with the same Python (pinned NOX_REQ and UV_REQ below). Their output goes
+#   to the terminal and to .test-envs/<engine>.nox.log; the installers' output to .test-envs/<session>.log.
 #
 # Fails (exit 1) when a pytest run fails, collects nothing (exit code 5), or passes no test (a skipped
-# test is not a passed test), or when an engine environment cannot be made. Ends with one line per run
-# and one combined line: "N passed, N failed, N skipped".
+# test is not a passed test), or when an engine environment (or the tools one) cannot be made. Ends with
+# one line per run and one combined line: "N passed, N failed, N skipped".
 #
 # Environment: PYTHON (the interpreter), FLASHMLA_BACKEND_TORCH_INDEX (an extra package index for the
-# engine environments' torch, e.g. https://download.pytorch.org/whl/cpu so that pip takes the CPU build
-# instead of the CUDA one with its NVIDIA wheels), FLASHMLA_BACKEND_EXTRA_ENGINES=1 (with --engines: also
-# the ENGINES_EXTRA environments).
+# engine environments' torch, e.g. https://download.pytorch.org/whl/cpu: the CPU build instead of the
+# CUDA one with its NVIDIA wheels), FLASHMLA_BACKEND_EXTRA_ENGINES=1 (with --engines: also the sessions
+# marked extra in noxfile.py's table).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 ENVS="$ROOT/.test-envs"
-TORCH_REQ="torch==2.13.0"
-TORCH_INDEX=${FLASHMLA_BACKEND_TORCH_INDEX:-}
-RECIPE_VERSION=1   # raise when the way the environments are made changes: every one is made again
-
-# Engine conformance environments, one line each (fields separated by spaces):
-#   name            test files (tests/, comma-separated)     installed with --no-deps (comma-separated)   then: pip install -r tests/...
-ENGINES=(
-  "vllm-0.26.0      test_vllm_cpu.py,test_vllm_dcp_cpu.py    vllm==0.26.0,xgrammar==0.2.7                  requirements-vllm-cpu.txt"
-  "vllm-0.33.0      test_vllm_cpu.py,test_vllm_dcp_cpu.py    vllm==0.33.0,xgrammar==0.2.8                  requirements-vllm-0.33-cpu.txt"
-  "sglang-0.5.21    test_sglang_cpu.py,test_sglang_dcp_cpu.py  sglang==0.5.21                              requirements-sglang-cpu.txt"
-  "sglang-0.5.23    test_sglang_cpu.py,test_sglang_dcp_cpu.py  sglang==0.5.23                              requirements-sglang-0.5.23-cpu.txt"
-)
-# More environments, made and run only when FLASHMLA_BACKEND_EXTRA_ENGINES=1 (same fields as above):
-# older releases a plugin still supports, kept out of the default run for their time (tests/README.md).
-ENGINES_EXTRA=(
-  "sglang-0.5.17    test_sglang_cpu.py,test_sglang_dcp_cpu.py  sglang==0.5.17                              requirements-sglang-0.5.17-cpu.txt"
-)
-[ "${FLASHMLA_BACKEND_EXTRA_ENGINES:-0}" = 1 ] && ENGINES+=("${ENGINES_EXTRA[@]}")
-# Why --no-deps: the engines' wheels pin a CUDA torch and CUDA-only packages the CPU tests do not need;
-# the requirement files hold the rest (see their headers). xgrammar: all of its requirements are in
-# vLLM's file except triton (1 GB, GPU-only); 0.2.7 with vLLM 0.26.0 because 0.2.8 needs apache-tvm-ffi
-# 0.1.11 and vLLM 0.26.0 pins 0.1.10; vLLM 0.33.0 pins xgrammar 0.2.8 and apache-tvm-ffi 0.1.11.
+# The tools that make the engine environments, in .test-envs/tools (pinned; raise them here).
+NOX_REQ="nox==2026.10.20"
+UV_REQ="uv==0.13.9"
 
 say() { echo "tests/run.sh: $*"; }
 
@@ -60,14 +42,6 @@ engines=0
 args=()
 for a in "$@"; do
   if [ "$a" = "--engines" ]; then engines=1; else args+=("$a"); fi
-done
-
-engine_files=()
-for line in "${ENGINES[@]}"; do
-  read -r _ files _ _ <<<"$line"
-  for file in ${files//,/ }; do
-    case " ${engine_files[*]-} " in *" $file "*) ;; *) engine_files+=("$file") ;; esac
-  done
 done
 
 # ---- the active environment: pytest and the package under test ---------------------------------
@@ -82,6 +56,18 @@ tests/run.sh: pytest and numpy (the package's test extra) are not both installed
 EOF
   exit 2
 fi
+
+# The engine table lives in noxfile.py (plain Python, no nox needed to read it): "name session files extra".
+table=$("$PYTHON" "$ROOT/noxfile.py" table) || { say "cannot read the engine table: $PYTHON noxfile.py table" >&2; exit 2; }
+engine_files=()
+selected=()   # "name session files" of the sessions --engines runs
+while read -r name session files extra; do
+  for file in ${files//,/ }; do
+    case " ${engine_files[*]-} " in *" $file "*) ;; *) engine_files+=("$file") ;; esac
+  done
+  [ "$extra" = 1 ] && [ "${FLASHMLA_BACKEND_EXTRA_ENGINES:-0}" != 1 ] && continue
+  selected+=("$name $session $files")
+done <<<"$table"
 
 pyver=$("$PYTHON" -c "import sys; print('%d.%d' % sys.version_info[:2])") || exit 1
 if compgen -G "$ROOT/flashmla_backend/_C*.so" >/dev/null; then
@@ -121,28 +107,34 @@ run_lines=()     # "label: N passed, N failed, N skipped"
 problems=()      # why the command fails
 tp=0; tf=0; ts=0
 
+# account LABEL RC JUNIT_XML: one run's line, its counts added to the sums, and why it fails if it does
+account() {
+  local label=$1 rc=$2 p f s
+  read -r p f s < <(counts "$3")
+  run_lines+=("$label: $p passed, $f failed, $s skipped")
+  tp=$((tp + p)); tf=$((tf + f)); ts=$((ts + s))
+  if [ "$rc" -eq 5 ]; then
+    problems+=("$label: pytest collected no tests (exit code 5): discovery is broken, the module was skipped, or the arguments select nothing")
+  elif [ "$rc" -ne 0 ]; then
+    problems+=("$label: pytest exited with $rc")
+  elif [ "$p" -eq 0 ]; then
+    problems+=("$label: no test passed (all skipped?)")
+  fi
+}
+
 # run_pytest LABEL PYTHON PYTHONPATH ENV-ASSIGNMENTS... -- PYTEST-ARGS...
 run_pytest() {
   local label=$1 py=$2 pypath=$3; shift 3
   local envs=()
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
-  local report rc p f s
+  local report rc
   report="$(mktemp -t flashmla-junit-XXXXXX.xml)"
   if [ -n "$pypath" ]; then envs=(PYTHONPATH="$pypath" ${envs[@]+"${envs[@]}"}); else envs=(-u PYTHONPATH ${envs[@]+"${envs[@]}"}); fi
   env "${envs[@]}" "$py" -m pytest -rs --junitxml="$report" "$@"
   rc=$?
-  read -r p f s < <(counts "$report")
+  account "$label" $rc "$report"
   rm -f "$report"
-  run_lines+=("$label: $p passed, $f failed, $s skipped")
-  tp=$((tp + p)); tf=$((tf + f)); ts=$((ts + s))
-  if [ $rc -eq 5 ]; then
-    problems+=("$label: pytest collected no tests (exit code 5): discovery is broken, the module was skipped, or the arguments select nothing")
-  elif [ $rc -ne 0 ]; then
-    problems+=("$label: pytest exited with $rc")
-  elif [ "$p" -eq 0 ]; then
-    problems+=("$label: no test passed (all skipped?)")
-  fi
 }
 
 # ---- core run ----------------------------------------------------------------------------------
@@ -162,61 +154,40 @@ else
 fi
 run_pytest "core" "$PYTHON" "$core_pythonpath" ${skip_env[@]+"${skip_env[@]}"} -- . ${core_args[@]+"${core_args[@]}"} ${args[@]+"${args[@]}"}
 
-# ---- engine environments -----------------------------------------------------------------------
-# make_env NAME NODEPS REQFILE: (re)makes $ENVS/NAME-pyX.Y unless its stamp records the same recipe.
-make_env() {
-  local name=$1 nodeps=$2 reqfile=$3
-  local dir="$ENVS/$name-py$pyver" log="$ENVS/$name-py$pyver.log"
-  local recipe   # what the environment is made of (requirement files without their comments)
-  recipe="recipe $RECIPE_VERSION
+# ---- engine environments: nox sessions (noxfile.py) ---------------------------------------------
+TOOLS="$ENVS/tools"
+# make_tools: (re)makes $TOOLS, a virtualenv holding nox and uv, unless its stamp records the same recipe.
+make_tools() {
+  local log="$ENVS/tools.log" recipe
+  recipe="tools 1
 python $("$PYTHON" -c "import sys; print(sys.version.split()[0], getattr(sys, '_base_executable', sys.executable))")
-torch $TORCH_REQ${TORCH_INDEX:+ extra-index $TORCH_INDEX}
-no-deps ${nodeps//,/ }
-requirements $reqfile $(sed -E -e 's/(^|[[:space:]]+)#.*//' -e '/^[[:space:]]*$/d' "$ROOT/tests/$reqfile" | sha256sum | cut -d' ' -f1)
-pytest pytest"
-  if [ -f "$dir/.recipe" ] && [ "$(cat "$dir/.recipe")" = "$recipe" ]; then
-    say "[$name] using $dir"
+$NOX_REQ $UV_REQ"
+  if [ -f "$TOOLS/.recipe" ] && [ "$(cat "$TOOLS/.recipe")" = "$recipe" ]; then
+    say "[tools] using $TOOLS ($NOX_REQ, $UV_REQ)"
     return 0
   fi
-  local py="$dir/bin/python" pipq=(-m pip install --disable-pip-version-check --no-input)
-  local idx=()
-  [ -n "$TORCH_INDEX" ] && idx=(--extra-index-url "$TORCH_INDEX")
-  [ -e "$dir" ] && say "[$name] recipe changed or environment incomplete: making it again"
-  rm -rf "$dir"
+  [ -e "$TOOLS" ] && say "[tools] recipe changed or environment incomplete: making it again"
+  rm -rf "$TOOLS"
   : >"$log"
-  local start=$SECONDS n=0
+  local n=0
   step() {   # step LABEL CMD...: one progress line; the command's output goes to the log
     local label=$1 t0=$SECONDS; shift
     n=$((n + 1))
-    printf 'tests/run.sh: [%s] %d/5 %s ... ' "$name" "$n" "$label"
+    printf 'tests/run.sh: [tools] %d/2 %s ... ' "$n" "$label"
     echo "==== $label: $*" >>"$log"
     if env -u PYTHONPATH -u PIP_USER -u PIP_TARGET -u PIP_PREFIX "$@" >>"$log" 2>&1; then
       echo "$((SECONDS - t0)) s"
     else
       echo "FAILED"
-      say "[$name] could not make $dir; pip's output and the error: $log (last lines below)" >&2
+      say "[tools] could not make $TOOLS; pip's output and the error: $log (last lines below)" >&2
       tail -n 15 "$log" | sed 's/^/    | /' >&2
       return 1
     fi
   }
-  step "virtualenv ($PYTHON, Python $pyver)" "$PYTHON" -m venv "$dir" &&
-  step "$TORCH_REQ and pytest" "$py" "${pipq[@]}" ${idx[@]+"${idx[@]}"} "$TORCH_REQ" pytest &&
-  step "${nodeps//,/ } (--no-deps)" "$py" "${pipq[@]}" --no-deps ${nodeps//,/ } &&
-  step "tests/$reqfile" "$py" "${pipq[@]}" -r "$ROOT/tests/$reqfile" &&
-  step "check: torch and the engine import" "$py" -c "
-import importlib, torch, pytest
-for spec in '${nodeps}'.split(','):
-    name = spec.split('==')[0]
-    if name in ('vllm', 'sglang'):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:  # no environment holds torchvision (PyPI: CUDA builds only);
-            if e.name != 'torchvision':   # the test files stand in for it (SGLang 0.5.17-0.5.20 import it)
-                raise
-            print(name, 'imports torchvision at import; the tests stand in for it')
-print('imports OK with torch', torch.__version__)" || return 1
-  printf '%s\n' "$recipe" >"$dir/.recipe"   # written last: marks the environment complete
-  say "[$name] ready in $((SECONDS - start)) s: $dir ($(du -sh "$dir" | cut -f1))"
+  step "virtualenv ($PYTHON, Python $pyver)" "$PYTHON" -m venv "$TOOLS" &&
+  step "$NOX_REQ $UV_REQ" "$TOOLS/bin/python" -m pip install --disable-pip-version-check --no-input "$NOX_REQ" "$UV_REQ" ||
+  return 1
+  printf '%s\n' "$recipe" >"$TOOLS/.recipe"   # written last: marks the environment complete
 }
 
 if [ $engines -eq 1 ]; then
@@ -232,22 +203,42 @@ if [ $engines -eq 1 ]; then
   else
     engine_pythonpath="$ROOT"
   fi
-  for line in "${ENGINES[@]}"; do
-    read -r name file nodeps reqfile <<<"$line"
-    if command -v flock >/dev/null; then exec 9>"$ENVS/.lock" && flock 9; fi   # two runs at once
-    make_env "$name" "$nodeps" "$reqfile"
-    made=$?
-    if command -v flock >/dev/null; then flock -u 9; fi
-    if [ $made -ne 0 ]; then
-      run_lines+=("$name: not run (its environment could not be made: $ENVS/$name-py$pyver.log)")
-      problems+=("$name: environment could not be made")
+  old=("$ENVS"/*-py[0-9]*/.recipe)   # environments the former tests/run.sh made itself
+  if [ -e "${old[0]}" ]; then
+    say "not used any more (the nox sessions' are .test-envs/engines-*), rm -rf them to free their disk: ${old[*]%/.recipe}"
+  fi
+  if command -v flock >/dev/null; then exec 9>"$ENVS/.lock"; fi   # two runs at once take turns
+  lock() { if command -v flock >/dev/null; then flock "$@" 9; fi; }
+  lock
+  make_tools
+  tools_ok=$?
+  lock -u
+  for line in "${selected[@]}"; do
+    read -r name session files <<<"$line"
+    if [ $tools_ok -ne 0 ]; then
+      run_lines+=("$name: not run (nox and uv could not be installed: $ENVS/tools.log)")
+      problems+=("$name: not run, no nox")
       continue
     fi
     echo
-    from=$(env PYTHONPATH="$engine_pythonpath" PYTHONNOUSERSITE=1 "$ENVS/$name-py$pyver/bin/python" -c \
-      "import flashmla_backend; print(flashmla_backend.__file__)" 2>/dev/null) || from="(does not import)"
-    say "[$name] ${file//,/ } with $ENVS/$name-py$pyver/bin/python, flashmla_backend from $from"
-    run_pytest "$name" "$ENVS/$name-py$pyver/bin/python" "$engine_pythonpath" PYTHONNOUSERSITE=1 -- ${file//,/ } ${args[@]+"${args[@]}"}
+    say "[$name] $TOOLS/bin/nox -s $session: ${files//,/ } (nox's output also in $ENVS/$name.nox.log)"
+    report="$(mktemp -t flashmla-junit-XXXXXX.xml)"
+    rcfile="$(mktemp -t flashmla-rc-XXXXXX)"
+    : >"$rcfile"
+    lock
+    env -u PYTHONPATH FLASHMLA_BACKEND_ENGINE_PYTHONPATH="$engine_pythonpath" FLASHMLA_BACKEND_PYTEST_RC="$rcfile" \
+      "$TOOLS/bin/nox" -f "$ROOT/noxfile.py" -s "$session" -- -rs --junitxml="$report" ${args[@]+"${args[@]}"} \
+      2>&1 | tee "$ENVS/$name.nox.log"
+    nox_rc=${PIPESTATUS[0]}
+    lock -u
+    rc=$(cat "$rcfile")
+    if [ -z "$rc" ]; then   # the session ended before pytest: its environment could not be made
+      run_lines+=("$name: not run (nox exited with $nox_rc before pytest: $ENVS/$name.nox.log)")
+      problems+=("$name: environment could not be made")
+    else
+      account "$name" "$rc" "$report"
+    fi
+    rm -f "$report" "$rcfile"
   done
 fi
 

@@ -84,18 +84,17 @@ def test_fence_check_detects_what_it_should(text, bad):
     assert bool(fence_problems(text)) is bad, fence_problems(text)
 
 
-def test_tests_readme_shows_run_sh_engine_table():
-    """tests/README.md quotes the engine table of tests/run.sh; the quote must be the table as it is."""
+def test_tests_readme_shows_the_noxfile_engine_table():
+    """tests/README.md quotes the engine table of noxfile.py; the quote must be the table as it is."""
     def table(text: str) -> list[str]:
-        lines = text[text.index("ENGINES=("):].splitlines()
-        end = next(i for i, line in enumerate(lines) if line.startswith("ENGINES_EXTRA=("))
-        end = next(i for i in range(end, len(lines)) if lines[i].strip() == ")")
+        lines = text[text.index("ENGINES = ["):].splitlines()
+        end = next(i for i, line in enumerate(lines) if line.strip() == "]")
         return [" ".join(line.split()) for line in lines[:end + 1] if not line.lstrip().startswith("#")]
     readme = ROOT / "tests" / "README.md"
     blocks = [t.content for t in markdown_it.MarkdownIt("commonmark").parse(readme.read_text(encoding="utf-8"))
-              if t.type == "fence" and "ENGINES=(" in t.content]
+              if t.type == "fence" and "ENGINES = [" in t.content]
     assert len(blocks) == 1, f"tests/README.md should quote the engine table once, found {len(blocks)}"
-    assert table(blocks[0]) == table((ROOT / "tests" / "run.sh").read_text(encoding="utf-8"))
+    assert table(blocks[0]) == table((ROOT / "noxfile.py").read_text(encoding="utf-8"))
 
 
 def heading_anchors(text: str) -> set[str]:

@@ -24,7 +24,7 @@ registers "qwen3_asr" configs that transformers 5.18+ ship (and older transforme
 do 0.5.18 and 0.5.19: while SGLang's modules are imported, AutoConfig.register replaces existing names
 instead of raising.
 
-Engine versions and their requirement files: the ENGINES and ENGINES_EXTRA tables of tests/run.sh
+Engine versions and their requirement files: the ENGINES table of noxfile.py
 (0.5.21, 0.5.23; 0.5.17 with FLASHMLA_BACKEND_EXTRA_ENGINES=1). Tests of interfaces a release lacks skip
 with the reason (the KVWriteLoc physical check before 0.5.22, the metadata glue graph in 0.5.17).
 
