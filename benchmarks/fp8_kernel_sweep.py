@@ -53,7 +53,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("fp8_kernel_sweep: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
+    from mla_bench.timing import graph_replay_us
     import flashmla_backend as fb
     from mla_bench.shapes import D_V, make_fp8_inputs, make_inputs, make_seqlens, parse_shapes
     from vllm.v1.attention.ops import flashmla as vllm_flashmla
@@ -61,19 +61,7 @@ def main(argv=None):
     dev = torch.device("cuda")
 
     def timeit(fn):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-            with torch.cuda.graph(graph, stream=stream):
-                res = fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        ms = triton.testing.do_bench(graph.replay, warmup=10, rep=args.rep, return_mode="median")
-        return ms * 1e3, res
+        return graph_replay_us(fn, 10, args.rep)
 
     saved = {k: os.environ.get(k) for k in ("FLASHMLA_BACKEND_FP8_KERNEL", "FLASHMLA_BACKEND_FP8_DEBUG")}
     try:

@@ -66,7 +66,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("fp8_split_error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
+    from mla_bench.timing import graph_replay_us
 
     import flashmla_backend as fb
     from flashmla_backend import ops
@@ -76,18 +76,7 @@ def main(argv=None):
     dev = torch.device("cuda")
 
     def timeit(fn):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-            with torch.cuda.graph(graph, stream=stream):
-                res = fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(graph.replay, warmup=5, rep=args.rep, return_mode="median") * 1e3, res
+        return graph_replay_us(fn, 5, args.rep)
 
     saved = os.environ.get("FLASHMLA_BACKEND_FP8_KERNEL")
     try:

@@ -112,6 +112,27 @@ def rotating(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
     return lambda: next(it)()
 
 
+def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> tuple[float, Any]:
+    """fn captured in one CUDA graph (after an eager call and one on a side stream), its replays timed with
+    triton.testing.do_bench: (median in µs, what the captured call returned: the graph's output tensors, which
+    every replay rewrites). The FP8 kernel scripts (fp8_kernel_sweep.py, fp8_split_error.py) time each call so."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            res = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return ms * 1e3, res
+
+
 def capture_graphs(calls: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
     """Capture each call in its own CUDA graph; returns the replay functions."""
     side = torch.cuda.Stream()
