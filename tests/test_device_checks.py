@@ -193,30 +193,41 @@ def _compile(args: list[str], what: str) -> None:
     assert res.returncode == 0, f"{what} does not compile:\n{' '.join(args)}\n{res.stdout}{res.stderr[-4000:]}"
 
 
-def test_layout_check_compiles_and_agrees(tmp_path):
+def _run_layout_check(csrc: Path, check: str, exe: Path) -> subprocess.CompletedProcess:
+    """Compiles the host-only check program `check` (a path under csrc) against the tree `csrc` and runs it;
+    skips with what is missing when nvcc or the CUTLASS headers are not there."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:
         pytest.skip(reason)
-    exe = tmp_path / "layout_check"
-    _compile([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
-              str(LAYOUT_CHECK), "-o", str(exe)], "layout_check.cu")
-    res = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert res.returncode == 0 and "all layouts agree" in res.stdout, res.stdout + res.stderr
-
-
-def _run_fp8_layout_check(csrc: Path, exe: Path) -> subprocess.CompletedProcess:
-    nvcc, cutlass = _nvcc(), _cutlass_include()
-    reason = _missing(nvcc, cutlass)
-    if reason:
-        pytest.skip(reason)
-    _compile([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{csrc}", f"-I{cutlass}",
-              str(csrc / "sm90" / "decode_fp8" / "checks" / "layout_check.cu"), "-o", str(exe)], "FP8 layout_check.cu")
+    _compile([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{csrc}", f"-I{cutlass}", str(csrc / check),
+              "-o", str(exe)], check)
     return subprocess.run([str(exe)], capture_output=True, text=True)
 
 
+def _edited_csrc(tmp_path: Path, edit: tuple[str, str, str]) -> Path:
+    """A copy of csrc/ with one exact-match edit (path under csrc, old text, new text) applied."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(ROOT / "csrc", csrc)
+    path, old, new = edit
+    source = csrc / path
+    text = source.read_text()
+    assert old in text, f"update this test to {path}"
+    source.write_text(text.replace(old, new, 1))
+    return csrc
+
+
+FP8_CHECK = str(FP8_LAYOUT_CHECK.relative_to(ROOT / "csrc"))
+SPARSE_CHECK = "sm90/sparse_fp8/checks/layout_check.cu"
+
+
+def test_layout_check_compiles_and_agrees(tmp_path):
+    res = _run_layout_check(ROOT / "csrc", str(LAYOUT_CHECK.relative_to(ROOT / "csrc")), tmp_path / "layout_check")
+    assert res.returncode == 0 and "all layouts agree" in res.stdout, res.stdout + res.stderr
+
+
 def test_fp8_layout_check_compiles_and_agrees(tmp_path):
-    res = _run_fp8_layout_check(ROOT / "csrc", tmp_path / "fp8_layout_check")
+    res = _run_layout_check(ROOT / "csrc", FP8_CHECK, tmp_path / "fp8_layout_check")
     assert res.returncode == 0 and "all layouts agree" in res.stdout, res.stdout + res.stderr
 
 
@@ -228,30 +239,12 @@ def test_fp8_layout_check_compiles_and_agrees(tmp_path):
     ("sm90/decode/epilogue.cuh", "4 * (k & 1) + (k >> 1)", "k"),           # the epilogue's column map
 ])
 def test_fp8_layout_check_rejects_a_changed_formula(tmp_path, edit):
-    csrc = tmp_path / "csrc"
-    shutil.copytree(ROOT / "csrc", csrc)
-    path, old, new = edit
-    source = csrc / path
-    text = source.read_text()
-    assert old in text, f"update this test to {path}"
-    source.write_text(text.replace(old, new, 1))
-    res = _run_fp8_layout_check(csrc, tmp_path / "fp8_layout_check")
+    res = _run_layout_check(_edited_csrc(tmp_path, edit), FP8_CHECK, tmp_path / "fp8_layout_check")
     assert res.returncode != 0 and "MISMATCH" in res.stdout, res.stdout + res.stderr
 
 
-def _run_sparse_layout_check(csrc: Path, exe: Path) -> subprocess.CompletedProcess:
-    nvcc, cutlass = _nvcc(), _cutlass_include()
-    reason = _missing(nvcc, cutlass)
-    if reason:
-        pytest.skip(reason)
-    _compile([nvcc, "-std=c++17", "--expt-relaxed-constexpr", f"-I{csrc}", f"-I{cutlass}",
-              str(csrc / "sm90" / "sparse_fp8" / "checks" / "layout_check.cu"), "-o", str(exe)],
-             "sparse layout_check.cu")
-    return subprocess.run([str(exe)], capture_output=True, text=True)
-
-
 def test_sparse_layout_check_compiles_and_agrees(tmp_path):
-    res = _run_sparse_layout_check(ROOT / "csrc", tmp_path / "sparse_layout_check")
+    res = _run_layout_check(ROOT / "csrc", SPARSE_CHECK, tmp_path / "sparse_layout_check")
     assert res.returncode == 0 and "all layouts agree (sparse gather)" in res.stdout, res.stdout + res.stderr
 
 
@@ -261,14 +254,7 @@ def test_sparse_layout_check_compiles_and_agrees(tmp_path):
     ("sm90/sparse_fp8/layout.h", "constexpr int kRopeChunk0 = 33;", "constexpr int kRopeChunk0 = 34;"),  # token bytes
 ])
 def test_sparse_layout_check_rejects_a_changed_formula(tmp_path, edit):
-    csrc = tmp_path / "csrc"
-    shutil.copytree(ROOT / "csrc", csrc)
-    path, old, new = edit
-    source = csrc / path
-    text = source.read_text()
-    assert old in text, f"update this test to {path}"
-    source.write_text(text.replace(old, new, 1))
-    res = _run_sparse_layout_check(csrc, tmp_path / "sparse_layout_check")
+    res = _run_layout_check(_edited_csrc(tmp_path, edit), SPARSE_CHECK, tmp_path / "sparse_layout_check")
     assert res.returncode != 0, res.stdout + res.stderr
 
 
