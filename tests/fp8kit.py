@@ -1,8 +1,10 @@
 """FP8 test inputs: the kit's cases with the cache quantized like an engine does (per-tensor scale)."""
 import torch
 
+import flashmla_backend as fb
+from flashmla_backend import device as fdevice, kv_format
 from flashmla_backend.kv_format import E4M3 as FP8
-from kit import Case, Inputs, make_inputs
+from kit import D_V, Case, Inputs, make_inputs
 
 E4M3_MAX = 448.0
 
@@ -85,3 +87,17 @@ def dequantized(inp: Inputs, descale_q, descale_k) -> Inputs:
                     k[page, :, j] *= dk[i, j]
     return Inputs(q=q, k_cache=k, block_table=inp.block_table.cpu(), cache_seqlens=inp.cache_seqlens.cpu(),
                   scale=inp.scale)
+
+
+def sm90_fp8_problem() -> str | None:
+    """Why this GPU cannot run the FP8 cache's sm90 kernels, or None (the GPU tests skip with it)."""
+    return kv_format.FP8_E4M3.kernel_problem(fdevice.kernel_for(torch.device("cuda")), sparse=False)
+
+
+def run_fp8_decode(inp: Inputs, case: Case, descale_q, descale_k):
+    """One decode of the case's FP8 inputs through the public API, metadata from get_mla_metadata."""
+    meta, splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv,
+                                       is_fp8_kvcache=True)
+    return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                     softmax_scale=inp.scale, causal=case.causal, descale_q=descale_q,
+                                     descale_k=descale_k)

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import flashmla_backend as fb  # noqa: E402
 from flashmla_backend import _ext, device, kv_format  # noqa: E402
 from flashmla_backend.reference import mla_decode_reference  # noqa: E402
-from fp8kit import ACCURATE_LSE, dequantized, fp8_inputs, out_tolerance, rel_norm  # noqa: E402
+from fp8kit import ACCURATE_LSE, dequantized, fp8_inputs, out_tolerance, rel_norm, run_fp8_decode  # noqa: E402
 from kit import D_V, PAGE, Case, brute_force_fp64, compare, make_inputs  # noqa: E402
 
 CASES = [
@@ -46,10 +46,7 @@ def run_fp8(case: Case, mode: str, kernel: str) -> dict:
     q_dtype, q_fp8 = FP8_MODES[mode]
     case = Case(**{**case.__dict__, "dtype": q_dtype})
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=q_fp8)
-    meta, ns = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv,
-                                   is_fp8_kvcache=True)
-    out, lse = fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, ns,
-                                         softmax_scale=inp.scale, causal=case.causal, descale_q=dq, descale_k=dk)
+    out, lse = run_fp8_decode(inp, case, dq, dk)
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     figures = {"out_rel_norm": rel_norm(out, ref_out), "lse_rel_norm": rel_norm(lse, ref_lse)}
     assert figures["out_rel_norm"] < out_tolerance(q_fp8, kernel), f"out {figures}"

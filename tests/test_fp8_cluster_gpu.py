@@ -11,10 +11,8 @@ must be the cluster one (its name in the profiler carries the plan's traits).
 import pytest
 import torch
 
-import flashmla_backend as fb
-from flashmla_backend import device as fdevice, kv_format
-from fp8kit import fp8_inputs
-from kit import D_V, Case
+from fp8kit import fp8_inputs, run_fp8_decode, sm90_fp8_problem
+from kit import Case
 
 pytestmark = pytest.mark.gpu
 
@@ -32,16 +30,11 @@ CASES = [
 
 @pytest.fixture(autouse=True)
 def _sm90():
-    problem = kv_format.FP8_E4M3.kernel_problem(fdevice.kernel_for(torch.device("cuda")), sparse=False)
+    problem = sm90_fp8_problem()
     if problem:
         pytest.skip(problem)
 
 
-def _run(inp, case, dq, dk):
-    meta, splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv,
-                                       is_fp8_kvcache=True)
-    return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
-                                     softmax_scale=inp.scale, causal=case.causal, descale_q=dq, descale_k=dk)
 
 
 def _kernel_names(fn) -> list[str]:
@@ -58,12 +51,12 @@ def test_cluster_plan_is_bitwise_the_one_cta_plan(case, monkeypatch):
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_KERNEL", "tensorcore")
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "0")
-    out, lse = _run(inp, case, dq, dk)
-    one_cta = _kernel_names(lambda: _run(inp, case, dq, dk))
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    one_cta = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
-    out_c, lse_c = _run(inp, case, dq, dk)
-    out_c2, lse_c2 = _run(inp, case, dq, dk)
-    cluster = _kernel_names(lambda: _run(inp, case, dq, dk))
+    out_c, lse_c = run_fp8_decode(inp, case, dq, dk)
+    out_c2, lse_c2 = run_fp8_decode(inp, case, dq, dk)
+    cluster = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
     print(f"{case}: one-CTA kernel {one_cta}, cluster kernel {cluster}")
     # The plans differ only in the template's last argument (kShareVt): false, true.
     assert one_cta and all("true" not in k for k in one_cta), one_cta
@@ -81,5 +74,5 @@ def test_cluster_flag_leaves_other_shapes_on_their_plan(monkeypatch):
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
     for case in (Case(lengths=[300, 1500], s_q=2, h_q=128), Case(lengths=[300, 1500], h_q=16)):
         inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
-        names = _kernel_names(lambda: _run(inp, case, dq, dk))
+        names = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
         assert names and all("true" not in k for k in names), (str(case), names)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flashmla_backend as fb
-from flashmla_backend import device as fdevice, kv_format
-from fp8kit import ACCURATE_LSE, dequantized, descale_table, fp8_inputs, out_tolerance, rel_norm
+from fp8kit import (ACCURATE_LSE, dequantized, descale_table, fp8_inputs, out_tolerance, rel_norm,
+                    run_fp8_decode, sm90_fp8_problem)
 from kit import D_V, Case, brute_force_fp64
 
 pytestmark = pytest.mark.gpu
@@ -43,17 +43,12 @@ CASES = [
 
 
 @pytest.fixture(autouse=True)
-def _sm90(monkeypatch):
-    problem = kv_format.FP8_E4M3.kernel_problem(fdevice.kernel_for(torch.device("cuda")), sparse=False)
+def _sm90():
+    problem = sm90_fp8_problem()
     if problem:
         pytest.skip(problem)
 
 
-def _run(inp, case, dq, dk):
-    meta, splits = fb.get_mla_metadata(inp.cache_seqlens, case.s_q * case.h_q // case.h_kv, case.h_kv,
-                                       is_fp8_kvcache=True)
-    return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
-                                     softmax_scale=inp.scale, causal=case.causal, descale_q=dq, descale_k=dk)
 
 
 @pytest.mark.parametrize("mode", ["bf16q", "fp16q", "e4m3q"])
@@ -62,8 +57,8 @@ def test_fp8_decode_matches_fp64(case, mode, fp8_kernel):
     q_dtype = torch.float16 if mode == "fp16q" else torch.bfloat16
     case = Case(**{**case.__dict__, "dtype": q_dtype})
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
-    out, lse = _run(inp, case, dq, dk)
-    out2, lse2 = _run(inp, case, dq, dk)
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    out2, lse2 = run_fp8_decode(inp, case, dq, dk)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
     assert out.dtype == (torch.bfloat16 if mode == "e4m3q" else q_dtype)
     assert not torch.isnan(out).any()
@@ -79,19 +74,19 @@ def test_graph_replay_reads_the_current_descale():
     case = Case(lengths=[300, 1500], s_q=2, h_q=128)
     inp, _, dk = fp8_inputs(case, "cuda")
     descale = dk.clone()
-    _run(inp, case, None, descale)
+    run_fp8_decode(inp, case, None, descale)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _run(inp, case, None, descale)
+        run_fp8_decode(inp, case, None, descale)
         with torch.cuda.graph(g, stream=s):
-            out, lse = _run(inp, case, None, descale)
+            out, lse = run_fp8_decode(inp, case, None, descale)
     torch.cuda.current_stream().wait_stream(s)
     descale.mul_(1.75)
     g.replay()
     torch.cuda.synchronize()
-    want_out, want_lse = _run(inp, case, None, descale)
+    want_out, want_lse = run_fp8_decode(inp, case, None, descale)
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
@@ -115,8 +110,8 @@ def _tables(case, inp, dq, dk, seed=0):
 def test_per_request_descales_match_fp64_and_the_reference(case, mode, fp8_kernel):
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
     dq, dk = _tables(case, inp, dq, dk)
-    out, lse = _run(inp, case, dq, dk)
-    out2, lse2 = _run(inp, case, dq, dk)
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    out2, lse2 = run_fp8_decode(inp, case, dq, dk)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
     assert not torch.isnan(out).any()
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
@@ -139,11 +134,11 @@ def test_each_request_reads_its_own_descales(case):
     indexes the tables by (request, kv head), and folds them in the per-tensor order."""
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
     dq, dk = _tables(case, inp, dq, dk, seed=5)
-    out, lse = _run(inp, case, dq, dk)
+    out, lse = run_fp8_decode(inp, case, dq, dk)
     g = case.h_q // case.h_kv
     for i in sorted({0, 1, case.b - 1}):
         for j in range(case.h_kv):
-            o1, l1 = _run(inp, case, dq[i, j].reshape(1).contiguous(), dk[i, j].reshape(1).contiguous())
+            o1, l1 = run_fp8_decode(inp, case, dq[i, j].reshape(1).contiguous(), dk[i, j].reshape(1).contiguous())
             heads = slice(j * g, (j + 1) * g)
             assert torch.equal(out[i, :, heads].view(torch.int16), o1[i, :, heads].view(torch.int16)), (i, j)
             assert torch.equal(lse[i, heads], l1[i, heads]), (i, j)
@@ -155,7 +150,7 @@ def test_expanded_descales_are_bitwise_the_per_tensor_ones(case):
     contiguous table of one value all give the per-tensor output bit for bit."""
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
     b, h = case.b, case.h_kv
-    want_out, want_lse = _run(inp, case, dq, dk)
+    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
     variants = {
         "expand": (dq.expand(b, h), dk.expand(b, h)),
         "column expand": (dq.reshape(1, 1).repeat(b, 1).expand(b, h), dk.reshape(1, 1).repeat(b, 1).expand(b, h)),
@@ -164,7 +159,7 @@ def test_expanded_descales_are_bitwise_the_per_tensor_ones(case):
     assert variants["expand"][1].stride()[0] == 0 and (h == 1 or variants["expand"][1].stride() == (0, 0))
     assert h == 1 or variants["column expand"][1].stride() == (1, 0)
     for name, (q_scale, k_scale) in variants.items():
-        out, lse = _run(inp, case, q_scale, k_scale)
+        out, lse = run_fp8_decode(inp, case, q_scale, k_scale)
         assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse), name
 
 
@@ -177,14 +172,14 @@ def test_graph_replay_reads_the_current_descale_tables(mode, fp8_kernel):
     dq, dk = _tables(case, inp, dq, dk, seed=7)
     dk = dk.contiguous()  # updated in place below
     dq = dq.contiguous() if dq is not None else None
-    _run(inp, case, dq, dk)
+    run_fp8_decode(inp, case, dq, dk)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        _run(inp, case, dq, dk)
+        run_fp8_decode(inp, case, dq, dk)
         with torch.cuda.graph(g, stream=s):
-            out, lse = _run(inp, case, dq, dk)
+            out, lse = run_fp8_decode(inp, case, dq, dk)
     torch.cuda.current_stream().wait_stream(s)
     gen = torch.Generator().manual_seed(11)
     for _ in range(2):
@@ -193,7 +188,7 @@ def test_graph_replay_reads_the_current_descale_tables(mode, fp8_kernel):
             dq.mul_(torch.exp2(torch.rand(dq.shape, generator=gen) - 0.5).cuda())
         g.replay()
         torch.cuda.synchronize()
-        want_out, want_lse = _run(inp, case, dq, dk)
+        want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
         ref_out, _ = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
         assert rel_norm(out, ref_out) < _out_tol(mode, fp8_kernel)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flashmla_backend as fb
-from flashmla_backend import device as fdevice, kv_format
-from fp8kit import fp8_inputs
+from flashmla_backend import device as fdevice
+from fp8kit import fp8_inputs, sm90_fp8_problem
 from kit import D_K, D_V, Case, make_inputs
 
 ROPE = D_K - D_V
@@ -111,7 +111,7 @@ def test_two_parts_bitwise_equal_one_query(kernel, case, monkeypatch):
 @pytest.mark.parametrize("q_fp8", [False, True], ids=["accurate", "fast"])
 @pytest.mark.parametrize("case", GPU_CASES[:2], ids=str)
 def test_two_parts_bitwise_equal_one_query_fp8_cache(case, q_fp8):
-    problem = kv_format.FP8_E4M3.kernel_problem(fdevice.kernel_for(torch.device("cuda")), sparse=False)
+    problem = sm90_fp8_problem()
     if problem:
         pytest.skip(problem)
     inp, descale_q, descale_k = fp8_inputs(case, "cuda", q_fp8=q_fp8)
