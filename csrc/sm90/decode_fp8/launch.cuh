@@ -43,12 +43,12 @@ struct VariantTraits;
 // The fast mode with three or more M tiles (s_q h_q / h_kv > 128) runs 2 KV stages, a ring of 2 left V^T halves
 // and one of 4 right halves (docs/perf/journal.md: the
 // V^T buffers gate the transposition, and warpgroup 1 needs the right half of a block soon after the right half
-// of the block three earlier is released), consumers on 208 registers and the producer on 80 (at 56 and 72 the
-// transposer spilled). The accurate mode's two Q terms leave room for 2 + 2 + 2 only; its consumers need more
+// of the block three earlier is released), consumers on 208 registers and the producer on 88 (eight ldmatrix in
+// flight, producer.cuh: units_in_flight; at 80 that spilled, and with four in flight it spilled at 56 and 72). The accurate mode's two Q terms leave room for 2 + 2 + 2 only; its consumers need more
 // registers (two-term P): 216 + 72 spills 52 / 140 bytes (stored / loaded), 208 + 80 spills 140 / 312.
 template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4, 208, 80>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4, 208, 88>;
 };
 // With one or two M tiles (h_q s_q / h_kv <= 128) 3 KV stages and V^T rings of 2 + 2 (the shared memory of both
 // plans is ~210 KB) measured faster once the transposer and the rescale got lighter: 1-4% at b128 h_q 16, 32 and
@@ -56,7 +56,7 @@ struct VariantTraits<Variant::kFastE4m3Q> {
 // (four M tiles, which keep the other plan). docs/perf/journal.md, 2026-11-27, has the repeated A/B.
 template <>
 struct VariantTraits<Variant::kFastE4m3QStream> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 3, 2, 2, 208, 80>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 1, 3, 2, 2, 208, 88>;
 };
 // Two M tiles as 2-CTA clusters: each CTA transposes one V^T half and copies it to the other (producer.cuh,
 // Traits::kShareVt). Measured (H100, b128 x 8192, h_q 128; docs/perf/journal.md): 2 KV stages and rings of 3 + 3

@@ -176,10 +176,18 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&d)[4]) {
 
 // Warps 1..3 of the producer (tw = 0..kNumTransposeWarps - 1, traits.h) transpose: the four pairs of V pieces of a
 // block go round-robin over the three warps, shifted by one per block (each warp handles four pairs every three
-// blocks); kUnitsInFlight units (ldmatrix in flight) at a time (measured: 4 faster than 2). A pair is one V^T
-// half's worth of work for its barriers: the warp waits for the half's slot to be empty, transposes, and arrives
-// once on the half's vt_full and on the stage's kv_empty (traits.h: the arrival counts count pairs).
-constexpr int kUnitsInFlight = 4;
+// blocks); units_in_flight<T>() units (ldmatrix in flight) at a time. A pair is one V^T half's worth of work for its
+// barriers: the warp waits for the half's slot to be empty, transposes, and arrives once on the half's vt_full and on
+// the stage's kv_empty (traits.h: the arrival counts count pairs).
+// Units in flight: 8 where the producer has 88 registers (the fast plans), else 4 (8 spilled at 80, and the accurate
+// mode's 72 spilled more). Measured at b128 h_q 128 (docs/perf/journal.md, 2026-11-27): 4 faster than 2, and 8 faster
+// than 4 by 3-4% (336-341 us against 346-352): the transposer's pair is a chain of ldmatrix -> byte permutes ->
+// stmatrix batches, and warpgroup 1 waited on it (ncu: 31% of that warpgroup's stall samples at the V^T wait before
+// its first P V of a step).
+template <class T>
+constexpr int units_in_flight() {
+  return T::kProducerRegs >= 88 ? 8 : 4;
+}
 
 // kMask: the block has keys past its last visible one (zeroed). A separate instantiation: predicated-off mask
 // instructions still take issue slots, which the consumer warps on the same schedulers need (measured: extra
@@ -235,7 +243,7 @@ __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss
   if (valid < kBlockN) {
     transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
   } else {
-    transpose_pair<T, kUnitsInFlight, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+    transpose_pair<T, units_in_flight<T>(), false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
   }
   cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma and by the bulk copy (async proxy)
   __syncwarp();
