@@ -1,0 +1,112 @@
+// Q K^T of one gathered block of the sm90 sparse (DeepSeek-V3.2) decode kernel, without dequantizing the cache: the
+// latent part per 128-channel group on e4m3 wgmma into a fresh accumulator, added into S times each token's group
+// scale, and the rope part on bf16 wgmma. One consumer warpgroup; operands in shared memory in the layouts of
+// layout.h (the gathered stage) and of the Q tile below. checks/qk_probe.cu runs it on a GPU against fp64.
+//
+// The Q tile (built by the caller, see checks/qk_probe.cu: build_q_tile):
+//   latent  kQTerms e4m3 terms of 64 rows x 512, each in the latent layout of a stage (eight SW64 pieces): q's latent
+//           part divided by the row's power-of-two split scale s_r, term 0 = e4m3(q / s_r), term 1 = e4m3(q / s_r -
+//           term 0) (docs/perf/journal.md: the sparse kernel needs two terms to reach FlashMLA's error);
+//   rope    64 rows x 64 bf16 of q's rope part divided by s_r (exact: a power of two), K-major SW128.
+// With Q' = q / s_r, the score of row r and token t is s_r (sum_g scale[t][g] Q'_g K_g^T + Q'_pe K_pe^T).
+// sparse_qk_block returns the bracket; the caller folds s_r into the row's softmax scale, as the dense kernel's
+// accurate mode folds its q split scale (decode_fp8/q_tile.cuh).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/bfloat16.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/float8.h>
+
+#include <cstdint>
+
+#include "sm90/sparse_fp8/layout.h"
+
+namespace flashmla_backend::sm90::sparse_fp8 {
+
+using namespace cute;
+
+struct QkTypes {
+  using F8 = cutlass::float_e4m3_t;
+  using BF = cutlass::bfloat16_t;
+  // S_g = Q_g K_g^T: (64 rows, 64 tokens), k32 steps, both operands K-major in shared memory.
+  using TiledMmaLatent = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<F8, F8, float, Shape<Int<64>, Int<kBlockTokens>, Int<128>>, GMMA::Major::K,
+                           GMMA::Major::K>()));
+  // S += Q_pe K_pe^T: k16 steps of bf16.
+  using TiledMmaRope = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<BF, BF, float, Shape<Int<64>, Int<kBlockTokens>, Int<64>>, GMMA::Major::K,
+                           GMMA::Major::K>()));
+  // A stage's latent region, or one latent term of the Q tile (64 rows x 512 e4m3).
+  using LatentLayout = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<F8>{}, Shape<Int<64>, Int<512>>{}));
+  // A stage's rope region, or the Q tile's rope (64 rows x 64 bf16).
+  using RopeLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<BF>{}, Shape<Int<64>, Int<64>>{}));
+  static_assert(cosize_v<LatentLayout> == kLatentBytes, "latent region size");
+  static_assert(cosize_v<RopeLayout> * 2 == kRopeBytes, "rope region size");
+};
+
+// The group g of a 128-channel latent group is k32 steps 4 g .. 4 g + 3 of the latent tiles.
+constexpr int kKStepsPerGroup = 128 / 32;
+
+// S (64 x 64 fp32 accumulator fragment of thread `tid` of the warpgroup) = the block's scores without the row's split
+// scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h). S_g is
+// `tmp`'s accumulator, one group at a time: its wgmma wait, then 32 FFMA with the token's scale of group g (16
+// distinct tokens a thread: accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)).
+template <int kQTerms, class FragS>
+__device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
+                                                FragS& tSrS, FragS& tmp) {
+  using F8 = QkTypes::F8;
+  using BF = QkTypes::BF;
+  static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
+  // The rope product first, straight into S.
+  typename QkTypes::TiledMmaRope mma_r;
+  auto thr_r = mma_r.get_slice(tid);
+  Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(q_rope)), typename QkTypes::RopeLayout{});
+  Tensor sKr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(stage + kRopeAt)), typename QkTypes::RopeLayout{});
+  Tensor tQr = thr_r.partition_fragment_A(sQr);
+  Tensor tKr = thr_r.partition_fragment_B(sKr);
+  mma_r.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(tSrS);
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(tQr); ++kb) {
+    cute::gemm(mma_r, tQr(_, _, kb), tKr(_, _, kb), tSrS);
+    mma_r.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+
+  typename QkTypes::TiledMmaLatent mma_l;
+  auto thr_l = mma_l.get_slice(tid);
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(stage)), typename QkTypes::LatentLayout{});
+  Tensor tKl = thr_l.partition_fragment_B(sK);  // (MMA, 1, 16)
+  const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
+  const int lane = tid & 31;
+  CUTLASS_PRAGMA_UNROLL
+  for (int g = 0; g < kGroups; ++g) {
+    mma_l.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(tmp);
+    warpgroup_arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < kQTerms; ++t) {
+      Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(q_latent + t * kLatentBytes)),
+                              typename QkTypes::LatentLayout{});
+      Tensor tQl = thr_l.partition_fragment_A(sQ);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kKStepsPerGroup; ++k) {
+        cute::gemm(mma_l, tQl(_, _, kKStepsPerGroup * g + k), tKl(_, _, kKStepsPerGroup * g + k), tmp);
+        mma_l.accumulate_ = GMMA::ScaleOut::One;
+      }
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();  // S_g (and, at g = 0, the rope product)
+    warpgroup_fence_operand(tmp);
+    warpgroup_fence_operand(tSrS);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      tSrS(i) = fmaf(tmp(i), scales[token * kGroups + g], tSrS(i));
+    }
+  }
+}
+
+}  // namespace flashmla_backend::sm90::sparse_fp8
