@@ -9,8 +9,9 @@
   replay of its V transposition against the P fragment's key order (needs nvcc and the CUTLASS headers, no GPU).
 - csrc/sm90/sparse_fp8/checks/layout_check.cu: the sparse kernel's gather of fp8_ds_mla tokens (sparse_fp8/layout.h)
   against the e4m3 and bf16 wgmma tile layouts, with a host replay of a gathered block (nvcc and CUTLASS, no GPU).
-- csrc/sm90/sparse_fp8/checks/qk_probe.cu: the sparse kernel's Q K^T (sparse_fp8/qk.cuh: group-scaled e4m3 products,
-  bf16 rope) on gathered tokens against fp64, with one and two e4m3 terms of q (compiled on the CPU; run on a GPU).
+- csrc/sm90/sparse_fp8/checks/block_probe.cu: the sparse kernel's two products of a gathered block against fp64
+  (sparse_fp8/qk.cuh: group-scaled e4m3 Q K^T and the bf16 rope; sparse_fp8/pv.cuh: P s[t, g] on e4m3 P V over the
+  transposed latent tiles), with one and two e4m3 terms (compiled on the CPU; run on a GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
   isolation (compiled on the CPU; run on a GPU).
 - tests/device_checks/row_sum_handoff.cu: the epilogue's row-sum exchange (publish_row_sums / final_row_stats)
@@ -35,7 +36,7 @@ LAYOUT_CHECK = CHECKS / "layout_check.cu"
 FP8_LAYOUT_CHECK = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "layout_check.cu"
 NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
 ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
-SPARSE_QK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "qk_probe.cu"
+SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 
 
 # ---- protocol model ---------------------------------------------------------------------------------------------
@@ -261,32 +262,33 @@ def test_sparse_layout_check_rejects_a_changed_formula(tmp_path, edit):
     assert res.returncode != 0, res.stdout + res.stderr
 
 
-def _build_sparse_qk_probe(tmp_path: Path) -> Path:
+def _build_sparse_block_probe(tmp_path: Path) -> Path:
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:
         pytest.skip(reason)
-    exe = tmp_path / "sparse_qk_probe"
+    exe = tmp_path / "sparse_block_probe"
     _compile([nvcc, "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
-              str(SPARSE_QK_PROBE), "-o", str(exe)], "sparse_fp8/checks/qk_probe.cu")
+              str(SPARSE_BLOCK_PROBE), "-o", str(exe)], "sparse_fp8/checks/block_probe.cu")
     return exe
 
 
-def test_sparse_qk_probe_compiles(tmp_path):
-    _build_sparse_qk_probe(tmp_path)
+def test_sparse_block_probe_compiles(tmp_path):
+    _build_sparse_block_probe(tmp_path)
 
 
 @pytest.mark.gpu
-def test_sparse_qk_probe_matches_fp64_on_the_gpu(tmp_path):
-    exe = _build_sparse_qk_probe(tmp_path)
+def test_sparse_block_probe_matches_fp64_on_the_gpu(tmp_path):
+    exe = _build_sparse_block_probe(tmp_path)
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     print(res.stdout, end="")
     if res.returncode == 2 and "needs an sm_90 GPU" in res.stdout:
         pytest.skip(res.stdout.strip())
-    errors = {(m.group(1), int(m.group(2))): float(m.group(3))
-              for m in re.finditer(r"case (\S+) terms (\d): rel-norm error (\S+)", res.stdout)}
-    assert set(errors) == {(c, t) for c in ("one-scale", "spread-scales") for t in (1, 2)}, res.stdout + res.stderr
-    assert res.returncode == 0 and "qk probe: ok" in res.stdout, res.stdout + res.stderr
+    errors = {(m.group(1), m.group(2), int(m.group(3))): float(m.group(4))
+              for m in re.finditer(r"(qk|pv) case (\S+) terms (\d): rel-norm error (\S+)", res.stdout)}
+    assert set(errors) == {(k, c, t) for k in ("qk", "pv") for c in ("one-scale", "spread-scales") for t in (1, 2)}, \
+        res.stdout + res.stderr
+    assert res.returncode == 0 and "block probe: ok" in res.stdout, res.stdout + res.stderr
 
 
 def test_layout_check_skip_reason_without_cutlass(monkeypatch, tmp_path):

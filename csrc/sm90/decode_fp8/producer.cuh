@@ -174,6 +174,14 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&d)[4]) {
                : "memory");
 }
 
+// A unit's four ldmatrix registers to its four stmatrix registers: column c's and column c + 1's keys (above).
+__device__ __forceinline__ void unit_words(const uint32_t (&d)[4], uint32_t (&o)[4]) {
+  o[0] = __byte_perm(d[0], d[1], 0x6420);
+  o[1] = __byte_perm(d[0], d[1], 0x7531);
+  o[2] = __byte_perm(d[2], d[3], 0x6420);
+  o[3] = __byte_perm(d[2], d[3], 0x7531);
+}
+
 // Warps 1..3 of the producer (tw = 0..kNumTransposeWarps - 1, traits.h) transpose: the four pairs of V pieces of a
 // block go round-robin over the three warps, shifted by one per block (each warp handles four pairs every three
 // blocks); units_in_flight<T>() units (ldmatrix in flight) at a time. A pair is one V^T half's worth of work for its
@@ -224,10 +232,7 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
           }
         }
         uint32_t o[4];
-        o[0] = __byte_perm(d[k][0], d[k][1], 0x6420);
-        o[1] = __byte_perm(d[k][0], d[k][1], 0x7531);
-        o[2] = __byte_perm(d[k][2], d[k][3], 0x6420);
-        o[3] = __byte_perm(d[k][2], d[k][3], 0x7531);
+        unit_words(d[k], o);
         stsm_x4(vt_addr + tl.dst(j, cc, th), o);
       }
     }

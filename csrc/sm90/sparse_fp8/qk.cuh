@@ -1,9 +1,9 @@
 // Q K^T of one gathered block of the sm90 sparse (DeepSeek-V3.2) decode kernel, without dequantizing the cache: the
 // latent part per 128-channel group on e4m3 wgmma into a fresh accumulator, added into S times each token's group
 // scale, and the rope part on bf16 wgmma. One consumer warpgroup; operands in shared memory in the layouts of
-// layout.h (the gathered stage) and of the Q tile below. checks/qk_probe.cu runs it on a GPU against fp64.
+// layout.h (the gathered stage) and of the Q tile below. checks/block_probe.cu runs it on a GPU against fp64.
 //
-// The Q tile (built by the caller, see checks/qk_probe.cu: build_q_tile):
+// The Q tile (built by the caller, see checks/block_probe.cu: build_q_tile):
 //   latent  kQTerms e4m3 terms of 64 rows x 512, each in the latent layout of a stage (eight SW64 pieces): q's latent
 //           part divided by the row's power-of-two split scale s_r, term 0 = e4m3(q / s_r), term 1 = e4m3(q / s_r -
 //           term 0) (docs/perf/journal.md: the sparse kernel needs two terms to reach FlashMLA's error);

@@ -1,0 +1,336 @@
+// GPU probe of the sparse kernel's two products of a gathered block against fp64, on fp8_ds_mla tokens gathered by
+// index (sparse_fp8/qk.cuh: Q K^T; sparse_fp8/pv.cuh: P V):
+//   nvcc -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I csrc -I <cutlass include> \
+//        csrc/sm90/sparse_fp8/checks/block_probe.cu -o /tmp/sparse_block_probe && /tmp/sparse_block_probe
+// Not part of the extension build; tests/test_device_checks.py compiles it (no GPU needed) and runs it on a GPU.
+//
+// One CTA, one warpgroup. Both kernels gather 64 tokens of a pool (cp.async, 16 bytes a thread, at layout.h's
+// offsets). The Q K^T kernel builds the Q tile from a bf16 q (qk.cuh's header: one or two e4m3 terms of the latent
+// part under a power-of-two row scale, the rope in bf16), runs sparse_qk_block and writes S times the row scale;
+// the host compares with the scores in fp64 of the bf16 q and the dequantized tokens (e4m3 value x its group scale;
+// bf16 rope). The P V kernel transposes the latent tiles, takes a P of 64 rows x 64 tokens with values in (0, 256]
+// (the kernel's P scaling), runs sparse_pv_group per group with one or two e4m3 terms of P s[t, g] and writes O / the
+// group factor; the host compares with P times the dequantized latent values in fp64. Tokens are quantized as
+// fp8_ds_mla quantizes (a group's scale = its amax / 448), with every group's values drawn at one gain ("one-scale")
+// and at gains spread over 2^[-2, 2] ("spread-scales"). One line per product, case and term count:
+//   <qk|pv> case <name> terms <n>: rel-norm error <e> (max abs <a>, max |ref| <m>)
+// then "block probe: ok" when every two-term error is within kTwoTermBound and at most half the one-term error of
+// the same product and case, else "block probe: FAILED" (exit 1).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include <cute/tensor.hpp>
+#include <cutlass/bfloat16.h>
+#include <cutlass/float8.h>
+
+#include "sm90/decode/copies.cuh"  // cp_async_16 / commit / wait_all
+#include "sm90/sparse_fp8/layout.h"
+#include "sm90/sparse_fp8/pv.cuh"
+#include "sm90/sparse_fp8/qk.cuh"
+
+using namespace flashmla_backend::sm90::sparse_fp8;
+using F8 = cutlass::float_e4m3_t;
+using BF = cutlass::bfloat16_t;
+
+constexpr int kRows = 64;
+constexpr int kPool = 1024;           // tokens in the pool the indices point into
+constexpr double kTwoTermBound = 4e-3;  // rel-norm of S or O; the precision model: ~1e-3 for two terms
+
+#define CUDA_OK(x)                                                                          \
+  do {                                                                                      \
+    cudaError_t e_ = (x);                                                                   \
+    if (e_ != cudaSuccess) {                                                                \
+      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);       \
+      std::exit(2);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+// Shared memory: the gathered stage, the Q tile's latent terms, its rope, the row scales.
+constexpr int kQLatentAt = kStageBytes;                    // 1024-aligned (kStageBytes = 41 KB)
+constexpr int kQRopeAt = kQLatentAt + 2 * kLatentBytes;
+constexpr int kRowScaleAt = kQRopeAt + kRopeBytes;
+constexpr int kSmemBytes = kRowScaleAt + kRows * 4;
+static_assert(kQLatentAt % 1024 == 0 && kQRopeAt % 1024 == 0, "swizzled tiles start on 1024 bytes");
+
+// Row r = tid / 2, channel half h = tid % 2 (256 latent and 32 rope channels a thread).
+template <int kQTerms>
+__device__ void build_q_tile(const BF* q, uint8_t* smem, int tid) {
+  const int r = tid >> 1, h = tid & 1;
+  const BF* qr = q + size_t(r) * 576;
+  float amax = 0.f;
+  for (int c = 256 * h; c < 256 * h + 256; ++c) amax = fmaxf(amax, fabsf(float(qr[c])));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  // s_r = 2^ceil(log2(amax / 448)): q / s_r fits e4m3 and s_r is exact in every format.
+  const float s = amax > 0.f ? exp2f(ceilf(log2f(amax / 448.f))) : 1.f;
+  const float inv = 1.f / s;
+  if (h == 0) reinterpret_cast<float*>(smem + kRowScaleAt)[r] = s;
+  for (int chunk = 16 * h; chunk < 16 * h + 16; ++chunk) {  // 16 latent channels a chunk
+    uint8_t hi[16], lo[16];
+    for (int j = 0; j < 16; ++j) {
+      const float x = float(qr[16 * chunk + j]) * inv;
+      const F8 a(x);
+      hi[j] = reinterpret_cast<const uint8_t&>(a);
+      const F8 b(x - float(a));
+      lo[j] = reinterpret_cast<const uint8_t&>(b);
+    }
+    std::memcpy(smem + kQLatentAt + gather_chunk_offset(r, chunk), hi, 16);
+    if (kQTerms == 2) std::memcpy(smem + kQLatentAt + kLatentBytes + gather_chunk_offset(r, chunk), lo, 16);
+  }
+  for (int chunk = 4 * h; chunk < 4 * h + 4; ++chunk) {  // 8 rope channels a chunk
+    BF v[8];
+    for (int j = 0; j < 8; ++j) v[j] = BF(float(qr[512 + 8 * chunk + j]) * inv);
+    std::memcpy(smem + kQRopeAt + sw128_offset(r, chunk), v, 16);
+  }
+}
+
+template <int kQTerms>
+__global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, const int* idx, const BF* q, float* out) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int tid = threadIdx.x;
+  const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
+  for (int i = tid; i < kBlockTokens * kTokenChunks; i += 128) {
+    const int row = i / kTokenChunks, c = i % kTokenChunks;
+    flashmla_backend::sm90::decode::cp_async_16(base + gather_chunk_offset(row, c),
+                                                pool + size_t(idx[row]) * kTokenBytes + c * kChunkBytes, true);
+  }
+  flashmla_backend::sm90::decode::cp_async_commit();
+  flashmla_backend::sm90::decode::cp_async_wait_all();
+  build_q_tile<kQTerms>(q, smem, tid);
+  __syncthreads();
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic-proxy writes, read by wgmma
+  __syncthreads();
+
+  typename QkTypes::TiledMmaLatent mma;
+  Tensor tSrS = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockTokens>>{});
+  Tensor tmp = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockTokens>>{});
+  sparse_qk_block<kQTerms>(tid, smem + kQLatentAt, smem + kQRopeAt, smem, tSrS, tmp);
+
+  const int warp = tid >> 5, lane = tid & 31;
+  const float* rs = reinterpret_cast<const float*>(smem + kRowScaleAt);
+  for (int i = 0; i < size(tSrS); ++i) {
+    const int row = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
+    const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    out[row * kBlockTokens + col] = tSrS(i) * rs[row];
+  }
+}
+
+// P V: shared memory = the gathered stage, then the two V^T halves.
+constexpr int kVtAt = kStageBytes;
+constexpr int kPvSmemBytes = kVtAt + 2 * flashmla_backend::sm90::decode_fp8::kVtHalfBytes;
+static_assert(kVtAt % 1024 == 0, "V^T starts on 1024 bytes");
+
+template <int kPTerms>
+__global__ void __launch_bounds__(128, 1) pv_probe_kernel(const uint8_t* pool, const int* idx, const float* p_in,
+                                                          float* out) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
+  for (int i = tid; i < kBlockTokens * kTokenChunks; i += 128) {
+    const int row = i / kTokenChunks, c = i % kTokenChunks;
+    flashmla_backend::sm90::decode::cp_async_16(base + gather_chunk_offset(row, c),
+                                                pool + size_t(idx[row]) * kTokenBytes + c * kChunkBytes, true);
+  }
+  flashmla_backend::sm90::decode::cp_async_commit();
+  flashmla_backend::sm90::decode::cp_async_wait_all();
+  __syncthreads();
+  transpose_latent(base, base + kVtAt, warp, 4, lane);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // stmatrix writes, read by wgmma
+  __syncthreads();
+
+  typename QkTypes::TiledMmaLatent mma_s;
+  Tensor p = partition_fragment_C(mma_s, Shape<Int<kRows>, Int<kBlockTokens>>{});
+  for (int i = 0; i < size(p); ++i) {
+    const int row = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    p(i) = p_in[row * kBlockTokens + col];
+  }
+  const float* scales = reinterpret_cast<const float*>(smem + kScalesAt);
+  typename PvTypes::TiledMma mma_o;
+  Tensor o = partition_fragment_C(mma_o, Shape<Int<kRows>, Int<128>>{});
+  for (int g = 0; g < kGroups; ++g) {
+    float max_s = 0.f;  // the block's largest scale of group g: a quad's lanes hold all 64 tokens
+    for (int c = 0; c < 8; ++c)
+      for (int e = 0; e < 2; ++e) max_s = fmaxf(max_s, scales[(8 * c + 2 * (lane & 3) + e) * kGroups + g]);
+    max_s = fmaxf(max_s, __shfl_xor_sync(0xffffffffu, max_s, 1));
+    max_s = fmaxf(max_s, __shfl_xor_sync(0xffffffffu, max_s, 2));
+    const float f = group_factor(max_s, 256.f);
+    uint32_t words[kPTerms][8];
+    p_group_words<kPTerms>(p, scales, g, f, lane, words);
+    clear(o);
+    uint8_t* vt_group = smem + kVtAt + (g >> 1) * flashmla_backend::sm90::decode_fp8::kVtHalfBytes +
+                        (g & 1) * (flashmla_backend::sm90::decode_fp8::kVtHalfBytes / 2);
+    sparse_pv_group<kPTerms>(tid, words, vt_group, o);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(o);
+    for (int i = 0; i < size(o); ++i) {
+      const int row = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), n = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      out[row * 512 + 128 * g + flashmla_backend::sm90::decode_fp8::vt_row_column(n)] = o(i) / f;
+    }
+  }
+}
+
+static float e4m3_value(uint8_t b) {
+  F8 f;
+  std::memcpy(&f, &b, 1);
+  return float(f);
+}
+
+struct Case {
+  const char* name;
+  double spread_log2;  // each group's values times 2^U(-spread, spread) before quantization
+};
+
+// Device copies of a case's inputs.
+struct DeviceInputs {
+  uint8_t* pool = nullptr;
+  int* idx = nullptr;
+  BF* q = nullptr;
+  float* p = nullptr;
+  float* out = nullptr;
+  DeviceInputs(const std::vector<uint8_t>& pool_h, const std::vector<int>& idx_h, const std::vector<BF>& q_h,
+               const std::vector<float>& p_h) {
+    CUDA_OK(cudaMalloc(&pool, pool_h.size()));
+    CUDA_OK(cudaMalloc(&idx, idx_h.size() * sizeof(int)));
+    CUDA_OK(cudaMalloc(&q, q_h.size() * sizeof(BF)));
+    CUDA_OK(cudaMalloc(&p, p_h.size() * sizeof(float)));
+    CUDA_OK(cudaMalloc(&out, kRows * 512 * sizeof(float)));
+    CUDA_OK(cudaMemcpy(pool, pool_h.data(), pool_h.size(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(idx, idx_h.data(), idx_h.size() * sizeof(int), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(q, q_h.data(), q_h.size() * sizeof(BF), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(p, p_h.data(), p_h.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  ~DeviceInputs() {
+    cudaFree(pool);
+    cudaFree(idx);
+    cudaFree(q);
+    cudaFree(p);
+    cudaFree(out);
+  }
+  std::vector<float> output(size_t n) const {
+    std::vector<float> h(n);
+    CUDA_OK(cudaMemcpy(h.data(), out, n * sizeof(float), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+// {rel-norm error, max abs error, max |ref|} of got against ref.
+static void compare(const std::vector<float>& got, const std::vector<double>& ref, double (&res)[3]) {
+  double err2 = 0, ref2 = 0;
+  res[1] = res[2] = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = double(got[i]) - ref[i];
+    err2 += d * d;
+    ref2 += ref[i] * ref[i];
+    res[1] = std::fmax(res[1], std::fabs(d));
+    res[2] = std::fmax(res[2], std::fabs(ref[i]));
+  }
+  res[0] = std::sqrt(err2 / ref2);
+}
+
+template <int kQTerms>
+static void run_qk(const DeviceInputs& d, const std::vector<double>& ref, double (&res)[3]) {
+  CUDA_OK(cudaFuncSetAttribute(qk_probe_kernel<kQTerms>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  qk_probe_kernel<kQTerms><<<1, 128, kSmemBytes>>>(d.pool, d.idx, d.q, d.out);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  compare(d.output(ref.size()), ref, res);
+}
+
+template <int kPTerms>
+static void run_pv(const DeviceInputs& d, const std::vector<double>& ref, double (&res)[3]) {
+  CUDA_OK(cudaFuncSetAttribute(pv_probe_kernel<kPTerms>, cudaFuncAttributeMaxDynamicSharedMemorySize, kPvSmemBytes));
+  pv_probe_kernel<kPTerms><<<1, 128, kPvSmemBytes>>>(d.pool, d.idx, d.p, d.out);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  compare(d.output(ref.size()), ref, res);
+}
+
+int main() {
+  int dev_count = 0;
+  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+    printf("block probe: no CUDA device\n");
+    return 2;
+  }
+  cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9) {
+    printf("block probe: needs an sm_90 GPU (this is sm_%d%d)\n", prop.major, prop.minor);
+    return 2;
+  }
+  const Case cases[] = {{"one-scale", 0.0}, {"spread-scales", 2.0}};
+  bool ok = true;
+  for (const Case& cs : cases) {
+    std::mt19937 rng(20261127);
+    std::normal_distribution<float> gauss(0.f, 1.f);
+    std::uniform_real_distribution<double> uni(-1.0, 1.0);
+    std::vector<uint8_t> pool(size_t(kPool) * kTokenBytes);
+    for (int t = 0; t < kPool; ++t) {
+      uint8_t* tok = &pool[size_t(t) * kTokenBytes];
+      float x[512], sc[kGroups];
+      for (int g = 0; g < kGroups; ++g) {  // the group's values times a gain 2^U(-spread, spread)
+        const float gain = float(std::exp2(cs.spread_log2 * uni(rng)));
+        float amax = 0.f;
+        for (int c = 128 * g; c < 128 * g + 128; ++c) amax = std::fmax(amax, std::fabs(x[c] = gain * gauss(rng)));
+        sc[g] = amax / 448.f;
+      }
+      for (int c = 0; c < 512; ++c) {  // stored as e4m3(x / scale)
+        const F8 v(x[c] / sc[c / 128]);
+        std::memcpy(tok + c, &v, 1);
+      }
+      std::memcpy(tok + 512, sc, sizeof(sc));
+      for (int j = 0; j < 64; ++j) {
+        const BF v(gauss(rng));
+        std::memcpy(tok + 528 + 2 * j, &v, 2);
+      }
+    }
+    std::vector<int> all(kPool);
+    for (int i = 0; i < kPool; ++i) all[i] = i;
+    std::shuffle(all.begin(), all.end(), rng);
+    const std::vector<int> idx(all.begin(), all.begin() + kBlockTokens);
+    std::vector<BF> q(size_t(kRows) * 576);
+    for (auto& v : q) v = BF(0.1f * gauss(rng));
+    std::vector<float> p(size_t(kRows) * kBlockTokens);  // (0, 256], as the kernel's P = 2^8 exp2(s - m)
+    for (auto& v : p) v = float(256.0 * std::exp2(-std::fabs(3.0 * gauss(rng))));
+
+    // fp64 references on the dequantized tokens
+    std::vector<double> deq(size_t(kBlockTokens) * 576);
+    for (int t = 0; t < kBlockTokens; ++t) {
+      const uint8_t* tok = &pool[size_t(idx[t]) * kTokenBytes];
+      float sc[kGroups];
+      std::memcpy(sc, tok + 512, sizeof(sc));
+      for (int c = 0; c < 512; ++c) deq[t * 576 + c] = double(e4m3_value(tok[c])) * sc[c / 128];
+      for (int j = 0; j < 64; ++j) {
+        BF k;
+        std::memcpy(&k, tok + 528 + 2 * j, 2);
+        deq[t * 576 + 512 + j] = double(float(k));
+      }
+    }
+    std::vector<double> s_ref(size_t(kRows) * kBlockTokens, 0.0), o_ref(size_t(kRows) * 512, 0.0);
+    for (int r = 0; r < kRows; ++r)
+      for (int t = 0; t < kBlockTokens; ++t) {
+        for (int c = 0; c < 576; ++c) s_ref[r * kBlockTokens + t] += double(float(q[r * 576 + c])) * deq[t * 576 + c];
+        for (int c = 0; c < 512; ++c) o_ref[r * 512 + c] += double(p[r * kBlockTokens + t]) * deq[t * 576 + c];
+      }
+
+    const DeviceInputs d(pool, idx, q, p);
+    double res[2][2][3];  // [product][terms - 1]
+    run_qk<1>(d, s_ref, res[0][0]);
+    run_qk<2>(d, s_ref, res[0][1]);
+    run_pv<1>(d, o_ref, res[1][0]);
+    run_pv<2>(d, o_ref, res[1][1]);
+    for (int k = 0; k < 2; ++k) {
+      for (int t = 0; t < 2; ++t)
+        printf("%s case %s terms %d: rel-norm error %.3e (max abs %.3e, max |ref| %.3e)\n", k ? "pv" : "qk", cs.name,
+               t + 1, res[k][t][0], res[k][t][1], res[k][t][2]);
+      if (!(res[k][1][0] <= kTwoTermBound && res[k][1][0] <= 0.5 * res[k][0][0])) ok = false;
+    }
+  }
+  printf("block probe: %s\n", ok ? "ok" : "FAILED");
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,120 @@
+// P V of one gathered block of the sm90 sparse (DeepSeek-V3.2) decode kernel, without dequantizing the cache: each
+// 128-column group g of the output takes P with its key columns scaled by the tokens' group scales, P[:, t] s[t, g],
+// cast to e4m3 in one or two terms, times V_g^T on e4m3 wgmma (m64n128k32, P from registers). V^T comes from the
+// stage's latent tiles by the dense FP8 kernel's transposition (decode_fp8/producer.cuh: its units, key order and
+// V^T row order), so a V^T half is two groups, 128 rows each. checks/block_probe.cu runs it on a GPU against fp64.
+//
+// The group factor: P s[t, g] spans the range of the scales (fp8_ds_mla: a group's amax / 448), so the caller
+// passes a power-of-two factor per group that brings the block's largest P s[t, g] into (224, 448] (group_factor);
+// the product is then O_g x factor. A kernel that accumulates O_g over blocks keeps one factor per group and
+// rescales O_g when a block needs a smaller one, as it rescales O for a new running max.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/float8.h>
+
+#include <cstdint>
+
+#include "sm90/decode_fp8/layout.h"
+#include "sm90/decode_fp8/producer.cuh"  // ldsm_x4_trans, unit_words, stsm_x4
+#include "sm90/decode_fp8/q_tile.cuh"    // f32x4_to_e4m3x4, e4m3x4_to_f32x4
+#include "sm90/sparse_fp8/layout.h"
+
+namespace flashmla_backend::sm90::sparse_fp8 {
+
+using namespace cute;
+
+struct PvTypes {
+  using F8 = cutlass::float_e4m3_t;
+  // O_g += P_g V_g: P from registers (the e4m3 A fragment of decode_fp8/layout.h's key order), V_g^T K-major.
+  using TiledMma = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<F8, F8, float, Shape<Int<64>, Int<128>, Int<kBlockTokens>>, GMMA::Major::K,
+                           GMMA::Major::K>()));
+  // One group's V^T: 128 rows (value columns in vt_row_column's order) x 64 keys (permuted), SW64.
+  using VtGroupLayout = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<F8>{}, Shape<Int<128>, Int<kBlockTokens>>{}));
+  static_assert(cosize_v<VtGroupLayout> == decode_fp8::kVtHalfBytes / 2, "a group is half a V^T half");
+};
+
+// V^T of the stage's latent region into two halves at vt (half h at vt + h * kVtHalfBytes): the 64 transposition
+// units of a block (eight pieces x (4 column chunks x 2 key halves)), `warps` warps of 32 lanes, warp w taking every
+// warps-th unit. All 64 keys count (the caller zeroes P for keys it does not want).
+__device__ __forceinline__ void transpose_latent(uint32_t stage_addr, uint32_t vt_addr, int warp, int warps, int lane) {
+  const decode_fp8::TransposeLane tl = decode_fp8::TransposeLane::of(lane);
+  for (int unit = warp; unit < decode_fp8::kNumVPieces * 8; unit += warps) {
+    const int j = unit >> 3, cc = (unit >> 1) & 3, th = unit & 1;
+    uint32_t d[4];
+    decode_fp8::ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d);
+    uint32_t o[4];
+    decode_fp8::unit_words(d, o);
+    const uint32_t half = uint32_t(j / decode_fp8::kVPiecesPerHalf) * decode_fp8::kVtHalfBytes;
+    decode_fp8::stsm_x4(vt_addr + half + tl.dst(j, cc, th), o);
+  }
+}
+
+// The power of two that brings max_s * p_max into (224, 448] (max_s: the block's largest scale of the group, p_max:
+// the largest P value, 2^8 in the kernel's P scaling).
+__device__ __forceinline__ float group_factor(float max_s, float p_max) {
+  const float m = max_s * p_max;
+  return m > 0.f ? exp2f(floorf(log2f(decode_fp8::kE4m3Max / m))) : 1.f;
+}
+
+// The e4m3 A fragment (kTerms terms x 8 words, decode_fp8/mainloop.cuh's order) of P[:, t] s[t, g] f, from the
+// 64 x 64 accumulator fragment p (P of the thread's two rows), the stage's scales and the group factor f.
+template <int kTerms, class Frag>
+__device__ __forceinline__ void p_group_words(const Frag& p, const float* scales, int g, float f, int lane,
+                                              uint32_t (&words)[kTerms][8]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int kk = 0; kk < 2; ++kk) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      float x[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const int idx = decode_fp8::p_source_index(kk, q, i);
+        const int token = 8 * (idx >> 2) + 2 * (lane & 3) + (idx & 1);
+        x[i] = p(idx) * (scales[token * kGroups + g] * f);
+      }
+      const uint32_t hi = decode_fp8::f32x4_to_e4m3x4(x[0], x[1], x[2], x[3]);
+      words[0][4 * kk + q] = hi;
+      if constexpr (kTerms == 2) {
+        float b[4];
+        decode_fp8::e4m3x4_to_f32x4(hi, b);
+        words[1][4 * kk + q] = decode_fp8::f32x4_to_e4m3x4(x[0] - b[0], x[1] - b[1], x[2] - b[2], x[3] - b[3]);
+      }
+    }
+  }
+}
+
+// O_g (64 x 128 fp32 accumulator fragment) += P_g V_g; vt_group: group g's 128 V^T rows (V^T half g / 2, rows
+// 128 (g % 2) ..). One commit group; the caller waits.
+template <int kTerms, class FragO>
+__device__ __forceinline__ void sparse_pv_group(int tid, uint32_t (&words)[kTerms][8], uint8_t* vt_group,
+                                                FragO& tOrO) {
+  using F8 = PvTypes::F8;
+  typename PvTypes::TiledMma mma;
+  auto thr = mma.get_slice(tid);
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(vt_group)), typename PvTypes::VtGroupLayout{});
+  Tensor tOrV = thr.partition_fragment_B(sV);  // (MMA, 1, 2)
+  using ALayout = decltype(make_layout(partition_shape_A(typename PvTypes::TiledMma{},
+                                                         Shape<Int<64>, Int<kBlockTokens>>{})));
+  static_assert(cosize_v<ALayout> == 32, "32 e4m3 values a thread");
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < kTerms; ++t) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
+  }
+  warpgroup_fence_operand(tOrO);
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < kTerms; ++t) {
+    Tensor tOrP = make_tensor(make_rmem_ptr<F8>(reinterpret_cast<F8*>(&words[t][0])), ALayout{});
+    CUTLASS_PRAGMA_UNROLL
+    for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tOrO);
+}
+
+}  // namespace flashmla_backend::sm90::sparse_fp8
