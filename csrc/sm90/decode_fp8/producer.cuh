@@ -79,27 +79,36 @@ __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename
 // block of an odd piece has no data.
 __device__ __forceinline__ int padded_blocks(int num_blocks) { return num_blocks > 0 ? (num_blocks + 1) & ~1 : 0; }
 
+// The blocks of the CTA's metadata row in the consumers' order: fn(w, b, g) for block b of every request piece w
+// (its blocks padded to an even count), g counting blocks over the whole row. The copy lane and the transposer
+// warps walk the row with it (the consumers' loop is mainloop.cuh's run_steps, two blocks a step).
+template <class Fn>
+__device__ __forceinline__ void for_each_block(const DecodeParams& p, const SchedMetaRow& meta, int begin_req,
+                                               int end_req, int m_block, Fn&& fn) {
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const int nblk = padded_blocks(w.num_blocks);
+    for (int b = 0; b < nblk; ++b, ++g) fn(w, b, g);
+  }
+}
+
 // Warp 0 of the producer, lane 0: issues every block in the consumers' order, waiting for each stage to be released.
 // A virtual block's pieces complete without a copy (plain arrivals): its consumer multiplies whatever the stage holds
 // and masks every key.
 template <class T>
 __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorMap* tmap, typename T::SharedStorage& ss,
                                           const SchedMetaRow& meta, int begin_req, int end_req, int m_block, int hk) {
-  uint32_t g = 0;
-  for (int req = begin_req; req <= end_req; ++req) {
-    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    const int nblk = padded_blocks(w.num_blocks);
-    for (int b = 0; b < nblk; ++b, ++g) {
-      const int stage = int(stage_of(g, T::kStages));
-      if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
-      if (b < w.num_blocks) {
-        issue_kv_block<T>(tmap, ss, stage, decode::block_page(p, w, b), hk);
-      } else {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive();
-      }
+  for_each_block(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
+    const int stage = int(stage_of(g, T::kStages));
+    if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
+    if (b < w.num_blocks) {
+      issue_kv_block<T>(tmap, ss, stage, decode::block_page(p, w, b), hk);
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive();
     }
-  }
+  });
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -267,35 +276,30 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
   const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   const TransposeLane tl = TransposeLane::of(lane);
   const int half = int(cluster_rank());
-  uint32_t g = 0;
-  for (int req = begin_req; req <= end_req; ++req) {
-    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    const int nblk = padded_blocks(w.num_blocks);
-    for (int b = 0; b < nblk; ++b, ++g) {
-      const int stage = int(stage_of(g, T::kStages));
-      const uint32_t parity = (g / T::kStages) & 1u;
-      const int valid = w.stop_eff - (w.first_page + b) * kBlockN;
-      const uint32_t slot = T::vt_slot(half, g), use = T::vt_use(half, g);
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int i = 0; i < 2; ++i) {
-        if (int((2 * g + uint32_t(i)) % kNumTransposeWarps) != tw) continue;
-        if (use > 0) {
-          wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
-          wait_barrier(ss.peer_empty[slot], (use - 1) & 1u);
-        }
-        transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, valid, tl, lane, debug);
-        if (lane == 0) {
-          ss.vt_full[slot].arrive();
-          ss.kv_empty[stage].arrive();
-          if (atomicAdd(&ss.vt_pairs_sent[slot], 1u) & 1u) {  // the half's second pair: both are written
-            wait_barrier(ss.vt_full[slot], use & 1u);         // the other pair's stores, acquired
-            send_vt_half<T>(ss, slot);
-          }
-        }
-        __syncwarp();
+  for_each_block(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
+    const int stage = int(stage_of(g, T::kStages));
+    const uint32_t parity = (g / T::kStages) & 1u;
+    const int valid = w.stop_eff - (w.first_page + b) * kBlockN;
+    const uint32_t slot = T::vt_slot(half, g), use = T::vt_use(half, g);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int i = 0; i < 2; ++i) {
+      if (int((2 * g + uint32_t(i)) % kNumTransposeWarps) != tw) continue;
+      if (use > 0) {
+        wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
+        wait_barrier(ss.peer_empty[slot], (use - 1) & 1u);
       }
+      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, valid, tl, lane, debug);
+      if (lane == 0) {
+        ss.vt_full[slot].arrive();
+        ss.kv_empty[stage].arrive();
+        if (atomicAdd(&ss.vt_pairs_sent[slot], 1u) & 1u) {  // the half's second pair: both are written
+          wait_barrier(ss.vt_full[slot], use & 1u);         // the other pair's stores, acquired
+          send_vt_half<T>(ss, slot);
+        }
+      }
+      __syncwarp();
     }
-  }
+  });
 }
 
 template <class T>
@@ -309,28 +313,23 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
   const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
   const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   const TransposeLane tl = TransposeLane::of(lane);  // layout.h
-  uint32_t g = 0;
-  for (int req = begin_req; req <= end_req; ++req) {
-    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    const int nblk = padded_blocks(w.num_blocks);
-    for (int b = 0; b < nblk; ++b, ++g) {
-      const int stage = int(stage_of(g, T::kStages));
-      const uint32_t parity = (g / T::kStages) & 1u;
-      const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)
-      const int first_pair = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int pair = first_pair; pair < kNumVPairs; pair += kNumTransposeWarps) {
-        const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
-        const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
-        if (use > 0) wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
-        transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, valid, tl, lane, debug);
-        if (lane == 0) {
-          ss.vt_full[slot].arrive();
-          ss.kv_empty[stage].arrive();
-        }
+  for_each_block(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
+    const int stage = int(stage_of(g, T::kStages));
+    const uint32_t parity = (g / T::kStages) & 1u;
+    const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)
+    const int first_pair = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int pair = first_pair; pair < kNumVPairs; pair += kNumTransposeWarps) {
+      const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
+      const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
+      if (use > 0) wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
+      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, valid, tl, lane, debug);
+      if (lane == 0) {
+        ss.vt_full[slot].arrive();
+        ss.kv_empty[stage].arrive();
       }
     }
-  }
+  });
 }
 
 }  // namespace flashmla_backend::sm90::decode_fp8
