@@ -257,7 +257,8 @@ __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss
   if (valid < kBlockN) {
     transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
   } else {
-    transpose_pair<T, units_in_flight<T>(), false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+    transpose_pair<T, units_in_flight<T>(), false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane,
+                                                   debug);
   }
   cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma and by the bulk copy (async proxy)
   __syncwarp();

@@ -91,7 +91,8 @@ __device__ void build_q_tile(const BF* q, uint8_t* smem, int tid) {
 }
 
 template <int kQTerms>
-__global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, const int* idx, const BF* q, float* out) {
+__global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, const int* idx, const BF* q,
+                                                          float* out) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x;
   const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
