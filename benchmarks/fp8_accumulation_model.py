@@ -1,7 +1,7 @@
 """CPU model of the FP8 tensor-core kernel's accurate mode with a wgmma accumulator of limited precision.
 
     python benchmarks/fp8_accumulation_model.py [--keys 8192] [--rows 64] [--bits 24,16,14,13] [--promote-every 1]
-        [--seed 0]
+        [--seed 0] [--out-bf16]
 
 Why: on an H100 the accurate mode (q and P split into two e4m3 terms) measured 3.8e-3 against fp64 at b128 x 8192
 keys, where a simulation with exact accumulation predicts about 7e-4 and the widening kernel measures 1.7e-3
@@ -14,7 +14,12 @@ each B in three arrangements:
   pv-block  the same, but each block's P V goes into a fresh accumulator that is added to O in fp32 (promotion per
             block; needs a second output accumulator); `--promote-every N` promotes every N blocks instead (the
             kernel takes blocks in pairs, so 2 is a promotion per step);
-  both      pv-block and Q K^T promoted per q term (each term's 18 chunks in a fresh accumulator).
+  both      pv-block and Q K^T promoted per q term (each term's 18 chunks in a fresh accumulator);
+  f16-pv    the accurate-mode design of docs/perf/journal.md (2026-11-27, "what is next"): Q K^T as in chain, P V on
+            16-bit tensor cores: P (x 2^8) rounded to fp16, V the exact e4m3 values, an fp32 accumulator;
+  f16-pv+qk f16-pv with Q K^T promoted per q term as in both.
+`--out-bf16` rounds every output to bf16 first, as the kernels store it, and adds a column with that rounding alone
+(the floor: the widening kernel measures at it).
 Data as the benchmark's: q bf16 ~ N(0, 1), the cache N(0, 1) stored as e4m3 with a per-tensor scale; one query
 tile of `rows` rows against one split of `keys` keys (64-key blocks). P is taken against each row's final max (the
 kernel's running max rescales O exactly in fp32, which this leaves out). The exact products of e4m3 values and the
@@ -57,7 +62,7 @@ def p_terms(p: torch.Tensor) -> list[torch.Tensor]:
     return [hi, e4m3(x - hi)]
 
 
-def model(q, k_stored, dk, scale, bits, pv_block, qk_term, every=1):
+def model(q, k_stored, dk, scale, bits, pv_block, qk_term, every=1, f16_pv=False):
     inv, q_terms = split_rows(q)
     # Q K^T in the stored units: S_stored = sum over terms and k32 chunks, accumulated with `bits` bits.
     s_acc = torch.zeros(q.shape[0], k_stored.shape[0], dtype=torch.float64)
@@ -69,8 +74,14 @@ def model(q, k_stored, dk, scale, bits, pv_block, qk_term, every=1):
     s = s_acc * (dk / inv) * scale
     p = torch.exp(s - s.max(-1, keepdim=True).values)
     l = p.sum(-1, keepdim=True) * P_SCALE
-    terms = p_terms(p)
     v = k_stored[:, :DV]
+    if f16_pv:  # one fp16 term, exact products, fp32 accumulation (16-bit wgmma)
+        o = torch.zeros(q.shape[0], DV, dtype=torch.float64)
+        p16 = (p * P_SCALE).to(torch.float16).double()
+        for c in range(0, k_stored.shape[0], 16):
+            o = (o + p16[:, c:c + 16] @ v[c:c + 16]).float().double()
+        return o * dk / l
+    terms = p_terms(p)
     o = torch.zeros(q.shape[0], DV, dtype=torch.float64)
     span = BLOCK * (every if pv_block else 1)
     for b in range(0, k_stored.shape[0], span):
@@ -104,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--promote-every", type=int, default=1,
                     help="blocks per fresh P V accumulator in the pv-block and both columns (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-bf16", action="store_true", help="round the outputs to bf16 (and print that floor)")
     args = ap.parse_args(argv)
     if args.keys <= 0 or args.keys % BLOCK:
         ap.error(f"--keys must be a positive multiple of {BLOCK}, got {args.keys}")
@@ -120,14 +132,18 @@ def main(argv=None) -> int:
     q, k_stored, dk, scale, ref = make_inputs(args.keys, args.rows, args.seed)
     print(f"rows {args.rows}, keys {args.keys}, P V promoted every {args.promote_every} block(s) where promoted: "
           "relative norm of the output error against fp64 (bf16 q, dequantized cache)")
-    print("| accumulator bits | chain (the kernel) | pv-block | both |")
-    print("|---|---|---|---|")
+    out = (lambda o: o.to(torch.bfloat16).double()) if args.out_bf16 else (lambda o: o)
+    floor = f" | {((out(ref) - ref).norm() / ref.norm()).item():.1e}" if args.out_bf16 else ""
+    print("| accumulator bits | chain (the kernel) | pv-block | both | f16-pv | f16-pv+qk |" +
+          (" bf16 rounding alone |" if args.out_bf16 else ""))
+    print("|---|---|---|---|---|---|" + ("---|" if args.out_bf16 else ""))
     for b in bits:
         errs = []
-        for pv_block, qk_term in ((False, False), (True, False), (True, True)):
-            o = model(q, k_stored, dk, scale, b, pv_block, qk_term, args.promote_every)
+        for pv_block, qk_term, f16 in ((False, False, False), (True, False, False), (True, True, False),
+                                       (False, False, True), (False, True, True)):
+            o = out(model(q, k_stored, dk, scale, b, pv_block, qk_term, args.promote_every, f16))
             errs.append(((o - ref).norm() / ref.norm()).item())
-        print(f"| {b} | " + " | ".join(f"{e:.1e}" for e in errs) + " |", flush=True)
+        print(f"| {b} | " + " | ".join(f"{e:.1e}" for e in errs) + floor + " |", flush=True)
     return 0
 
 

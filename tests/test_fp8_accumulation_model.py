@@ -44,6 +44,20 @@ def test_fewer_accumulator_bits_cost_accuracy_and_promotion_recovers_it(mod):
     assert short[1] < short[0] and short[2] <= short[1] * 1.01
 
 
+def test_fp16_p_v_removes_the_p_v_losses_and_q_k_promotion_the_rest(mod):
+    q, k, dk, scale, ref = mod.make_inputs(512, 8, 0)
+
+    def err(bits, pv, qk, f16):
+        return ((mod.model(q, k, dk, scale, bits, pv, qk, 1, f16) - ref).norm() / ref.norm()).item()
+
+    chain_full, f16_full = err(24, False, False, False), err(24, False, False, True)
+    assert f16_full < chain_full        # fp16 P (11 bits) against the two-term e4m3 P (about 8)
+    f16_short, f16_qk_short, chain_short = err(12, False, False, True), err(12, False, True, True), err(12, False,
+                                                                                                       False, False)
+    assert f16_short < chain_short        # P V no longer loses to the short accumulator
+    assert f16_qk_short < f16_short / 2   # what is left is mostly Q K^T's chain: promoted per q term it halves
+
+
 def test_promoting_less_often_lies_between(mod):
     q, k, dk, scale, ref = mod.make_inputs(512, 8, 0)
     err = {n: ((mod.model(q, k, dk, scale, 12, True, False, n) - ref).norm() / ref.norm()).item() for n in (1, 4, 8)}
