@@ -38,7 +38,8 @@ struct PvTypes {
 
 // V^T of the stage's latent region into two halves at vt (half h at vt + h * kVtHalfBytes): the 64 transposition
 // units of a block (eight pieces x (4 column chunks x 2 key halves)), `warps` warps of 32 lanes, warp w taking every
-// warps-th unit. All 64 keys count (the caller zeroes P for keys it does not want).
+// warps-th unit. All 64 keys are transposed: a token the block does not use must have been gathered as zeros
+// (cp.async with source size 0: value 0 and scale 0), since a zero P times a NaN value is NaN.
 __device__ __forceinline__ void transpose_latent(uint32_t stage_addr, uint32_t vt_addr, int warp, int warps, int lane) {
   const decode_fp8::TransposeLane tl = decode_fp8::TransposeLane::of(lane);
   for (int unit = warp; unit < decode_fp8::kNumVPieces * 8; unit += warps) {
@@ -87,7 +88,8 @@ __device__ __forceinline__ void p_group_words(const Frag& p, const float* scales
 }
 
 // O_g (64 x 128 fp32 accumulator fragment) += P_g V_g; vt_group: group g's 128 V^T rows (V^T half g / 2, rows
-// 128 (g % 2) ..). One commit group; the caller waits.
+// 128 (g % 2) ..); tid: the thread's index in its warpgroup. One commit group; the caller waits, and keeps `words`
+// unchanged until then (the wgmma reads them from the registers).
 template <int kTerms, class FragO>
 __device__ __forceinline__ void sparse_pv_group(int tid, uint32_t (&words)[kTerms][8], uint8_t* vt_group,
                                                 FragO& tOrO) {
@@ -115,6 +117,11 @@ __device__ __forceinline__ void sparse_pv_group(int tid, uint32_t (&words)[kTerm
   }
   warpgroup_commit_batch();
   warpgroup_fence_operand(tOrO);
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < kTerms; ++t) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
+  }
 }
 
 }  // namespace flashmla_backend::sm90::sparse_fp8

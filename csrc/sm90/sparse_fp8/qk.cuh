@@ -48,10 +48,12 @@ struct QkTypes {
 // The group g of a 128-channel latent group is k32 steps 4 g .. 4 g + 3 of the latent tiles.
 constexpr int kKStepsPerGroup = 128 / 32;
 
-// S (64 x 64 fp32 accumulator fragment of thread `tid` of the warpgroup) = the block's scores without the row's split
-// scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h). S_g is
-// `tmp`'s accumulator, one group at a time: its wgmma wait, then 32 FFMA with the token's scale of group g (16
-// distinct tokens a thread: accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)).
+// S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the
+// row's split scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h),
+// whose scales are read here (a kernel keeps them until its P V, pv.cuh, has read them too). S_g is `tmp`'s
+// accumulator, one group at a time: its wgmma wait, then 32 FFMA with the token's scale of group g (16 distinct
+// tokens a thread: accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)). A second temporary would let
+// group g + 1's wgmma run under group g's FFMAs.
 template <int kQTerms, class FragS>
 __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
                                                 FragS& tSrS, FragS& tmp) {

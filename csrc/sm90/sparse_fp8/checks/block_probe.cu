@@ -1,7 +1,8 @@
 // GPU probe of the sparse kernel's two products of a gathered block against fp64, on fp8_ds_mla tokens gathered by
 // index (sparse_fp8/qk.cuh: Q K^T; sparse_fp8/pv.cuh: P V):
-//   nvcc -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I csrc -I <cutlass include> \
+//   nvcc -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I csrc -I <cutlass include>
 //        csrc/sm90/sparse_fp8/checks/block_probe.cu -o /tmp/sparse_block_probe && /tmp/sparse_block_probe
+// (one command)
 // Not part of the extension build; tests/test_device_checks.py compiles it (no GPU needed) and runs it on a GPU.
 //
 // One CTA, one warpgroup. Both kernels gather 64 tokens of a pool (cp.async, 16 bytes a thread, at layout.h's
@@ -96,6 +97,7 @@ __global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, c
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x;
   const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
+  if (base & 1023u) __trap();  // the swizzled tiles need 1024-byte alignment
   for (int i = tid; i < kBlockTokens * kTokenChunks; i += 128) {
     const int row = i / kTokenChunks, c = i % kTokenChunks;
     flashmla_backend::sm90::decode::cp_async_16(base + gather_chunk_offset(row, c),
@@ -133,6 +135,7 @@ __global__ void __launch_bounds__(128, 1) pv_probe_kernel(const uint8_t* pool, c
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
+  if (base & 1023u) __trap();  // the swizzled tiles need 1024-byte alignment
   for (int i = tid; i < kBlockTokens * kTokenChunks; i += 128) {
     const int row = i / kTokenChunks, c = i % kTokenChunks;
     flashmla_backend::sm90::decode::cp_async_16(base + gather_chunk_offset(row, c),
@@ -213,6 +216,7 @@ struct DeviceInputs {
     cudaFree(p);
     cudaFree(out);
   }
+  void poison() const { CUDA_OK(cudaMemset(out, 0xFF, kRows * 512 * sizeof(float))); }  // NaN: unwritten shows
   std::vector<float> output(size_t n) const {
     std::vector<float> h(n);
     CUDA_OK(cudaMemcpy(h.data(), out, n * sizeof(float), cudaMemcpyDeviceToHost));
@@ -237,6 +241,7 @@ static void compare(const std::vector<float>& got, const std::vector<double>& re
 template <int kQTerms>
 static void run_qk(const DeviceInputs& d, const std::vector<double>& ref, double (&res)[3]) {
   CUDA_OK(cudaFuncSetAttribute(qk_probe_kernel<kQTerms>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  d.poison();
   qk_probe_kernel<kQTerms><<<1, 128, kSmemBytes>>>(d.pool, d.idx, d.q, d.out);
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
@@ -246,6 +251,7 @@ static void run_qk(const DeviceInputs& d, const std::vector<double>& ref, double
 template <int kPTerms>
 static void run_pv(const DeviceInputs& d, const std::vector<double>& ref, double (&res)[3]) {
   CUDA_OK(cudaFuncSetAttribute(pv_probe_kernel<kPTerms>, cudaFuncAttributeMaxDynamicSharedMemorySize, kPvSmemBytes));
+  d.poison();
   pv_probe_kernel<kPTerms><<<1, 128, kPvSmemBytes>>>(d.pool, d.idx, d.p, d.out);
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
