@@ -1,6 +1,9 @@
-"""The sparse-decode benchmark's inputs on the CPU: benchmarks/mla_bench/sparse.py (shapes, inputs, work count, the
-fp64 reference of a few requests)."""
+"""The sparse-decode benchmark on the CPU: benchmarks/mla_bench/sparse.py (shapes, inputs, work count, the fp64
+reference of a few requests) and benchmarks/sparse_bench.py (its options, the errors for bad ones, the call it makes,
+and the exit without a GPU). The timing itself needs a GPU and vLLM's FlashMLA; nothing here runs it."""
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +17,7 @@ import sparsekit
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+import sparse_bench  # noqa: E402
 from mla_bench import sparse  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -202,3 +206,178 @@ def test_relative_error():
     assert math.isnan(sparse.relative_error(longer.flip(0), ref))
     with pytest.raises(ValueError, match="does not match the reference"):
         sparse.relative_error(ref[:, :, :2], ref)
+
+
+# ---- benchmarks/sparse_bench.py -----------------------------------------------------------------------------------
+
+def test_options_parse():
+    a = sparse_bench.parse_args([])
+    assert [s.name for s in a.shapes][0] == "b128-sq1-h128-topk2048-pool8192"
+    assert a.impls == ["flashmla", "ours"] and a.pool == 8192 and a.spread == 0.0 and a.check_requests == 2
+    b = sparse_bench.parse_args(["--shapes", "b4-sq1-h16-topk64,b2-sq2-h64-topk128-pool512", "--pool", "256",
+                                 "--spread", "2", "--impls", "ours, flashmla", "--check-requests", "1", "--seed",
+                                 "9", "--warmup", "1", "--rep", "5"])
+    assert [s.name for s in b.shapes] == ["b4-sq1-h16-topk64-pool256", "b2-sq2-h64-topk128-pool512"]
+    assert b.impls == ["flashmla", "ours"] and b.spread == 2.0 and b.check_requests == 1 and b.seed == 9
+    assert (b.warmup, b.rep) == (1.0, 5.0)
+    assert sparse_bench.parse_args(["--impls", "ours"]).impls == ["ours"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--shapes", "b128-sk8192-h128"], "argument --shapes: bad sparse shape 'b128-sk8192-h128'"),
+    (["--shapes", "b1-sq1-h16-topk2048", "--pool", "1024"], "do not fit in a pool of 1024"),
+    (["--shapes", ","], "argument --shapes: empty sparse shape list"),
+    (["--pool", "100"], "argument --pool: '100': the pool must be a positive multiple of 64"),
+    (["--pool", "0"], "argument --pool: '0' must be >= 1"),
+    (["--pool", "8k"], "argument --pool: '8k' is not an integer"),
+    (["--spread", "-1"], "argument --spread: '-1' must be a finite number >= 0"),
+    (["--spread", "nan"], "argument --spread: 'nan' must be a finite number >= 0"),
+    (["--spread", "x"], "argument --spread: 'x' is not a number"),
+    (["--impls", "flashinfer"], "argument --impls: unknown implementation(s) 'flashinfer'; choose from flashmla, ours"),
+    (["--impls", " "], "argument --impls: empty implementation list"),
+    (["--check-requests", "0"], "argument --check-requests: '0' must be >= 1"),
+    (["--seed", "-1"], "argument --seed: '-1' must be >= 0"),
+    (["--warmup", "0"], "argument --warmup: '0' must be a finite number > 0"),
+    (["--rep", "inf"], "argument --rep: 'inf' must be a finite number > 0"),
+])
+def test_bad_options_name_the_option(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        sparse_bench.parse_args(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_help_runs_without_a_gpu():
+    env = dict(os.environ, COLUMNS="400")     # one line per option: the syntax is not wrapped
+    res = subprocess.run([sys.executable, str(BENCHMARKS / "sparse_bench.py"), "--help"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "b<batch>-sq<q tokens>-h<heads>-topk<k>[-pool<tokens per request>]" in res.stdout
+    assert "--spread" in res.stdout and "--pool" in res.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit on a machine without a GPU")
+def test_exits_2_without_a_gpu(capsys):
+    assert sparse_bench.main(["--shapes", "b1-sq1-h16-topk64-pool64"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+class _RecordingApi:
+    """Stands in for FlashMLA's interface: records the sparse call's arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def get_mla_metadata(self, *args, **kwargs):
+        assert not args and not kwargs
+        return "sched-meta", None
+
+    def flash_mla_with_kvcache(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return "out", "lse"
+
+
+def test_the_call_is_flashmlas_sparse_convention():
+    inp = _inputs("b2-sq1-h4-topk64-pool128")
+    api = _RecordingApi()
+    fn = sparse_bench.sparse_call(api, inp)
+    assert fn() == ("out", "lse")
+    (args, kwargs), = api.calls
+    assert args[0] is inp.q and args[1] is inp.k_cache and args[2:] == (None, None, 512, "sched-meta", None)
+    assert kwargs == {"softmax_scale": inp.softmax_scale, "causal": False, "is_fp8_kvcache": True,
+                      "indices": inp.indices}
+
+
+def test_the_call_runs_our_cpu_reference_within_bf16_of_fp64():
+    """The same call through flashmla_backend on CPU tensors (its sparse reference, bf16 out) against the fp64
+    reference of the first requests: what the script prints as ours' error once a kernel runs it on the GPU."""
+    import flashmla_backend
+
+    inp = _inputs("b3-sq2-h16-topk128-pool256", seed=8, spread=2.0)
+    out, lse = sparse_bench.sparse_call(flashmla_backend, inp)()
+    ref_out, ref_lse = sparse.sparse_reference(inp, 2)
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (3, 2, 16, 512)
+    err = sparse.relative_error(out, ref_out)
+    assert 1e-4 < err < 4e-3          # the bf16 rounding of the output, nothing more
+    assert float((lse[:2].double() - ref_lse.double()).abs().max()) < 1e-4
+
+
+# ---- one shape end to end, on the CPU: stand-in timer, our CPU API in the place of a GPU implementation -------------
+
+class _Api:
+    """A FlashMLA-style API whose sparse call runs flashmla_backend on the CPU, scales its output, or raises."""
+
+    def __init__(self, raises=None, out_factor=1.0):
+        self.raises, self.out_factor = raises, out_factor
+
+    def get_mla_metadata(self):
+        import flashmla_backend
+        return flashmla_backend.get_mla_metadata()
+
+    def flash_mla_with_kvcache(self, *args, **kwargs):
+        import flashmla_backend
+        if self.raises is not None:
+            raise self.raises
+        out, lse = flashmla_backend.flash_mla_with_kvcache(*args, **kwargs)
+        return out * self.out_factor, lse
+
+
+def _run_shape(modules, reasons=None, impls=("flashmla", "ours"), us=None):
+    args = sparse_bench.parse_args(["--shapes", "b3-sq1-h16-topk64-pool128", "--impls", ",".join(impls)])
+    times = dict(us or {})
+    calls = []
+
+    def timer(fn, warmup_ms, rep_ms):
+        calls.append((warmup_ms, rep_ms))
+        return times.pop(next(iter(times))) if times else 50.0, fn()
+
+    line = sparse_bench.run_shape(args.shapes[0], CPU, modules, reasons or {}, args, copy_gbs=2000.0, timer=timer,
+                                  sync=lambda: None)
+    return line, calls
+
+
+def test_run_shape_reports_the_timed_and_the_refusing_implementation(capsys):
+    refusal = NotImplementedError("flashmla_backend: no compiled kernel reads a sparse cache yet\nmore")
+    line, calls = _run_shape({"flashmla": _Api(), "ours": _Api(raises=refusal)})
+    printed = capsys.readouterr().out
+    assert calls == [(10.0, 50.0)]                      # ours was tried once and not timed
+    shape = sparse.parse_sparse_shape("b3-sq1-h16-topk64-pool128")
+    flops, nbytes = sparse.sparse_flops(shape), sparse.gathered_bytes(shape)
+    assert line["shape"] == shape.name and line["flops"] == flops and line["gathered_bytes"] == nbytes
+    assert line["gather_floor_us"] == round(nbytes / 2000e9 * 1e6, 2) and line["check_requests"] == 2
+    assert line["flashmla_us"] == 50.0 and line["flashmla_tflops"] == round(flops / 50e-6 / 1e12, 2)
+    assert 1e-4 < line["flashmla_err"] < 4e-3 and line["flashmla_lse_err"] < 1e-4
+    assert line["ours_status"] == sparse_bench.NO_KERNEL
+    assert line["ours_reason"] == "NotImplementedError: flashmla_backend: no compiled kernel reads a sparse cache yet"
+    assert "  ours: no sparse kernel yet\n" in printed
+    assert "  flashmla: 50.0 us" in printed and "WRONG" not in printed
+    assert "speedup_vs_flashmla" not in line
+
+
+def test_run_shape_flags_a_wrong_output_and_a_failing_peer(capsys):
+    peer = _Api(raises=RuntimeError("h_q 16 is not supported"))
+    line, _ = _run_shape({"flashmla": peer, "ours": _Api(out_factor=1.1)})
+    printed = capsys.readouterr().out
+    assert line["flashmla_status"] == "unavailable"
+    assert line["flashmla_reason"] == "RuntimeError: h_q 16 is not supported"
+    assert "  flashmla: unavailable: RuntimeError: h_q 16 is not supported" in printed
+    assert line["ours_err"] == pytest.approx(0.1, rel=0.05)
+    assert "(WRONG: above 0.03)" in printed
+
+
+def test_run_shape_compares_the_two_times_and_names_a_missing_peer(capsys):
+    line, _ = _run_shape({"flashmla": _Api(), "ours": _Api()}, us={"flashmla": 90.0, "ours": 60.0})
+    assert (line["flashmla_us"], line["ours_us"], line["speedup_vs_flashmla"]) == (90.0, 60.0, 1.5)
+    assert "ours vs FlashMLA: 1.50x" in capsys.readouterr().out
+    line, _ = _run_shape({"flashmla": None, "ours": _Api()}, reasons={"flashmla": "cannot import it"},
+                         impls=["flashmla"])
+    assert line["flashmla_status"] == "unavailable" and line["flashmla_reason"] == "cannot import it"
+    assert "ours_us" not in line and "ours_status" not in line       # not asked for
+
+
+def test_load_flashmla_says_what_to_put_on_the_path(monkeypatch):
+    monkeypatch.setattr(sparse_bench, "PEER_MODULE", "flashmla_backend_no_such_module.interface")
+    module, reason = sparse_bench.load_flashmla()
+    assert module is None
+    assert "cannot import flashmla_backend_no_such_module.interface (ModuleNotFoundError" in reason
+    assert ".peers/flashmla, on PYTHONPATH" in reason
