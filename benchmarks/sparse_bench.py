@@ -28,6 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from mla_bench.cli import _arg_positive_float, _arg_seed  # noqa: E402  (the main benchmark's argument types)
 from mla_bench.sparse import (DEFAULT_POOL, DEFAULT_SPARSE_SHAPES, SPARSE_SHAPE_SYNTAX, check_pool,  # noqa: E402
                               parse_sparse_shapes)
 
@@ -44,26 +45,6 @@ def _positive_int(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return v
-
-
-def _seed(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return v
-
-
-def _positive_float(text):
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
     return v
 
 
@@ -111,9 +92,9 @@ def build_parser():
                    help=f"comma-separated subset of {','.join(IMPLS)} (default both)")
     p.add_argument("--check-requests", type=_positive_int, default=2,
                    help="requests compared with the fp64 reference, the first ones of the batch (default 2)")
-    p.add_argument("--seed", type=_seed, default=0, help="random seed of the inputs (default 0)")
-    p.add_argument("--warmup", type=_positive_float, default=10.0, help="do_bench warm-up in ms (default 10)")
-    p.add_argument("--rep", type=_positive_float, default=50.0, help="do_bench rep in ms (default 50)")
+    p.add_argument("--seed", type=_arg_seed, default=0, help="random seed of the inputs (default 0)")
+    p.add_argument("--warmup", type=_arg_positive_float, default=10.0, help="do_bench warm-up in ms (default 10)")
+    p.add_argument("--rep", type=_arg_positive_float, default=50.0, help="do_bench rep in ms (default 50)")
     return p
 
 
