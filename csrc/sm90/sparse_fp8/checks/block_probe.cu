@@ -91,11 +91,9 @@ __device__ void build_q_tile(const BF* q, uint8_t* smem, int tid) {
   }
 }
 
-template <int kQTerms>
-__global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, const int* idx, const BF* q,
-                                                          float* out) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  const int tid = threadIdx.x;
+// The 64 tokens idx[0..63] of the pool into the stage at smem (layout.h), 16 bytes a thread at a time; returns the
+// stage's shared address once this thread's copies landed.
+__device__ uint32_t gather_block(uint8_t* smem, const uint8_t* pool, const int* idx, int tid) {
   const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
   if (base & 1023u) __trap();  // the swizzled tiles need 1024-byte alignment
   for (int i = tid; i < kBlockTokens * kTokenChunks; i += 128) {
@@ -105,9 +103,24 @@ __global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, c
   }
   flashmla_backend::sm90::decode::cp_async_commit();
   flashmla_backend::sm90::decode::cp_async_wait_all();
+  return base;
+}
+
+// Row and column of element i of a 64 x N fp32 wgmma accumulator fragment (sm90/decode/softmax.cuh).
+__device__ __forceinline__ int acc_row(int tid, int i) {
+  return 16 * (tid >> 5) + ((tid & 31) >> 2) + 8 * ((i >> 1) & 1);
+}
+__device__ __forceinline__ int acc_col(int tid, int i) { return 8 * (i >> 2) + 2 * (tid & 3) + (i & 1); }
+
+template <int kQTerms>
+__global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, const int* idx, const BF* q,
+                                                          float* out) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int tid = threadIdx.x;
+  const uint32_t base = gather_block(smem, pool, idx, tid);
   build_q_tile<kQTerms>(q, smem, tid);
   __syncthreads();
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic-proxy writes, read by wgmma
+  cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma
   __syncthreads();
 
   typename QkTypes::TiledMmaLatent mma;
@@ -115,12 +128,9 @@ __global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, c
   Tensor tmp = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockTokens>>{});
   sparse_qk_block<kQTerms>(tid, smem + kQLatentAt, smem + kQRopeAt, smem, tSrS, tmp);
 
-  const int warp = tid >> 5, lane = tid & 31;
   const float* rs = reinterpret_cast<const float*>(smem + kRowScaleAt);
   for (int i = 0; i < size(tSrS); ++i) {
-    const int row = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
-    const int col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-    out[row * kBlockTokens + col] = tSrS(i) * rs[row];
+    out[acc_row(tid, i) * kBlockTokens + acc_col(tid, i)] = tSrS(i) * rs[acc_row(tid, i)];
   }
 }
 
@@ -134,26 +144,15 @@ __global__ void __launch_bounds__(128, 1) pv_probe_kernel(const uint8_t* pool, c
                                                           float* out) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const uint32_t base = uint32_t(__cvta_generic_to_shared(smem));
-  if (base & 1023u) __trap();  // the swizzled tiles need 1024-byte alignment
-  for (int i = tid; i < kBlockTokens * kTokenChunks; i += 128) {
-    const int row = i / kTokenChunks, c = i % kTokenChunks;
-    flashmla_backend::sm90::decode::cp_async_16(base + gather_chunk_offset(row, c),
-                                                pool + size_t(idx[row]) * kTokenBytes + c * kChunkBytes, true);
-  }
-  flashmla_backend::sm90::decode::cp_async_commit();
-  flashmla_backend::sm90::decode::cp_async_wait_all();
+  const uint32_t base = gather_block(smem, pool, idx, tid);
   __syncthreads();
   transpose_latent(base, base + kVtAt, warp, 4, lane);
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // stmatrix writes, read by wgmma
+  cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
   __syncthreads();
 
   typename QkTypes::TiledMmaLatent mma_s;
   Tensor p = partition_fragment_C(mma_s, Shape<Int<kRows>, Int<kBlockTokens>>{});
-  for (int i = 0; i < size(p); ++i) {
-    const int row = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-    p(i) = p_in[row * kBlockTokens + col];
-  }
+  for (int i = 0; i < size(p); ++i) p(i) = p_in[acc_row(tid, i) * kBlockTokens + acc_col(tid, i)];
   const float* scales = reinterpret_cast<const float*>(smem + kScalesAt);
   typename PvTypes::TiledMma mma_o;
   Tensor o = partition_fragment_C(mma_o, Shape<Int<kRows>, Int<128>>{});
@@ -173,8 +172,8 @@ __global__ void __launch_bounds__(128, 1) pv_probe_kernel(const uint8_t* pool, c
     warpgroup_wait<0>();
     warpgroup_fence_operand(o);
     for (int i = 0; i < size(o); ++i) {
-      const int row = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1), n = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      out[row * 512 + 128 * g + flashmla_backend::sm90::decode_fp8::vt_row_column(n)] = o(i) / f;
+      const int column = 128 * g + flashmla_backend::sm90::decode_fp8::vt_row_column(acc_col(tid, i));
+      out[acc_row(tid, i) * 512 + column] = o(i) / f;
     }
   }
 }
