@@ -123,9 +123,11 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
-    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kAccurateBF16", "kAccurateFP16"}
-    assert variants["kFastE4m3Q"] == (1, 1, 2, 2, 4) and variants["kFastE4m3QStream"] == (1, 1, 3, 2, 2)
-    assert all(stages >= 2 and left >= 2 and right >= 2 for _, _, stages, left, right in variants.values())
+    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16"}
+    assert variants["kFastE4m3Q"] == (1, 1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 1, 3, 2, 2, False)
+    assert variants["kAccurateBF16"] == (2, 1, 2, 1, 1, True) == variants["kAccurateFP16"]
+    assert all(stages >= 2 and left >= 1 and right >= 1 for _, _, stages, left, right, _ in variants.values())
+    assert fp8_model.vt_empty_copies(3, 2, 2) == 2 and fp8_model.vt_empty_copies(2, 2, 4) == 1
     arrivals = fp8_model.read_arrivals()
     assert arrivals["kNumVPairs"] == 4 and arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumVPairs"]
     assert arrivals["kVtFullArrivals"] == 2 and arrivals["kVtEmptyArrivals"] == 4
@@ -138,6 +140,23 @@ def test_fp8_protocol_model_rejects_a_broken_schedule(fp8_model, mutation):
         for seed in range(40):
             for stages, rings in ((2, (2, 4)), (2, (2, 2)), (3, (2, 3))):
                 fp8_model.run([9, 4, 7], stages, rings, reuse_p=False, seed=seed, mutation=mutation)
+
+
+def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):
+    with pytest.raises(fp8_model.ProtocolError, match="p"):
+        for seed in range(200):
+            fp8_model.run([9, 4, 7], 2, (1, 1), reuse_p=False, seed=seed, mutation="p0 rewritten early", f16pv=True,
+                          starve="wg1")
+
+
+def test_fp8_protocol_model_catches_a_parity_wait_two_phases_ahead(fp8_model, monkeypatch):
+    # One vt_empty barrier a slot, as before kVtEmptyCopies: the 3-stage plan with rings of 2, and the rings of one
+    # of the fp16 P V mode, let a transposer warp wait for a release while the one before it is still pending.
+    monkeypatch.setattr(fp8_model, "vt_empty_copies", lambda stages, left, right: 1)
+    for stages, rings, f16pv in ((3, (2, 2), False), (2, (1, 1), True)):
+        with pytest.raises(fp8_model.ProtocolError, match="parity wait would pass"):
+            for seed in range(200):
+                fp8_model.run([9, 4, 7, 5], stages, rings, reuse_p=False, seed=seed, f16pv=f16pv)
 
 
 @pytest.mark.parametrize("name, count", [

@@ -48,6 +48,11 @@ constexpr int kVtBytes = kHeadDimV * kBlockN;        // 32768
 constexpr int kVtHalfBytes = kVtBytes / 2;          // 16384: one consumer warpgroup's half
 constexpr int kVPiecesPerHalf = kNumVPieces / 2;     // 4
 
+// The accurate mode's fp16 V (Traits::kPvF16): a consumer warpgroup's 256 value columns x 64 keys, 2 bytes each, as
+// four pieces of 64 columns, 128-byte rows (one key) with the 128B swizzle.
+constexpr int kV16PieceBytes = kBlockN * kPieceCols * 2;             // 8192
+constexpr int kV16HalfBytes = kVPiecesPerHalf * kV16PieceBytes;      // 32768
+
 // The e4m3 A fragment of a 64 x 64 P tile is 32 bytes per consumer thread (two k32 slices of 16 bytes); the
 // tile a warpgroup hands to the other is stored in that order (thread-major 16-byte chunks, conflict-free).
 constexpr int kPFragBytes = kBlockM * kBlockN / kThreadsPerWarpGroup;  // 32

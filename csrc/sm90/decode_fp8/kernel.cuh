@@ -7,6 +7,7 @@
 //   producer.cuh          KV copies (TMA) and the V transposition
 //   q_tile.cuh            the Q tile: e4m3 q copied, 16-bit q split into e4m3 terms
 //   mainloop.cuh          the consumers' seesaw
+//   mainloop_f16pv.cuh    the accurate mode's seesaw (P V on fp16 wgmma)
 // The tile work (sm90/decode/tile_work.cuh), the softmax pieces (sm90/decode/softmax.cuh) and the epilogue
 // (sm90/decode/epilogue.cuh) are the 16-bit kernel's.
 #pragma once
@@ -28,6 +29,7 @@
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
 #include "sm90/decode_fp8/mainloop.cuh"
+#include "sm90/decode_fp8/mainloop_f16pv.cuh"
 #include "sm90/decode_fp8/producer.cuh"
 #include "sm90/decode_fp8/q_tile.cuh"
 #include "sm90/decode_fp8/traits.h"
@@ -87,7 +89,11 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     consumers_sync();
 
     float row_sum[2] = {0.f, 0.f};  // O is cleared in the main loop (mainloop.cuh)
-    if constexpr (kWG == 0) {
+    if constexpr (T::kPvF16 && kWG == 0) {
+      mainloop_f16pv_wg0<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
+    } else if constexpr (T::kPvF16) {
+      mainloop_f16pv_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
+    } else if constexpr (kWG == 0) {
       mainloop_wg0<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     } else {
       mainloop_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
@@ -156,7 +162,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       // With the shared transposition the other rank's half arrives by the peer's bulk copy (producer.cuh).
       const bool copied = T::kShareVt && uint32_t(T::vt_half_of_slot(b)) != cluster_rank();
       ss.vt_full[b].init(copied ? kVtFullArrivalsCopied : kVtFullArrivals);
-      ss.vt_empty[b].init(kVtEmptyArrivals);
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
       if constexpr (T::kShareVt) {
         ss.peer_empty[b].init(kPeerEmptyArrivals);
         ss.vt_pairs_sent[b] = 0;

@@ -22,6 +22,16 @@ FMLA_HD uint32_t sw64_offset(int row, int chunk) {
   return uint32_t(row * kSwizzleRowBytes + ((chunk ^ ((row >> 1) & 3)) << 4));
 }
 
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` in a 128B-swizzled K-major tile of 16-bit values (rows of
+// 128 bytes, 1024-byte aligned): the chunk index is XORed with bits 0..2 of the row. The accurate mode's fp16 V
+// (config.h: kV16PieceBytes) is built of such pieces, one row per key.
+FMLA_HD uint32_t sw128_offset(int row, int chunk) { return uint32_t(row * 128 + ((chunk ^ (row & 7)) << 4)); }
+
+// Byte offset of fp16 value column n (0..255) of key k in a consumer warpgroup's fp16 V half.
+FMLA_HD uint32_t v16_offset(int k, int n) {
+  return uint32_t((n >> 6) * kV16PieceBytes) + sw128_offset(k, (n & 63) >> 3) + uint32_t((n & 7) * 2);
+}
+
 // Byte offset of 16-byte chunk c (0..35) of row r in a Q term tile or a KV block (nine 4 KB pieces of 64 columns).
 FMLA_HD uint32_t tile_chunk_offset(int r, int c) { return uint32_t((c >> 2) * kPieceBytes) + sw64_offset(r, c & 3); }
 

@@ -114,15 +114,16 @@ __device__ __forceinline__ void p_fragment(const Frag& s, uint32_t (&words)[kTer
   }
 }
 
-// A P tile handed to the other warpgroup: thread t's words as 16-byte chunks at (term, chunk, t).
-template <int kTerms>
-__device__ __forceinline__ void store_p(uint8_t* buf, int tid, const uint32_t (&words)[kTerms][8]) {
+// A P tile handed to the other warpgroup: thread t's words as 16-byte chunks at (term, chunk, t); kWords words a
+// term (8: an e4m3 term, 16: the fp16 fragment).
+template <int kTerms, int kWords>
+__device__ __forceinline__ void store_p(uint8_t* buf, int tid, const uint32_t (&words)[kTerms][kWords]) {
   const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
   CUTLASS_PRAGMA_UNROLL
   for (int t = 0; t < kTerms; ++t) {
     CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < 2; ++c) {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + t * kPTermBytes + (c * 128 + tid) * 16),
+    for (int c = 0; c < kWords / 4; ++c) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + (t * kWords / 4 + c) * 2048 + tid * 16),
                    "r"(words[t][4 * c]), "r"(words[t][4 * c + 1]), "r"(words[t][4 * c + 2]), "r"(words[t][4 * c + 3]));
     }
   }
@@ -142,45 +143,47 @@ __device__ __forceinline__ void store_p_fragment(const Frag& s, const float (&f)
     }
   }
 }
-template <int kTerms>
-__device__ __forceinline__ void load_p(const uint8_t* buf, int tid, uint32_t (&words)[kTerms][8]) {
+template <int kTerms, int kWords>
+__device__ __forceinline__ void load_p(const uint8_t* buf, int tid, uint32_t (&words)[kTerms][kWords]) {
   const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
   CUTLASS_PRAGMA_UNROLL
   for (int t = 0; t < kTerms; ++t) {
     CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < 2; ++c) {
+    for (int c = 0; c < kWords / 4; ++c) {
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(words[t][4 * c]), "=r"(words[t][4 * c + 1]), "=r"(words[t][4 * c + 2]),
                      "=r"(words[t][4 * c + 3])
-                   : "r"(base + t * kPTermBytes + (c * 128 + tid) * 16));
+                   : "r"(base + (t * kWords / 4 + c) * 2048 + tid * 16));
     }
   }
 }
 
-// The A-fragment tensors of the P V product: kTerms x 8 words per thread (the registers the rs wgmma reads, in its
-// order), viewed as the e4m3 fragment the CuTe MMA expects.
-template <class T, int kTerms>
+// The A-fragment tensors of the P V product: T::kPFragTerms x T::kPTermWords words per thread (the registers the rs
+// wgmma reads, in its order), viewed as the fragment the CuTe MMA expects (32 e4m3 or fp16 values a term).
+template <class T>
 struct PFrag {
+  static constexpr int kTerms = T::kPFragTerms;
+  static constexpr int kWords = T::kPTermWords;
+  using E = typename T::PvElement;
   using Mma = typename T::TiledMmaPV;
   using ALayout = decltype(make_layout(partition_shape_A(Mma{}, Shape<Int<kBlockM>, Int<kBlockN>>{})));
-  static_assert(cosize_v<ALayout> == 32, "32 e4m3 values per thread");
-  uint32_t w[kTerms][8];
+  static_assert(cosize_v<ALayout> * int(sizeof(E)) == 4 * kWords, "a term is the thread's whole A fragment");
+  uint32_t w[kTerms][kWords];
   __device__ __forceinline__ auto term(int k) {
-    return make_tensor(make_rmem_ptr<typename T::Element>(reinterpret_cast<typename T::Element*>(&w[k][0])),
-                       ALayout{});
+    return make_tensor(make_rmem_ptr<E>(reinterpret_cast<E*>(&w[k][0])), ALayout{});
   }
-  __device__ __forceinline__ void set(const uint32_t (&words)[kTerms][8]) {
+  __device__ __forceinline__ void set(const uint32_t (&words)[kTerms][kWords]) {
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kTerms; ++k) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 8; ++i) w[k][i] = words[k][i];
+      for (int i = 0; i < kWords; ++i) w[k][i] = words[k][i];
     }
   }
   __device__ __forceinline__ void fence() {
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kTerms; ++k) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(w[k][i]));
+      for (int i = 0; i < kWords; ++i) asm volatile("" : "+r"(w[k][i]));
     }
   }
 };
@@ -207,8 +210,12 @@ __device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss,
   Tensor tSrK = thr.partition_fragment_B(sK);  // (MMA, 1, 18)
   warpgroup_fence_operand(tSrS);
   warpgroup_arrive();
+  // kPvF16: the small q term first. The e4m3 accumulator keeps fewer bits than fp32 (benchmarks/
+  // fp8_accumulation_model.py); summed while the accumulator is small, the small term's products keep theirs, as
+  // if accumulated apart and added in fp32 (modeled: 1.7e-3 against 2.1e-3 with the large term first, bf16 output).
   CUTLASS_PRAGMA_UNROLL
-  for (int t = 0; t < T::kQTerms; ++t) {
+  for (int tt = 0; tt < T::kQTerms; ++tt) {
+    const int t = T::kPvF16 ? T::kQTerms - 1 - tt : tt;
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.q.data() + t * kTileBytes) + z),
                             typename T::SmemLayoutTile{});
     Tensor tSrQ = thr.partition_fragment_A(sQ);  // (MMA, 1, 18)
@@ -224,22 +231,23 @@ __device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss,
 
 // O_half += P V_half of block g (its V^T half kHalf: value columns [256 kHalf, 256 kHalf + 256) in the order of
 // layout.h); one commit group.
-template <class T, int kHalf, int kTerms, class FragO>
-__device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss, uint32_t g, PFrag<T, kTerms>& P,
+template <class T, int kHalf, class FragO>
+__device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss, uint32_t g, PFrag<T>& P,
                                          FragO& tOrO) {
-  using E = typename T::Element;
+  using E = typename T::PvElement;
   typename T::TiledMmaPV mma;
   auto thr = mma.get_slice(tid);
   const uint32_t z = opaque_zero();
-  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(kHalf, g) * kVtHalfBytes) + z),
-                          typename T::SmemLayoutVtHalf{});  // (256, 64)
-  Tensor tOrV = thr.partition_fragment_B(sV);  // (MMA, 1, 2)
+  Tensor sV = make_tensor(
+      make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(kHalf, g) * T::kVHalfBytes) + z),
+      typename T::SmemLayoutVHalf{});  // (256, 64)
+  Tensor tOrV = thr.partition_fragment_B(sV);  // (MMA, 1, 2): k32 steps (e4m3), (MMA, 1, 4): k16 steps (fp16)
   mma.accumulate_ = GMMA::ScaleOut::One;
   P.fence();
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
-  for (int t = 0; t < kTerms; ++t) {
+  for (int t = 0; t < PFrag<T>::kTerms; ++t) {
     Tensor tOrP = P.term(t);
     CUTLASS_PRAGMA_UNROLL
     for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
@@ -266,7 +274,7 @@ __device__ __forceinline__ void release_vt(typename T::SharedStorage& ss, uint32
       return;
     }
   }
-  warp_arrive(ss.vt_empty[slot], lane);
+  warp_arrive(T::vt_empty_of(ss, slot, T::vt_use(kHalf, g)), lane);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -291,6 +299,7 @@ template <class T, class FragO>
 __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, const RequestPiece& w, const RowInfo& ri,
                                              int tid, uint32_t g_base, FragO& tOrO,
                                              float (&row_sum)[2]) {
+  static_assert(!T::kPvF16, "mainloop_f16pv.cuh");
   constexpr int kPT = T::kPTerms;
   const int lane = tid & 31;
   const int nblk = padded_blocks(w.num_blocks);
@@ -301,7 +310,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
   typename T::TiledMmaQK mma_qk;
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});  // 32 fp32
-  PFrag<T, kPT> P;
+  PFrag<T> P;
 
   qk_block<T>(tid, ss, g_base, tSrS);
   warpgroup_wait<0>();
@@ -392,6 +401,7 @@ template <class T, class FragO>
 __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, const RequestPiece& w, const RowInfo& ri,
                                              int tid, uint32_t g_base, FragO& tOrO,
                                              float (&row_sum)[2]) {
+  static_assert(!T::kPvF16, "mainloop_f16pv.cuh");
   constexpr int kPT = T::kPTerms;
   const int lane = tid & 31;
   const int nblk = padded_blocks(w.num_blocks);
@@ -402,7 +412,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
 
   typename T::TiledMmaQK mma_qk;
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  PFrag<T, kPT> P1, P0own;
+  PFrag<T> P1, P0own;
 
   auto step = [&](auto next_c, int b0) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr bool kNext = decltype(next_c)::value;  // blocks b0 + 2 and b0 + 3 exist

@@ -147,6 +147,7 @@ __device__ __forceinline__ void cluster_sync_all() {
 // its bytes arrived: the copy has read it by then.
 template <class T>
 __device__ __forceinline__ void send_vt_half(typename T::SharedStorage& ss, uint32_t slot) {
+  static_assert(!T::kPvF16, "the shared transposition moves V^T halves");
   const uint32_t src = cute::cast_smem_ptr_to_uint(ss.vt.data()) + slot * kVtHalfBytes;
   const uint32_t dst = peer_address(src);
   const uint32_t full = peer_address(cute::cast_smem_ptr_to_uint(&ss.vt_full[slot]));
@@ -248,13 +249,71 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
   }
 }
 
-// One pair of V pieces of block g (its stage, the masked or unmasked instantiation).
+// ------------------------------------------------------------------------------------------------
+// The accurate mode's fp16 V (Traits::kPvF16): widened, not transposed
+// ------------------------------------------------------------------------------------------------
+// V piece j (64 keys x 64 columns, e4m3, 64B swizzle) to fp16 piece j % 4 of its half's buffer (64 keys x 64
+// columns, 128-byte rows, 128B swizzle; layout.h: v16_offset): a lane takes 16-byte chunk lane % 4 of key 8 i +
+// lane / 4 (i = 0..7) and writes the two fp16 chunks of those 16 columns. A quarter warp reads two whole 64-byte
+// rows and writes two chunks of 8 different 128-byte bank rows: no bank conflicts. kMask: keys at and past `valid`
+// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN).
+template <bool kMask>
+__device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_piece, int valid, int lane) {
+  constexpr int kBatch = 4;  // chunks in flight
+  const int c = lane & 3;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i0 = 0; i0 < 8; i0 += kBatch) {
+    uint4 v[kBatch];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kBatch; ++k) {
+      const int r = 8 * (i0 + k) + (lane >> 2);
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                   : "r"(src_piece + sw64_offset(r, c)));
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kBatch; ++k) {
+      const int r = 8 * (i0 + k) + (lane >> 2);
+      uint4 lo = decode::e4m3x8_to_f16x8(v[k].x, v[k].y), hi = decode::e4m3x8_to_f16x8(v[k].z, v[k].w);
+      if constexpr (kMask) {
+        if (r >= valid) lo = hi = make_uint4(0, 0, 0, 0);
+      }
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c)), "r"(lo.x),
+                   "r"(lo.y), "r"(lo.z), "r"(lo.w)
+                   : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c + 1)),
+                   "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w)
+                   : "memory");
+    }
+  }
+}
+
+template <class T, bool kMask>
+__device__ __forceinline__ void widen_pair(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t v_addr,
+                                           int stage, uint32_t parity, int pair, int valid, int lane, int debug) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int jj = 0; jj < 2; ++jj) {
+    const int j = 2 * pair + jj;
+    wait_barrier(ss.kv_full[stage][j], parity);
+    if (debug & kDebugNoTranspose) continue;
+    widen_piece<kMask>(stage_addr + j * kPieceBytes, v_addr + (j % kVPiecesPerHalf) * kV16PieceBytes, valid, lane);
+  }
+}
+
+// One pair of V pieces of block g (its stage, the masked or unmasked instantiation): transposed to V^T, or widened
+// to fp16 (Traits::kPvF16).
 template <class T>
 __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss, uint32_t kv_addr, uint32_t vt_addr0,
                                                    int stage, uint32_t parity, uint32_t slot, int pair, int valid,
                                                    const TransposeLane& tl, int lane, int debug) {
-  const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * kVtHalfBytes;
-  if (valid < kBlockN) {
+  const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * T::kVHalfBytes;
+  if constexpr (T::kPvF16) {
+    if (valid < kBlockN) {
+      widen_pair<T, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, lane, debug);
+    } else {
+      widen_pair<T, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, lane, debug);
+    }
+  } else if (valid < kBlockN) {
     transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
   } else {
     transpose_pair<T, units_in_flight<T>(), false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane,
@@ -286,7 +345,7 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
     for (int i = 0; i < 2; ++i) {
       if (int((2 * g + uint32_t(i)) % kNumTransposeWarps) != tw) continue;
       if (use > 0) {
-        wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
+        wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
         wait_barrier(ss.peer_empty[slot], (use - 1) & 1u);
       }
       transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, valid, tl, lane, debug);
@@ -323,7 +382,7 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
     for (int pair = first_pair; pair < kNumVPairs; pair += kNumTransposeWarps) {
       const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
       const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
-      if (use > 0) wait_barrier(ss.vt_empty[slot], (use - 1) & 1u);
+      if (use > 0) wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
       transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, valid, tl, lane, debug);
       if (lane == 0) {
         ss.vt_full[slot].arrive();

@@ -34,11 +34,16 @@ struct ShareVtState<true, kVtSlots> {
 // kVtLeft / kVtRight: V^T halves in flight for consumer warpgroup 0 / 1 (config.h: each warpgroup reads only its
 // half, and the two read them at different points of a step; mainloop.cuh).
 // kConsumerRegs / kProducerRegs: the setmaxnreg split (config.h).
+// kPvF16 (the accurate mode): P V runs on 16-bit tensor cores instead: P in fp16 (the S accumulator's own register
+// layout), V widened by the producer from the e4m3 stage to fp16 in [key][value column] order (the 16-bit kernel's
+// MN-major operand, 128B swizzle) instead of transposed, one 32 KB buffer a consumer warpgroup half (rings of 1,
+// read in block order: mainloop_f16pv.cuh), fp32 accumulation; kPTerms is unused. Q K^T stays on e4m3 tensor
+// cores with the two q terms, the small one first (qk_block).
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 template <class QIn_, int kQTerms_, int kPTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
-          int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false>
+          int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false>
 struct Traits {
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
@@ -58,7 +63,11 @@ struct Traits {
                 "q is e4m3, bf16 or fp16");
   static_assert(!kQFp8 || kQTerms == 1, "an e4m3 q is one term");
   static_assert(kQTerms >= 1 && kQTerms <= 2 && kPTerms >= 1 && kPTerms <= 2, "one or two terms");
-  static_assert(kStages >= 2 && kVtLeft_ >= 2 && kVtRight_ >= 2, "at least two KV stages and two V^T halves a ring");
+  static constexpr bool kPvF16 = kPvF16_;
+  static_assert(kStages >= 2, "at least two KV stages");
+  static_assert(kPvF16 ? (kVtLeft_ >= 1 && kVtRight_ >= 1) : (kVtLeft_ >= 2 && kVtRight_ >= 2),
+                "V^T rings of two halves or more (one or more for the fp16 V of kPvF16)");
+  static_assert(!kPvF16 || (!kQFp8 && kQTerms == 2), "fp16 P V is the accurate mode's: a 16-bit q in two terms");
   static constexpr bool kShareVt = kShareVt_;
   static_assert(!kShareVt || kQFp8, "the shared transposition serves the fast mode");
   static constexpr int kConsumerRegs = kConsumerRegs_;
@@ -67,8 +76,8 @@ struct Traits {
                 "register split exceeds the CTA's allocation");
 
   // The P V accumulator's columns are V^T's rows: value columns in the order of layout.h (vt_row_column), which
-  // sm90/decode/epilogue.cuh undoes.
-  static constexpr bool kOutColumnsInterleaved = true;
+  // sm90/decode/epilogue.cuh undoes; the widened fp16 V keeps the natural order.
+  static constexpr bool kOutColumnsInterleaved = !kPvF16;
   // What sm90/decode/epilogue.cuh asks of the cache format: the value scale is applied to the output.
   struct KvFormat {
     static constexpr bool kScaled = true;
@@ -78,10 +87,17 @@ struct Traits {
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kBlockN>, Int<kPieceCols>>,
                            GMMA::Major::K, GMMA::Major::K>()));
-  // O_half += P V_half: P in registers (the e4m3 A fragment), V^T in shared memory, K-major (keys contiguous).
+  // O_half += P V_half: P in registers (the e4m3 A fragment), V^T in shared memory, K-major (keys contiguous); with
+  // kPvF16 P is the fp16 A fragment and V the fp16 [key][column] buffer, MN-major.
+  using PvElement = std::conditional_t<kPvF16, cutlass::half_t, Element>;
   using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHalfDimV>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::K>()));
+      GMMA::rs_op_selector<PvElement, PvElement, float, Shape<Int<kBlockM>, Int<kHalfDimV>, Int<kBlockN>>,
+                           GMMA::Major::K, kPvF16 ? GMMA::Major::MN : GMMA::Major::K>()));
+  // P's A fragment a consumer thread holds: kPFragTerms terms of kPTermWords 32-bit words (the e4m3 terms of 8 words,
+  // or one fp16 fragment of 16), handed between the warpgroups as kPBytes.
+  static constexpr int kPFragTerms = kPvF16 ? 1 : kPTerms;
+  static constexpr int kPTermWords = kPvF16 ? 16 : 8;
+  static constexpr int kPBytes = kPFragTerms * kPTermWords * 4 * kThreadsPerWarpGroup;
 
   // A Q term tile or a KV block (64 rows, 576): 8 x 64-byte atoms stacked along the rows first, so columns
   // [64 j, 64 j + 64) are one contiguous 4 KB piece, the image of one TMA box with 64B swizzle.
@@ -91,16 +107,38 @@ struct Traits {
   // column.
   using SmemLayoutVtHalf = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
                                                   Shape<Int<kHalfDimV>, Int<kBlockN>>{}));
+  // kPvF16: a consumer warpgroup's fp16 V (64 keys, 256 value columns) K-major with 128B swizzle, four 8 KB pieces of
+  // 64 columns (layout.h: v16_offset), seen by the P V product as (256 columns, 64 keys) MN-major.
+  using SmemLayoutV16Half = decltype(composition(
+      tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<Int<kBlockN>, Int<kHalfDimV>>{}),
+      make_layout(Shape<Int<kHalfDimV>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutVHalf = std::conditional_t<kPvF16, SmemLayoutV16Half, SmemLayoutVtHalf>;
+  // Bytes of one V buffer slot (a V^T half, or a fp16 V half).
+  static constexpr int kVHalfBytes = kPvF16 ? kV16HalfBytes : kVtHalfBytes;
   static_assert(cosize_v<SmemLayoutTile> == kTileBytes, "tile size");
   static_assert(cosize_v<SmemLayoutVtHalf> == kVtHalfBytes, "V^T half size");
+  static_assert(cosize_v<SmemLayoutV16Half> * 2 == kV16HalfBytes, "fp16 V half size");
+
+  // The releases of a V^T slot go round kVtEmptyCopies barriers (use u: barrier u % kVtEmptyCopies, its completion
+  // u / kVtEmptyCopies). A parity wait tells completion n from n + 1 only: it passes at once when the barrier is at
+  // n - 1, which happens when a transposer warp reaches use u of a slot (waiting for the release of u - 1) while use
+  // u - 2 is still being read. The pairs of a half go round-robin over the warps, so a warp may skip uses of a slot,
+  // and nothing but its KV stage holds it back: the copy of block g waited for the transposition of block g - kStages,
+  // whose use of the slot waited for releases up to kStages / ring uses before. With one barrier per slot that was
+  // unsafe wherever kStages > ring (the 3-stage fast plan with rings of 2, and the rings of one of kPvF16); with
+  // ceil(kStages / shortest ring) copies each barrier's completions are that many uses apart.
+  // checks/protocol_model.py plays the parity rule and finds the unsafe schedules with one barrier.
+  static constexpr int kVtEmptyCopies = (kStages + (kVtLeft_ < kVtRight_ ? kVtLeft_ : kVtRight_) - 1) /
+                                        (kVtLeft_ < kVtRight_ ? kVtLeft_ : kVtRight_);
 
   struct alignas(kSmemAlign) SharedStorage : ShareVtState<kShareVt, kVtSlots> {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTerms * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVtHalfBytes, kSmemAlign> vt;  // slot s at s * 16 KB
+    // slot s at s * kVHalfBytes
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVHalfBytes, kSmemAlign> vt;
     // P tiles handed between the consumer warpgroups in A-fragment order: p[0] = P0 * scale1 (warpgroup 0 ->
-    // 1), p[1] = P1 (warpgroup 1 -> 0); term t at t * 4 KB.
-    alignas(16) uint8_t p[2][kPTerms * kPTermBytes];
+    // 1; kPvF16: P0, which warpgroup 1 scales), p[1] = P1 (warpgroup 1 -> 0); term t at t * 4 KB.
+    alignas(16) uint8_t p[2][kPBytes];
     float row_max[kBlockM];   // running max m (log2 domain, scaled), shared by both consumer warpgroups
     float scale0[kBlockM];    // exp2(m_prev - m0) of the current step (warpgroup 0)
     float scale1[kBlockM];    // exp2(m0 - m1) of the current step (warpgroup 1)
@@ -113,11 +151,12 @@ struct Traits {
     float value_scale;
     // mbarriers. kv_full[s][j]: piece j of stage s landed (TMA, 4096 transaction bytes). kv_empty[s]: the owner
     // warpgroup's Q K^T (4 warps) and the four piece pairs of the transposition are done with stage s. vt_full[s]:
-    // V^T slot s written (its two piece pairs). vt_empty[s]: the P V of its consumer warpgroup completed (4 warps).
+    // V^T slot s written (its two piece pairs). vt_empty[s][u % kVtEmptyCopies]: the P V of use u of slot s completed
+    // in its consumer warpgroup (4 warps); see kVtEmptyCopies.
     cutlass::arch::ClusterTransactionBarrier kv_full[kStages][kNumPieces];
     cutlass::arch::ClusterBarrier kv_empty[kStages];
     cutlass::arch::ClusterBarrier vt_full[kVtSlots];
-    cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
+    cutlass::arch::ClusterBarrier vt_empty[kVtSlots][kVtEmptyCopies];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
 
@@ -127,6 +166,14 @@ struct Traits {
   }
   static __host__ __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) {
     return g / uint32_t(h == 0 ? kVtLeft_ : kVtRight_);
+  }
+  // The barrier that use u of slot s is released on (kVtEmptyCopies), and the parity of that release.
+  static __device__ __forceinline__ cutlass::arch::ClusterBarrier& vt_empty_of(SharedStorage& ss, uint32_t slot,
+                                                                               uint32_t use) {
+    return ss.vt_empty[slot][use % uint32_t(kVtEmptyCopies)];
+  }
+  static __host__ __device__ __forceinline__ uint32_t vt_empty_parity(uint32_t use) {
+    return (use / uint32_t(kVtEmptyCopies)) & 1u;
   }
   // The V^T half that slot s holds (the left ring first).
   static __host__ __device__ __forceinline__ int vt_half_of_slot(int s) { return s < kVtLeft_ ? 0 : 1; }
@@ -153,6 +200,7 @@ enum class NamedBarriers : uint32_t {
   kScale1Ready = 1,  // warpgroup 1 wrote m1, scale1 and P1
   kP0Ready = 2,      // warpgroup 0 wrote P0 * scale1
   kConsumers = 3,    // all consumer threads (request boundaries, Q tile, row sums)
+  kP0Free = 4,       // kPvF16: warpgroup 1 loaded P0, p[0] may be rewritten
 };
 
 }  // namespace flashmla_backend::sm90::decode_fp8

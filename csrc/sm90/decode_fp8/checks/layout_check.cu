@@ -180,9 +180,39 @@ static void check_output_columns() {
   for (int c = 0; c < kHalfDimV; ++c) EXPECT_EQ(hit[c], true, "value column written", "column %d", c);
 }
 
+// The accurate mode (Traits::kPvF16): the fp16 V half the producer writes (v16_offset, 128B swizzle) is the CuTe
+// layout the fp16 P V product reads as (256 columns, 64 keys); and the fp16 A fragment of P holds, at value i, the S
+// accumulator value i (same row and key), which mainloop_f16pv.cuh relies on (p16_fragment, scale_p16).
+using T16 = Traits<cutlass::bfloat16_t, 2, 1, 2, 1, 1, 224, 56, false, true>;
+static void check_f16pv() {
+  using H = cutlass::half_t;
+  H* buf = static_cast<H*>(std::aligned_alloc(kSmemAlign, kV16HalfBytes));
+  Tensor v = make_tensor(make_smem_ptr(buf), typename T16::SmemLayoutVHalf{});
+  for (int n = 0; n < kHalfDimV; ++n)
+    for (int k = 0; k < kBlockN; ++k)
+      EXPECT_EQ(2 * (&v(n, k) - buf), v16_offset(k, n), "fp16 V byte", "column %d key %d", n, k);
+  std::free(buf);
+  typename T16::TiledMmaQK mma_s;
+  typename T16::TiledMmaPV mma_pv;
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  for (int t = 0; t < 128; ++t) {
+    Tensor s = mma_s.get_slice(t).partition_C(cS);
+    Tensor a = mma_pv.get_slice(t).partition_A(cS);
+    EXPECT_EQ(int(size(a)), int(size(s)), "fp16 P fragment size", "thread %d", t);
+    for (int i = 0; i < size(s); ++i) {
+      // The fragment's registers in order: value i of the (MMA, 1, k16 step) tensor, k16 step outermost.
+      const int per = size<0>(a);
+      const auto coord = a(i % per, 0, i / per);
+      EXPECT_EQ(get<0>(coord), get<0>(s(i)), "fp16 P row", "thread %d value %d", t, i);
+      EXPECT_EQ(get<1>(coord), get<1>(s(i)), "fp16 P key", "thread %d value %d", t, i);
+    }
+  }
+}
+
 int main() {
   check_tiles();
   check_fragments();
+  check_f16pv();
   check_transposition();
   check_output_columns();
   if (g_fail) {

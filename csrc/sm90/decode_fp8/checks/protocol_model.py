@@ -11,7 +11,8 @@ Each role is an agent (the copy lane, the three transposer warps, the two consum
 sequence of operations; a random scheduler interleaves them, many times per sequence of request pieces. Checked:
   - no deadlock: some agent can always move until all have finished;
   - a wait for completion n of an mbarrier (parity n & 1) never finds completion n + 1 already past (the hardware
-    would then miss the phase and hang);
+    would then miss the phase and hang), nor only n - 1 completions (it would pass at once, on the parity of
+    completion n - 2);
   - data: a KV stage is written (TMA) only after every reader of its previous block (the owner's Q K^T, the four
     piece pairs of the transposition) finished; a V^T half slot is written only after the P V of its previous block
     in the consumer warpgroup that reads that half finished; a reader reads only the block it expects, after it was
@@ -33,14 +34,16 @@ class ProtocolError(AssertionError):
     """A schedule the kernel would get wrong: a hang, a skipped barrier phase or a read of stale data."""
 
 
-def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, int]]:
-    """{variant: (q terms, P terms, KV stages, left V^T ring, right V^T ring)} from VariantTraits in launch.cuh."""
+def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, int, bool]]:
+    """{variant: (q terms, P terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in
+    launch.cuh (the last is Traits' kPvF16, after the registers and kShareVt)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+),\s*(\d+)"
-                       r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*>", text)
+                       r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
-    return {name: (int(a), int(b), int(c), int(d) if d else 2, int(e) if e else 2) for name, a, b, c, d, e in found}
+    return {name: (int(a), int(b), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true")
+            for name, a, b, c, d, e, _share, f16 in found}
 
 
 V_PIECES = 8  # config.h: kNumVPieces, the 512 value columns in pieces of 64
@@ -71,16 +74,28 @@ def padded_blocks(n: int) -> int:
 
 
 class VtRings:
-    """traits.h's vt_slot / vt_use: half h of block g in slot g % ring[h] of its half's ring (the left ring first)."""
+    """traits.h's vt_slot / vt_use: half h of block g in slot g % ring[h] of its half's ring (the left ring first);
+    and vt_empty_of: the release of use u of a slot goes to the slot's barrier u % kVtEmptyCopies, as completion
+    u // kVtEmptyCopies of it."""
 
-    def __init__(self, left: int, right: int):
+    def __init__(self, left: int, right: int, stages: int):
         self.ring = (left, right)
+        self.copies = vt_empty_copies(stages, left, right)
 
     def slot(self, h: int, g: int) -> int:
         return g % self.ring[0] if h == 0 else self.ring[0] + g % self.ring[1]
 
     def use(self, h: int, g: int) -> int:
         return g // self.ring[h]
+
+    def empty(self, slot: int, use: int) -> tuple[tuple[int, int], int]:
+        """(vt_empty barrier, completion) of the release of `use` of `slot`."""
+        return (slot, use % self.copies), use // self.copies
+
+
+def vt_empty_copies(stages: int, left: int, right: int) -> int:
+    """traits.h's kVtEmptyCopies: ceil(stages / shortest ring)."""
+    return -(-stages // min(left, right))
 
 
 class Sim:
@@ -104,9 +119,14 @@ class Sim:
             self.done[key] = self.done.get(key, 0) + 1
 
     def can_wait(self, bar: str, i: int, n: int, who: str) -> bool:
+        """The hardware's parity wait: it passes when the barrier's completed phases c and n + 1 have the same
+        parity. So it passes early at c = n - 1 (a waiter two phases ahead), and too late to tell at c >= n + 2."""
         c = self.done.get((bar, i), 0)
         if c >= n + 2:
             raise ProtocolError(f"{who}: waits for completion {n} of {bar}[{i}], which has {c}: the phase was missed")
+        if c == n - 1:
+            raise ProtocolError(f"{who}: waits for completion {n} of {bar}[{i}], which has only {c}: the parity wait "
+                                f"would pass on completion {c - 1}")
         return c >= n + 1
 
     # ---- data ------------------------------------------------------------------------------------------------
@@ -148,7 +168,8 @@ def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutati
             h = pair // (pairs // 2)
             slot, use = vt.slot(h, g), vt.use(h, g)
             if use > 0 and mutation != "transposer ignores vt_empty":
-                yield ("wait", "vt_empty", slot, use - 1)
+                bar, n = vt.empty(slot, use - 1)
+                yield ("wait", "vt_empty", bar, n)
             yield ("wait", "kv_full", g % kS, g // kS)
             yield ("read_begin", ("kv", g % kS), g)
             yield ("write", ("vt", slot), g, "vt")
@@ -180,10 +201,51 @@ def pv_issue(g, h, vt: VtRings):
 def pv_done(g, h, vt: VtRings):
     yield ("read_end", ("vt", vt.slot(h, g)), g)
     for _ in range(CONSUMER_WARPS):
-        yield ("arrive", "vt_empty", vt.slot(h, g))
+        yield ("arrive", "vt_empty", vt.empty(vt.slot(h, g), vt.use(h, g))[0])
 
 
-def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None):
+def f16pv_step(wg, g0, nxt, first, kS, kVt: VtRings, mutation=None):
+    """One step of mainloop_f16pv.cuh: both warpgroups read their halves in block order; P0 goes to warpgroup 1
+    unscaled (p0, once warpgroup 1 loaded the previous one: p0free), P1 to both through the p[1] buffer."""
+    if wg == 0:
+        yield ("named_arrive", "scale0")
+        if not first and mutation != "p0 rewritten early":
+            yield ("named_sync", "p0free")
+        yield ("write", ("p", 0), g0, "p0")
+        yield ("named_arrive", "p0")
+        yield from pv_issue(g0, wg, kVt)
+        yield ("named_sync", "scale1")
+        yield from pv_done(g0, wg, kVt)
+        yield ("read_begin", ("p", 1), g0 + 1)
+        yield ("read_end", ("p", 1), g0 + 1)
+        yield from pv_issue(g0 + 1, wg, kVt)
+        if nxt:
+            yield from qk(g0 + 2, kS)
+        yield from pv_done(g0 + 1, wg, kVt)
+        if nxt:
+            yield from qk_done(g0 + 2, kS)
+    else:
+        yield ("named_sync", "scale0")
+        yield ("write", ("p", 1), g0 + 1, "p1")
+        yield ("named_arrive", "scale1")
+        yield ("named_sync", "p0")
+        yield ("read_begin", ("p", 0), g0)
+        yield ("read_end", ("p", 0), g0)
+        if nxt and mutation != "p0 rewritten early":
+            yield ("named_arrive", "p0free")
+        yield from pv_issue(g0, wg, kVt)
+        yield from pv_done(g0, wg, kVt)
+        yield ("read_begin", ("p", 1), g0 + 1)
+        yield ("read_end", ("p", 1), g0 + 1)
+        yield from pv_issue(g0 + 1, wg, kVt)
+        if nxt:
+            yield from qk(g0 + 3, kS)
+        yield from pv_done(g0 + 1, wg, kVt)
+        if nxt:
+            yield from qk_done(g0 + 3, kS)
+
+
+def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None, f16pv=False):
     # Warpgroup wg reads V^T half wg of every block.
     g_base = 0
     for n in requests:
@@ -197,7 +259,9 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None):
             for b0 in range(0, nblk, 2):
                 nxt = b0 + 2 < nblk
                 g0 = g_base + b0
-                if wg == 0:
+                if f16pv:
+                    yield from f16pv_step(wg, g0, nxt, b0 == 0, kS, kVt, mutation)
+                elif wg == 0:
                     yield ("named_arrive", "scale0")
                     yield from pv_issue(g0, wg, kVt)
                     yield ("named_sync", "scale1")
@@ -218,7 +282,7 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None):
                         yield from pv_done(g0 + 1, wg, kVt)
                     if mutation == "early vt_empty":
                         for _ in range(CONSUMER_WARPS):
-                            yield ("arrive", "vt_empty", kVt.slot(1, g0))
+                            yield ("arrive", "vt_empty", kVt.empty(kVt.slot(1, g0), kVt.use(1, g0))[0])
                     yield from pv_issue(g0, wg, kVt)
                     if nxt:
                         yield from qk(g0 + 3, kS)   # its nine pieces are waited for before the batch is issued
@@ -236,24 +300,26 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None):
 
 
 def run(requests: list[int], stages: int, vt_rings: tuple[int, int], reuse_p: bool,
-        arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None) -> None:
-    """One random interleaving of the CTA's agents over request pieces with these block counts."""
+        arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
+        f16pv: bool = False, starve: str | None = None) -> None:
+    """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
+    agent that moves only when no other can (the interleavings where one role lags far behind the others)."""
     arrivals = read_arrivals() if arrivals is None else arrivals
     sim = Sim(stages, arrivals)
-    vt = VtRings(*vt_rings)
+    vt = VtRings(*vt_rings, stages)
     blocks = sum(padded_blocks(n) for n in requests)
     agents = {"copy": copy_agent(blocks, stages, mutation)}
     for w in range(arrivals["kNumTransposeWarps"]):
         agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
                                                     arrivals["kNumVPairs"], mutation)
     for wg in (0, 1):
-        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, reuse_p, mutation)
+        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, reuse_p, mutation, f16pv)
     # Named barriers: generation counters. scale0 / scale1 / p0: one side arrives, the other syncs; consumers: both
     # warpgroups sync (a generation completes when both arrived).
-    named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0]}
+    named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0]}
     consumer_gen = {"wg0": 0, "wg1": 0}
     pending = {name: next(agent, None) for name, agent in agents.items()}
-    readers = {"kv": 1 + arrivals["kNumVPairs"], "vt": 1}
+    readers = {"kv": 1 + arrivals["kNumVPairs"], "vt": 1, "p0": 1, "p1": 2}  # p[1]: warpgroup 0, and 1 reloads it
     rng = random.Random(seed)
 
     def ready(name, op) -> bool:
@@ -290,6 +356,8 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int], reuse_p: bo
         if not runnable:
             stuck = {n: op for n, op in pending.items() if op is not None}
             raise ProtocolError(f"deadlock over requests {requests} (stages {stages}, V^T rings {vt_rings}): {stuck}")
+        if starve in runnable and len(runnable) > 1:
+            runnable.remove(starve)
         name = rng.choice(runnable)
         execute(name, pending[name])
         pending[name] = next(agents[name], None)
@@ -301,10 +369,12 @@ def check_all(seeds: int = 30) -> int:
     gen = random.Random(1)
     sequences = [[n] for n in range(8)] + [[a, b] for a in range(6) for b in range(6)]
     sequences += [[gen.randrange(0, 12) for _ in range(gen.randrange(1, 5))] for _ in range(20)]
-    for name, (_, p_terms, stages, left, right) in read_variants().items():
+    starved = [None, "copy", "wg0", "wg1"] + [f"transposer{w}" for w in range(read_arrivals()["kNumTransposeWarps"])]
+    for name, (_, p_terms, stages, left, right, f16pv) in read_variants().items():
         for reqs in sequences:
             for seed in range(seeds):
-                run(reqs, stages, (left, right), reuse_p=p_terms == 2, seed=seed)
+                run(reqs, stages, (left, right), reuse_p=p_terms == 2, seed=seed, f16pv=f16pv,
+                    starve=starved[seed % len(starved)])
                 runs += 1
     return runs
 
