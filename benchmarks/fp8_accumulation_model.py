@@ -4,22 +4,23 @@
         [--seed 0] [--out-bf16]
 
 Why: on an H100 the accurate mode (q and P split into two e4m3 terms) measured 3.8e-3 against fp64 at b128 x 8192
-keys, where a simulation with exact accumulation predicts about 7e-4 and the widening kernel measures 1.7e-3
+keys, where a simulation with exact accumulation predicts about 7e-4 and the widening kernel measured 1.7e-3
 (docs/perf/journal.md, 2026-11-26). The suspicion: Hopper's e4m3 wgmma keeps fewer bits in its accumulator than
 fp32. This script replays the kernel's arithmetic in float64 except for the accumulator, which after every k32
 chunk is truncated (toward zero) to B bits of precision (24 = fp32), and prints the output error against fp64 for
 each B in three arrangements:
-  chain     as the kernel does it: S accumulates all 36 chunks of Q K^T (18 per q term) in one accumulator, O
+  chain     as the kernel did it then: S accumulates all 36 chunks of Q K^T (18 per q term) in one accumulator, O
             accumulates every block's P V (2 chunks x 2 P terms a block) in one accumulator over the whole split;
   pv-block  the same, but each block's P V goes into a fresh accumulator that is added to O in fp32 (promotion per
             block; needs a second output accumulator); `--promote-every N` promotes every N blocks instead (the
             kernel takes blocks in pairs, so 2 is a promotion per step);
   both      pv-block and Q K^T promoted per q term (each term's 18 chunks in a fresh accumulator);
-  f16-pv    the accurate-mode design of docs/perf/journal.md (2026-11-27, "what is next"): Q K^T as in chain, P V on
-            16-bit tensor cores: P (x 2^8) rounded to fp16, V the exact e4m3 values, an fp32 accumulator;
+  f16-pv    the accurate-mode design of docs/perf/journal.md (2026-11-27, "what is next"; the kernel's accurate mode
+            since): Q K^T as in chain, P V on 16-bit tensor cores: P (x 2^8) rounded to fp16, V the exact e4m3
+            values, an fp32 accumulator;
   f16-pv+qk f16-pv with Q K^T promoted per q term as in both.
 `--out-bf16` rounds every output to bf16 first, as the kernels store it, and adds a column with that rounding alone
-(the floor: the widening kernel measures at it).
+(the floor: the widening kernel, since removed, measured at it).
 Data as the benchmark's: q bf16 ~ N(0, 1), the cache N(0, 1) stored as e4m3 with a per-tensor scale; one query
 tile of `rows` rows against one split of `keys` keys (64-key blocks). P is taken against each row's final max (the
 kernel's running max rescales O exactly in fp32, which this leaves out). The exact products of e4m3 values and the

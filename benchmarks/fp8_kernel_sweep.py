@@ -1,19 +1,17 @@
-"""Time the FP8-cache decode kernels side by side (GPU only): the kernel that widens e4m3 to fp16 and the FP8
-tensor-core kernel (FLASHMLA_BACKEND_FP8_KERNEL), with measurement switches (FLASHMLA_BACKEND_FP8_DEBUG), against
-vLLM's FlashMLA-FP8 on the same e4m3 bytes, in one process.
+"""Time the FP8-cache decode kernel (FP8 tensor cores) with its measurement switches (FLASHMLA_BACKEND_FP8_DEBUG)
+side by side, against vLLM's FlashMLA-FP8 on the same e4m3 bytes, in one process (GPU only).
 
     python benchmarks/fp8_kernel_sweep.py --shapes b128-sk8192-h128-sq1,b128-sk8192-h16-sq1 \
-        --modes fast,accurate --variants widen:0,tensorcore:0,tensorcore:1
+        --modes fast,accurate --debug 0,1
 
-A variant is KERNEL:DEBUG (KERNEL = widen or tensorcore; DEBUG = the value of FLASHMLA_BACKEND_FP8_DEBUG, 0 for
-normal use, else a sum of the bits of DebugFlags in csrc/sm90/decode_fp8/decode.h: 1 skips the V transposition, so
-its results are wrong and only its time means something; 4 runs the fast mode's other pipeline plan than the one
-the shape gets). Each call is
-captured in a CUDA graph and its replays timed with triton.testing.do_bench (median). One line per (shape, mode,
-variant) with the time, FlashMLA-FP8's time and the relative difference of the outputs from FlashMLA-FP8's (the
-fast mode reads the same e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's quantization), then one
-JSON line per shape. FlashMLA-FP8 is vLLM 0.26's flash_mla_with_kvcache_fp8 (importable vllm, or the 2 MB package
-of its FlashMLA on PYTHONPATH).
+--debug lists values of FLASHMLA_BACKEND_FP8_DEBUG: 0 for normal use, else a sum of the bits of DebugFlags in
+csrc/sm90/decode_fp8/decode.h (1 skips the V transposition, or the accurate mode's widening of V, so its results
+are wrong and only its time means something; 4 runs the fast mode's other pipeline plan than the one the shape
+gets). Each call is captured in a CUDA graph and its replays timed with triton.testing.do_bench (median). One line
+per (shape, mode, debug value) with the time, FlashMLA-FP8's time and the relative difference of the outputs from
+FlashMLA-FP8's (the fast mode reads the same e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's
+quantization), then one JSON line per shape. FlashMLA-FP8 is vLLM 0.26's flash_mla_with_kvcache_fp8 (importable
+vllm, or the 2 MB package of its FlashMLA on PYTHONPATH).
 """
 import argparse
 import json
@@ -30,20 +28,19 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes (benchmarks/bench.py syntax)")
     p.add_argument("--modes", default="fast", help="comma-separated: fast (e4m3 q), accurate (bf16 q)")
-    p.add_argument("--variants", default="widen:0,tensorcore:0", help="comma-separated KERNEL:DEBUG")
+    p.add_argument("--debug", default="0", help="comma-separated values of FLASHMLA_BACKEND_FP8_DEBUG (default 0)")
     p.add_argument("--rep", type=int, default=50, help="do_bench rep in ms (default 50)")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in args.modes if m not in ("fast", "accurate")]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from fast, accurate")
-    variants = []
-    for spec in args.variants.split(","):
-        kernel, _, debug = spec.partition(":")
-        if kernel not in ("widen", "tensorcore") or not debug.isdigit():
-            p.error(f"--variants: {spec!r} is not KERNEL:DEBUG with KERNEL widen or tensorcore, DEBUG an integer")
-        variants.append((kernel, int(debug)))
-    args.variants = variants
+    try:
+        args.debug = [int(d) for d in args.debug.split(",") if d]
+    except ValueError:
+        p.error(f"--debug: {args.debug!r} is not a comma-separated list of integers")
+    if not args.debug or any(d < 0 for d in args.debug):
+        p.error("--debug: give one or more integers >= 0")
     return args
 
 
@@ -63,7 +60,7 @@ def main(argv=None):
     def timeit(fn):
         return graph_replay_us(fn, 10, args.rep)
 
-    saved = {k: os.environ.get(k) for k in ("FLASHMLA_BACKEND_FP8_KERNEL", "FLASHMLA_BACKEND_FP8_DEBUG")}
+    saved = os.environ.get("FLASHMLA_BACKEND_FP8_DEBUG")
     try:
         for shape in parse_shapes(args.shapes):
             seqlens = make_seqlens(shape, 0)
@@ -80,28 +77,26 @@ def main(argv=None):
             line = {"shape": shape.name, "flashmla_fp8_us": round(t_peer, 1)}
             for mode in args.modes:
                 q, dq = (f8.q, f8.descale_q) if mode == "fast" else (inp.q, None)
-                for kernel, debug in args.variants:
-                    os.environ["FLASHMLA_BACKEND_FP8_KERNEL"] = kernel
+                for debug in args.debug:
                     os.environ["FLASHMLA_BACKEND_FP8_DEBUG"] = str(debug)
                     meta, nsplits = fb.get_mla_metadata(lens, rows, 1, is_fp8_kvcache=True)
                     t, (out, _) = timeit(lambda: fb.flash_mla_with_kvcache(
                         q, f8.k_cache, inp.block_table, lens, D_V, meta, nsplits, softmax_scale=scale, causal=True,
                         is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k))
                     diff = ((out.float() - o_peer).norm() / o_peer.norm()).item()
-                    key = f"{mode}-{kernel}-{debug}"
+                    key = f"{mode}-{debug}"
                     line[key + "_us"] = round(t, 1)
                     line[key + "_diff"] = float(f"{diff:.1e}")
-                    print(f"{shape.name} {mode} {kernel} debug={debug}: {t:.1f} us (FlashMLA-FP8 {t_peer:.1f} us, "
+                    print(f"{shape.name} {mode} debug={debug}: {t:.1f} us (FlashMLA-FP8 {t_peer:.1f} us, "
                           f"{t_peer / t:.2f}x) output vs FlashMLA-FP8 {diff:.1e}", flush=True)
             print(json.dumps(line), flush=True)
-            del inp, f8
+            inp = f8 = None  # released before the next shape (not `del`: the lambdas above name them)
             torch.cuda.empty_cache()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        if saved is None:
+            os.environ.pop("FLASHMLA_BACKEND_FP8_DEBUG", None)
+        else:
+            os.environ["FLASHMLA_BACKEND_FP8_DEBUG"] = saved
     return 0
 
 

@@ -1,7 +1,7 @@
 """Error of the FP8-cache decode against fp64 as a function of how many keys one CTA accumulates (GPU only).
 
     python benchmarks/fp8_split_error.py --shapes b128-sk8192-h128-sq1,b1-sk8192-h128-sq1 \
-        --parts 1,2,4,8 --kernels widen,tensorcore --modes accurate,fast
+        --parts 1,2,4,8 --modes accurate,fast
 
 The scheduler cuts requests into pieces; each CTA accumulates its piece's P V in its output accumulator and the
 combine adds the pieces in fp32. `--parts` multiplies the scheduler's part count (get_mla_metadata's, i.e. SMs /
@@ -11,8 +11,6 @@ way); if it stays, it comes from elsewhere (the operands' rounding, the output's
 prints the longest piece in blocks, the relative error against the fp64 decode of the dequantized inputs (with the
 16-bit q for the accurate mode, the e4m3 q for the fast mode), the floor that rounding the fp64 output to the
 output dtype alone gives, and the time of one call (CUDA-graph replay median, decode + combine).
-Kernels are chosen with FLASHMLA_BACKEND_FP8_KERNEL (widen: e4m3 widened to 16 bits, fp32 accumulation;
-tensorcore: e4m3 wgmma).
 """
 import argparse
 import os
@@ -28,7 +26,6 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes (benchmarks/bench.py syntax)")
     p.add_argument("--parts", default="1,2,4,8",
                    help="comma-separated positive integers: factors on the scheduler's part count (default 1,2,4,8)")
-    p.add_argument("--kernels", default="widen,tensorcore", help="comma-separated: widen, tensorcore")
     p.add_argument("--modes", default="accurate", help="comma-separated: accurate (16-bit q), fast (e4m3 q)")
     p.add_argument("--rep", type=int, default=30, help="do_bench rep in ms (default 30)")
     args = p.parse_args(argv)
@@ -38,9 +35,6 @@ def parse_args(argv=None):
         p.error(f"--parts: {args.parts!r} is not a comma-separated list of integers")
     if not args.parts or any(f < 1 for f in args.parts):
         p.error("--parts: factors must be positive integers")
-    args.kernels = [k for k in args.kernels.split(",") if k]
-    if not args.kernels or any(k not in ("widen", "tensorcore") for k in args.kernels):
-        p.error(f"--kernels: choose from widen, tensorcore (got {args.kernels})")
     args.modes = [m for m in args.modes.split(",") if m]
     if not args.modes or any(m not in ("accurate", "fast") for m in args.modes):
         p.error(f"--modes: choose from accurate, fast (got {args.modes})")
@@ -78,46 +72,37 @@ def main(argv=None):
     def timeit(fn):
         return graph_replay_us(fn, 5, args.rep)
 
-    saved = os.environ.get("FLASHMLA_BACKEND_FP8_KERNEL")
-    try:
-        for shape in parse_shapes(args.shapes):
-            seqlens = make_seqlens(shape, 0)
-            inp = make_inputs(shape, seqlens, torch.bfloat16, dev, 0, 1)[0]
-            f8 = make_fp8_inputs([inp])[0]
-            lens = torch.tensor(seqlens, dtype=torch.int32, device=dev)
-            scale = 576 ** -0.5
-            rows = shape.s_q * shape.h_q
-            visible = visible_rows(lens, shape.s_q, True)
-            base_meta, _ = fb.get_mla_metadata(lens, rows, 1, is_fp8_kvcache=True)
-            base_parts = base_meta.shape[0]
-            for mode in args.modes:
-                q, dq = (f8.q, f8.descale_q) if mode == "fast" else (inp.q, None)
-                ref, _ = dequantized_reference(q, f8.k_cache, inp.block_table, seqlens, scale, True, f8.descale_k,
-                                               descale_q=dq)
-                out_dtype = torch.bfloat16 if mode == "fast" else q.dtype
-                floor = rel_norm_error(ref.to(out_dtype), ref, visible)
-                for factor in args.parts:
-                    parts = base_parts * factor
-                    meta, nsplits = ops._metadata_impl(lens, parts)
-                    pieces = int(nsplits[-1].item())
-                    longest = longest_piece_blocks(meta.cpu().tolist(), seqlens)
-                    for kernel in args.kernels:
-                        os.environ["FLASHMLA_BACKEND_FP8_KERNEL"] = kernel
-                        t, (out, _) = timeit(lambda: fb.flash_mla_with_kvcache(
-                            q, f8.k_cache, inp.block_table, lens, D_V, meta, nsplits, softmax_scale=scale,
-                            causal=True, is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k))
-                        err = rel_norm_error(out, ref, visible)
-                        print(f"{shape.name} {mode} {kernel}: parts {parts} ({factor}x), pieces {pieces}, longest "
-                              f"part {longest} blocks: error {err:.2e} (output rounding alone {floor:.2e}), "
-                              f"{t:.1f} us", flush=True)
-                del ref
-            del inp, f8
-            torch.cuda.empty_cache()
-    finally:
-        if saved is None:
-            os.environ.pop("FLASHMLA_BACKEND_FP8_KERNEL", None)
-        else:
-            os.environ["FLASHMLA_BACKEND_FP8_KERNEL"] = saved
+    for shape in parse_shapes(args.shapes):
+        seqlens = make_seqlens(shape, 0)
+        inp = make_inputs(shape, seqlens, torch.bfloat16, dev, 0, 1)[0]
+        f8 = make_fp8_inputs([inp])[0]
+        lens = torch.tensor(seqlens, dtype=torch.int32, device=dev)
+        scale = 576 ** -0.5
+        rows = shape.s_q * shape.h_q
+        visible = visible_rows(lens, shape.s_q, True)
+        base_meta, _ = fb.get_mla_metadata(lens, rows, 1, is_fp8_kvcache=True)
+        base_parts = base_meta.shape[0]
+        for mode in args.modes:
+            q, dq = (f8.q, f8.descale_q) if mode == "fast" else (inp.q, None)
+            ref, _ = dequantized_reference(q, f8.k_cache, inp.block_table, seqlens, scale, True, f8.descale_k,
+                                           descale_q=dq)
+            out_dtype = torch.bfloat16 if mode == "fast" else q.dtype
+            floor = rel_norm_error(ref.to(out_dtype), ref, visible)
+            for factor in args.parts:
+                parts = base_parts * factor
+                meta, nsplits = ops._metadata_impl(lens, parts)
+                pieces = int(nsplits[-1].item())
+                longest = longest_piece_blocks(meta.cpu().tolist(), seqlens)
+                t, (out, _) = timeit(lambda: fb.flash_mla_with_kvcache(
+                    q, f8.k_cache, inp.block_table, lens, D_V, meta, nsplits, softmax_scale=scale,
+                    causal=True, is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k))
+                err = rel_norm_error(out, ref, visible)
+                print(f"{shape.name} {mode}: parts {parts} ({factor}x), pieces {pieces}, longest "
+                      f"part {longest} blocks: error {err:.2e} (output rounding alone {floor:.2e}), "
+                      f"{t:.1f} us", flush=True)
+            del ref
+        inp = f8 = None  # released before the next shape (not `del`: the lambdas above name them)
+        torch.cuda.empty_cache()
     return 0
 
 

@@ -18,7 +18,7 @@ flashmla_backend.fp8_ds_mla. Sparse decode reads fp8_ds_mla and the 16-bit forma
 yet, so on CUDA tensors it is refused (CPU tensors run the reference).
 
 E4M3 is the one definition of the FP8 element type in Python. The compiled module states what it reads in its
-own terms (the Variant enum and KvFormat structs of csrc/); the kernel lists here must say the same.
+own terms (the Variant enums of csrc/sm90/decode and csrc/sm90/decode_fp8); the kernel lists here must say the same.
 """
 from __future__ import annotations
 

@@ -270,9 +270,11 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     scale.expand(b, h_kv) works; descale_q likewise, for the query heads of KV head j). With a bf16/fp16
     q the output is that q's attention against the dequantized cache, in q's dtype (accurate mode); with a
     float8_e4m3fn q and descale_q (vLLM's FlashMLA-FP8 convention) the output is bf16 (fast mode). The kernel
-    widens e4m3 to fp16 exactly and computes with fp16 operands (a bf16 q is rounded to fp16; |q| must stay below
-    65504). is_fp8_kvcache=True only asserts an FP8 cache of this layout. The kernels that read it: the fp8_e4m3
-    format of flashmla_backend.kv_format (a GPU whose kernel does not is refused, naming the one that does).
+    computes Q K^T on e4m3 tensor cores (a 16-bit q split row by row into two e4m3 terms under a power-of-two
+    scale that follows the row's largest value, so q is not held to fp16's range) and P V on fp16 tensor cores with
+    V converted exactly to fp16 (accurate mode) or on e4m3 ones with P rounded to e4m3 (fast mode). is_fp8_kvcache=True only asserts an FP8 cache of this layout.
+    The kernels that read it: the fp8_e4m3 format of flashmla_backend.kv_format (a GPU whose kernel does not is
+    refused, naming the one that does).
 
     q_pe (an extension of FlashMLA's API, for engines that hold q in two parts): q [b, s_q, h_q, HEAD_DIM_V] is the
     latent part and q_pe [b, s_q, h_q, ROPE_DIM] (q's dtype, its own strides) the rope part; the kernels read both

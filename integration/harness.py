@@ -26,9 +26,9 @@ RUN_TIMEOUT_S = int(os.environ.get("FLASHMLA_BACKEND_RUN_TIMEOUT", "540"))
 PLUGIN_ENTRY_POINT = "flashmla_backend = flashmla_backend.vllm:register"
 # What our decode line in vLLM's log says when a DCP group has more than one rank (flashmla_backend/vllm/impl.py).
 OUR_DCP_LOG_WORDS = "decode context parallelism (rank"
-# The FP8 fast mode's kernel (FP8 tensor cores) rounds P to e4m3 as FLASHMLA-FP8 does: the layer tests judge it by
-# the relative norm of its error against the reference on the same e4m3 q, with the bound tests/fp8kit.py gives that
-# kernel (FAST_OUT_TENSORCORE; tests/test_bench_vllm_throughput.py checks that the two agree).
+# The FP8 fast mode rounds P to e4m3 as FLASHMLA-FP8 does: the layer tests judge it by the relative norm of its error
+# against the reference on the same e4m3 q, with the bound tests/fp8kit.py gives that mode (FAST_OUT;
+# tests/test_bench_vllm_throughput.py checks that the two agree).
 FAST_MODE_REL = 4e-2
 
 

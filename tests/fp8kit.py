@@ -8,21 +8,18 @@ from kit import D_V, Case, Inputs, make_inputs
 
 E4M3_MAX = 448.0
 
-# Error bounds of the FP8-cache kernels against fp64 attention on the dequantized inputs (rel_norm below), shared by
-# tests/test_fp8_gpu.py and tests/sanitize_smoke.py.
-ACCURATE_OUT = 1e-2   # ||out - ref|| / ||ref|| with a 16-bit q (measured ~1.7e-3: bf16 output)
-ACCURATE_LSE = 2e-3   # relative norm of lse (measured ~4e-8)
-FAST_OUT = 1e-2       # e4m3 q, the widening kernel (measured ~1.7e-3 with P in 16 bits)
-# The tensor-core kernel's fast mode rounds P to e4m3 (as FlashMLA-FP8 does): 1-2e-2 against fp64 on the same
-# dequantized inputs in a CPU simulation (2e-2 on short rows, where a few large probabilities dominate).
-FAST_OUT_TENSORCORE = 4e-2
+# Error bounds of the FP8 tensor-core kernel against fp64 attention on the dequantized inputs (rel_norm below),
+# shared by tests/test_fp8_gpu.py and tests/sanitize_smoke.py.
+ACCURATE_OUT = 3e-3   # ||out - ref|| / ||ref|| with a 16-bit q: measured 1.7e-3 (bf16 output rounding 1.66e-3)
+ACCURATE_LSE = 2e-3   # relative norm of lse
+# The fast mode (e4m3 q) rounds P to e4m3 (as FlashMLA-FP8 does): 1-2e-2 against fp64 on the same dequantized
+# inputs in a CPU simulation (2e-2 on short rows, where a few large probabilities dominate).
+FAST_OUT = 4e-2
 
 
-def out_tolerance(q_fp8: bool, kernel: str) -> float:
-    """The output bound of one mode (e4m3 q: fast) on one FP8 kernel ("widen" or "tensorcore")."""
-    if not q_fp8:
-        return ACCURATE_OUT
-    return FAST_OUT_TENSORCORE if kernel == "tensorcore" else FAST_OUT
+def out_tolerance(q_fp8: bool) -> float:
+    """The output bound of one mode (e4m3 q: fast, else accurate)."""
+    return FAST_OUT if q_fp8 else ACCURATE_OUT
 
 
 def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -35,8 +35,6 @@ def _sm90():
         pytest.skip(problem)
 
 
-
-
 def _kernel_names(fn) -> list[str]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -48,7 +46,6 @@ def _kernel_names(fn) -> list[str]:
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_cluster_plan_is_bitwise_the_one_cta_plan(case, monkeypatch):
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_KERNEL", "tensorcore")
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "0")
     out, lse = run_fp8_decode(inp, case, dq, dk)
@@ -70,7 +67,6 @@ def test_cluster_plan_is_bitwise_the_one_cta_plan(case, monkeypatch):
 
 def test_cluster_flag_leaves_other_shapes_on_their_plan(monkeypatch):
     """Four M tiles (s_q 2 causal at 128 heads) and one M tile (16 heads) do not take the cluster plan."""
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_KERNEL", "tensorcore")
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
     for case in (Case(lengths=[300, 1500], s_q=2, h_q=128), Case(lengths=[300, 1500], h_q=16)):
         inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)

@@ -1,10 +1,11 @@
-"""FP8 KV cache kernels (sm_90a) against fp64 attention on the dequantized inputs (GPU only).
+"""The FP8 KV cache kernel (sm_90a, FP8 tensor cores) against fp64 attention on the dequantized inputs (GPU only).
 
 Accurate mode (bf16/fp16 q, e4m3 cache) and fast mode (e4m3 q and cache): NaN in every unused cache slot,
 huge ids in unused block-table entries, lengths 0 and non-multiples of 64, s_q up to 16 causal, h_kv 1 and 2;
 bitwise repeatability; CUDA-graph replays that read a descale_k changed after capture. Descales per (request, KV
 head) ([b, h_kv], any strides): against fp64 and the reference, bitwise the per-tensor result of each request's
-own scale, expanded stride-0 tensors bitwise the per-tensor ones, graph replays with the tables changed.
+own scale, expanded stride-0 tensors bitwise the per-tensor ones, graph replays with the tables changed. The removed
+kernel switch FLASHMLA_BACKEND_FP8_KERNEL is refused.
 """
 import pytest
 import torch
@@ -16,19 +17,9 @@ from kit import D_V, Case, brute_force_fp64
 
 pytestmark = pytest.mark.gpu
 
-# Every test runs on both FP8 kernels, forced by FLASHMLA_BACKEND_FP8_KERNEL: the one that widens e4m3 to fp16 (the
-# accurate mode's default) and the FP8 tensor-core one (the fast mode's).
-KERNELS = ("widen", "tensorcore")
 
-
-@pytest.fixture(autouse=True, params=KERNELS)
-def fp8_kernel(request, monkeypatch):
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_KERNEL", request.param)
-    return request.param
-
-
-def _out_tol(mode, kernel):
-    return out_tolerance(mode == "e4m3q", kernel)
+def _out_tol(mode):
+    return out_tolerance(mode == "e4m3q")
 
 
 CASES = [
@@ -49,11 +40,9 @@ def _sm90():
         pytest.skip(problem)
 
 
-
-
 @pytest.mark.parametrize("mode", ["bf16q", "fp16q", "e4m3q"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_fp8_decode_matches_fp64(case, mode, fp8_kernel):
+def test_fp8_decode_matches_fp64(case, mode):
     q_dtype = torch.float16 if mode == "fp16q" else torch.bfloat16
     case = Case(**{**case.__dict__, "dtype": q_dtype})
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
@@ -64,8 +53,8 @@ def test_fp8_decode_matches_fp64(case, mode, fp8_kernel):
     assert not torch.isnan(out).any()
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     e_out, e_lse = rel_norm(out, ref_out), rel_norm(lse, ref_lse)
-    print(f"{case} {mode} {fp8_kernel}: out {e_out:.2e} lse {e_lse:.2e}")
-    assert e_out < _out_tol(mode, fp8_kernel)
+    print(f"{case} {mode}: out {e_out:.2e} lse {e_lse:.2e}")
+    assert e_out < _out_tol(mode)
     assert e_lse < ACCURATE_LSE
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
 
@@ -107,7 +96,7 @@ def _tables(case, inp, dq, dk, seed=0):
 
 @pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
 @pytest.mark.parametrize("case", PER_REQUEST_CASES, ids=str)
-def test_per_request_descales_match_fp64_and_the_reference(case, mode, fp8_kernel):
+def test_per_request_descales_match_fp64_and_the_reference(case, mode):
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
     dq, dk = _tables(case, inp, dq, dk)
     out, lse = run_fp8_decode(inp, case, dq, dk)
@@ -116,15 +105,15 @@ def test_per_request_descales_match_fp64_and_the_reference(case, mode, fp8_kerne
     assert not torch.isnan(out).any()
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     e_out, e_lse = rel_norm(out, ref_out), rel_norm(lse, ref_lse)
-    print(f"{case} {mode} {fp8_kernel} per-request descales: out {e_out:.2e} lse {e_lse:.2e}")
-    assert e_out < _out_tol(mode, fp8_kernel)
+    print(f"{case} {mode} per-request descales: out {e_out:.2e} lse {e_lse:.2e}")
+    assert e_out < _out_tol(mode)
     assert e_lse < ACCURATE_LSE
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
     cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
     r_out, r_lse = fb.mla_decode_reference(inp.q.cpu(), inp.k_cache.cpu(), inp.block_table.cpu(),
                                            inp.cache_seqlens.cpu(), D_V, inp.scale, case.causal, descale_q=cpu(dq),
                                            descale_k=cpu(dk))
-    assert rel_norm(out, r_out.double()) < _out_tol(mode, fp8_kernel)
+    assert rel_norm(out, r_out.double()) < _out_tol(mode)
     assert rel_norm(lse, r_lse.double()) < ACCURATE_LSE
 
 
@@ -164,7 +153,7 @@ def test_expanded_descales_are_bitwise_the_per_tensor_ones(case):
 
 
 @pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
-def test_graph_replay_reads_the_current_descale_tables(mode, fp8_kernel):
+def test_graph_replay_reads_the_current_descale_tables(mode):
     """Replays of a captured decode read the [b, h_kv] tables' current values, changed differently per request and
     head between replays."""
     case = Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2)
@@ -191,4 +180,24 @@ def test_graph_replay_reads_the_current_descale_tables(mode, fp8_kernel):
         want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
         ref_out, _ = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
-        assert rel_norm(out, ref_out) < _out_tol(mode, fp8_kernel)
+        assert rel_norm(out, ref_out) < _out_tol(mode)
+
+
+# ---- the removed kernel switch ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["widen", "tensorcore", "auto", ""])
+@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
+def test_the_removed_kernel_switch_is_refused(monkeypatch, value, mode):
+    """FLASHMLA_BACKEND_FP8_KERNEL chose between the FP8 kernels; with one kernel left, a call with it set (to any
+    value) fails naming it, rather than run another kernel than the one a script forced."""
+    case = Case(lengths=[100, 300], h_q=16)
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q")
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_KERNEL", value)
+    with pytest.raises(RuntimeError) as e:
+        run_fp8_decode(inp, case, dq, dk)
+    msg = str(e.value)
+    assert f"FLASHMLA_BACKEND_FP8_KERNEL is set (to '{value}')" in msg
+    assert "widening FP8 kernel was removed" in msg and "runs both modes" in msg
+    assert "Unset FLASHMLA_BACKEND_FP8_KERNEL" in msg
+    monkeypatch.delenv("FLASHMLA_BACKEND_FP8_KERNEL")
+    out, _ = run_fp8_decode(inp, case, dq, dk)
+    assert not torch.isnan(out).any()

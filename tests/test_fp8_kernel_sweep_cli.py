@@ -10,16 +10,17 @@ import fp8_kernel_sweep as sweep  # noqa: E402
 
 
 def test_options_parse():
-    a = sweep.parse_args(["--variants", "widen:0,tensorcore:1", "--modes", "fast,accurate", "--rep", "7"])
-    assert a.variants == [("widen", 0), ("tensorcore", 1)]
+    a = sweep.parse_args(["--debug", "0,1,4", "--modes", "fast,accurate", "--rep", "7"])
+    assert a.debug == [0, 1, 4]
     assert a.modes == ["fast", "accurate"] and a.rep == 7
-    assert sweep.parse_args([]).variants == [("widen", 0), ("tensorcore", 0)]
+    assert sweep.parse_args([]).debug == [0]
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--variants", "fast:0"], "KERNEL widen or tensorcore"),
-    (["--variants", "tensorcore"], "KERNEL:DEBUG"),
-    (["--variants", "tensorcore:x"], "DEBUG an integer"),
+    (["--debug", "tensorcore:1"], "not a comma-separated list of integers"),
+    (["--debug", "0,x"], "not a comma-separated list of integers"),
+    (["--debug", "-1"], "integers >= 0"),
+    (["--debug", ","], "integers >= 0"),
     (["--modes", "quick"], "unknown ['quick']"),
 ])
 def test_bad_options_name_the_option(argv, words, capsys):

@@ -96,7 +96,7 @@ def dequantized_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: t
     """fp64 decode of every request on dequantized inputs: the e4m3 cache times descale_k, and q as given
     (16-bit) or, with descale_q, the e4m3 q times descale_q. Returns out [b, s_q, h_q, 512] fp64 and lse
     [b, h_q, s_q] fp32. Requests go in groups whose fp64 pages take about chunk_bytes, each group's pages
-    gathered into a compact cache, so that the whole cache is never widened at once."""
+    gathered into a compact cache, so that the whole cache is never held in fp64 at once."""
     from flashmla_backend.reference import mla_decode_reference
 
     page = k_cache.shape[1]

@@ -71,9 +71,6 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // Q rows of (req, m_block, hk) into the swizzled Q tile with cp.async; rows past q_rows are zero.
 // Byte offset of (row, 16B chunk c) in the SW128 K-major tile: piece (c / 8) * 8 KB + row * 128 +
 // ((c % 8) ^ (row % 8)) * 16 (checked against the CuTe layout by checks/layout_check.cu).
-// A 16-bit q lands where its elements belong (a bf16 q for an fp16 tile is converted in place by widen_q_tile);
-// an e4m3 q lands unswizzled in the upper half of the tile (row r at kQBytes / 2 + 576 r), from where
-// widen_q_tile writes it out as fp16.
 template <class T>
 __device__ __forceinline__ void load_q_async(const DecodeParams& p, int req, int m_block, int hk,
                                              uint32_t sq_addr, int tid) {
@@ -105,19 +102,14 @@ __device__ __forceinline__ void load_q_async(const DecodeParams& p, int req, int
                 : q_pe + req_off_pe + int64_t(s) * p.q_pe_stride_s + int64_t(h) * p.q_pe_stride_h +
                       (c - kLatentChunks) * kElemsPerChunk;
     }
-    uint32_t dst;
-    if constexpr (T::kQFp8) {
-      dst = sq_addr + kQBytes / 2 + row * kHeadDimK + c * 16;
-    } else {
-      dst = sq_addr + (c / 8) * kPieceBytes + row * 128 + (((c % 8) ^ (row % 8)) * 16);
-    }
+    const uint32_t dst = sq_addr + (c / 8) * kPieceBytes + row * 128 + (((c % 8) ^ (row % 8)) * 16);
     cp_async_16(dst, src, valid);
   }
   cp_async_commit();
 }
 
 // ------------------------------------------------------------------------------------------------
-// Widening to fp16 (e4m3 caches and q; kv_format.h says why fp16)
+// e4m3 to fp16 (used by the FP8 tensor-core kernel, sm90/decode_fp8/)
 // ------------------------------------------------------------------------------------------------
 // Two e4m3 values (the low and high byte of a 16-bit word) to an fp16 pair, exactly (NaN stays NaN).
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint16_t x) {
@@ -130,97 +122,13 @@ __device__ __forceinline__ uint4 e4m3x8_to_f16x8(uint32_t lo, uint32_t hi) {
   return make_uint4(e4m3x2_to_f16x2(uint16_t(lo)), e4m3x2_to_f16x2(uint16_t(lo >> 16)), e4m3x2_to_f16x2(uint16_t(hi)),
                     e4m3x2_to_f16x2(uint16_t(hi >> 16)));
 }
-// 8 bf16 values (one 16-byte chunk) to 8 fp16 values, rounded to nearest.
-__device__ __forceinline__ uint4 bf16x8_to_f16x8(uint4 v) {
-  auto one = [](uint32_t w) {
-    const float lo = __uint_as_float(w << 16), hi = __uint_as_float(w & 0xffff0000u);
-    uint32_t d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-  };
-  return make_uint4(one(v.x), one(v.y), one(v.z), one(v.w));
-}
-
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-}
-
-// Byte offset of fp16 chunk c (8 elements) of row `row` in a swizzled Q tile / KV block (see load_q_async).
-__device__ __forceinline__ uint32_t swizzled_chunk(int row, int c) {
-  return (c / 8) * kPieceBytes + row * 128 + (((c % 8) ^ (row % 8)) * 16);
-}
-
-// The Q tile as fp16, called by the whole CTA after its cp.async landed (cp_async_wait_all) and before the fence
-// and barrier that publish Q to wgmma. bf16 q: every thread converts the chunks it loaded, in place. e4m3 q: the
-// staging area overlaps the fp16 tile, so every thread reads its chunks, the CTA synchronizes, then writes.
-template <class T>
-__device__ __forceinline__ void widen_q_tile(uint32_t sq_addr, int tid) {
-  if constexpr (T::kQFp8) {
-    constexpr int kChunksPerRow = kHeadDimK / 16;                          // 36 e4m3 chunks of 16
-    constexpr int kPerThread = kBlockM * kChunksPerRow / kNumThreads;      // 9
-    __syncthreads();  // every thread's cp.async landed
-    uint4 v[kPerThread];
-    CUTLASS_PRAGMA_UNROLL
-    for (int it = 0; it < kPerThread; ++it) {
-      const int idx = tid + it * kNumThreads;
-      v[it] = lds128(sq_addr + kQBytes / 2 + (idx / kChunksPerRow) * kHeadDimK + (idx % kChunksPerRow) * 16);
-    }
-    __syncthreads();  // the staging area is read before any fp16 chunk overwrites it
-    CUTLASS_PRAGMA_UNROLL
-    for (int it = 0; it < kPerThread; ++it) {
-      const int idx = tid + it * kNumThreads;
-      const int row = idx / kChunksPerRow, c = 2 * (idx % kChunksPerRow);
-      sts128(sq_addr + swizzled_chunk(row, c), e4m3x8_to_f16x8(v[it].x, v[it].y));
-      sts128(sq_addr + swizzled_chunk(row, c + 1), e4m3x8_to_f16x8(v[it].z, v[it].w));
-    }
-  } else if constexpr (T::kQConvert) {
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int it = 0; it < kQChunksPerThread; ++it) {
-      const int idx = tid + it * kNumThreads;
-      const uint32_t addr = sq_addr + swizzled_chunk(idx / kQChunksPerRow, idx % kQChunksPerRow);
-      sts128(addr, bf16x8_to_f16x8(lds128(addr)));
-    }
-  }
-}
-
-// Piece j of a KV stage as fp16, from the e4m3 piece that landed in the upper half of its slot, kSrcOffset bytes
-// into the stage (kv_format.h: KvFormatE4m3, whose widen_piece this is), by the 128 threads of the warpgroup that multiplies the stage by Q (bar_id: its local named
-// barrier). Thread t widens 16 bytes of rows t / 4 and 32 + t / 4. The fp16 rows 0..31 go to the lower half,
-// which holds nothing any more, so they are written at once; rows 32..63 cover the e4m3 bytes and are written
-// after the barrier that follows every thread's last read. A proxy fence + barrier publish the piece to wgmma.
-// The thread's offsets come from a value the compiler cannot see through (a volatile asm, like mainloop.cuh's
-// opaque_zero): hoisted out of the main loop they would hold registers across it, and ptxas spilled.
-template <int kPiece, int kSrcOffset>
-__device__ __forceinline__ void widen_kv_piece(uint8_t* stage_base, int tid_in_wg, uint32_t bar_id) {
-  static_assert(kSrcOffset == kPiece * kPieceBytes + kPieceBytes / 2, "rows 0..31 are written before the barrier");
-  uint32_t t;
-  asm volatile("mov.u32 %0, %1;" : "=r"(t) : "r"(uint32_t(tid_in_wg)));
-  const uint32_t base = cute::cast_smem_ptr_to_uint(stage_base);
-  const uint32_t src = base + kSrcOffset + t * 16;
-  const uint32_t dst = base + kPiece * kPieceBytes;
-  const int row = int(t) / 4, c = 2 * (int(t) % 4);
-  const uint4 a = lds128(src);
-  sts128(dst + swizzled_chunk(row, c), e4m3x8_to_f16x8(a.x, a.y));
-  sts128(dst + swizzled_chunk(row, c + 1), e4m3x8_to_f16x8(a.z, a.w));
-  const uint4 b = lds128(src + kPieceBytes / 4);
-  cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, bar_id);
-  sts128(dst + swizzled_chunk(row + 32, c), e4m3x8_to_f16x8(b.x, b.y));
-  sts128(dst + swizzled_chunk(row + 32, c + 1), e4m3x8_to_f16x8(b.z, b.w));
-  cutlass::arch::fence_view_async_shared();
-  cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, bar_id);
-}
 
 // ------------------------------------------------------------------------------------------------
 // KV blocks (TMA)
 // ------------------------------------------------------------------------------------------------
 // TMA of the pieces in kMask (bit j = piece j) of cache page `page`, KV head hk, into the stage at
 // stage_base, each completing on its own barrier full[j]. Called by one thread. Box = 64 columns x
-// 64 tokens; its bytes and where they land are the cache format's (kv_format.h: kLoadBytes, load_offset).
+// 64 tokens = one 8 KB piece, landing in its slot j * kPieceBytes.
 template <class T, uint32_t kMask>
 __device__ __forceinline__ void issue_kv_pieces(const CUtensorMap* tmap, TmaBarrier* full, uint8_t* stage_base,
                                                 int page, int hk) {
@@ -228,10 +136,10 @@ __device__ __forceinline__ void issue_kv_pieces(const CUtensorMap* tmap, TmaBarr
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kNumPieces; ++j) {
     if ((kMask >> j) & 1u) {
-      full[j].arrive_and_expect_tx(T::KvFormat::kLoadBytes);
+      full[j].arrive_and_expect_tx(kPieceBytes);
       // tensor map dims (fastest first): (576 columns, h_kv, 64 tokens, num_pages)
       cute::SM90_TMA_LOAD_4D::copy(tmap, reinterpret_cast<uint64_t*>(&full[j]), cache_hint,
-                                   stage_base + T::KvFormat::load_offset(j), j * kPieceCols, hk, 0, page);
+                                   stage_base + j * kPieceBytes, j * kPieceCols, hk, 0, page);
     }
   }
 }

@@ -10,28 +10,24 @@ namespace flashmla_backend {
 void run_sm90_decode(const DecodeParams& params) {
   using sm90::decode::Variant;
   using sm90::decode::run_decode_kernel;
-  if (params.kv_fp8 && sm90_fp8_tensorcore_selected(params.q_fp8)) {
+  if (params.kv_fp8) {  // an e4m3 cache, with an e4m3 (fast mode) or a 16-bit q (accurate mode)
     run_sm90_fp8_decode(params);
-    return;
-  }
-  if (params.q_fp8) {  // check_decode_params: needs kv_fp8 and a bf16 output
-    run_decode_kernel<Variant::kFp8KvFp8Q>(params);
     return;
   }
   switch (params.dtype) {
     case DType::kBF16:
-      params.kv_fp8 ? run_decode_kernel<Variant::kFp8KvBF16Q>(params) : run_decode_kernel<Variant::kBF16>(params);
+      run_decode_kernel<Variant::kBF16>(params);
       return;
     case DType::kFP16:
-      params.kv_fp8 ? run_decode_kernel<Variant::kFp8KvFP16Q>(params) : run_decode_kernel<Variant::kFP16>(params);
+      run_decode_kernel<Variant::kFP16>(params);
       return;
   }
   FMLA_HOST_CHECK(false, "sm90 decode: unsupported dtype " << int(params.dtype));
 }
 
 int sm90_decode_smem_bytes() {
-  // The largest plan of the variants (the FP8 ones add one float after the barriers).
-  return sm90::decode::decode_smem_bytes<sm90::decode::Variant::kFp8KvBF16Q>();
+  // Both variants have the same plan.
+  return sm90::decode::decode_smem_bytes<sm90::decode::Variant::kBF16>();
 }
 
 }  // namespace flashmla_backend

@@ -32,8 +32,9 @@ __device__ __forceinline__ void interleaved_quad(const FragO& tOrO, int a, int v
 }
 
 // l: final row sums, m: running max (log2 domain, scaled) of the thread's two rows (softmax.cuh).
-// v_scale: a scaled cache format's value scale of this request and kv head (kv_format.h; V = V_stored * v_scale),
-// applied once here (the split accumulators carry it too, so the combine does not see it); unused otherwise.
+// v_scale: with T::KvFormat::kScaled (the e4m3 cache of the FP8 tensor-core kernel), the value scale of this request
+// and kv head (V = V_stored * v_scale), applied once here (the split accumulators carry it too, so the combine does
+// not see it); unused otherwise.
 template <class T, class FragO>
 __device__ __forceinline__ void store_output(const DecodeParams& p, const RequestPiece& w, const RowInfo& ri,
                                              int m_block, int hk, int wg, int tid, const FragO& tOrO,

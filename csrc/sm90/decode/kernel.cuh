@@ -44,21 +44,7 @@ using namespace cute;
 // Programmatic dependent launch: common/device.cuh's pdl_wait_primary / pdl_launch_dependents, issued
 // unconditionally (CUTLASS's wrappers compile to nothing unless CUTLASS_ENABLE_GDC_FOR_SM90 is defined).
 
-// A scaled cache format (kv_format.h) folds the scales of (request req, kv head hk) into the shared-memory values
-// the main loop and the epilogue read: S = (q . k_stored) * score factor (* descale_q for an e4m3 q) in the
-// softmax scale, O = P V_stored * value scale. Once per request, by one thread, before the request's first
-// __syncthreads (the previous request's readers are past the barrier that ends its loop iteration). The product
-// keeps the order scale_log2 * descale_k * descale_q, so per-tensor scales give the results of the kernel that
-// folded them once per CTA, bit for bit.
-template <class T>
-__device__ __forceinline__ void fold_request_scales(typename T::SharedStorage& ss, const DecodeParams& p, int req,
-                                                    int hk) {
-  using Format = typename T::KvFormat;
-  ss.scale_log2 = p.scale_log2 * Format::score_factor(p, req, hk) * (T::kQFp8 ? descale_q_at(p, req, hk) : 1.f);
-  ss.value_scale = Format::value_scale(p, req, hk);
-}
-
-// T: a Traits instantiation (traits.h): cache format (kv_format.h), q and output element types.
+// T: a Traits instantiation (traits.h): the element type of q, cache and output.
 template <class T>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_decode_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv) {
@@ -118,11 +104,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     set_row_ends(p, w, m_block, ri);
 
     if (tid < kBlockM) ss.row_max[tid] = -INFINITY;
-    if constexpr (T::KvFormat::kScaled) {
-      if (tid == 0) fold_request_scales<T>(ss, p, w.req, hk);
-    }
     cp_async_wait_all();
-    if constexpr (T::kQConvert) widen_q_tile<T>(sq_addr, tid);
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async, read by wgmma
     __syncthreads();
 
@@ -147,8 +129,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     float l[2], m[2];
     final_row_stats(ss, ri.row, l, m);
-    const float v_scale = T::KvFormat::kScaled ? ss.value_scale : 1.f;
-    store_output<T>(p, w, ri, m_block, hk, wg, tid_in_wg, tOrO, l, m, v_scale);
+    store_output<T>(p, w, ri, m_block, hk, wg, tid_in_wg, tOrO, l, m, 1.f);
     __syncthreads();  // row_max / row_sum are reused by the next request
   }
 #else

@@ -1,5 +1,5 @@
 // Host side of the sm90 decode kernel: KV tensor map, shared-memory attribute, launch.
-// Included by the per-dtype instantiation files only.
+// Included by the per-dtype instantiation files and by sm90/decode_fp8/launch.cuh (its shared host helpers).
 #pragma once
 
 #include <cuda.h>
@@ -14,7 +14,6 @@
 #include "params.h"
 #include "sm90/decode/decode.h"
 #include "sm90/decode/kernel.cuh"
-#include "sm90/decode/kv_format.h"
 
 namespace flashmla_backend::sm90::decode {
 
@@ -39,14 +38,15 @@ inline EncodeTiledFn get_encode_tiled() {
 
 // KV cache [num_pages, 64, h_kv, 576] as a 4-d tensor map with dims (fastest first)
 // (576 columns, h_kv, 64 tokens, num_pages): strides grow in this order for a contiguous cache.
-// Box = (64 columns, 1 head, 64 tokens, 1 page) = one piece; element type and swizzle are the cache format's
-// (kv_format.h): a 16-bit piece is 8 KB with 128B swizzle (the smem piece layout), an e4m3 one 4 KB unswizzled.
+// Box = (64 columns, 1 head, 64 tokens, 1 page) = one 8 KB piece with 128B swizzle (the smem piece layout).
 // No L2 promotion: a piece row is 128 bytes of a 1152-byte token row, and 256-byte promotion measured
 // slower on the memory-bound shapes and no faster on h_q = 128 (figures: docs/perf/journal.md).
 template <class T>
 CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
-  using Format = typename T::KvFormat;
-  constexpr int64_t kE = Format::kStoredBytes;
+  constexpr int64_t kE = kElemBytes;
+  constexpr CUtensorMapDataType kDataType = std::is_same_v<typename T::Element, cutlass::bfloat16_t>
+                                                ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   CUtensorMap tmap;
   const cuuint64_t dims[4] = {cuuint64_t(kHeadDimK), cuuint64_t(p.num_heads_kv), cuuint64_t(kBlockN),
                               cuuint64_t(p.num_pages)};
@@ -56,9 +56,9 @@ CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
                                  cuuint64_t(p.kv_stride_page * kE)};
   const cuuint32_t box[4] = {cuuint32_t(kPieceCols), 1u, cuuint32_t(kBlockN), 1u};
   const cuuint32_t elem_strides[4] = {1u, 1u, 1u, 1u};
-  static_assert(kPieceCols * kBlockN * kE == Format::kLoadBytes, "one box = one piece's TMA bytes");
-  const CUresult res = get_encode_tiled()(&tmap, Format::kTmaDataType, 4, const_cast<void*>(p.kv), dims, strides, box,
-                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, Format::kTmaSwizzle,
+  static_assert(kPieceCols * kBlockN * kE == kPieceBytes, "one box = one piece");
+  const CUresult res = get_encode_tiled()(&tmap, kDataType, 4, const_cast<void*>(p.kv), dims, strides, box,
+                                          elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                           CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FMLA_HOST_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the KV cache (CUresult "
                                            << int(res) << "; strides in elements: page " << p.kv_stride_page
@@ -68,11 +68,11 @@ CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
 
 // What the kernel needs of its arguments beyond check_decode_params()'s common rules. Strides of size-1
 // dimensions are never used (index 0) and are not checked, except the KV page and token strides, which the
-// tensor map encodes. 16 bytes are 8 elements of a 16-bit tensor and 16 of an FP8 one.
+// tensor map encodes. 16 bytes are 8 elements of a 16-bit tensor and 16 of an FP8 one. (The FP8 tensor-core
+// kernel starts from these and sets its own; sm90/decode_fp8/launch.cuh.)
 inline DecodeRequirements decode_requirements(int q_elem_bytes, int kv_elem_bytes) {
   DecodeRequirements r;
   r.kernel = "sm90 decode";
-  r.fp8 = true;
   r.min_num_pages = 1;  // the KV tensor map needs a non-empty cache
   // cp.async of Q needs 16-byte aligned rows; TMA needs a 16-byte aligned base and strides.
   r.q = AccessRule{16, 16 / q_elem_bytes, true};
@@ -83,28 +83,16 @@ inline DecodeRequirements decode_requirements(int q_elem_bytes, int kv_elem_byte
   return r;
 }
 
-// The Traits of each Variant (decode.h): cache format, q's type, out's type.
+// The Traits of each Variant (decode.h): the element type of q, cache and out.
 template <Variant V>
 struct VariantTraits;
 template <>
 struct VariantTraits<Variant::kBF16> {
-  using type = Traits<KvFormat16<cutlass::bfloat16_t>>;
+  using type = Traits<cutlass::bfloat16_t>;
 };
 template <>
 struct VariantTraits<Variant::kFP16> {
-  using type = Traits<KvFormat16<cutlass::half_t>>;
-};
-template <>
-struct VariantTraits<Variant::kFp8KvBF16Q> {
-  using type = Traits<KvFormatE4m3, cutlass::bfloat16_t>;
-};
-template <>
-struct VariantTraits<Variant::kFp8KvFP16Q> {
-  using type = Traits<KvFormatE4m3, cutlass::half_t>;
-};
-template <>
-struct VariantTraits<Variant::kFp8KvFp8Q> {
-  using type = Traits<KvFormatE4m3, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
+  using type = Traits<cutlass::half_t>;
 };
 
 template <Variant V>
@@ -135,9 +123,7 @@ void launch_on_decode_grid(void (*kernel)(KernelArgs...), int threads, int smem,
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p) {
   using T = typename VariantTraits<V>::type;
-  FMLA_HOST_CHECK(p.kv_fp8 == T::KvFormat::kKvFp8Param && p.q_fp8 == T::kQFp8,
-                  "sm90 decode: kv_fp8 / q_fp8 do not match the kernel variant " << int(V));
-  check_decode_params(p, decode_requirements(int(sizeof(typename T::QIn)), T::KvFormat::kStoredBytes));
+  check_decode_params(p, decode_requirements(kElemBytes, kElemBytes));  // refuses kv_fp8 / q_fp8
 
   const CUtensorMap tmap = make_kv_tensor_map<T>(p);
 

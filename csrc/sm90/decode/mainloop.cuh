@@ -55,12 +55,6 @@ __device__ __forceinline__ void qk_pieces(int tid, typename T::Element* q_smem, 
   auto one_piece = [&](auto piece_c) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr int j = decltype(piece_c)::value;
     wait_kv_piece(full[j], parity, stage, j);
-    if constexpr (T::KvFormat::kWidens) {
-      // The warpgroup that multiplies this stage by Q widens each piece before its first reader (the other
-      // warpgroup's later reads of it are ordered after this by the named barriers of the step).
-      T::KvFormat::template widen_piece<j>(reinterpret_cast<uint8_t*>(k_smem), tid,
-                                           uint32_t(NamedBarriers::kWG0Local) + uint32_t(kStage));
-    }
     const uint32_t z = opaque_zero();
     Tensor sQ = make_tensor(make_smem_ptr(q_smem + z), typename T::SmemLayoutQK{});  // (64, 576)
     Tensor sK = make_tensor(make_smem_ptr(k_smem + z), typename T::SmemLayoutKV{});  // (64, 576)
@@ -189,7 +183,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
   TmaBarrier* full0 = ss.kv_full[0];
   TmaBarrier* full1 = ss.kv_full[1];
-  const float sl2 = T::KvFormat::kScaled ? ss.scale_log2 : p.scale_log2;  // this request's (kernel.cuh)
+  const float sl2 = p.scale_log2;
 
   // S = Q K0^T for block 0.
   qk_pieces<T, 0, true, 0, 1, 2, 3, 4, 5, 6, 7, 8>(tid, q_smem, kv0_smem, tSrS, full0, parity0);
@@ -315,7 +309,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
 
   TmaBarrier* full0 = ss.kv_full[0];
   TmaBarrier* full1 = ss.kv_full[1];
-  const float sl2 = T::KvFormat::kScaled ? ss.scale_log2 : p.scale_log2;  // this request's (kernel.cuh)
+  const float sl2 = p.scale_log2;
 
   auto step = [&](auto has1_c, auto next0_c, auto next1_c, int b0) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr bool kHas1 = decltype(has1_c)::value;

@@ -5,7 +5,6 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
-#include <cutlass/float8.h>
 #include <cutlass/numeric_types.h>
 
 #include <type_traits>
@@ -16,31 +15,22 @@ namespace flashmla_backend::sm90::decode {
 
 using namespace cute;
 
-// KvFormat: the cache's format (kv_format.h: KvFormat16<bf16 / fp16> or KvFormatE4m3), which fixes the wgmma
-// operand type Element of the Q, K, V and P tiles in shared memory, how KV pieces land there and how a cache scale
-// folds. QIn: q's element type in global memory. Out: the output's element type.
-//
-// 16-bit caches: Element = Out = QIn = the cache's type; Q and the KV pieces land in shared memory as they are.
-// e4m3 caches: Element = fp16 (the format widens each landed piece in place). A bf16 q is converted to fp16 in
-// shared memory (fp16 keeps 3 more mantissa bits than bf16; a |q| above 65504 would overflow: the Python layer
-// documents it), an e4m3 q (fast mode, true value = stored * descale_q) is widened to fp16 like the cache.
-template <class KvFormat_, class QIn_ = typename KvFormat_::Operand, class Out_ = QIn_>
+// Element: the element type of q, the cache and the output (bf16 or fp16), which is also the wgmma operand type of
+// the Q, K, V and P tiles in shared memory; Q and the KV pieces land there as they are.
+template <class Element_>
 struct Traits {
-  using KvFormat = KvFormat_;
-  using Element = typename KvFormat::Operand;  // cutlass::bfloat16_t or cutlass::half_t
-  using Out = Out_;
-  using QIn = QIn_;
-  static constexpr bool kQFp8 = std::is_same_v<QIn, cutlass::float_e4m3_t>;
-  static constexpr bool kQConvert = !std::is_same_v<QIn, Element>;  // Q is rewritten in smem before use
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  using QIn = Element;
+  using Out = Element;
+  // What epilogue.cuh asks of the cache format: a 16-bit cache has no value scale.
+  struct KvFormat {
+    static constexpr bool kScaled = false;
+  };
   // The P V accumulator's column n is value column n (epilogue.cuh; the FP8 tensor-core kernel permutes them).
   static constexpr bool kOutColumnsInterleaved = false;
   static_assert(std::is_same_v<Element, cutlass::bfloat16_t> || std::is_same_v<Element, cutlass::half_t>,
                 "bf16 or fp16 only");
   static_assert(sizeof(Element) == kElemBytes, "16-bit elements");
-  static_assert(KvFormat::kWidens || (std::is_same_v<Out, Element> && std::is_same_v<QIn, Element>),
-                "a cache stored as the operand type: q, cache and out share one type");
-  static_assert(!kQFp8 || (KvFormat::kScaled && std::is_same_v<Out, cutlass::bfloat16_t>),
-                "e4m3 q: FP8 cache, bf16 out");
 
   using TileM = Int<kBlockM>;
   using TileN = Int<kBlockN>;
@@ -89,11 +79,6 @@ struct Traits {
     // kv_full[s][j]: TMA of piece j of stage s landed. Arrival count 1 (the issuing thread's
     // arrive.expect_tx of kPieceBytes); one phase per KV block loaded into the stage.
     cutlass::arch::ClusterTransactionBarrier kv_full[kNumStages][kNumPieces];
-    // Scaled formats (kv_format.h): the current request's scale_log2 * score factor (* descale_q) and value scale,
-    // written by thread 0 before the request's first barrier (kernel.cuh). After the barriers: the 16-bit kernels'
-    // plan keeps its offsets.
-    float scale_log2;
-    float value_scale;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;  // + manual realignment
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");

@@ -1,4 +1,5 @@
-// Tile constants of the sm90 FP8 tensor-core MLA decode kernel (e4m3 cache, e4m3 wgmma for Q K^T and P V).
+// Tile constants of the sm90 FP8 tensor-core MLA decode kernel (e4m3 cache; Q K^T on e4m3 wgmma, P V on e4m3
+// wgmma or, in the accurate mode, fp16 wgmma).
 //
 // Geometry in bytes: every operand is e4m3 (1 byte), so a 64-column piece is a 64-byte row, the row of a 64B
 // swizzle atom (GMMA::Layout_K_SW64_Atom). docs/kernel-design.md ("FP8 tensor-core kernel") describes the

@@ -1,4 +1,4 @@
-// Launcher declarations of the sm90 FP8 tensor-core MLA decode kernel (e4m3 KV cache, e4m3 wgmma).
+// Launcher declarations of the sm90 FP8 tensor-core MLA decode kernel (e4m3 KV cache, both modes).
 // Definitions: launch.cuh, instantiated per Variant in instantiations/; chosen by sm90/decode/dispatch.cu.
 #pragma once
 
@@ -6,23 +6,17 @@
 
 namespace flashmla_backend {
 
-// True when the FP8 tensor-core kernel reads this e4m3 cache. FLASHMLA_BACKEND_FP8_KERNEL: "auto" (or unset) picks
-// it for an e4m3 q (the fast mode, where it is faster than FlashMLA-FP8 at the same precision) and keeps the kernel
-// that widens e4m3 to fp16 for a 16-bit q (the accurate mode, whose precision the tensor-core kernel does not reach
-// yet); "tensorcore" and "widen" force one.
-bool sm90_fp8_tensorcore_selected(bool q_fp8);
-
-// Same contract as run_sm90_decode for a kv_fp8 cache.
+// Same contract as run_sm90_decode for a kv_fp8 cache: an e4m3 q runs the fast mode (bf16 out), a bf16 / fp16 q
+// the accurate mode (out in q's dtype).
 void run_sm90_fp8_decode(const DecodeParams& params);
-
 
 namespace sm90::decode_fp8 {
 enum class Variant {
   kFastE4m3Q,        // e4m3 q (one term), P one term, bf16 out; 2 KV stages, V^T rings 2 + 4: three or more M tiles
   kFastE4m3QStream,  // the same with 3 KV stages and V^T rings 2 + 2: one or two M tiles
   kFastE4m3QCluster, // kFastE4m3QStream as 2-CTA clusters over the two M tiles, sharing the V transposition
-  kAccurateBF16, // bf16 q split in two e4m3 terms, P two terms, bf16 out
-  kAccurateFP16, // fp16 q split in two e4m3 terms, P two terms, fp16 out
+  kAccurateBF16, // bf16 q split in two e4m3 terms for Q K^T, P V in fp16 (traits.h: kPvF16), bf16 out
+  kAccurateFP16, // fp16 q split in two e4m3 terms for Q K^T, P V in fp16, fp16 out
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>

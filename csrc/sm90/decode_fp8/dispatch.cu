@@ -1,7 +1,5 @@
-// Variant switch of the sm90 FP8 tensor-core decode kernel and the switch between it and the widening kernel.
-// Includes no kernel code (cheap to compile).
+// Variant switch of the sm90 FP8 tensor-core decode kernel. Includes no kernel code (cheap to compile).
 #include <cstdlib>
-#include <cstring>
 
 #include "common/check.h"
 #include "params.h"
@@ -9,13 +7,14 @@
 
 namespace flashmla_backend {
 
-bool sm90_fp8_tensorcore_selected(bool q_fp8) {
+// FLASHMLA_BACKEND_FP8_KERNEL chose between this kernel and one that widened e4m3 to fp16, which was removed. A call
+// with the variable still set fails rather than run a kernel other than the one it asked for.
+static void refuse_fp8_kernel_env() {
   const char* v = std::getenv("FLASHMLA_BACKEND_FP8_KERNEL");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return q_fp8;
-  if (std::strcmp(v, "widen") == 0) return false;
-  FMLA_HOST_CHECK(std::strcmp(v, "tensorcore") == 0,
-                  "FLASHMLA_BACKEND_FP8_KERNEL is '" << v << "'; expected 'auto', 'tensorcore' or 'widen' (or unset)");
-  return true;
+  FMLA_HOST_CHECK(v == nullptr, "FLASHMLA_BACKEND_FP8_KERNEL is set (to '"
+                                    << v << "') but no longer exists: the widening FP8 kernel was removed and the "
+                                    "FP8 tensor-core kernel now runs both modes (fast: e4m3 q; accurate: bf16/fp16 "
+                                    "q). Unset FLASHMLA_BACKEND_FP8_KERNEL");
 }
 
 // FLASHMLA_BACKEND_FP8_DEBUG: measurement switches of the tensor-core kernel (DebugFlags in decode.h, bits); unset or
@@ -37,6 +36,7 @@ bool cluster_plan_applies(const DecodeParams& p) {
 void run_sm90_fp8_decode(const DecodeParams& params) {
   using sm90::decode_fp8::Variant;
   using sm90::decode_fp8::run_decode_kernel;
+  refuse_fp8_kernel_env();
   const int debug = sm90_fp8_debug_flags();
   if (params.q_fp8) {
     // Up to two M tiles per (request, KV head): the plan with the deeper KV pipeline (launch.cuh: VariantTraits).

@@ -1,10 +1,11 @@
-// sm90 FP8 tensor-core MLA decode kernel (e4m3 cache; Q K^T and P V on e4m3 wgmma): the __global__ function.
+// sm90 FP8 tensor-core MLA decode kernel (e4m3 cache; Q K^T on e4m3 wgmma, P V on e4m3 or, in the accurate mode,
+// fp16 wgmma): the __global__ function.
 //
 // grid = (num_m_blocks, num_heads_kv, num_sm_parts), the 16-bit kernel's grid and metadata; block = 384 threads:
 // warpgroups 0 and 1 consume (mainloop.cuh), warpgroup 2 produces (producer.cuh). One CTA per SM. The cluster plan
 // (Traits::kShareVt) launches the same grid in clusters of (2, 1, 1): the two M tiles of a (part, KV head).
 //   config.h / traits.h   geometry, MMA types, shared-memory plan, barriers
-//   producer.cuh          KV copies (TMA) and the V transposition
+//   producer.cuh          KV copies (TMA) and the V transposition (the accurate mode: V widened to fp16)
 //   q_tile.cuh            the Q tile: e4m3 q copied, 16-bit q split into e4m3 terms
 //   mainloop.cuh          the consumers' seesaw
 //   mainloop_f16pv.cuh    the accurate mode's seesaw (P V on fp16 wgmma)

@@ -44,9 +44,7 @@ struct VariantTraits;
 // and one of 4 right halves (docs/perf/journal.md: the
 // V^T buffers gate the transposition, and warpgroup 1 needs the right half of a block soon after the right half
 // of the block three earlier is released), consumers on 208 registers and the producer on 88 (eight ldmatrix in
-// flight, producer.cuh: units_in_flight; at 80 that spilled, and with four in flight it spilled at 56 and 72). The
-// accurate mode's two Q terms leave room for 2 + 2 + 2 only; its consumers need more registers (two-term P):
-// 216 + 72 spills 52 / 140 bytes (stored / loaded), 208 + 80 spills 140 / 312.
+// flight, producer.cuh: units_in_flight; at 80 that spilled, and with four in flight it spilled at 56 and 72).
 template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
   using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4, 208, 88>;
@@ -86,6 +84,7 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
   FMLA_HOST_CHECK(p.kv_fp8 && p.q_fp8 == T::kQFp8,
                   "sm90 FP8 decode: kv_fp8 / q_fp8 do not match the kernel variant " << int(V));
   DecodeRequirements req = decode::decode_requirements(int(sizeof(typename T::QIn)), 1);
+  req.fp8 = true;  // kv_fp8 (and q_fp8) are what this kernel reads
   // The epilogue writes four consecutive output columns (8 bytes) and four o_accum floats (16 bytes) at a time
   // (T::kOutColumnsInterleaved).
   req.out = AccessRule{8, 4, true};

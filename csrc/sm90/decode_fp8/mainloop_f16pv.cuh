@@ -1,5 +1,5 @@
 // Consumer warpgroups of the accurate mode (Traits::kPvF16): Q K^T on e4m3 wgmma (two q terms), P V on fp16 wgmma
-// with P in fp16 and V widened to fp16 by the producer (producer.cuh: widen_loop).
+// with P in fp16 and V widened to fp16 by the producer (producer.cuh: widen_pair).
 //
 // The seesaw of mainloop.cuh with one change of order. A fp16 V half is 32 KB, so each consumer warpgroup has a
 // ring of one (traits.h: the shared-memory plan), and with a ring of one the producer can widen a block's half

@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "sm90/decode/kv_format.h"
 #include "sm90/decode/traits.h"
 
 #include "common/host_check.h"
@@ -24,7 +23,7 @@ static int swizzled_offset(int row, int col) {
 
 template <class Element>
 static void check() {
-  using T = Traits<KvFormat16<Element>>;
+  using T = Traits<Element>;
   // The swizzle of these layouts acts on the shared-memory address, so compare element addresses of
   // tensors over a 1024-byte aligned host buffer (the kernel realigns its shared memory the same way).
   Element* buf = static_cast<Element*>(std::aligned_alloc(kSmemAlign, kKVBlockBytes));
@@ -101,19 +100,9 @@ static void check() {
 int main() {
   check<cutlass::bfloat16_t>();
   check<cutlass::half_t>();
-  using TB = Traits<KvFormat16<cutlass::bfloat16_t>>;
-  using TE = Traits<KvFormatE4m3, cutlass::bfloat16_t>;
+  using TB = Traits<cutlass::bfloat16_t>;
   static_assert(sizeof(TB::SharedStorage) % kSmemAlign == 0, "plan alignment");
-  static_assert(TE::kSmemBytes == TB::kSmemBytes && std::is_same_v<TE::Element, cutlass::half_t>,
-                "the e4m3 format keeps the 16-bit plan (its pieces land on the same slots)");
-  // Every format's pieces land inside their 8 KB slot, ending at its end (the widening of an e4m3 piece writes
-  // rows 0..31 of the slot before reading rows 32..63 of its e4m3 image: copies.cuh, widen_kv_piece).
-  for (int j = 0; j < kNumPieces; ++j) {
-    EXPECT_EQ(KvFormat16<cutlass::bfloat16_t>::load_offset(j) + KvFormat16<cutlass::bfloat16_t>::kLoadBytes,
-              (j + 1) * kPieceBytes, "16-bit piece end", "piece %d", j);
-    EXPECT_EQ(KvFormatE4m3::load_offset(j) + KvFormatE4m3::kLoadBytes, (j + 1) * kPieceBytes, "e4m3 piece end",
-              "piece %d", j);
-  }
+  static_assert(Traits<cutlass::half_t>::kSmemBytes == TB::kSmemBytes, "one plan for both variants");
   printf("smem plan %zu bytes (+%d realignment) = %d requested, limit %d\n", sizeof(TB::SharedStorage), kSmemAlign,
          TB::kSmemBytes, kMaxSmemPerBlock);
   if (g_fail) {

@@ -1,7 +1,0 @@
-// sm90 decode kernel, e4m3 KV cache, fp16 Q and out.
-#include "sm90/decode/launch.cuh"
-
-namespace flashmla_backend::sm90::decode {
-template void run_decode_kernel<Variant::kFp8KvFP16Q>(const DecodeParams& params);
-template int decode_smem_bytes<Variant::kFp8KvFP16Q>();
-}  // namespace flashmla_backend::sm90::decode
