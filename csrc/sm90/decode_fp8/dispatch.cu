@@ -1,5 +1,6 @@
 // Variant switch of the sm90 FP8 tensor-core decode kernel. Includes no kernel code (cheap to compile).
 #include <cstdlib>
+#include <cstring>
 
 #include "common/check.h"
 #include "params.h"
@@ -7,14 +8,17 @@
 
 namespace flashmla_backend {
 
-// FLASHMLA_BACKEND_FP8_KERNEL chose between this kernel and one that widened e4m3 to fp16, which was removed. A call
-// with the variable still set fails rather than run a kernel other than the one it asked for.
+// FLASHMLA_BACKEND_FP8_KERNEL chose between this kernel and one that widened e4m3 to fp16, which was removed. Values
+// that ask for this kernel (unset, empty, 'auto', 'tensorcore') change nothing; any other ('widen') fails rather than
+// run a kernel other than the one a script forced.
 static void refuse_fp8_kernel_env() {
   const char* v = std::getenv("FLASHMLA_BACKEND_FP8_KERNEL");
-  FMLA_HOST_CHECK(v == nullptr, "FLASHMLA_BACKEND_FP8_KERNEL is set (to '"
-                                    << v << "') but no longer exists: the widening FP8 kernel was removed and the "
-                                    "FP8 tensor-core kernel now runs both modes (fast: e4m3 q; accurate: bf16/fp16 "
-                                    "q). Unset FLASHMLA_BACKEND_FP8_KERNEL");
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0 || std::strcmp(v, "tensorcore") == 0) return;
+  FMLA_HOST_CHECK(false, "FLASHMLA_BACKEND_FP8_KERNEL is '"
+                             << v << "', but the widening FP8 kernel was removed: the FP8 tensor-core kernel runs "
+                                     "both modes (fast: e4m3 q; accurate: bf16/fp16 q). Unset "
+                                     "FLASHMLA_BACKEND_FP8_KERNEL ('auto' and 'tensorcore' are accepted and change "
+                                     "nothing)");
 }
 
 // FLASHMLA_BACKEND_FP8_DEBUG: measurement switches of the tensor-core kernel (DebugFlags in decode.h, bits); unset or

@@ -131,9 +131,11 @@ __device__ __forceinline__ void split_q_tile(const DecodeParams& p, int req, int
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   // inv = 2^floor(log2(448 / amax)): max |q| * inv in (224, 448]. A zero row keeps inv = 1; an infinite amax gives
-  // inv = 0 and NaN terms (a row with inf in q is NaN, as with NaN).
+  // inv = 0 and NaN terms (a row with inf in q is NaN, as with NaN). The exponent stops at 126, where 1 / inv is still
+  // a normal float: a row with max |q| below 448 x 2^-127 (about 2.6e-36) gets terms below 224, which keep e4m3's
+  // precision down to fp32's subnormal values (without the cap inv was infinite and such a row NaN).
   float inv = 1.f;
-  if (amax > 0.f) inv = exp2f(floorf(log2f(kE4m3Max / amax)));
+  if (amax > 0.f) inv = exp2f(fminf(floorf(log2f(kE4m3Max / amax)), 126.f));
   if (part == 0) q_scale[r] = 1.f / inv;
 #pragma unroll 3
   for (int k = 0; k < kGroups; ++k) {
