@@ -2,7 +2,10 @@
 
 - csrc/sm90/decode/checks/protocol_model.py: pure-Python model of the KV load / mbarrier protocol (CPU).
 - csrc/sm90/decode_fp8/checks/protocol_model.py: the FP8 tensor-core kernel's producer / consumer barriers under
-  random interleavings: no deadlock, no missed phase, no stage or V^T buffer overwritten while read (CPU).
+  random interleavings: no deadlock, no missed phase, no parity wait passing early, no stage, V^T or P buffer
+  overwritten while read (CPU).
+- csrc/common/checks/error_text_check.cu: the text of a failed host check (common/check.h) for each kind of value
+  the checks print (needs nvcc, no GPU).
 - csrc/sm90/decode/checks/layout_check.cu: host-only check of the kernel's hand-written index formulas against
   the CuTe layouts (needs nvcc and the CUTLASS headers, no GPU).
 - csrc/sm90/decode_fp8/checks/layout_check.cu: the same for the FP8 tensor-core kernel (layout.h), with a host
@@ -381,3 +384,15 @@ def test_row_sum_handoff_runs_on_the_gpu(tmp_path):
             rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe), mode], capture_output=True, text=True,
                                 timeout=600)
             print(f"racecheck, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-2000:]}")
+
+
+# ---- the error text of the host checks (common/check.h) -----------------------------------------------------------
+def test_error_text_check_compiles_and_agrees(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc (CUDA toolkit: nvcc on PATH, or CUDA_HOME)")
+    exe = tmp_path / "error_text_check"
+    _compile([nvcc, "-std=c++17", "-I", str(ROOT / "csrc"), str(ROOT / "csrc" / "common" / "checks" /
+              "error_text_check.cu"), "-o", str(exe)], "error_text_check.cu")
+    res = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert res.returncode == 0 and "error text: ok" in res.stdout, res.stdout + res.stderr
