@@ -15,6 +15,8 @@
 - csrc/sm90/sparse_fp8/checks/block_probe.cu: the sparse kernel's two products of a gathered block against fp64
   (sparse_fp8/qk.cuh: group-scaled e4m3 Q K^T and the bf16 rope; sparse_fp8/pv.cuh: P s[t, g] on e4m3 P V over the
   transposed latent tiles), with one and two e4m3 terms (compiled on the CPU; run on a GPU).
+- tests/device_checks/mbarrier_chain.cu: the mbarrier chain that orders the FP8 kernel's writes of a V buffer slot by
+  different producer warps (through the consumers' full / empty barriers), for racecheck's verdict on it (GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
   isolation (compiled on the CPU; run on a GPU).
 - tests/device_checks/row_sum_handoff.cu: the epilogue's row-sum exchange (publish_row_sums / final_row_stats)
@@ -38,6 +40,7 @@ FP8_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "protoco
 LAYOUT_CHECK = CHECKS / "layout_check.cu"
 FP8_LAYOUT_CHECK = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "layout_check.cu"
 NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
+MBARRIER_CHAIN = ROOT / "tests" / "device_checks" / "mbarrier_chain.cu"
 ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 
@@ -345,6 +348,32 @@ def test_named_barrier_war_runs_on_the_gpu(tmp_path):
     if sanitizer:
         rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe)], capture_output=True, text=True, timeout=300)
         print(f"racecheck on the named-barrier hand-off (rc {rc.returncode}):\n{rc.stdout[-2000:]}")
+
+
+def test_mbarrier_chain_compiles(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    _compile([nvcc, "-arch=sm_90a", "-c", str(MBARRIER_CHAIN), "-o", str(tmp_path / "probe.o")], "mbarrier_chain.cu")
+
+
+@pytest.mark.gpu
+def test_mbarrier_chain_runs_on_the_gpu(tmp_path):
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    exe = tmp_path / "mbarrier_chain"
+    _compile([nvcc, "-arch=sm_90a", "-lineinfo", str(MBARRIER_CHAIN), "-o", str(exe)], "mbarrier_chain.cu")
+    res = subprocess.run([str(exe), "chain"], capture_output=True, text=True, timeout=60)
+    wrong = re.search(r"(\d+) wrong values", res.stdout)
+    assert res.returncode == 0 and wrong and int(wrong.group(1)) == 0, res.stdout + res.stderr
+    # Informational, as for named_barrier_war.cu: racecheck's verdict on the correct chain and on the control.
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer:
+        for mode in ("chain", "race"):
+            rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe), mode], capture_output=True, text=True,
+                                timeout=300)
+            print(f"racecheck on the mbarrier chain, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-1500:]}")
 
 
 # The probe's modes (row_sum_handoff.cu's header says what each reproduces); `race` is the control, a real race.
