@@ -8,7 +8,7 @@
 //   producer.cuh          KV copies (TMA) and the V transposition (the accurate mode: V widened to fp16)
 //   q_tile.cuh            the Q tile: e4m3 q copied, 16-bit q split into e4m3 terms
 //   mainloop.cuh          the consumers' seesaw
-//   mainloop_f16pv.cuh    the accurate mode's seesaw (P V on fp16 wgmma)
+//   mainloop_f16pv.cuh    warpgroup 1 of the accurate mode (P V on fp16 wgmma)
 // The tile work (sm90/decode/tile_work.cuh), the softmax pieces (sm90/decode/softmax.cuh) and the epilogue
 // (sm90/decode/epilogue.cuh) are the 16-bit kernel's.
 #pragma once
@@ -90,12 +90,10 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     consumers_sync();
 
     float row_sum[2] = {0.f, 0.f};  // O is cleared in the main loop (mainloop.cuh)
-    if constexpr (T::kPvF16 && kWG == 0) {
-      mainloop_f16pv_wg0<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
+    if constexpr (kWG == 0) {
+      mainloop_wg0<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     } else if constexpr (T::kPvF16) {
       mainloop_f16pv_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
-    } else if constexpr (kWG == 0) {
-      mainloop_wg0<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     } else {
       mainloop_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     }

@@ -114,6 +114,17 @@ __device__ __forceinline__ void p_fragment(const Frag& s, uint32_t (&words)[kTer
   }
 }
 
+// P as the fp16 A fragment: the A fragment of a 16-bit rs wgmma holds the S accumulator's values in the
+// accumulator's own register order (as in sm90/decode/mainloop.cuh), so word k is (s(2 k), s(2 k + 1)), row
+// g + 8 (k & 1) of the thread.
+template <class Frag>
+__device__ __forceinline__ void p16_fragment(const Frag& s, uint32_t (&words)[1][16]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < 16; ++k) {
+    const __half2 h = __floats2half2_rn(s(2 * k), s(2 * k + 1));
+    words[0][k] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
 // A P tile handed to the other warpgroup: thread t's words as 16-byte chunks at (term, chunk, t); kWords words a
 // term (8: an e4m3 term, 16: the fp16 fragment).
 template <int kTerms, int kWords>
@@ -295,12 +306,14 @@ __device__ __forceinline__ void run_steps(int nblk, StepFn&& step) {
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 0: Q K0^T, softmax of block 0 (decides m0), O_L += P0 V0L + P1 V1L.
 // ------------------------------------------------------------------------------------------------
+// With fp16 P V (Traits::kPvF16) P0 goes to warpgroup 1 unscaled, right after the softmax (mainloop_f16pv.cuh says
+// why), once warpgroup 1 loaded the previous step's (kP0Free); the rest of this warpgroup's step is the same.
 template <class T, class FragO>
 __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, const RequestPiece& w, const RowInfo& ri,
                                              int tid, uint32_t g_base, FragO& tOrO,
                                              float (&row_sum)[2]) {
-  static_assert(!T::kPvF16, "mainloop_f16pv.cuh");
-  constexpr int kPT = T::kPTerms;
+  constexpr int kPT = T::kPFragTerms;
+  constexpr int kPW = T::kPTermWords;
   const int lane = tid & 31;
   const int nblk = padded_blocks(w.num_blocks);
   if (nblk == 0) {
@@ -343,9 +356,18 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc0[v] + sum[v];
     {
-      uint32_t words[kPT][8];
-      p_fragment<kPT>(tSrS, words);
+      uint32_t words[kPT][kPW];
+      if constexpr (T::kPvF16) {
+        p16_fragment(tSrS, words);
+      } else {
+        p_fragment<kPT>(tSrS, words);
+      }
       P.set(words);
+    }
+    if constexpr (T::kPvF16) {
+      if (b0 > 0) NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Free));
+      store_p(ss.p[0], tid, P.w);
+      NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     }
 
     // ---- O_L = O_L sc0 + P0 V0L ----
@@ -359,12 +381,14 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) sc1[v] = ss.scale1[ri.row[v]];
     // P0 sc1: when no row of the warp changed its max (sc1 == 1, the common case) that is P0's own fragment.
-    if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
-      store_p_fragment<kPT>(tSrS, {sc1[0], sc1[1]}, ss.p[0], tid);
-    } else {
-      store_p<kPT>(ss.p[0], tid, P.w);
+    if constexpr (!T::kPvF16) {
+      if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
+        store_p_fragment<kPT>(tSrS, {sc1[0], sc1[1]}, ss.p[0], tid);
+      } else {
+        store_p<kPT>(ss.p[0], tid, P.w);
+      }
+      NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     }
-    NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
 
     warpgroup_wait<0>();  // P0 V0L done
     warpgroup_fence_operand(tOrO);
@@ -375,8 +399,8 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
     // ---- O_L += P1 V1L; next S = Q K0^T (block b0 + 2) ----
     {
-      uint32_t words[kPT][8];
-      load_p<kPT>(ss.p[1], tid, words);
+      uint32_t words[kPT][kPW];
+      load_p(ss.p[1], tid, words);
       P.set(words);
     }
     wait_vt<T, 0>(ss, g0 + 1);

@@ -1,5 +1,6 @@
-// Consumer warpgroups of the accurate mode (Traits::kPvF16): Q K^T on e4m3 wgmma (two q terms), P V on fp16 wgmma
-// with P in fp16 and V widened to fp16 by the producer (producer.cuh: widen_pair).
+// Consumer warpgroup 1 of the accurate mode (Traits::kPvF16): Q K^T on e4m3 wgmma (two q terms), P V on fp16 wgmma
+// with P in fp16 and V widened to fp16 by the producer (producer.cuh: widen_pair). Warpgroup 0 runs mainloop.cuh's
+// mainloop_wg0, which hands P0 over unscaled in this mode.
 //
 // The seesaw of mainloop.cuh with one change of order. A fp16 V half is 32 KB, so each consumer warpgroup has a
 // ring of one (traits.h: the shared-memory plan), and with a ring of one the producer can widen a block's half
@@ -27,17 +28,6 @@
 
 namespace flashmla_backend::sm90::decode_fp8 {
 
-// P as the fp16 A fragment: the A fragment of a 16-bit rs wgmma holds the S accumulator's values in the
-// accumulator's own register order (as in sm90/decode/mainloop.cuh), so word k is (s(2 k), s(2 k + 1)), row
-// g + 8 (k & 1) of the thread.
-template <class Frag>
-__device__ __forceinline__ void p16_fragment(const Frag& s, uint32_t (&words)[1][16]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < 16; ++k) {
-    const __half2 h = __floats2half2_rn(s(2 * k), s(2 * k + 1));
-    words[0][k] = *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
 // The fragment's rows times f (word k: row k & 1), in fp32 and rounded back to fp16.
 __device__ __forceinline__ void scale_p16(uint32_t (&words)[1][16], const float (&f)[2]) {
   CUTLASS_PRAGMA_UNROLL
@@ -46,103 +36,6 @@ __device__ __forceinline__ void scale_p16(uint32_t (&words)[1][16], const float 
     const __half2 h = __floats2half2_rn(x.x * f[k & 1], x.y * f[k & 1]);
     words[0][k] = *reinterpret_cast<const uint32_t*>(&h);
   }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Warpgroup 0: Q K0^T, softmax of block 0 (decides m0), P0 -> p[0], O_L += P0 V0L + P1 V1L.
-// ------------------------------------------------------------------------------------------------
-template <class T, class FragO>
-__device__ __forceinline__ void mainloop_f16pv_wg0(typename T::SharedStorage& ss, const RequestPiece& w,
-                                                   const RowInfo& ri, int tid, uint32_t g_base, FragO& tOrO,
-                                                   float (&row_sum)[2]) {
-  static_assert(T::kPvF16, "the fp16 P V mode");
-  const int lane = tid & 31;
-  const int nblk = padded_blocks(w.num_blocks);
-  if (nblk == 0) {
-    clear(tOrO);
-    return;
-  }
-
-  typename T::TiledMmaQK mma_qk;
-  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});  // 32 fp32
-  PFrag<T> P;
-
-  qk_block<T>(tid, ss, g_base, tSrS);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(tSrS);
-  clear(tOrO);
-  warp_arrive(ss.kv_empty[stage_of(g_base, T::kStages)], lane);
-
-  auto step = [&](auto next_c, int b0) CUTLASS_LAMBDA_FUNC_INLINE {
-    constexpr bool kNext = decltype(next_c)::value;  // blocks b0 + 2 and b0 + 3 exist
-    const uint32_t g0 = g_base + uint32_t(b0);
-    const int tok0 = (w.first_page + b0) * kBlockN;
-    const float sl2[2] = {ss.row_scale_log2[ri.row[0]], ss.row_scale_log2[ri.row[1]]};
-
-    // ---- softmax of block 0: m0 = max(m, rowmax S0), P0 = exp2(S0 sl2 - m0) ----
-    if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) decode::mask_scores(tSrS, tok0, w.start, ri.row_end, lane);
-    float mx[2], m_new[2], m_use[2], sc0[2], sum[2];
-    decode::row_max_quad(tSrS, mx);
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) decode::update_max(ss.row_max[ri.row[v]], mx[v], sl2[v], m_new[v], m_use[v], sc0[v]);
-    __syncwarp();
-    if ((lane & 3) == 0) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) {
-        ss.row_max[ri.row[v]] = m_new[v];
-        ss.scale0[ri.row[v]] = sc0[v];
-      }
-    }
-    NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
-    exp2_rows_scaled(tSrS, sl2, m_use, sum);
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc0[v] + sum[v];
-    {
-      uint32_t words[1][16];
-      p16_fragment(tSrS, words);
-      P.set(words);
-    }
-    // P0 for warpgroup 1, once it loaded the previous step's.
-    if (b0 > 0) NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Free));
-    store_p(ss.p[0], tid, P.w);
-    NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
-
-    // ---- O_L = O_L sc0 + P0 V0L ----
-    rescale_o(tOrO, sc0);
-    wait_vt<T, 0>(ss, g0);
-    pv_block<T, 0>(tid, ss, g0, P, tOrO);
-
-    // ---- warpgroup 1 decided m1 and stored P1 ----
-    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kScale1Ready));
-    float sc1[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) sc1[v] = ss.scale1[ri.row[v]];
-    warpgroup_wait<0>();  // P0 V0L done
-    warpgroup_fence_operand(tOrO);
-    release_vt<T, 0>(ss, g0, lane);
-    rescale_o(tOrO, sc1);
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) row_sum[v] *= sc1[v];
-
-    // ---- O_L += P1 V1L; next S = Q K0^T (block b0 + 2) ----
-    {
-      uint32_t words[1][16];
-      load_p(ss.p[1], tid, words);
-      P.set(words);
-    }
-    wait_vt<T, 0>(ss, g0 + 1);
-    pv_block<T, 0>(tid, ss, g0 + 1, P, tOrO);
-    if constexpr (kNext) qk_block<T>(tid, ss, g0 + 2, tSrS);
-    warpgroup_wait<kNext ? 1 : 0>();
-    warpgroup_fence_operand(tOrO);
-    release_vt<T, 0>(ss, g0 + 1, lane);
-    if constexpr (kNext) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      warp_arrive(ss.kv_empty[stage_of(g0 + 2, T::kStages)], lane);
-    }
-  };
-  run_steps(nblk, step);
 }
 
 // ------------------------------------------------------------------------------------------------
