@@ -182,7 +182,8 @@ static void check_output_columns() {
 
 // The accurate mode (Traits::kPvF16): the fp16 V half the producer writes (v16_offset, 128B swizzle) is the CuTe
 // layout the fp16 P V product reads as (256 columns, 64 keys); and the fp16 A fragment of P holds, at value i, the S
-// accumulator value i (same row and key), which mainloop_f16pv.cuh relies on (p16_fragment, scale_p16).
+// accumulator value i (same row and key), which mainloop.cuh (p16_fragment) and mainloop_f16pv.cuh (scale_p16) rely
+// on.
 using T16 = Traits<cutlass::bfloat16_t, 2, 1, 2, 1, 1, 224, 56, false, true>;
 static void check_f16pv() {
   using H = cutlass::half_t;

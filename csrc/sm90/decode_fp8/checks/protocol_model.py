@@ -222,8 +222,9 @@ def pv_done(g, h, vt: VtRings):
 
 
 def f16pv_step(wg, g0, nxt, first, kS, kVt: VtRings, mutation=None):
-    """One step of mainloop_f16pv.cuh: both warpgroups read their halves in block order; P0 goes to warpgroup 1
-    unscaled (p0, once warpgroup 1 loaded the previous one: p0free), P1 to both through the p[1] buffer."""
+    """One step of the fp16 P V mode (mainloop.cuh: mainloop_wg0, mainloop_f16pv.cuh: mainloop_f16pv_wg1): both
+    warpgroups read their halves in block order; P0 goes to warpgroup 1 unscaled (p0, once warpgroup 1 loaded the
+    previous one: p0free), P1 to both through the p[1] buffer."""
     if wg == 0:
         yield ("named_arrive", "scale0")
         if not first and mutation != "p0 rewritten early":
