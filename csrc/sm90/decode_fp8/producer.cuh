@@ -289,7 +289,9 @@ __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_pie
 }
 
 // kDebugWidenAllWarps: the rows 8 u8 .. 8 u8 + 7 of V piece j (one `octet`; lane: key 8 u8 + lane / 4, chunk
-// lane % 4), kUnits octets at a time; units[k] = 8 j + u8 relative to the half's first piece.
+// lane % 4), kUnits octets at a time; units[k] = 8 j + u8 relative to the half's first piece. The lane work of
+// widen_piece, in other units; one of the two goes when that switch is measured (written as widen_piece's caller,
+// widen_pair, this changed the default mode's SASS, untimed).
 template <bool kMask, int kUnits>
 __device__ __forceinline__ void widen_octets(uint32_t stage_addr, uint32_t v_addr, int half, const int (&units)[kUnits],
                                              int count, int valid, int lane) {
