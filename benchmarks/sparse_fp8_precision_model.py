@@ -18,7 +18,10 @@ write them:
                   benchmarks/fp8_accumulation_model.py's split) and P as P e4m3 terms; the wgmma accumulator keeps
                   B bits after every k32 chunk (--bits; 24 is fp32's; an H100 measured like about 16:
                   docs/perf/journal.md, 2026-11-27), the per-group Q K^T accumulator is fresh every block and group,
-                  the P V accumulator runs over the whole top-k (one CTA's piece).
+                  the P V accumulator runs over the whole top-k (one CTA's piece);
+  fold-q2-pv16    the dense kernel's accurate mode carried over: Q K^T as fold-q2 with the small q term first, P V on
+                  fp16 tensor cores with A = fp16(P s[t, g] x factor) and V the stored e4m3 values (exact in fp16),
+                  accumulated in fp32 (csrc/sm90/decode_fp8: Traits::kPvF16).
 Data: q ~ N(0, 1) in bf16 (64 rows = one M tile of heads); latent channels ~ N(0, 1) x 2^u per (token, group), u
 uniform in [-spread, spread] ("spread-out group scales"), quantized per group with scale = amax / 448; rope ~ N(0, 1)
 in bf16; softmax scale 576^-0.5. P is taken against each row's final max (the running max's rescale is exact).
@@ -66,10 +69,12 @@ def flashmla(q, stored, scale, rope, sm_scale):
     return bf16((bf16(p) @ lat) / p.sum(-1, keepdim=True))
 
 
-def fold(q, stored, scale, rope, sm_scale, q_terms: int, p_terms: int, bits: int):
+def fold(q, stored, scale, rope, sm_scale, q_terms: int, p_terms: int, bits: int, pv16: bool = False):
     topk = stored.shape[0]
     inv, qt = split_rows(q[:, :LATENT])
     qt = qt[:q_terms]
+    if pv16:
+        qt = qt[::-1]  # the small term first
     # Q K^T: per block and group a fresh accumulator over q_terms x 4 chunks, then S += s[t, g] x it (fp32).
     s = (q[:, LATENT:] @ rope.T)                                               # the bf16 rope product
     for b in range(0, topk, BLOCK):
@@ -89,11 +94,17 @@ def fold(q, stored, scale, rope, sm_scale, q_terms: int, p_terms: int, bits: int
         a = p * scale[:, grp] * P_SCALE
         factor = torch.exp2(torch.floor(torch.log2(E4M3_MAX / a.amax().clamp_min(1e-300))))
         a = a * factor
+        v = stored[:, grp]                                                     # [topk, 128] stored e4m3 values
+        o = torch.zeros(q.shape[0], GROUP, dtype=torch.float64)
+        if pv16:  # one fp16 term, fp32 accumulation in k16 steps
+            a16 = a.to(torch.float16).double()
+            for c in range(0, topk, 16):
+                o = (o + a16[:, c:c + 16] @ v[c:c + 16]).float().double()
+            out[:, grp * GROUP:(grp + 1) * GROUP] = o / (factor * P_SCALE)
+            continue
         terms = [e4m3(a)]
         if p_terms == 2:
             terms.append(e4m3(a - terms[0]))
-        v = stored[:, grp]                                                     # [topk, 128] stored e4m3 values
-        o = torch.zeros(q.shape[0], GROUP, dtype=torch.float64)
         for b in range(0, topk, BLOCK):
             for t in terms:
                 for c in range(b, min(b + BLOCK, topk), CHUNK):
@@ -116,6 +127,8 @@ def errors(topk: int, rows: int, spread: float, bits: list[int], seed: int = 0) 
         for pn in (1, 2):
             for b in bits:
                 out[f"fold-q{qn}-p{pn}", b] = rel(fold(q, stored, scale, rope, sm, qn, pn, b), ref)
+    for b in bits:
+        out["fold-q2-pv16", b] = rel(fold(q, stored, scale, rope, sm, 2, 1, b, pv16=True), ref)
     return out
 
 
@@ -143,6 +156,8 @@ def main(argv=None):
         for pn in (1, 2):
             errs = "  ".join(f"{b} bits {r[f'fold-q{qn}-p{pn}', b]:.2e}" for b in bits)
             print(f"  fold-q{qn}-p{pn}      {errs}")
+    errs = "  ".join(f"{b} bits {r['fold-q2-pv16', b]:.2e}" for b in bits)
+    print(f"  fold-q2-pv16    {errs}")
     return 0
 
 
