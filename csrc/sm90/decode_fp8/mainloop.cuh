@@ -418,6 +418,44 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
   run_steps(nblk, step);
 }
 
+// Warpgroup 1's softmax of block b0 + 1 (first key tok1) against warpgroup 0's m0, in both P V modes: mask and row
+// max, m1 = max(m0, rowmax S1) and sc1 = exp2(m0 - m1) published, P1 = exp2(S1 sl2 - m1) in S, then
+// store_p1() (P1 to p[1], in the mode's fragment), kScale1Ready, and the row sums taken to m1: sc01 = sc0 sc1.
+template <class SS, class FragS, class StoreP1>
+__device__ __forceinline__ void softmax_block1(SS& ss, const RequestPiece& w, const RowInfo& ri, int lane, int tok1,
+                                               const float (&sl2)[2], FragS& tSrS, float (&row_sum)[2],
+                                               float (&sc1)[2], float (&sc01)[2], StoreP1&& store_p1) {
+  float mx[2];
+  if (tok1 + kBlockN > w.min_row_end) decode::mask_scores(tSrS, tok1, w.start, ri.row_end, lane);
+  decode::row_max_quad(tSrS, mx);
+  NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
+  float m0[2], sc0[2];
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) {
+    m0[v] = ss.row_max[ri.row[v]];
+    sc0[v] = ss.scale0[ri.row[v]];
+  }
+  float m_new[2], m_use[2], sum[2];
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) decode::update_max(m0[v], mx[v], sl2[v], m_new[v], m_use[v], sc1[v]);
+  __syncwarp();
+  if ((lane & 3) == 0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) {
+      ss.row_max[ri.row[v]] = m_new[v];
+      ss.scale1[ri.row[v]] = sc1[v];
+    }
+  }
+  exp2_rows_scaled(tSrS, sl2, m_use, sum);
+  store_p1();
+  NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale1Ready));
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) {
+    sc01[v] = sc0[v] * sc1[v];
+    row_sum[v] = row_sum[v] * sc01[v] + sum[v];
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 1: Q K1^T, softmax of block 1 (decides m1), O_R = O_R sc0 sc1 + P1 V1R + (P0 sc1) V0R.
 // ------------------------------------------------------------------------------------------------
@@ -444,43 +482,14 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     const int tok1 = (w.first_page + b0 + 1) * kBlockN;
     const float sl2[2] = {ss.row_scale_log2[ri.row[0]], ss.row_scale_log2[ri.row[1]]};
 
-    float mx[2];
-    if (tok1 + kBlockN > w.min_row_end) decode::mask_scores(tSrS, tok1, w.start, ri.row_end, lane);
-    decode::row_max_quad(tSrS, mx);
-
     // ---- softmax of block 1 against m0: m1 = max(m0, rowmax S1); P1 -> p[1] ----
-    NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
-    float m0[2], sc0[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) {
-      m0[v] = ss.row_max[ri.row[v]];
-      sc0[v] = ss.scale0[ri.row[v]];
-    }
-    float m_new[2], m_use[2], sc1[2], sum[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) decode::update_max(m0[v], mx[v], sl2[v], m_new[v], m_use[v], sc1[v]);
-    __syncwarp();
-    if ((lane & 3) == 0) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) {
-        ss.row_max[ri.row[v]] = m_new[v];
-        ss.scale1[ri.row[v]] = sc1[v];
-      }
-    }
-    {
-      exp2_rows_scaled(tSrS, sl2, m_use, sum);
+    float sc1[2], sc01[2];
+    softmax_block1(ss, w, ri, lane, tok1, sl2, tSrS, row_sum, sc1, sc01, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       uint32_t words[kPT][8];
       p_fragment<kPT>(tSrS, words);
       store_p<kPT>(ss.p[1], tid, words);
       P1.set(words);
-    }
-    NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale1Ready));
-    float sc01[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) {
-      sc01[v] = sc0[v] * sc1[v];
-      row_sum[v] = row_sum[v] * sc01[v] + sum[v];
-    }
+    });
 
     // ---- O_R = O_R sc0 sc1 + P1 V1R + (P0 sc1) V0R; then the next S = Q K1^T (block b0 + 3) ----
     rescale_o(tOrO, sc01);
