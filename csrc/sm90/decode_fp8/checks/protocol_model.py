@@ -225,6 +225,18 @@ def f16pv_step(wg, g0, nxt, first, kS, kVt: VtRings, mutation=None):
     """One step of the fp16 P V mode (mainloop.cuh: mainloop_wg0, mainloop_f16pv.cuh: mainloop_f16pv_wg1): both
     warpgroups read their halves in block order; P0 goes to warpgroup 1 unscaled (p0, once warpgroup 1 loaded the
     previous one: p0free), P1 to both through the p[1] buffer."""
+    def second_pv():
+        # Both warpgroups end a step alike: P1 from p[1], the P V of block g0 + 1, and the next Q K^T issued after it
+        # (block g0 + 2 in warpgroup 0, g0 + 3 in warpgroup 1).
+        yield ("read_begin", ("p", 1), g0 + 1)
+        yield ("read_end", ("p", 1), g0 + 1)
+        yield from pv_issue(g0 + 1, wg, kVt)
+        if nxt:
+            yield from qk(g0 + 2 + wg, kS)
+        yield from pv_done(g0 + 1, wg, kVt)
+        if nxt:
+            yield from qk_done(g0 + 2 + wg, kS)
+
     if wg == 0:
         yield ("named_arrive", "scale0")
         if not first and mutation != "p0 rewritten early":
@@ -234,14 +246,7 @@ def f16pv_step(wg, g0, nxt, first, kS, kVt: VtRings, mutation=None):
         yield from pv_issue(g0, wg, kVt)
         yield ("named_sync", "scale1")
         yield from pv_done(g0, wg, kVt)
-        yield ("read_begin", ("p", 1), g0 + 1)
-        yield ("read_end", ("p", 1), g0 + 1)
-        yield from pv_issue(g0 + 1, wg, kVt)
-        if nxt:
-            yield from qk(g0 + 2, kS)
-        yield from pv_done(g0 + 1, wg, kVt)
-        if nxt:
-            yield from qk_done(g0 + 2, kS)
+        yield from second_pv()
     else:
         yield ("named_sync", "scale0")
         yield ("write", ("p", 1), g0 + 1, "p1")
@@ -253,14 +258,7 @@ def f16pv_step(wg, g0, nxt, first, kS, kVt: VtRings, mutation=None):
             yield ("named_arrive", "p0free")
         yield from pv_issue(g0, wg, kVt)
         yield from pv_done(g0, wg, kVt)
-        yield ("read_begin", ("p", 1), g0 + 1)
-        yield ("read_end", ("p", 1), g0 + 1)
-        yield from pv_issue(g0 + 1, wg, kVt)
-        if nxt:
-            yield from qk(g0 + 3, kS)
-        yield from pv_done(g0 + 1, wg, kVt)
-        if nxt:
-            yield from qk_done(g0 + 3, kS)
+        yield from second_pv()
 
 
 def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None, f16pv=False):
