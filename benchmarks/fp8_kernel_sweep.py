@@ -52,7 +52,7 @@ def main(argv=None):
         return 2
     from mla_bench.timing import graph_replay_us
     import flashmla_backend as fb
-    from mla_bench.shapes import D_V, make_fp8_inputs, make_inputs, make_seqlens, parse_shapes
+    from mla_bench.shapes import D_V, one_fp8_case, parse_shapes
     from vllm.v1.attention.ops import flashmla as vllm_flashmla
 
     dev = torch.device("cuda")
@@ -63,10 +63,7 @@ def main(argv=None):
     saved = os.environ.get("FLASHMLA_BACKEND_FP8_DEBUG")
     try:
         for shape in parse_shapes(args.shapes):
-            seqlens = make_seqlens(shape, 0)
-            inp = make_inputs(shape, seqlens, torch.bfloat16, dev, 0, 1)[0]
-            f8 = make_fp8_inputs([inp])[0]
-            lens = torch.tensor(seqlens, dtype=torch.int32, device=dev)
+            _, inp, f8, lens = one_fp8_case(shape, dev)
             scale = 576 ** -0.5
             rows = shape.s_q * shape.h_q
             sched, splits = vllm_flashmla.get_mla_metadata_dense_fp8(lens, rows, 1)

@@ -65,7 +65,7 @@ def main(argv=None):
     import flashmla_backend as fb
     from flashmla_backend import ops
     from mla_bench.check import dequantized_reference, rel_norm_error, visible_rows
-    from mla_bench.shapes import D_V, make_fp8_inputs, make_inputs, make_seqlens, parse_shapes
+    from mla_bench.shapes import D_V, one_fp8_case, parse_shapes
 
     dev = torch.device("cuda")
 
@@ -73,10 +73,7 @@ def main(argv=None):
         return graph_replay_us(fn, 5, args.rep)
 
     for shape in parse_shapes(args.shapes):
-        seqlens = make_seqlens(shape, 0)
-        inp = make_inputs(shape, seqlens, torch.bfloat16, dev, 0, 1)[0]
-        f8 = make_fp8_inputs([inp])[0]
-        lens = torch.tensor(seqlens, dtype=torch.int32, device=dev)
+        seqlens, inp, f8, lens = one_fp8_case(shape, dev)
         scale = 576 ** -0.5
         rows = shape.s_q * shape.h_q
         visible = visible_rows(lens, shape.s_q, True)

@@ -582,6 +582,17 @@ def test_quantize_e4m3():
     assert torch.equal(chunked.view(torch.uint8), x8.view(torch.uint8)) and torch.equal(d2, descale)
 
 
+def test_one_fp8_case_is_the_first_copy_and_its_e4m3_twin():
+    shape = shapes.Shape(3, 100, 16, 2, True)
+    seqlens, inp, f8, lens = shapes.one_fp8_case(shape, CPU)
+    assert seqlens == shapes.make_seqlens(shape, 0) and lens.dtype == torch.int32 and lens.tolist() == seqlens
+    want = shapes.make_inputs(shape, seqlens, torch.bfloat16, CPU, seed=0, copies=1)[0]
+    assert torch.equal(inp.q, want.q) and torch.equal(inp.k_cache, want.k_cache)
+    twin = shapes.make_fp8_inputs([want])[0]
+    assert torch.equal(f8.k_cache.view(torch.uint8), twin.k_cache.view(torch.uint8))
+    assert torch.equal(f8.descale_k, twin.descale_k) and torch.equal(f8.descale_q, twin.descale_q)
+
+
 def test_make_fp8_inputs_and_rotation():
     shape = shapes.Shape(3, 100, 16, 2, True)
     lens = shapes.make_seqlens(shape, 0)

@@ -28,7 +28,8 @@ E4M3_MAX = 448.0
 __all__ = ["D_QK", "D_V", "PAGE_SIZE", "DTYPES", "Shape", "SHAPE_SYNTAX", "parse_shape", "parse_shapes",
            "DEFAULT_SHAPES", "QUICK_SHAPES", "make_seqlens", "visible_keys", "Work", "count_work",
            "DecodeInputs", "make_block_table", "make_inputs", "bytes_per_copy", "rotation_copies", "FP8", "E4M3_MAX",
-           "Fp8Inputs", "quantize_e4m3", "make_fp8_inputs", "fp8_bytes_per_copy", "rotation_copies_for"]
+           "Fp8Inputs", "quantize_e4m3", "make_fp8_inputs", "fp8_bytes_per_copy", "rotation_copies_for",
+           "one_fp8_case"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +240,14 @@ def make_fp8_inputs(inputs: Sequence[DecodeInputs]) -> list[Fp8Inputs]:
         q8, dq = quantize_e4m3(inp.q)
         res.append(Fp8Inputs(k8, dk, q8, dq))
     return res
+
+
+def one_fp8_case(shape: Shape, device: torch.device) -> tuple[list[int], DecodeInputs, Fp8Inputs, torch.Tensor]:
+    """One input copy of a shape (seed 0, bf16), its e4m3 twin and the lengths as an int32 device tensor: what the
+    FP8 kernel sweep and the split-error script time and check, (seqlens, inputs, e4m3 inputs, lengths)."""
+    seqlens = make_seqlens(shape, 0)
+    inp = make_inputs(shape, seqlens, torch.bfloat16, device, 0, 1)[0]
+    return seqlens, inp, make_fp8_inputs([inp])[0], torch.tensor(seqlens, dtype=torch.int32, device=device)
 
 
 def fp8_bytes_per_copy(shape: Shape, seqlens: Sequence[int]) -> int:
