@@ -27,8 +27,6 @@ enum DebugFlags : int {
   kDebugNoTranspose = 1,       // the transposer waits and arrives but moves no data: wrong results, its time without it
   kDebugOtherFastPlan = 4,     // the fast mode runs the other pipeline plan than the shape's (same results)
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
-  kDebugWidenAllWarps = 16,    // accurate mode: each V half widened by all three producer warps (producer.cuh:
-                               // widen_loop_all_warps), not two (same results)
 };
 // Whether a shape can run the 2-CTA cluster plan: two M tiles whose rows see the same keys (one query token, or no
 // causal limit, or each tile's rows within one query token), so that both CTAs of a cluster walk the same blocks.

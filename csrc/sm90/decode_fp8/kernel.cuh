@@ -154,17 +154,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (int s = 0; s < T::kStages; ++s) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
-      ss.kv_empty[s].init(T::kShareVt                                    ? kKvEmptyArrivalsShared
-                          : T::kPvF16 && (debug & kDebugWidenAllWarps) ? kKvEmptyArrivalsAllWarps
-                                                                       : kKvEmptyArrivals);
+      ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kKvEmptyArrivals);
     }
     CUTLASS_PRAGMA_UNROLL
     for (int b = 0; b < T::kVtSlots; ++b) {
       // With the shared transposition the other rank's half arrives by the peer's bulk copy (producer.cuh).
       const bool copied = T::kShareVt && uint32_t(T::vt_half_of_slot(b)) != cluster_rank();
-      ss.vt_full[b].init(copied                                         ? kVtFullArrivalsCopied
-                         : T::kPvF16 && (debug & kDebugWidenAllWarps) ? kVtFullArrivalsAllWarps
-                                                                      : kVtFullArrivals);
+      ss.vt_full[b].init(copied ? kVtFullArrivalsCopied : kVtFullArrivals);
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
       if constexpr (T::kShareVt) {

@@ -288,43 +288,6 @@ __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_pie
   }
 }
 
-// kDebugWidenAllWarps: the rows 8 u8 .. 8 u8 + 7 of V piece j (one `octet`; lane: key 8 u8 + lane / 4, chunk
-// lane % 4), kUnits octets at a time; units[k] = 8 j + u8 relative to the half's first piece. The lane work of
-// widen_piece, in other units; one of the two goes when that switch is measured (written as widen_piece's caller,
-// widen_pair, this changed the default mode's SASS, untimed).
-template <bool kMask, int kUnits>
-__device__ __forceinline__ void widen_octets(uint32_t stage_addr, uint32_t v_addr, int half, const int (&units)[kUnits],
-                                             int count, int valid, int lane) {
-  const int c = lane & 3;
-  uint4 v[kUnits];
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < kUnits; ++k) {
-    if (k < count) {
-      const int j = kVPiecesPerHalf * half + units[k] / 8, r = 8 * (units[k] % 8) + (lane >> 2);
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
-                   : "r"(stage_addr + j * kPieceBytes + sw64_offset(r, c)));
-    }
-  }
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < kUnits; ++k) {
-    if (k < count) {
-      const int jh = units[k] / 8, r = 8 * (units[k] % 8) + (lane >> 2);
-      uint4 lo = decode::e4m3x8_to_f16x8(v[k].x, v[k].y), hi = decode::e4m3x8_to_f16x8(v[k].z, v[k].w);
-      if constexpr (kMask) {
-        if (r >= valid) lo = hi = make_uint4(0, 0, 0, 0);
-      }
-      const uint32_t dst = v_addr + jh * kV16PieceBytes;
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst + sw128_offset(r, 2 * c)), "r"(lo.x),
-                   "r"(lo.y), "r"(lo.z), "r"(lo.w)
-                   : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst + sw128_offset(r, 2 * c + 1)), "r"(hi.x),
-                   "r"(hi.y), "r"(hi.z), "r"(hi.w)
-                   : "memory");
-    }
-  }
-}
-
 template <class T, bool kMask>
 __device__ __forceinline__ void widen_pair(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t v_addr,
                                            int stage, uint32_t parity, int pair, int valid, int lane, int debug) {
@@ -399,56 +362,6 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
   });
 }
 
-// The accurate mode with kDebugWidenAllWarps: every warp takes part in both halves of every block, the 32 octets of
-// a half (4 pieces x 8 row octets) going round-robin over the warps (octet u8 of a half to warp u8 % 3), so that a
-// half is widened by three warps instead of the two of its pairs; the consumers wait for that widening once a step in
-// each warpgroup (docs/perf/journal.md). Each warp waits for every release of both slots in turn.
-template <class T>
-__device__ __forceinline__ void widen_loop_all_warps(const DecodeParams& p, typename T::SharedStorage& ss,
-                                                     const SchedMetaRow& meta, int begin_req, int end_req,
-                                                     int m_block, int tw, int lane) {
-  constexpr int kOctets = kVPiecesPerHalf * 8;                                         // 32 a half
-  constexpr int kMine = (kOctets + kNumTransposeWarps - 1) / kNumTransposeWarps;       // at most 11 a warp
-  constexpr int kBatch = 4;
-  const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
-  const uint32_t v_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
-  for_each_block(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
-    const int stage = int(stage_of(g, T::kStages));
-    const uint32_t parity = (g / T::kStages) & 1u;
-    const int valid = w.stop_eff - (w.first_page + b) * kBlockN;
-    const uint32_t stage_addr = kv_addr + stage * kTileBytes;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
-      if (use > 0) wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
-      CUTLASS_PRAGMA_UNROLL
-      for (int jh = 0; jh < kVPiecesPerHalf; ++jh) wait_barrier(ss.kv_full[stage][kVPiecesPerHalf * h + jh], parity);
-      const uint32_t v_addr = v_addr0 + slot * T::kVHalfBytes;
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int first = 0; first < kMine; first += kBatch) {
-        int units[kBatch];
-        int count = 0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < kBatch; ++k) {
-          units[k] = tw + kNumTransposeWarps * (first + k);
-          count += units[k] < kOctets ? 1 : 0;
-        }
-        if (valid < kBlockN) {
-          widen_octets<true>(stage_addr, v_addr, h, units, count, valid, lane);
-        } else {
-          widen_octets<false>(stage_addr, v_addr, h, units, count, valid, lane);
-        }
-      }
-      cutlass::arch::fence_view_async_shared();  // V is read by wgmma (async proxy)
-      __syncwarp();
-      if (lane == 0) {
-        ss.vt_full[slot].arrive();
-        ss.kv_empty[stage].arrive();
-      }
-    }
-  });
-}
-
 template <class T>
 __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T::SharedStorage& ss,
                                                const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
@@ -456,12 +369,6 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
   if constexpr (T::kShareVt) {
     transpose_loop_shared<T>(p, ss, meta, begin_req, end_req, m_block, tw, lane, debug);
     return;
-  }
-  if constexpr (T::kPvF16) {
-    if (debug & kDebugWidenAllWarps) {
-      widen_loop_all_warps<T>(p, ss, meta, begin_req, end_req, m_block, tw, lane);
-      return;
-    }
   }
   const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
   const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());

@@ -191,10 +191,6 @@ constexpr uint32_t kVtEmptyArrivals = 4;                    // the warps of the 
 // other half's slot is written by the peer CTA's bulk copy, whose sender arrives once (with the expected bytes), and
 // peer_empty counts the warps of the peer's consumer warpgroup that read the copy.
 constexpr uint32_t kKvEmptyArrivalsShared = 4 + kNumVPairs / 2;
-// The accurate mode with every V half widened by all transposer warps (kDebugWidenAllWarps): each warp arrives once a
-// half, on the half's vt_full and on the stage's kv_empty.
-constexpr uint32_t kVtFullArrivalsAllWarps = kNumTransposeWarps;
-constexpr uint32_t kKvEmptyArrivalsAllWarps = 4 + 2 * kNumTransposeWarps;
 constexpr uint32_t kVtFullArrivalsCopied = 1;
 constexpr uint32_t kPeerEmptyArrivals = 4;
 

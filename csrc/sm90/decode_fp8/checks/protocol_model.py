@@ -162,23 +162,6 @@ def copy_agent(blocks, kS, mutation=None):
         yield ("arrive", "kv_full", x % kS)
 
 
-def widen_all_warps_agent(tw, blocks, kS, vt: VtRings):
-    """producer.cuh's widen_loop_all_warps (the accurate mode with kDebugWidenAllWarps): every warp takes part in
-    both halves of every block and arrives once a half on vt_full and kv_empty."""
-    for g in range(blocks):
-        for h in (0, 1):
-            slot, use = vt.slot(h, g), vt.use(h, g)
-            if use > 0:
-                bar, n = vt.empty(slot, use - 1)
-                yield ("wait", "vt_empty", bar, n)
-            yield ("wait", "kv_full", g % kS, g // kS)
-            yield ("read_begin", ("kv", g % kS), g)
-            yield ("write", ("vt", slot), g, "vt")
-            yield ("read_end", ("kv", g % kS), g)
-            yield ("arrive", "vt_full", slot)
-            yield ("arrive", "kv_empty", g % kS)
-
-
 def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None):
     for g in range(blocks):
         for pair in range((tw + warps - g % warps) % warps, pairs, warps):  # round-robin, shifted by one per block
@@ -317,21 +300,17 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None, f16pv
 
 def run(requests: list[int], stages: int, vt_rings: tuple[int, int], reuse_p: bool,
         arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
-        f16pv: bool = False, starve: str | None = None, widen_all_warps: bool = False) -> None:
+        f16pv: bool = False, starve: str | None = None) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
     agent that moves only when no other can (the interleavings where one role lags far behind the others)."""
     arrivals = read_arrivals() if arrivals is None else arrivals
-    if widen_all_warps:  # traits.h: kVtFullArrivalsAllWarps, kKvEmptyArrivalsAllWarps
-        warps = arrivals["kNumTransposeWarps"]
-        arrivals = {**arrivals, "kVtFullArrivals": warps, "kKvEmptyArrivals": 4 + 2 * warps}
     sim = Sim(stages, arrivals)
     vt = VtRings(*vt_rings, stages)
     blocks = sum(padded_blocks(n) for n in requests)
     agents = {"copy": copy_agent(blocks, stages, mutation)}
     for w in range(arrivals["kNumTransposeWarps"]):
-        agents[f"transposer{w}"] = (widen_all_warps_agent(w, blocks, stages, vt) if widen_all_warps else
-                                    transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
-                                                     arrivals["kNumVPairs"], mutation))
+        agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
+                                                    arrivals["kNumVPairs"], mutation)
     for wg in (0, 1):
         agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, reuse_p, mutation, f16pv)
     # Named barriers: generation counters. scale0 / scale1 / p0: one side arrives, the other syncs; consumers: both
@@ -339,8 +318,7 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int], reuse_p: bo
     named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0]}
     consumer_gen = {"wg0": 0, "wg1": 0}
     pending = {name: next(agent, None) for name, agent in agents.items()}
-    kv_readers = 1 + (2 * arrivals["kNumTransposeWarps"] if widen_all_warps else arrivals["kNumVPairs"])
-    readers = {"kv": kv_readers, "vt": 1, "p0": 1, "p1": 2}  # p[1]: warpgroup 0, and 1 reloads it
+    readers = {"kv": 1 + arrivals["kNumVPairs"], "vt": 1, "p0": 1, "p1": 2}  # p[1]: warpgroup 0, and 1 reloads it
     rng = random.Random(seed)
 
     def ready(name, op) -> bool:
@@ -394,10 +372,9 @@ def check_all(seeds: int = 30) -> int:
     for name, (_, p_terms, stages, left, right, f16pv) in read_variants().items():
         for reqs in sequences:
             for seed in range(seeds):
-                for all_warps in ((False, True) if f16pv else (False,)):
-                    run(reqs, stages, (left, right), reuse_p=p_terms == 2, seed=seed, f16pv=f16pv,
-                        starve=starved[seed % len(starved)], widen_all_warps=all_warps)
-                    runs += 1
+                run(reqs, stages, (left, right), reuse_p=p_terms == 2, seed=seed, f16pv=f16pv,
+                    starve=starved[seed % len(starved)])
+                runs += 1
     return runs
 
 
