@@ -7,6 +7,8 @@
 #   ref      prefill and decode flashinfer (SGLang's own MLA DCP decode), TP 2 + DCP 2
 #   compare  ours vs ref must agree, judged with the fp32 model (sglang_run.py compare --fp32-model)
 #   broken   ours with a 1.5x softmax scale (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1) vs ref must NOT agree
+#   serve    launch_server at TP 2 + DCP 2 with ours as the decode backend, 64 concurrent requests, every one
+#            complete, the log showing our decode on the DCP path (sglang_run.py serve --dcp 2)
 # Fewer than 2 GPUs, or an SGLang without --dcp-size: prints SKIP with the reason and exits 0.
 set -uo pipefail
 MODEL=${1:?model dir}; PROMPTS=${2:?prompts.json}
@@ -31,5 +33,8 @@ python "$HERE/sglang_run.py" compare "$OUT/ours.json" "$OUT/ref.json" --fp32-mod
   || { echo "compare: ours vs flashinfer at DCP 2 disagree"; fail=1; }
 python "$HERE/sglang_run.py" compare "$OUT/broken.json" "$OUT/ref.json" --expect disagree --fp32-model "$MODEL" \
   --prompts "$PROMPTS" || { echo "broken: the broken-scale run was not detected"; fail=1; }
-[ $fail = 0 ] && echo "SGLang DCP 2: ours agrees with flashinfer; the broken hook is detected"
+python "$HERE/sglang_run.py" serve --model "$MODEL" --backend flashmla_backend --dcp 2 --requests 64 \
+  --log "$OUT/serve.log" > "$OUT/serve-client.log" 2>&1 \
+  || { echo "serve: launch_server at DCP 2 failed (logs $OUT/serve-client.log, $OUT/serve.log)"; fail=1; }
+[ $fail = 0 ] && echo "SGLang DCP 2: ours agrees with flashinfer; the broken hook is detected; launch_server served 64 requests"
 exit $fail

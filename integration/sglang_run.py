@@ -5,7 +5,8 @@
         --out ours.json [--max-tokens 32] [--logprobs 5] [--disable-cuda-graph] [--kv-cache-dtype fp8_e4m3]
     python integration/sglang_run.py compare ours.json triton.json [--expect disagree] [--tie-gap-from calib.json]
     python integration/sglang_run.py calibrate a.json,b.json [c.json,d.json ...] --out calib.json
-    python integration/sglang_run.py serve --model DIR --log serve.log [--requests 64] [--kv-cache-dtype fp8_e4m3]
+    python integration/sglang_run.py serve --model DIR --log serve.log [--requests 64] [--kv-cache-dtype fp8_e4m3] \
+        [--dcp 2]
 
 prompts.json: a list of prompts, each a list of token ids. The result has the same format as
 integration/vllm_run.py's ({"outputs": [{"token_ids": [...], "logprobs": [{"<id>": logprob, ...}, ...]}]}),
@@ -21,6 +22,9 @@ runs in PyTorch and grammar is off (neither needs FlashInfer nor xgrammar's nati
 fp8_e4m3 runs an FP8 KV cache (e4m3 with the layers' k scales; the tiny checkpoints carry none, so the default
 scale 1.0). `serve` with fp8_e4m3 and our backend also checks the server log for the plugin's FP8 line and for
 its default-scale line.
+
+--dcp N (serve): TP N + DCP N on N GPUs (SGLang's --dcp-size), the backend as decode backend and flashinfer for
+prefill; the server log must also show the plugin's DCP routing line.
 """
 from __future__ import annotations
 
@@ -195,6 +199,26 @@ def compare(args) -> int:
 FP8_LOG_LINE = "FP8 (e4m3) KV cache read in place"
 
 
+def launch_server_cmd(args, port: int) -> list[str]:
+    """The launch_server command of `serve`. With --dcp N > 1: TP N + DCP N, the backend as the decode backend only
+    and flashinfer for prefill (under DCP the plugin serves decode; sglang_dcp_run.py does the same for `run`)."""
+    if args.dcp > 1:
+        backends = ["--prefill-attention-backend", "flashinfer", "--decode-attention-backend", args.backend,
+                    "--tp-size", str(args.dcp), "--dcp-size", str(args.dcp)]
+    else:
+        backends = ["--attention-backend", args.backend]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, *backends,
+           "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", "0.5",
+           "--context-length", "4096", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
+    if args.kv_cache_dtype != "auto":
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    return cmd
+
+
+# The plugin's log line when DeepSeek's decode goes through SGLang's DCP path (flashmla_backend/sglang/hooks.py).
+DCP_LOG_LINE = "runs the DCP path"
+
+
 def serve(args) -> int:
     """`python -m sglang.launch_server --model-path M --attention-backend flashmla_backend` on 127.0.0.1 (plus
     this environment's sampling/grammar settings, see the module docstring), then `--requests` concurrent
@@ -213,11 +237,7 @@ def serve(args) -> int:
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, "--attention-backend",
-           args.backend, "--host", "127.0.0.1", "--port", str(port), "--mem-fraction-static", "0.5",
-           "--context-length", "4096", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
-    if args.kv_cache_dtype != "auto":
-        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    cmd = launch_server_cmd(args, port)
     print(f"[sglang_run] serve: {' '.join(cmd)} (log {log_path})", flush=True)
 
     with open(log_path, "w") as log:
@@ -251,6 +271,10 @@ def serve(args) -> int:
         ours_logged = "MLA decode attention runs on flashmla_backend" in log_text
         if args.backend == "flashmla_backend":
             print(f"[sglang_run] serve: log shows flashmla_backend decode: {ours_logged}", flush=True)
+            if args.dcp > 1:
+                dcp_logged = DCP_LOG_LINE in log_text
+                print(f"[sglang_run] serve: log shows the DCP path: {dcp_logged}", flush=True)
+                ours_logged = ours_logged and dcp_logged
             if args.kv_cache_dtype == "fp8_e4m3":
                 from flashmla_backend.engine_support import default_scale_message
 
@@ -309,6 +333,8 @@ def main(argv=None) -> int:
     s.add_argument("--log", required=True)
     s.add_argument("--start-timeout", type=float, default=300)
     s.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (default auto; fp8_e4m3: FP8)")
+    s.add_argument("--dcp", type=int, default=1, metavar="N",
+                   help="TP N + DCP N (SGLang's --dcp-size, N GPUs): the backend decodes, flashinfer prefills")
     args = ap.parse_args(argv)
     return {"run": run, "compare": compare, "calibrate": calibrate, "serve": serve}[args.cmd](args)
 

@@ -124,6 +124,34 @@ def test_server_args_decode_only_under_dcp():
         "page_size": 64}
 
 
+def test_dcp_serve_command_parses_with_this_sglang():
+    """integration/sglang_run.py serve --dcp 2: the launch_server command parses with this SGLang's own argument
+    parser into ours as the decode backend only, flashinfer for prefill, TP 2 + DCP 2 (what the page-size pass
+    above accepts); without --dcp ours is the one attention backend."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    from sglang.srt.server_args import ServerArgs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    import sglang_run
+
+    def parsed(dcp):
+        args = SimpleNamespace(model="/tmp/m", backend=BACKEND_NAME, kv_cache_dtype="auto", dcp=dcp)
+        cmd = sglang_run.launch_server_cmd(args, 30000)
+        assert cmd[1:3] == ["-m", "sglang.launch_server"]
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        return parser.parse_args(cmd[3:])
+
+    ns = parsed(2)
+    assert (ns.prefill_attention_backend, ns.decode_attention_backend) == ("flashinfer", BACKEND_NAME)
+    assert ns.attention_backend is None and (ns.tp_size, ns.dcp_size) == (2, 2)
+    ns = parsed(1)
+    assert ns.attention_backend == BACKEND_NAME and ns.dcp_size in (None, 1)
+
+
 # ---- the simulated ranks -----------------------------------------------------------------------------
 
 class ShardedRequests:
