@@ -6,7 +6,7 @@
 // (Traits::kShareVt) launches the same grid in clusters of (2, 1, 1): the two M tiles of a (part, KV head).
 //   config.h / traits.h   geometry, MMA types, shared-memory plan, barriers
 //   producer.cuh          KV copies (TMA) and the V transposition (the accurate mode: V widened to fp16)
-//   q_tile.cuh            the Q tile: e4m3 q copied, 16-bit q split into e4m3 terms
+//   q_tile.cuh            the Q tile: q copied (cp.async), a 16-bit q then split into e4m3 terms in place
 //   mainloop.cuh          the consumers' seesaw
 //   mainloop_f16pv.cuh    warpgroup 1 of the accurate mode (P V on fp16 wgmma)
 // The tile work (sm90/decode/tile_work.cuh), the softmax pieces (sm90/decode/softmax.cuh) and the epilogue
@@ -64,7 +64,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
   typename T::TiledMmaPV mma_pv;
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHalfDimV>>{});  // 128 fp32
 
-  if constexpr (T::kQFp8) issue_q_copy<T>(p, begin_req, m_block, hk, q_addr, tid);
+  issue_q_copy<T>(p, begin_req, m_block, hk, q_addr, tid);
   uint32_t g_base = 0;
 
   CUTLASS_PRAGMA_NO_UNROLL
@@ -72,11 +72,8 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
     decode::set_row_ends(p, w, m_block, ri);
     if (tid < kBlockM) ss.row_max[tid] = -INFINITY;
-    if constexpr (T::kQFp8) {
-      decode::cp_async_wait_all();
-    } else {
-      split_q_tile<T>(p, w.req, m_block, hk, q_addr, ss.q_scale, tid);
-    }
+    decode::cp_async_wait_all();
+    if constexpr (!T::kQFp8) split_q_tile<T>(q_addr, ss.q_scale, tid);
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
     consumers_sync();
 
@@ -103,7 +100,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     // Both consumer warpgroups are past their last wgmma: the Q tile may be overwritten.
     consumers_sync();
     if (req < end_req) {
-      if constexpr (T::kQFp8) issue_q_copy<T>(p, req + 1, m_block, hk, q_addr, tid);
+      issue_q_copy<T>(p, req + 1, m_block, hk, q_addr, tid);
     } else {
       pdl_launch_dependents();
     }

@@ -4,8 +4,9 @@
 // tile is query token r / ngroups, head hk * ngroups + r % ngroups; rows past q_rows are zero.
 //   e4m3 q (fast mode): copied as it is with cp.async (16-byte chunks), issued before the previous request's
 //   epilogue so that it lands while the epilogue runs.
-//   16-bit q (accurate mode): split row by row, q ~ s (hi + lo) with s a power of two such that max |q| / s lies in
-//   (224, 448]; hi = e4m3(q / s), lo = e4m3(q / s - hi); s goes to SharedStorage::q_scale.
+//   16-bit q (accurate mode): copied with cp.async into the tile's own bytes, issued at the same point, then split
+//   in place row by row, q ~ s (hi + lo) with s a power of two such that max |q| / s lies in (224, 448];
+//   hi = e4m3(q / s), lo = e4m3(q / s - hi); s goes to SharedStorage::q_scale.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,6 +27,9 @@
 namespace flashmla_backend::sm90::decode_fp8 {
 
 
+// 16-bit q: the 16-column groups of a row that each of its four consumer threads copies and splits.
+constexpr int kQGroupsPerThread = kHeadDimK / 16 / 4;  // 9
+
 // Source address of element column `col` (a multiple of 8 for 16-bit q, of 16 for e4m3) of tile row r, or null for
 // a row past q_rows. Columns 0..511 come from q, 512..575 from q_pe.
 template <class QIn>
@@ -42,18 +46,42 @@ __device__ __forceinline__ const QIn* q_row_src(const DecodeParams& p, int req, 
          int64_t(h) * p.q_pe_stride_h + (col - kHeadDimV);
 }
 
-// e4m3 q: cp.async of the tile (2304 chunks, 9 per consumer thread), one commit group. The caller waits
-// (cp_async_wait_all), fences the async proxy and synchronizes the consumers before the first wgmma.
+// The copy of the tile's q, one commit group, issued when the tile is free (before the first request, and after the
+// previous request's last wgmma) so that it lands while the previous request's epilogue runs.
+//   e4m3 q: the tile's 2304 16-byte chunks, 9 per consumer thread, where the product reads them. The caller waits
+//   (cp_async_wait_all), fences the async proxy and synchronizes the consumers before the first wgmma.
+//   16-bit q: the 16 values of row r's 16-column group c are 32 bytes; their two 16-byte halves go where the
+//   split puts the group's hi and lo terms (tile_chunk_offset(r, c) in term tiles 0 and 1), so that the Q region
+//   holds the 16-bit q exactly (two terms of e4m3 are as many bytes). Thread (r, part) copies the groups it splits
+//   (split_q_tile): it reads and overwrites only its own bytes, so the split needs no barrier before it.
 template <class T>
 __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int m_block, int hk, uint32_t q_addr,
                                              int tid) {
-  static_assert(T::kQFp8, "e4m3 q only");
-  constexpr int kChunksPerRow = kHeadDimK / 16;  // 36
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kNumConsumerThreads) {
-    const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
-    const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
-    decode::cp_async_16(q_addr + tile_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
+  if constexpr (T::kQFp8) {
+    constexpr int kChunksPerRow = kHeadDimK / 16;  // 36
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kNumConsumerThreads) {
+      const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
+      const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
+      decode::cp_async_16(q_addr + tile_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
+    }
+  } else {
+    using QIn = typename T::QIn;
+    static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two term tiles");
+    static_assert(kHeadDimV % 64 == 0 && kHeadDimK - kHeadDimV == 64, "groups 0..7 of a thread in q, 8 in q_pe");
+    const int r = tid >> 2, part = tid & 3;
+    // The thread's row in q and in q_pe, found once (the loop stays small: at b = 1 a CTA runs this code once, and
+    // instruction fetch is a third of the kernel's stalls there).
+    const QIn* q_src = q_row_src<QIn>(p, req, m_block, hk, r, 16 * part);
+    const QIn* pe_src = q_row_src<QIn>(p, req, m_block, hk, r, kHeadDimV + 16 * part);
+    const bool valid = q_src != nullptr;
+#pragma unroll 1
+    for (int k = 0; k < kQGroupsPerThread; ++k) {
+      const QIn* src = !valid ? reinterpret_cast<const QIn*>(p.q) : k < kQGroupsPerThread - 1 ? q_src + 64 * k : pe_src;
+      const uint32_t dst = q_addr + tile_chunk_offset(r, part + 4 * k);
+      decode::cp_async_16(dst, src, valid);
+      decode::cp_async_16(dst + kTileBytes, src + 8, valid);
+    }
   }
   decode::cp_async_commit();
 }
@@ -95,36 +123,33 @@ __device__ __forceinline__ void q16x8_to_f32(const uint4& v, float* x) {
   }
 }
 
-// 16-bit q: the split into kQTerms e4m3 terms. Four consumer threads per row (tid / 4 = row); thread part
-// tid % 4 handles the 16-column groups part, part + 4, ..., each of two 16-byte source chunks. Two passes over
-// q (the row's max, then the split; the second reads hit L1/L2): holding the row's 18 chunks in registers made
-// ptxas spill values that live across the main loop. Runs when no accumulator is live (after the previous
-// request's epilogue); the caller fences the async proxy and synchronizes the consumers.
+// 16-bit q: the split into two e4m3 terms, in place, after issue_q_copy's copy landed (cp_async_wait_all). Four
+// consumer threads per row (tid / 4 = row); thread part tid % 4 handles the 16-column groups part, part + 4, ...
+// Two passes over the thread's 18 chunks in shared memory (the row's max, then the split). Before, both passes read
+// q from global memory, a few loads in flight a thread, a round trip to L2 each time (the accurate mode's start of a
+// request; holding the row's chunks in registers instead made ptxas spill values that live across the main loop).
+// Runs when no accumulator is live; the caller fences the async proxy and synchronizes the consumers.
 template <class QIn>
-__device__ __forceinline__ void load_q16_group(const DecodeParams& p, int req, int m_block, int hk, int r, int col,
-                                               float (&x)[16]) {
-  const QIn* src = q_row_src<QIn>(p, req, m_block, hk, r, col);
-  uint4 v0 = make_uint4(0, 0, 0, 0), v1 = v0;
-  if (src != nullptr) {
-    v0 = __ldg(reinterpret_cast<const uint4*>(src));
-    v1 = __ldg(reinterpret_cast<const uint4*>(src + 8));
-  }
+__device__ __forceinline__ void load_q16_group(uint32_t addr, float (&x)[16]) {
+  uint4 v0, v1;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v0.x), "=r"(v0.y), "=r"(v0.z), "=r"(v0.w) : "r"(addr) : "memory");
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v1.x), "=r"(v1.y), "=r"(v1.z), "=r"(v1.w) : "r"(addr + kTileBytes) : "memory");
   q16x8_to_f32<QIn>(v0, x);
   q16x8_to_f32<QIn>(v1, x + 8);
 }
 
 template <class T>
-__device__ __forceinline__ void split_q_tile(const DecodeParams& p, int req, int m_block, int hk, uint32_t q_addr,
-                                             float* q_scale, int tid) {
+__device__ __forceinline__ void split_q_tile(uint32_t q_addr, float* q_scale, int tid) {
   using QIn = typename T::QIn;
-  static_assert(!T::kQFp8, "16-bit q only");
-  constexpr int kGroups = kHeadDimK / 16 / 4;  // 9 groups of 16 columns per thread
+  static_assert(!T::kQFp8 && T::kQTerms == 2, "16-bit q in two terms only");
   const int r = tid >> 2, part = tid & 3;
   float amax = 0.f;
 #pragma unroll 3
-  for (int k = 0; k < kGroups; ++k) {
+  for (int k = 0; k < kQGroupsPerThread; ++k) {
     float x[16];
-    load_q16_group<QIn>(p, req, m_block, hk, r, 16 * (part + 4 * k), x);
+    load_q16_group<QIn>(q_addr + tile_chunk_offset(r, part + 4 * k), x);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
   }
@@ -138,29 +163,25 @@ __device__ __forceinline__ void split_q_tile(const DecodeParams& p, int req, int
   if (amax > 0.f) inv = exp2f(fminf(floorf(log2f(kE4m3Max / amax)), 126.f));
   if (part == 0) q_scale[r] = 1.f / inv;
 #pragma unroll 3
-  for (int k = 0; k < kGroups; ++k) {
+  for (int k = 0; k < kQGroupsPerThread; ++k) {
+    const uint32_t off = q_addr + tile_chunk_offset(r, part + 4 * k);
     float x[16];
-    load_q16_group<QIn>(p, req, m_block, hk, r, 16 * (part + 4 * k), x);
+    load_q16_group<QIn>(off, x);
     uint32_t hi[4], lo[4];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < 4; ++i) {
       const float y0 = x[4 * i] * inv, y1 = x[4 * i + 1] * inv, y2 = x[4 * i + 2] * inv, y3 = x[4 * i + 3] * inv;
       hi[i] = f32x4_to_e4m3x4(y0, y1, y2, y3);
-      if constexpr (T::kQTerms == 2) {
-        float b[4];
-        e4m3x4_to_f32x4(hi[i], b);
-        lo[i] = f32x4_to_e4m3x4(y0 - b[0], y1 - b[1], y2 - b[2], y3 - b[3]);
-      }
+      float b[4];
+      e4m3x4_to_f32x4(hi[i], b);
+      lo[i] = f32x4_to_e4m3x4(y0 - b[0], y1 - b[1], y2 - b[2], y3 - b[3]);
     }
-    const uint32_t off = tile_chunk_offset(r, part + 4 * k);
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(q_addr + off), "r"(hi[0]), "r"(hi[1]), "r"(hi[2]),
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(off), "r"(hi[0]), "r"(hi[1]), "r"(hi[2]),
                  "r"(hi[3])
                  : "memory");
-    if constexpr (T::kQTerms == 2) {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(q_addr + kTileBytes + off), "r"(lo[0]),
-                   "r"(lo[1]), "r"(lo[2]), "r"(lo[3])
-                   : "memory");
-    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(off + kTileBytes), "r"(lo[0]), "r"(lo[1]),
+                 "r"(lo[2]), "r"(lo[3])
+                 : "memory");
   }
 }
 
