@@ -5,7 +5,10 @@
 
 Every sglang.Engine that sglang_run.py builds gets tp_size = dcp_size = N, prefill on --prefill-backend (default
 flashinfer: the plugin serves only decode under DCP) and decode on --decode-backend (flashmla_backend for ours,
-flashinfer for the reference). Exits 0 with a SKIP line when fewer than N GPUs are visible or the installed SGLang
+flashinfer for the reference), and SGLang's custom all-reduce off: on a 2-GPU H200 host SGLang 0.5.17 hung in every
+TP 2 + DCP 2 start-up right after setting up that all-reduce's symmetric memory (the log's last lines are its
+"SymmDeviceMemory" ones, with flashinfer as the decode backend as with ours), before CUDA-graph capture; the check
+is about attention, NCCL's all-reduce serves it. Exits 0 with a SKIP line when fewer than N GPUs are visible or the installed SGLang
 has no dcp_size server argument.
 """
 from __future__ import annotations
@@ -13,6 +16,21 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+
+def server_arg_names(server_args_cls) -> set[str]:
+    """The fields of SGLang's ServerArgs: a dataclass up to 0.5.17, a msgspec Struct in later releases."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(server_args_cls):
+        return {f.name for f in dataclasses.fields(server_args_cls)}
+    return set(getattr(server_args_cls, "__struct_fields__", ()))
+
+
+def engine_overrides(dcp: int, prefill_backend: str, decode_backend: str) -> dict:
+    """The sglang.Engine arguments this wrapper sets (the docstring above says why the custom all-reduce is off)."""
+    return dict(tp_size=dcp, dcp_size=dcp, prefill_attention_backend=prefill_backend,
+                decode_attention_backend=decode_backend, disable_custom_all_reduce=True)
 
 
 def main(argv=None) -> int:
@@ -31,20 +49,17 @@ def main(argv=None) -> int:
         print(f"[sglang_dcp_run] SKIP: TP {args.dcp} + DCP {args.dcp} needs {args.dcp} GPUs, "
               f"{torch.cuda.device_count()} visible", flush=True)
         return 0
-    import dataclasses
-
     import sglang
     from sglang.srt.server_args import ServerArgs
 
-    if "dcp_size" not in {f.name for f in dataclasses.fields(ServerArgs)}:
+    if "dcp_size" not in server_arg_names(ServerArgs):
         print(f"[sglang_dcp_run] SKIP: SGLang {sglang.__version__} has no --dcp-size", flush=True)
         return 0
     original = sglang.Engine
 
     def engine(*a, **kw):
         kw.pop("attention_backend", None)
-        kw.update(tp_size=args.dcp, dcp_size=args.dcp, prefill_attention_backend=args.prefill_backend,
-                  decode_attention_backend=args.decode_backend)
+        kw.update(engine_overrides(args.dcp, args.prefill_backend, args.decode_backend))
         print(f"[sglang_dcp_run] tp_size={args.dcp} dcp_size={args.dcp} prefill={args.prefill_backend} "
               f"decode={args.decode_backend}", flush=True)
         return original(*a, **kw)

@@ -127,7 +127,8 @@ def test_server_args_decode_only_under_dcp():
 def test_dcp_serve_command_parses_with_this_sglang():
     """integration/sglang_run.py serve --dcp 2: the launch_server command parses with this SGLang's own argument
     parser into ours as the decode backend only, flashinfer for prefill, TP 2 + DCP 2 (what the page-size pass
-    above accepts); without --dcp ours is the one attention backend."""
+    above accepts), SGLang's custom all-reduce off (integration/sglang_dcp_run.py says why); without --dcp ours is
+    the one attention backend."""
     import argparse
     import sys
     from pathlib import Path
@@ -147,9 +148,25 @@ def test_dcp_serve_command_parses_with_this_sglang():
 
     ns = parsed(2)
     assert (ns.prefill_attention_backend, ns.decode_attention_backend) == ("flashinfer", BACKEND_NAME)
-    assert ns.attention_backend is None and (ns.tp_size, ns.dcp_size) == (2, 2)
+    assert ns.attention_backend is None and (ns.tp_size, ns.dcp_size) == (2, 2) and ns.disable_custom_all_reduce
     ns = parsed(1)
-    assert ns.attention_backend == BACKEND_NAME and ns.dcp_size in (None, 1)
+    assert ns.attention_backend == BACKEND_NAME and ns.dcp_size in (None, 1) and not ns.disable_custom_all_reduce
+
+
+def test_dcp_engine_overrides_are_this_sglangs_server_arguments():
+    """integration/sglang_dcp_run.py's sglang.Engine arguments are fields of this SGLang's ServerArgs."""
+    import sys
+    from pathlib import Path
+
+    from sglang.srt.server_args import ServerArgs
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    import sglang_dcp_run
+
+    kw = sglang_dcp_run.engine_overrides(2, "flashinfer", BACKEND_NAME)
+    names = sglang_dcp_run.server_arg_names(ServerArgs)
+    assert "dcp_size" in names and set(kw) <= names
+    assert kw["dcp_size"] == kw["tp_size"] == 2 and kw["disable_custom_all_reduce"] is True
 
 
 # ---- the simulated ranks -----------------------------------------------------------------------------
