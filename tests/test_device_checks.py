@@ -130,9 +130,9 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
     assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16"}
-    assert variants["kFastE4m3Q"] == (1, 1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 1, 3, 2, 2, False)
-    assert variants["kAccurateBF16"] == (2, 1, 2, 1, 1, True) == variants["kAccurateFP16"]
-    assert all(stages >= 2 and left >= 1 and right >= 1 for _, _, stages, left, right, _ in variants.values())
+    assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False)
+    assert variants["kAccurateBF16"] == (2, 2, 1, 1, True) == variants["kAccurateFP16"]
+    assert all(stages >= 2 and left >= 1 and right >= 1 for _, stages, left, right, _ in variants.values())
     assert fp8_model.vt_empty_copies(3, 2, 2) == 2 and fp8_model.vt_empty_copies(2, 2, 4) == 1
     arrivals = fp8_model.read_arrivals()
     assert arrivals["kNumVPairs"] == 4 and arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumVPairs"]
@@ -145,13 +145,13 @@ def test_fp8_protocol_model_rejects_a_broken_schedule(fp8_model, mutation):
     with pytest.raises(fp8_model.ProtocolError):
         for seed in range(40):
             for stages, rings in ((2, (2, 4)), (2, (2, 2)), (3, (2, 3))):
-                fp8_model.run([9, 4, 7], stages, rings, reuse_p=False, seed=seed, mutation=mutation)
+                fp8_model.run([9, 4, 7], stages, rings, seed=seed, mutation=mutation)
 
 
 def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):
     with pytest.raises(fp8_model.ProtocolError, match="p"):
         for seed in range(200):
-            fp8_model.run([9, 4, 7], 2, (1, 1), reuse_p=False, seed=seed, mutation="p0 rewritten early", f16pv=True,
+            fp8_model.run([9, 4, 7], 2, (1, 1), seed=seed, mutation="p0 rewritten early", f16pv=True,
                           starve="wg1")
 
 
@@ -162,7 +162,7 @@ def test_fp8_protocol_model_catches_a_parity_wait_two_phases_ahead(fp8_model, mo
     for stages, rings, f16pv in ((3, (2, 2), False), (2, (1, 1), True)):
         with pytest.raises(fp8_model.ProtocolError, match="parity wait would pass"):
             for seed in range(200):
-                fp8_model.run([9, 4, 7, 5], stages, rings, reuse_p=False, seed=seed, f16pv=f16pv)
+                fp8_model.run([9, 4, 7, 5], stages, rings, seed=seed, f16pv=f16pv)
 
 
 @pytest.mark.parametrize("name, count", [
@@ -175,7 +175,7 @@ def test_fp8_protocol_model_rejects_wrong_arrival_counts(fp8_model, name, count)
     arrivals[name] = count
     with pytest.raises(fp8_model.ProtocolError):
         for seed in range(40):
-            fp8_model.run([9, 4, 7], 2, (2, 4), reuse_p=False, arrivals=arrivals, seed=seed)
+            fp8_model.run([9, 4, 7], 2, (2, 4), arrivals=arrivals, seed=seed)
 
 
 # ---- CUDA check programs ----------------------------------------------------------------------------------------

@@ -57,7 +57,6 @@ constexpr int kV16HalfBytes = kVPiecesPerHalf * kV16PieceBytes;      // 32768
 // The e4m3 A fragment of a 64 x 64 P tile is 32 bytes per consumer thread (two k32 slices of 16 bytes); the
 // tile a warpgroup hands to the other is stored in that order (thread-major 16-byte chunks, conflict-free).
 constexpr int kPFragBytes = kBlockM * kBlockN / kThreadsPerWarpGroup;  // 32
-constexpr int kPTermBytes = kBlockM * kBlockN;                         // 4096
 
 // P = exp2(s - m + kPScaleLog2): 2^8 times the probability relative to the running max (<= 1), so that small
 // probabilities keep normal e4m3 exponents. The factor costs no multiplication (it rides in the exponent's offset);

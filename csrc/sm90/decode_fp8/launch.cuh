@@ -47,7 +47,7 @@ struct VariantTraits;
 // flight, producer.cuh: units_in_flight; at 80 that spilled, and with four in flight it spilled at 56 and 72).
 template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4, 208, 88>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 2, 2, 4, 208, 88>;
 };
 // With one or two M tiles (h_q s_q / h_kv <= 128) 3 KV stages and V^T rings of 2 + 2 (the shared memory of both
 // plans is ~210 KB) measured faster once the transposer and the rescale got lighter: 1-4% at b128 h_q 16, 32 and
@@ -55,7 +55,7 @@ struct VariantTraits<Variant::kFastE4m3Q> {
 // (four M tiles, which keep the other plan). docs/perf/journal.md, 2026-11-27, has the repeated A/B.
 template <>
 struct VariantTraits<Variant::kFastE4m3QStream> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 3, 2, 2, 208, 88>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 3, 2, 2, 208, 88>;
 };
 // Two M tiles as 2-CTA clusters: each CTA transposes one V^T half and copies it to the other (producer.cuh,
 // Traits::kShareVt). Measured (H100, b128 x 8192, h_q 128; docs/perf/journal.md): 2 KV stages and rings of 3 + 3
@@ -64,18 +64,18 @@ struct VariantTraits<Variant::kFastE4m3QStream> {
 // kernel without the transposition: 342 us against 302). The producer needs 88 registers (at 80 it spilled).
 template <>
 struct VariantTraits<Variant::kFastE4m3QCluster> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 1, 2, 3, 3, 208, 88, true>;
+  using type = Traits<cutlass::float_e4m3_t, 1, 2, 3, 3, 208, 88, true>;
 };
 // The accurate mode: Q K^T on e4m3 tensor cores with two q terms, P V on fp16 tensor cores (Traits::kPvF16), 2 KV
 // stages and one fp16 V half a consumer warpgroup (64 KB; with the two-term Q and the fp16 P hand-off the plan is
 // 227 KB).
 template <>
 struct VariantTraits<Variant::kAccurateBF16> {
-  using type = Traits<cutlass::bfloat16_t, 2, 1, 2, 1, 1, 224, 56, false, true>;
+  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true>;
 };
 template <>
 struct VariantTraits<Variant::kAccurateFP16> {
-  using type = Traits<cutlass::half_t, 2, 1, 2, 1, 1, 224, 56, false, true>;
+  using type = Traits<cutlass::half_t, 2, 2, 1, 1, 224, 56, false, true>;
 };
 
 template <Variant V>

@@ -81,36 +81,26 @@ __device__ __forceinline__ void rescale_o(Frag& o, const float (&sc)[2]) {
 // between threads when k' = 4 t + i holds key 2 t + (i & 1) + 8 (i >> 1) (+ 16 for the upper half): word q of slice
 // kk takes values 16 kk + 8 (q >> 1) + 2 (q & 1) + {0, 1, 4, 5}, in that byte order. V^T is written in that key
 // order (producer.cuh: producer_loop).
-// Term 0 = e4m3(x), term 1 = e4m3(x - term 0), with x = s(i) * f[row] (kScaled) or s(i).
-template <int kTerms, bool kScaled, class Frag>
-__device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int kk, uint32_t (&words)[kTerms][4]) {
+// Each value is e4m3(x), with x = s(i) * f[row] (kScaled) or s(i).
+template <bool kScaled, class Frag>
+__device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int kk, uint32_t (&words)[4]) {
   CUTLASS_PRAGMA_UNROLL
   for (int q = 0; q < 4; ++q) {
     const float fr = kScaled ? f[q & 1] : 1.f;
     const auto at = [&](int i) { return kScaled ? s(p_source_index(kk, q, i)) * fr : s(p_source_index(kk, q, i)); };
-    const float x0 = at(0), x1 = at(1), x2 = at(2), x3 = at(3);
-    const uint32_t hi = f32x4_to_e4m3x4(x0, x1, x2, x3);
-    words[0][q] = hi;
-    if constexpr (kTerms == 2) {
-      float b[4];
-      e4m3x4_to_f32x4(hi, b);
-      words[1][q] = f32x4_to_e4m3x4(x0 - b[0], x1 - b[1], x2 - b[2], x3 - b[3]);
-    }
+    words[q] = f32x4_to_e4m3x4(at(0), at(1), at(2), at(3));
   }
 }
 // P's own fragment (no row factor).
-template <int kTerms, class Frag>
-__device__ __forceinline__ void p_fragment(const Frag& s, uint32_t (&words)[kTerms][8]) {
+template <class Frag>
+__device__ __forceinline__ void p_fragment(const Frag& s, uint32_t (&words)[8]) {
   const float none[2] = {1.f, 1.f};
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
-    uint32_t w[kTerms][4];
-    p_words<kTerms, false>(s, none, kk, w);
+    uint32_t w[4];
+    p_words<false>(s, none, kk, w);
     CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < kTerms; ++t) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int q = 0; q < 4; ++q) words[t][4 * kk + q] = w[t][q];
-    }
+    for (int q = 0; q < 4; ++q) words[4 * kk + q] = w[q];
   }
 }
 
@@ -118,84 +108,66 @@ __device__ __forceinline__ void p_fragment(const Frag& s, uint32_t (&words)[kTer
 // accumulator's own register order (as in sm90/decode/mainloop.cuh), so word k is (s(2 k), s(2 k + 1)), row
 // g + 8 (k & 1) of the thread.
 template <class Frag>
-__device__ __forceinline__ void p16_fragment(const Frag& s, uint32_t (&words)[1][16]) {
+__device__ __forceinline__ void p16_fragment(const Frag& s, uint32_t (&words)[16]) {
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < 16; ++k) {
     const __half2 h = __floats2half2_rn(s(2 * k), s(2 * k + 1));
-    words[0][k] = *reinterpret_cast<const uint32_t*>(&h);
+    words[k] = *reinterpret_cast<const uint32_t*>(&h);
   }
 }
-// A P tile handed to the other warpgroup: thread t's words as 16-byte chunks at (term, chunk, t); kWords words a
-// term (8: an e4m3 term, 16: the fp16 fragment).
-template <int kTerms, int kWords>
-__device__ __forceinline__ void store_p(uint8_t* buf, int tid, const uint32_t (&words)[kTerms][kWords]) {
+// A P tile handed to the other warpgroup: thread t's kWords words (8: the e4m3 fragment, 16: the fp16 one) as
+// 16-byte chunks at (chunk, t).
+template <int kWords>
+__device__ __forceinline__ void store_p(uint8_t* buf, int tid, const uint32_t (&words)[kWords]) {
   const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
   CUTLASS_PRAGMA_UNROLL
-  for (int t = 0; t < kTerms; ++t) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kWords / 4; ++c) {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + (t * kWords / 4 + c) * 2048 + tid * 16),
-                   "r"(words[t][4 * c]), "r"(words[t][4 * c + 1]), "r"(words[t][4 * c + 2]), "r"(words[t][4 * c + 3]));
-    }
+  for (int c = 0; c < kWords / 4; ++c) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + c * 2048 + tid * 16), "r"(words[4 * c]),
+                 "r"(words[4 * c + 1]), "r"(words[4 * c + 2]), "r"(words[4 * c + 3]));
   }
 }
-// The same, computed and stored one k32 slice at a time (four words per term live at once).
-template <int kTerms, class Frag>
+// The e4m3 fragment of P times the row factor f, computed and stored one k32 slice at a time (four words live at
+// once).
+template <class Frag>
 __device__ __forceinline__ void store_p_fragment(const Frag& s, const float (&f)[2], uint8_t* buf, int tid) {
   const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
-    uint32_t w[kTerms][4];
-    p_words<kTerms, true>(s, f, kk, w);
-    CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < kTerms; ++t) {
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + t * kPTermBytes + (kk * 128 + tid) * 16),
-                   "r"(w[t][0]), "r"(w[t][1]), "r"(w[t][2]), "r"(w[t][3]));
-    }
+    uint32_t w[4];
+    p_words<true>(s, f, kk, w);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + (kk * 128 + tid) * 16), "r"(w[0]),
+                 "r"(w[1]), "r"(w[2]), "r"(w[3]));
   }
 }
-template <int kTerms, int kWords>
-__device__ __forceinline__ void load_p(const uint8_t* buf, int tid, uint32_t (&words)[kTerms][kWords]) {
+template <int kWords>
+__device__ __forceinline__ void load_p(const uint8_t* buf, int tid, uint32_t (&words)[kWords]) {
   const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
   CUTLASS_PRAGMA_UNROLL
-  for (int t = 0; t < kTerms; ++t) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < kWords / 4; ++c) {
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[t][4 * c]), "=r"(words[t][4 * c + 1]), "=r"(words[t][4 * c + 2]),
-                     "=r"(words[t][4 * c + 3])
-                   : "r"(base + (t * kWords / 4 + c) * 2048 + tid * 16));
-    }
+  for (int c = 0; c < kWords / 4; ++c) {
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(words[4 * c]), "=r"(words[4 * c + 1]), "=r"(words[4 * c + 2]), "=r"(words[4 * c + 3])
+                 : "r"(base + c * 2048 + tid * 16));
   }
 }
 
-// The A-fragment tensors of the P V product: T::kPFragTerms x T::kPTermWords words per thread (the registers the rs
-// wgmma reads, in its order), viewed as the fragment the CuTe MMA expects (32 e4m3 or fp16 values a term).
+// The A fragment of the P V product: T::kPWords words per thread (the registers the rs wgmma reads, in its order),
+// viewed as the fragment the CuTe MMA expects (32 e4m3 or fp16 values).
 template <class T>
 struct PFrag {
-  static constexpr int kTerms = T::kPFragTerms;
-  static constexpr int kWords = T::kPTermWords;
+  static constexpr int kWords = T::kPWords;
   using E = typename T::PvElement;
   using Mma = typename T::TiledMmaPV;
   using ALayout = decltype(make_layout(partition_shape_A(Mma{}, Shape<Int<kBlockM>, Int<kBlockN>>{})));
-  static_assert(cosize_v<ALayout> * int(sizeof(E)) == 4 * kWords, "a term is the thread's whole A fragment");
-  uint32_t w[kTerms][kWords];
-  __device__ __forceinline__ auto term(int k) {
-    return make_tensor(make_rmem_ptr<E>(reinterpret_cast<E*>(&w[k][0])), ALayout{});
-  }
-  __device__ __forceinline__ void set(const uint32_t (&words)[kTerms][kWords]) {
+  static_assert(cosize_v<ALayout> * int(sizeof(E)) == 4 * kWords, "the words are the thread's whole A fragment");
+  uint32_t w[kWords];
+  __device__ __forceinline__ auto tensor() { return make_tensor(make_rmem_ptr<E>(reinterpret_cast<E*>(&w[0])), ALayout{}); }
+  __device__ __forceinline__ void set(const uint32_t (&words)[kWords]) {
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kTerms; ++k) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kWords; ++i) w[k][i] = words[k][i];
-    }
+    for (int i = 0; i < kWords; ++i) w[i] = words[i];
   }
   __device__ __forceinline__ void fence() {
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kTerms; ++k) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kWords; ++i) asm volatile("" : "+r"(w[k][i]));
-    }
+    for (int i = 0; i < kWords; ++i) asm volatile("" : "+r"(w[i]));
   }
 };
 
@@ -257,12 +229,9 @@ __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss,
   P.fence();
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
+  Tensor tOrP = P.tensor();
   CUTLASS_PRAGMA_UNROLL
-  for (int t = 0; t < PFrag<T>::kTerms; ++t) {
-    Tensor tOrP = P.term(t);
-    CUTLASS_PRAGMA_UNROLL
-    for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
-  }
+  for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
   warpgroup_commit_batch();
   warpgroup_fence_operand(tOrO);
   P.fence();
@@ -312,8 +281,7 @@ template <class T, class FragO>
 __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, const RequestPiece& w, const RowInfo& ri,
                                              int tid, uint32_t g_base, FragO& tOrO,
                                              float (&row_sum)[2]) {
-  constexpr int kPT = T::kPFragTerms;
-  constexpr int kPW = T::kPTermWords;
+  constexpr int kPW = T::kPWords;
   const int lane = tid & 31;
   const int nblk = padded_blocks(w.num_blocks);
   if (nblk == 0) {
@@ -356,11 +324,11 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc0[v] + sum[v];
     {
-      uint32_t words[kPT][kPW];
+      uint32_t words[kPW];
       if constexpr (T::kPvF16) {
         p16_fragment(tSrS, words);
       } else {
-        p_fragment<kPT>(tSrS, words);
+        p_fragment(tSrS, words);
       }
       P.set(words);
     }
@@ -383,9 +351,9 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     // P0 sc1: when no row of the warp changed its max (sc1 == 1, the common case) that is P0's own fragment.
     if constexpr (!T::kPvF16) {
       if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
-        store_p_fragment<kPT>(tSrS, {sc1[0], sc1[1]}, ss.p[0], tid);
+        store_p_fragment(tSrS, {sc1[0], sc1[1]}, ss.p[0], tid);
       } else {
-        store_p<kPT>(ss.p[0], tid, P.w);
+        store_p(ss.p[0], tid, P.w);
       }
       NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     }
@@ -399,7 +367,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
     // ---- O_L += P1 V1L; next S = Q K0^T (block b0 + 2) ----
     {
-      uint32_t words[kPT][kPW];
+      uint32_t words[kPW];
       load_p(ss.p[1], tid, words);
       P.set(words);
     }
@@ -464,7 +432,6 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
                                              int tid, uint32_t g_base, FragO& tOrO,
                                              float (&row_sum)[2]) {
   static_assert(!T::kPvF16, "mainloop_f16pv.cuh");
-  constexpr int kPT = T::kPTerms;
   const int lane = tid & 31;
   const int nblk = padded_blocks(w.num_blocks);
   if (nblk == 0) {
@@ -474,7 +441,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
 
   typename T::TiledMmaQK mma_qk;
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  PFrag<T> P1, P0own;
+  PFrag<T> P1, P0;
 
   auto step = [&](auto next_c, int b0) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr bool kNext = decltype(next_c)::value;  // blocks b0 + 2 and b0 + 3 exist
@@ -485,9 +452,9 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     // ---- softmax of block 1 against m0: m1 = max(m0, rowmax S1); P1 -> p[1] ----
     float sc1[2], sc01[2];
     softmax_block1(ss, w, ri, lane, tok1, sl2, tSrS, row_sum, sc1, sc01, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-      uint32_t words[kPT][8];
-      p_fragment<kPT>(tSrS, words);
-      store_p<kPT>(ss.p[1], tid, words);
+      uint32_t words[8];
+      p_fragment(tSrS, words);
+      store_p(ss.p[1], tid, words);
       P1.set(words);
     });
 
@@ -496,27 +463,17 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     wait_vt<T, 1>(ss, g0 + 1);
     pv_block<T, 1>(tid, ss, g0 + 1, P1, tOrO);
     NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
-    // Two-term P: P1 V1R completes before P0 is loaded into the same registers (both fragments at once, 32
-    // registers, made ptxas spill). One term: P0 gets registers of its own and both products overlap.
-    constexpr bool kReuse = kPT == 2;
-    if constexpr (kReuse) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      release_vt<T, 1>(ss, g0 + 1, lane);
-    }
-    auto& P0 = kReuse ? P1 : P0own;
+    // P0 gets registers of its own, so that both products overlap.
     {
-      uint32_t words[kPT][8];
-      load_p<kPT>(ss.p[0], tid, words);
+      uint32_t words[8];
+      load_p(ss.p[0], tid, words);
       P0.set(words);
     }
     wait_vt<T, 1>(ss, g0);
     pv_block<T, 1>(tid, ss, g0, P0, tOrO);
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 3, tSrS);
-    if constexpr (!kReuse) {
-      warpgroup_wait<kNext ? 2 : 1>();
-      release_vt<T, 1>(ss, g0 + 1, lane);
-    }
+    warpgroup_wait<kNext ? 2 : 1>();
+    release_vt<T, 1>(ss, g0 + 1, lane);
     warpgroup_wait<kNext ? 1 : 0>();
     warpgroup_fence_operand(tOrO);
     release_vt<T, 1>(ss, g0, lane);

@@ -29,12 +29,12 @@
 namespace flashmla_backend::sm90::decode_fp8 {
 
 // The fragment's rows times f (word k: row k & 1), in fp32 and rounded back to fp16.
-__device__ __forceinline__ void scale_p16(uint32_t (&words)[1][16], const float (&f)[2]) {
+__device__ __forceinline__ void scale_p16(uint32_t (&words)[16], const float (&f)[2]) {
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < 16; ++k) {
-    const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&words[0][k]));
+    const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&words[k]));
     const __half2 h = __floats2half2_rn(x.x * f[k & 1], x.y * f[k & 1]);
-    words[0][k] = *reinterpret_cast<const uint32_t*>(&h);
+    words[k] = *reinterpret_cast<const uint32_t*>(&h);
   }
 }
 
@@ -66,7 +66,7 @@ __device__ __forceinline__ void mainloop_f16pv_wg1(typename T::SharedStorage& ss
     // ---- softmax of block 1 against m0: m1 = max(m0, rowmax S1); P1 -> p[1] ----
     float sc1[2], sc01[2];
     softmax_block1(ss, w, ri, lane, tok1, sl2, tSrS, row_sum, sc1, sc01, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-      uint32_t words[1][16];
+      uint32_t words[16];
       p16_fragment(tSrS, words);
       store_p(ss.p[1], tid, words);
     });
@@ -75,7 +75,7 @@ __device__ __forceinline__ void mainloop_f16pv_wg1(typename T::SharedStorage& ss
     rescale_o(tOrO, sc01);
     NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     {
-      uint32_t words[1][16];
+      uint32_t words[16];
       load_p(ss.p[0], tid, words);
       if constexpr (kNext) NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Free));
       if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) scale_p16(words, sc1);
@@ -90,7 +90,7 @@ __device__ __forceinline__ void mainloop_f16pv_wg1(typename T::SharedStorage& ss
     // ---- O_R += P1 V1R (P1 back from p[1]: two fragments at once would cost 16 more registers); next S = Q K1^T
     // (block b0 + 3) ----
     {
-      uint32_t words[1][16];
+      uint32_t words[16];
       load_p(ss.p[1], tid, words);
       P.set(words);
     }

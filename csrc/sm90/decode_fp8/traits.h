@@ -30,19 +30,19 @@ struct ShareVtState<true, kVtSlots> {
 // QIn: q's element type in global memory. An e4m3 q (the fast mode: true value = stored x descale_q) is used as
 // it is, one term. A 16-bit q (the accurate mode) is split per row into kQTerms e4m3 terms of one power-of-two
 // scale: q ~ s (hi + lo) with hi = e4m3(q / s), lo = e4m3(q / s - hi), so Q K^T is kQTerms e4m3 products into one
-// accumulator. P is cast to kPTerms e4m3 terms the same way (P V: kPTerms products). kStages: KV blocks in flight;
+// accumulator. P is cast to one e4m3 term (the fast mode's P V). kStages: KV blocks in flight;
 // kVtLeft / kVtRight: V^T halves in flight for consumer warpgroup 0 / 1 (config.h: each warpgroup reads only its
 // half, and the two read them at different points of a step; mainloop.cuh).
 // kConsumerRegs / kProducerRegs: the setmaxnreg split (config.h).
 // kPvF16 (the accurate mode): P V runs on 16-bit tensor cores instead: P in fp16 (the S accumulator's own register
 // layout), V widened by the producer from the e4m3 stage to fp16 in [key][value column] order (the 16-bit kernel's
 // MN-major operand, 128B swizzle) instead of transposed, one 32 KB buffer a consumer warpgroup half (rings of 1,
-// read in block order: mainloop_f16pv.cuh), fp32 accumulation; kPTerms is unused. Q K^T stays on e4m3 tensor
+// read in block order: mainloop_f16pv.cuh), fp32 accumulation. Q K^T stays on e4m3 tensor
 // cores with the two q terms, the small one first (qk_block).
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
-template <class QIn_, int kQTerms_, int kPTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
+template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
           int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false>
 struct Traits {
   using QIn = QIn_;
@@ -51,7 +51,6 @@ struct Traits {
   // The output: bf16 for an e4m3 q, q's type otherwise.
   using Out = std::conditional_t<kQFp8, cutlass::bfloat16_t, QIn>;
   static constexpr int kQTerms = kQTerms_;
-  static constexpr int kPTerms = kPTerms_;
   static constexpr int kStages = kStages_;
   // V^T half h of block g lives in slot vt_slot(h, g) of the kVtSlots half buffers: g modulo half h's ring, the
   // left ring first.
@@ -62,7 +61,7 @@ struct Traits {
                     std::is_same_v<QIn, cutlass::half_t>,
                 "q is e4m3, bf16 or fp16");
   static_assert(!kQFp8 || kQTerms == 1, "an e4m3 q is one term");
-  static_assert(kQTerms >= 1 && kQTerms <= 2 && kPTerms >= 1 && kPTerms <= 2, "one or two terms");
+  static_assert(kQTerms >= 1 && kQTerms <= 2, "one or two q terms");
   static constexpr bool kPvF16 = kPvF16_;
   static_assert(kStages >= 2, "at least two KV stages");
   static_assert(kPvF16 ? (kVtLeft_ >= 1 && kVtRight_ >= 1) : (kVtLeft_ >= 2 && kVtRight_ >= 2),
@@ -93,11 +92,10 @@ struct Traits {
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<PvElement, PvElement, float, Shape<Int<kBlockM>, Int<kHalfDimV>, Int<kBlockN>>,
                            GMMA::Major::K, kPvF16 ? GMMA::Major::MN : GMMA::Major::K>()));
-  // P's A fragment a consumer thread holds: kPFragTerms terms of kPTermWords 32-bit words (the e4m3 terms of 8 words,
-  // or one fp16 fragment of 16), handed between the warpgroups as kPBytes.
-  static constexpr int kPFragTerms = kPvF16 ? 1 : kPTerms;
-  static constexpr int kPTermWords = kPvF16 ? 16 : 8;
-  static constexpr int kPBytes = kPFragTerms * kPTermWords * 4 * kThreadsPerWarpGroup;
+  // P's A fragment a consumer thread holds: kPWords 32-bit words (e4m3: 8, fp16: 16), handed between the warpgroups
+  // as kPBytes.
+  static constexpr int kPWords = kPvF16 ? 16 : 8;
+  static constexpr int kPBytes = kPWords * 4 * kThreadsPerWarpGroup;
 
   // A Q term tile or a KV block (64 rows, 576): 8 x 64-byte atoms stacked along the rows first, so columns
   // [64 j, 64 j + 64) are one contiguous 4 KB piece, the image of one TMA box with 64B swizzle.
@@ -137,7 +135,7 @@ struct Traits {
     // slot s at s * kVHalfBytes
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVHalfBytes, kSmemAlign> vt;
     // P tiles handed between the consumer warpgroups in A-fragment order: p[0] = P0 * scale1 (warpgroup 0 ->
-    // 1; kPvF16: P0, which warpgroup 1 scales), p[1] = P1 (warpgroup 1 -> 0); term t at t * 4 KB.
+    // 1; kPvF16: P0, which warpgroup 1 scales), p[1] = P1 (warpgroup 1 -> 0).
     alignas(16) uint8_t p[2][kPBytes];
     float row_max[kBlockM];   // running max m (log2 domain, scaled), shared by both consumer warpgroups
     float scale0[kBlockM];    // exp2(m_prev - m0) of the current step (warpgroup 0)

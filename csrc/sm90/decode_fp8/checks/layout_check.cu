@@ -21,7 +21,7 @@
 using namespace cute;
 using namespace flashmla_backend::sm90::decode_fp8;
 
-using T = Traits<cutlass::float_e4m3_t, 1, 1, 2, 2, 4>;
+using T = Traits<cutlass::float_e4m3_t, 1, 2, 2, 4>;
 using F8 = cutlass::float_e4m3_t;
 
 // The 32-bit result of PTX prmt / __byte_perm(x, y, s): byte k = byte s_k of the 8-byte value (y:x).
@@ -184,7 +184,7 @@ static void check_output_columns() {
 // layout the fp16 P V product reads as (256 columns, 64 keys); and the fp16 A fragment of P holds, at value i, the S
 // accumulator value i (same row and key), which mainloop.cuh (p16_fragment) and mainloop_f16pv.cuh (scale_p16) rely
 // on.
-using T16 = Traits<cutlass::bfloat16_t, 2, 1, 2, 1, 1, 224, 56, false, true>;
+using T16 = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true>;
 static void check_f16pv() {
   using H = cutlass::half_t;
   H* buf = static_cast<H*>(std::aligned_alloc(kSmemAlign, kV16HalfBytes));

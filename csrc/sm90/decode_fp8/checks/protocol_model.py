@@ -34,16 +34,16 @@ class ProtocolError(AssertionError):
     """A schedule the kernel would get wrong: a hang, a skipped barrier phase or a read of stale data."""
 
 
-def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, int, bool]]:
-    """{variant: (q terms, P terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in
-    launch.cuh (the last is Traits' kPvF16, after the registers and kShareVt)."""
+def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, bool]]:
+    """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in launch.cuh (the
+    last is Traits' kPvF16, after the registers and kShareVt)."""
     text = launch_cuh.read_text()
-    found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+),\s*(\d+)"
+    found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
                        r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
-    return {name: (int(a), int(b), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true")
-            for name, a, b, c, d, e, _share, f16 in found}
+    return {name: (int(a), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true")
+            for name, a, c, d, e, _share, f16 in found}
 
 
 V_PIECES = 8  # config.h: kNumVPieces, the 512 value columns in pieces of 64
@@ -244,7 +244,7 @@ def f16pv_step(wg, g0, nxt, first, kS, kVt: VtRings, mutation=None):
         yield from second_pv()
 
 
-def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None, f16pv=False):
+def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False):
     # Warpgroup wg reads V^T half wg of every block.
     g_base = 0
     for n in requests:
@@ -277,16 +277,13 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None, f16pv
                     yield ("named_arrive", "scale1")
                     yield from pv_issue(g0 + 1, wg, kVt)
                     yield ("named_sync", "p0")
-                    if reuse_p:                  # two-term P: P1 V1R completes before P0 takes its registers
-                        yield from pv_done(g0 + 1, wg, kVt)
                     if mutation == "early vt_empty":
                         for _ in range(CONSUMER_WARPS):
                             yield ("arrive", "vt_empty", kVt.empty(kVt.slot(1, g0), kVt.use(1, g0))[0])
                     yield from pv_issue(g0, wg, kVt)
                     if nxt:
                         yield from qk(g0 + 3, kS)   # its nine pieces are waited for before the batch is issued
-                    if not reuse_p:
-                        yield from pv_done(g0 + 1, wg, kVt)
+                    yield from pv_done(g0 + 1, wg, kVt)
                     if mutation == "early vt_empty":
                         yield ("read_end", ("vt", kVt.slot(1, g0)), g0)
                     else:
@@ -298,7 +295,7 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, reuse_p, mutation=None, f16pv
         yield ("named_sync", "consumers")      # past the epilogue
 
 
-def run(requests: list[int], stages: int, vt_rings: tuple[int, int], reuse_p: bool,
+def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
         f16pv: bool = False, starve: str | None = None) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
@@ -312,7 +309,7 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int], reuse_p: bo
         agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
                                                     arrivals["kNumVPairs"], mutation)
     for wg in (0, 1):
-        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, reuse_p, mutation, f16pv)
+        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, mutation, f16pv)
     # Named barriers: generation counters. scale0 / scale1 / p0: one side arrives, the other syncs; consumers: both
     # warpgroups sync (a generation completes when both arrived).
     named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0]}
@@ -369,10 +366,10 @@ def check_all(seeds: int = 30) -> int:
     sequences = [[n] for n in range(8)] + [[a, b] for a in range(6) for b in range(6)]
     sequences += [[gen.randrange(0, 12) for _ in range(gen.randrange(1, 5))] for _ in range(20)]
     starved = [None, "copy", "wg0", "wg1"] + [f"transposer{w}" for w in range(read_arrivals()["kNumTransposeWarps"])]
-    for name, (_, p_terms, stages, left, right, f16pv) in read_variants().items():
+    for name, (_, stages, left, right, f16pv) in read_variants().items():
         for reqs in sequences:
             for seed in range(seeds):
-                run(reqs, stages, (left, right), reuse_p=p_terms == 2, seed=seed, f16pv=f16pv,
+                run(reqs, stages, (left, right), seed=seed, f16pv=f16pv,
                     starve=starved[seed % len(starved)])
                 runs += 1
     return runs
