@@ -224,3 +224,14 @@ def test_accurate_mode_with_tiny_q_rows():
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     assert rel_norm(out, ref_out) < _out_tol("bf16q")
     assert rel_norm(lse, ref_lse) < ACCURATE_LSE
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[6]], ids=str)
+def test_accurate_mode_with_v_in_key_granules_gives_the_same_bits(monkeypatch, case):
+    """FLASHMLA_BACKEND_FP8_DEBUG=16 (decode.h: kDebugVGranules) runs the bf16-q accurate mode with each fp16 V half
+    in two key granules, each with barriers of its own: the same products in the same order, so the same bits."""
+    inp, dq, dk = fp8_inputs(case, "cuda")
+    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "16")
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)

@@ -57,7 +57,11 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   }
   switch (params.dtype) {
     case DType::kBF16:
-      run_decode_kernel<Variant::kAccurateBF16>(params, debug);
+      if (debug & sm90::decode_fp8::kDebugVGranules) {
+        run_decode_kernel<Variant::kAccurateBF16Granules>(params, debug);
+      } else {
+        run_decode_kernel<Variant::kAccurateBF16>(params, debug);
+      }
       return;
     case DType::kFP16:
       run_decode_kernel<Variant::kAccurateFP16>(params, debug);

@@ -77,6 +77,11 @@ template <>
 struct VariantTraits<Variant::kAccurateFP16> {
   using type = Traits<cutlass::half_t, 2, 2, 1, 1, 224, 56, false, true>;
 };
+// The same with each fp16 V half in two key granules (behind FLASHMLA_BACKEND_FP8_DEBUG bit 16 until it is measured).
+template <>
+struct VariantTraits<Variant::kAccurateBF16Granules> {
+  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, 2>;
+};
 
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p, int debug) {

@@ -5,10 +5,12 @@
 // Parities follow from g: the n-th completion of a barrier (n = 0, 1, ...) is waited with parity n & 1.
 //   warp 0, lane 0   issues every block in order (copy_loop): block x waits until stage x % kStages is empty (block
 //                    x - kStages consumed by its Q K^T and transposed).
-//   warps 1..3       block g: the four pairs of V pieces go round-robin over the three warps, shifted by one per
-//                    block; a pair (half of a V^T half) waits until its half's slot is empty (the P V of the block
-//                    that used the slot before done in that half's consumer warpgroup), is transposed as its pieces
-//                    land, keys past the block's last visible key zeroed, then arrives on vt_full and kv_empty.
+//   warps 1..3       block g: the four pairs of V pieces (in the accurate mode each in two key granules: eight
+//                    units) go round-robin over the three warps, shifted by one per block; a unit (half of a V^T
+//                    half, or of a granule of it) waits until its granule of its half's slot is empty (the P V of
+//                    the block that used it before done in that half's consumer warpgroup), is transposed or widened
+//                    as its pieces land, keys past the block's last visible key zeroed, then arrives on the granule's
+//                    vt_full and on kv_empty.
 // Measured (docs/perf/journal.md): with the copies issued by one of the transposing warps instead, a copy waited for
 // that warp's transposition and the kernel was 1.5x slower at h_q = 128.
 #pragma once
@@ -196,7 +198,8 @@ __device__ __forceinline__ void unit_words(const uint32_t (&d)[4], uint32_t (&o)
 // block go round-robin over the three warps, shifted by one per block (each warp handles four pairs every three
 // blocks); units_in_flight<T>() units (ldmatrix in flight) at a time. A pair is one V^T half's worth of work for its
 // barriers: the warp waits for the half's slot to be empty, transposes, and arrives once on the half's vt_full and on
-// the stage's kv_empty (traits.h: the arrival counts count pairs).
+// the stage's kv_empty (traits.h: the arrival counts count pairs; the accurate mode's widening works the same way in
+// pairs of each key granule, transpose_loop).
 // Units in flight: 8 where the producer has 88 registers (the fast plans), else 4 (8 spilled at 80, and the accurate
 // mode's 72 spilled more). Measured at b128 h_q 128 (docs/perf/journal.md, 2026-11-27): 4 faster than 2, and 8 faster
 // than 4 by 3-4% (336-341 us against 346-352): the transposer's pair is a chain of ldmatrix -> byte permutes ->
@@ -256,13 +259,16 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
 // columns, 128-byte rows, 128B swizzle; layout.h: v16_offset): a lane takes 16-byte chunk lane % 4 of key 8 i +
 // lane / 4 (i = 0..7) and writes the two fp16 chunks of those 16 columns. A quarter warp reads two whole 64-byte
 // rows and writes two chunks of 8 different 128-byte bank rows: no bank conflicts. kMask: keys at and past `valid`
-// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN).
-template <bool kMask>
-__device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_piece, int valid, int lane) {
+// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN). Only key granule j of
+// kGranules (Traits::kVGranules: keys 64 j / kGranules ..).
+template <bool kMask, int kGranules>
+__device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_piece, int valid, int lane, int j) {
   constexpr int kBatch = 4;  // chunks in flight
+  constexpr int kOctets = 8 / kGranules;  // row octets (8 keys) a granule
+  static_assert(kOctets % kBatch == 0, "whole batches a granule");
   const int c = lane & 3;
   CUTLASS_PRAGMA_UNROLL
-  for (int i0 = 0; i0 < 8; i0 += kBatch) {
+  for (int i0 = j * kOctets; i0 < (j + 1) * kOctets; i0 += kBatch) {
     uint4 v[kBatch];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kBatch; ++k) {
@@ -288,30 +294,33 @@ __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_pie
   }
 }
 
+// Key granule `gran` of a pair of V pieces, widened.
 template <class T, bool kMask>
 __device__ __forceinline__ void widen_pair(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t v_addr,
-                                           int stage, uint32_t parity, int pair, int valid, int lane, int debug) {
+                                           int stage, uint32_t parity, int pair, int gran, int valid, int lane,
+                                           int debug) {
   CUTLASS_PRAGMA_UNROLL
   for (int jj = 0; jj < 2; ++jj) {
     const int j = 2 * pair + jj;
     wait_barrier(ss.kv_full[stage][j], parity);
     if (debug & kDebugNoTranspose) continue;
-    widen_piece<kMask>(stage_addr + j * kPieceBytes, v_addr + (j % kVPiecesPerHalf) * kV16PieceBytes, valid, lane);
+    widen_piece<kMask, T::kVGranules>(stage_addr + j * kPieceBytes, v_addr + (j % kVPiecesPerHalf) * kV16PieceBytes,
+                                      valid, lane, gran);
   }
 }
 
-// One pair of V pieces of block g (its stage, the masked or unmasked instantiation): transposed to V^T, or widened
-// to fp16 (Traits::kPvF16).
+// One unit of block g (its stage, the masked or unmasked instantiation): a pair of V pieces transposed to V^T, or
+// key granule `gran` of the pair widened to fp16 (Traits::kPvF16).
 template <class T>
 __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss, uint32_t kv_addr, uint32_t vt_addr0,
-                                                   int stage, uint32_t parity, uint32_t slot, int pair, int valid,
-                                                   const TransposeLane& tl, int lane, int debug) {
+                                                   int stage, uint32_t parity, uint32_t slot, int pair, int gran,
+                                                   int valid, const TransposeLane& tl, int lane, int debug) {
   const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * T::kVHalfBytes;
   if constexpr (T::kPvF16) {
     if (valid < kBlockN) {
-      widen_pair<T, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, lane, debug);
+      widen_pair<T, true>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, lane, debug);
     } else {
-      widen_pair<T, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, lane, debug);
+      widen_pair<T, false>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, lane, debug);
     }
   } else if (valid < kBlockN) {
     transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
@@ -348,7 +357,7 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
         wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
         wait_barrier(ss.peer_empty[slot], (use - 1) & 1u);
       }
-      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, valid, tl, lane, debug);
+      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, 0, valid, tl, lane, debug);
       if (lane == 0) {
         ss.vt_full[slot].arrive();
         ss.kv_empty[stage].arrive();
@@ -377,15 +386,19 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
     const int stage = int(stage_of(g, T::kStages));
     const uint32_t parity = (g / T::kStages) & 1u;
     const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)
-    const int first_pair = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
+    // Units: the block's pairs in each key granule, granule by granule (traits.h: kVGranules).
+    constexpr int kUnits = kNumVPairs * T::kVGranules;
+    const int first_unit = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
     CUTLASS_PRAGMA_NO_UNROLL
-    for (int pair = first_pair; pair < kNumVPairs; pair += kNumTransposeWarps) {
+    for (int unit = first_unit; unit < kUnits; unit += kNumTransposeWarps) {
+      const int gran = T::kVGranules == 1 ? 0 : unit / kNumVPairs;
+      const int pair = T::kVGranules == 1 ? unit : unit % kNumVPairs;
       const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
-      const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
-      if (use > 0) wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
-      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, valid, tl, lane, debug);
+      const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g), bar = T::vt_bar(slot, gran);
+      if (use > 0) wait_barrier(T::vt_empty_of(ss, bar, use - 1), T::vt_empty_parity(use - 1));
+      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, gran, valid, tl, lane, debug);
       if (lane == 0) {
-        ss.vt_full[slot].arrive();
+        ss.vt_full[bar].arrive();
         ss.kv_empty[stage].arrive();
       }
     }
