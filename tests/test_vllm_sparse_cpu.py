@@ -209,7 +209,9 @@ class SparseBatch:
             self.kv_cache = values.to(plugin.torch_dtype)
         self.block_table = table
 
-        T = sum(query_lens)
+        # A padded CUDA-graph batch (requests of seq_len 0 and no query tokens): vLLM pads the tokens to
+        # requests x s_q; the padding tokens map to request 0 and have no indexer output (all -1).
+        T = len(seq_lens) * max(query_lens) if 0 in seq_lens else sum(query_lens)
         self.num_tokens = T
         positions = torch.full((T, TOPK), -1, dtype=torch.int32)
         t = 0
@@ -236,8 +238,9 @@ class SparseBatch:
         if hasattr(self.common, "_token_to_req_indices_cache"):
             # vLLM 0.33 maps query tokens to requests with a Triton kernel (none on a CPU-only machine) and keeps
             # the result on the step's CommonAttentionMetadata; the test hands it the same map made on the host.
-            self.common._token_to_req_indices_cache = torch.repeat_interleave(
-                torch.arange(B, dtype=torch.int32), torch.tensor(query_lens))
+            mapped = torch.repeat_interleave(torch.arange(B, dtype=torch.int32), torch.tensor(query_lens))
+            self.common._token_to_req_indices_cache = torch.cat(
+                [mapped, torch.zeros(T - mapped.shape[0], dtype=torch.int32)])
         dtype = plugin.torch_dtype
         self.ql_nope = torch.randn((H, T, LATENT), generator=gen).to(dtype).transpose(0, 1)
         self.q_pe = torch.randn((T, H, 128), generator=gen).to(dtype)[..., 64:]
@@ -270,10 +273,9 @@ class SparseBatch:
         values, idx = self.compact()
         if self.ds:
             cache = fp8_ds_mla.quantize(values).view(-1, 1, 1, DS_BYTES)
-            q = torch.cat(self.q(), dim=-1)
         else:
             cache = values.to(self.ql_nope.dtype).view(-1, 1, 1, HEAD)
-            q = torch.cat(self.q(), dim=-1)
+        q = torch.cat(self.q(), dim=-1)
         out, _ = sparse_mla_decode_reference(q.unsqueeze(1), cache, idx.unsqueeze(1), scale)
         return out.squeeze(1)
 
@@ -480,6 +482,8 @@ FORWARD_CASES = {
     "fp16_decode": ("auto", "float16", [3, 200, 700], [1] * 3),
     "ds_decode": ("fp8_ds_mla", "bfloat16", [1, 37, 64, 65, 300, 1000], [1] * 6),
     "ds_mtp2": ("fp8_ds_mla", "bfloat16", [2, 70, 129, 999], [2] * 4),
+    "bf16_padded": ("auto", "bfloat16", [100, 300, 0, 0], [1, 1, 0, 0]),
+    "ds_padded_mtp2": ("fp8_ds_mla", "bfloat16", [64, 500, 0], [2, 2, 0]),
 }
 
 
@@ -501,6 +505,8 @@ def test_forward_mqa_matches_the_reference_with_the_expected_indices(case, model
     assert out.shape == (batch.num_tokens, plugin.num_heads, LATENT) and out.dtype == plugin.torch_dtype
     assert torch.isfinite(out).all()  # no index landed on a NaN slot (null block, spare blocks, stale positions)
     torch.testing.assert_close(out, batch.expected(plugin.scale), atol=OUT_ATOL, rtol=OUT_RTOL)
+    mapped = sum(query_lens)
+    assert not out[mapped:].any()  # CUDA-graph padding tokens: no indices, zeros
 
 
 def test_the_comparison_fails_when_the_indices_are_wrong(model):
