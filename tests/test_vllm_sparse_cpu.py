@@ -559,3 +559,20 @@ def test_mixed_batch_prefill_tokens_are_queries_of_their_own(kv_cache_dtype, mod
     assert md.req_id_per_token[:152].tolist() == [0, 1] + [2] * 150
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, batch.expected(plugin.scale), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+def test_decode_context_parallelism_refused(model, monkeypatch):
+    """0.33 asks the backend at selection (validate_configuration(use_dcp=True): the impl declares no DCP support);
+    0.26 does not, and the builder refuses a DCP group of more than one rank naming the flag."""
+    import inspect
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention import sparse_mla_attention
+
+    if "use_dcp" in inspect.signature(FlashMLASparsePluginBackend.validate_configuration).parameters:
+        reasons = FlashMLASparsePluginBackend.validate_configuration(**{**selector_fields(model()), "use_dcp": True})
+        assert "DCP not supported" in reasons
+        return
+    monkeypatch.setattr(sparse_mla_attention, "get_dcp_group", lambda: SimpleNamespace(world_size=2))
+    with pytest.raises(ValueError, match="--decode-context-parallel-size 2 .* Leave it at 1"):
+        SparsePlugin(make_vllm_config(model()))
