@@ -161,9 +161,19 @@ class SparsePlugin:
         self.builder = self.group.get_metadata_builder()
 
     def build(self, common):
+        """common carries KV-manager block ids; the builder sees kernel blocks, mapped as the release maps them."""
         with set_current_vllm_config(self.cfg):
             if hasattr(self.group, "build_metadata"):  # 0.33 maps manager blocks to kernel blocks itself
                 return self.group.build_metadata(common)
+            k = self.manager_block_size // self.kernel_block_size
+            if k > 1:  # 0.26: the runner's BlockTable does it
+                import numpy as np
+                from vllm.v1.worker.block_table import BlockTable
+
+                arange = np.arange(k).reshape(1, -1)
+                rows = np.stack([BlockTable.map_to_kernel_blocks(r.numpy(), k, arange)
+                                 for r in common.block_table_tensor])
+                common = common.replace(block_table_tensor=torch.from_numpy(rows).to(torch.int32))
             return self.builder.build(common_prefix_len=0, common_attn_metadata=common)
 
     def forward_mqa(self, q, kv_cache, metadata):
@@ -188,20 +198,24 @@ class SparseBatch:
         gen = torch.Generator().manual_seed(seed)
         self.seq_lens, self.query_lens = seq_lens, query_lens
         B, H = len(seq_lens), plugin.num_heads
-        per_req = [-(-n // KERNEL_BLOCK) for n in seq_lens]
-        num_blocks = sum(per_req) + 3 + 1
-        width = -(-MAX_MODEL_LEN // KERNEL_BLOCK)
+        M = plugin.manager_block_size
+        k = M // KERNEL_BLOCK                          # kernel blocks per KV-manager block
+        per_req = [-(-n // M) for n in seq_lens]
+        num_blocks = sum(per_req) + 3 + 1              # manager blocks: spare ones, null block 0
+        width = -(-MAX_MODEL_LEN // M)
         perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
         table = torch.zeros((B, width), dtype=torch.int32)
         self.tokens = []
-        values = torch.full((num_blocks, KERNEL_BLOCK, HEAD), float("nan"))
+        values = torch.full((num_blocks * k, KERNEL_BLOCK, HEAD), float("nan"))   # the cache in kernel blocks
         for i, n in enumerate(seq_lens):
             blocks = [perm.pop() for _ in range(per_req[i])]
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             rows = torch.randn((n, HEAD), generator=gen)
             self.tokens.append(rows)
-            for t in range(n):
-                values[blocks[t // KERNEL_BLOCK], t % KERNEL_BLOCK] = rows[t]
+            for t in range(n):  # token t: manager block blocks[t // M], row t % M
+                r = t % M
+                values[blocks[t // M] * k + r // KERNEL_BLOCK, r % KERNEL_BLOCK] = rows[t]
+        num_blocks *= k
         self.ds = plugin.ds
         if self.ds:  # vLLM's fp8_ds_mla allocation: [blocks, 64, 656] uint8; NaN rows quantize to NaN bytes
             self.kv_cache = fp8_ds_mla.quantize(values.view(-1, HEAD)).view(num_blocks, KERNEL_BLOCK, DS_BYTES)
@@ -476,7 +490,7 @@ def test_decode_only_build(s_q, model):
 # ---- forward_mqa against the reference ----------------------------------------------------------
 
 FORWARD_CASES = {
-    # name: (kv cache dtype, model dtype, seq_lens, query_lens)
+    # name: (kv cache dtype, model dtype, seq_lens, query_lens[, KV-manager block size, 64 by default])
     "bf16_decode": ("auto", "bfloat16", [1, 37, 64, 65, 300, 1000], [1] * 6),
     "bf16_mtp2": ("auto", "bfloat16", [2, 70, 129, 999], [2] * 4),
     "fp16_decode": ("auto", "float16", [3, 200, 700], [1] * 3),
@@ -484,12 +498,15 @@ FORWARD_CASES = {
     "ds_mtp2": ("fp8_ds_mla", "bfloat16", [2, 70, 129, 999], [2] * 4),
     "bf16_padded": ("auto", "bfloat16", [100, 300, 0, 0], [1, 1, 0, 0]),
     "ds_padded_mtp2": ("fp8_ds_mla", "bfloat16", [64, 500, 0], [2, 2, 0]),
+    "bf16_block128": ("auto", "bfloat16", [1, 127, 128, 129, 600], [1] * 5, 128),
+    "ds_block256": ("fp8_ds_mla", "bfloat16", [5, 255, 257, 900], [1] * 4, 256),
 }
 
 
-def forward_case(model, kv_cache_dtype, dtype, seq_lens, query_lens, seed=0, **batch_kw):
+def forward_case(model, kv_cache_dtype, dtype, seq_lens, query_lens, seed=0, manager_block_size=64, **batch_kw):
     s_q = max(query_lens)
-    plugin = SparsePlugin(make_vllm_config(model(dtype=dtype), kv_cache_dtype=kv_cache_dtype, query_len=s_q))
+    plugin = SparsePlugin(make_vllm_config(model(dtype=dtype), kv_cache_dtype=kv_cache_dtype, query_len=s_q,
+                                           manager_block_size=manager_block_size))
     batch = SparseBatch(plugin, seq_lens, query_lens, seed=seed or sum(seq_lens), **batch_kw)
     batch.load_indexer_output(plugin)
     md = plugin.build(batch.common)
@@ -499,8 +516,10 @@ def forward_case(model, kv_cache_dtype, dtype, seq_lens, query_lens, seed=0, **b
 
 @pytest.mark.parametrize("case", list(FORWARD_CASES))
 def test_forward_mqa_matches_the_reference_with_the_expected_indices(case, model):
-    kv_cache_dtype, dtype, seq_lens, query_lens = FORWARD_CASES[case]
-    plugin, batch, md, out, lse = forward_case(model, kv_cache_dtype, dtype, seq_lens, query_lens)
+    kv_cache_dtype, dtype, seq_lens, query_lens, *block = FORWARD_CASES[case]
+    plugin, batch, md, out, lse = forward_case(model, kv_cache_dtype, dtype, seq_lens, query_lens,
+                                               manager_block_size=block[0] if block else 64)
+    assert plugin.kernel_block_size == KERNEL_BLOCK and md.block_size == KERNEL_BLOCK
     assert lse is None
     assert out.shape == (batch.num_tokens, plugin.num_heads, LATENT) and out.dtype == plugin.torch_dtype
     assert torch.isfinite(out).all()  # no index landed on a NaN slot (null block, spare blocks, stale positions)
@@ -576,3 +595,19 @@ def test_decode_context_parallelism_refused(model, monkeypatch):
     monkeypatch.setattr(sparse_mla_attention, "get_dcp_group", lambda: SimpleNamespace(world_size=2))
     with pytest.raises(ValueError, match="--decode-context-parallel-size 2 .* Leave it at 1"):
         SparsePlugin(make_vllm_config(model()))
+
+
+def test_a_cache_in_larger_blocks_is_read_in_kernel_blocks(model):
+    """A cache handed as [manager blocks, 128, 576] holds the same tokens as the kernel-block view: same output;
+    one whose blocks do not follow each other (padded strides) is refused instead of read at the wrong rows."""
+    plugin, batch, md, out, _ = forward_case(model, "auto", "bfloat16", [1, 127, 129, 600], [1] * 4,
+                                             manager_block_size=128)
+    md.decode_sched_meta = flashmla_backend.get_mla_metadata()[0]
+    big = batch.kv_cache.view(-1, 128, HEAD)
+    again, _ = plugin.forward_mqa(batch.q(), big, md)
+    assert torch.equal(again, out)
+    padded = torch.full((big.shape[0], 130, HEAD), float("nan"), dtype=big.dtype)[:, :128]
+    padded.copy_(big)
+    md.decode_sched_meta = flashmla_backend.get_mla_metadata()[0]
+    with pytest.raises(RuntimeError, match="cannot be viewed in 64-token kernel blocks"):
+        plugin.forward_mqa(batch.q(), padded, md)

@@ -104,7 +104,17 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
                                "to sparse MLA impls as topk_indices_buffer or through the indexer)")
         indices = to_global_indices(buffer[:num_tokens], attn_metadata.req_id_per_token, attn_metadata.block_table,
                                     attn_metadata.seq_lens, attn_metadata.block_size)
-        cache = kv_c_and_k_pe_cache.unsqueeze(-2)  # [blocks, 64, 1 latent head, 656 or 576]
+        cache = kv_c_and_k_pe_cache
+        if cache.shape[1] != attn_metadata.block_size:
+            # The indices count kernel blocks of block_size tokens; a cache handed in larger KV-manager blocks is
+            # read through a view in kernel blocks (which needs its blocks to follow each other without gaps).
+            try:
+                cache = cache.view(-1, attn_metadata.block_size, cache.shape[-1])
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"flashmla_backend: KV cache {tuple(cache.shape)} (strides {cache.stride()}) cannot be viewed in "
+                    f"{attn_metadata.block_size}-token kernel blocks, which the top-k indices address") from e
+        cache = cache.unsqueeze(-2)  # [blocks, 64, 1 latent head, 656 or 576]
         out = q.new_empty((num_tokens, num_heads, self.kv_lora_rank))
 
         num_decode_tokens = min(attn_metadata.num_decode_tokens, num_tokens)
