@@ -611,3 +611,41 @@ def test_a_cache_in_larger_blocks_is_read_in_kernel_blocks(model):
     md.decode_sched_meta = flashmla_backend.get_mla_metadata()[0]
     with pytest.raises(RuntimeError, match="cannot be viewed in 64-token kernel blocks"):
         plugin.forward_mqa(batch.q(), padded, md)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,stored,bytes_per_token", [
+    ("auto", "auto", 2 * HEAD), ("fp8_ds_mla", "fp8_ds_mla", DS_BYTES), ("fp8", "fp8_ds_mla", DS_BYTES),
+    ("fp8_e4m3", "fp8_ds_mla", DS_BYTES)])
+def test_vllms_mla_layer_builds_the_sparse_impl_from_the_one_flag(kv_cache_dtype, stored, bytes_per_token, model,
+                                                                     hopper, monkeypatch):
+    """vLLM's own MLAAttention layer for a sparse layer (use_sparse, as DeepSeek-V3.2's attention makes it) with
+    --attention-backend CUSTOM: it gets the plugin's sparse impl, stores the FP8 spellings as fp8_ds_mla, and its
+    KV-cache spec has the token size the impl reads. Stand-ins: no kv_b_proj weights (the layer only stores it) and
+    a tensor-parallel size of 1 (0.33's impl asks)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention import mla_attention, sparse_mla_attention
+
+    monkeypatch.setattr(mla_attention, sparse_choice._CANONICALIZER,
+                        getattr(mla_attention, sparse_choice._CANONICALIZER))  # restored after the test
+    monkeypatch.setattr(sparse_mla_attention, "get_tensor_model_parallel_world_size", lambda: 1, raising=False)
+    cfg = make_vllm_config(model(), kv_cache_dtype=kv_cache_dtype)
+    cfg.attention_config.backend = AttentionBackendEnum.CUSTOM
+    hf = cfg.model_config.hf_text_config
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(cfg.model_config.dtype)  # as vLLM's model loader does while it builds the model
+    try:
+        with set_current_vllm_config(cfg):
+            layer = mla_attention.MLAAttention(
+                num_heads=hf.num_attention_heads, scale=base.layer_scale(cfg), qk_nope_head_dim=hf.qk_nope_head_dim,
+                qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, q_lora_rank=hf.q_lora_rank,
+                kv_lora_rank=hf.kv_lora_rank, kv_b_proj=SimpleNamespace(), cache_config=cfg.cache_config,
+                prefix="model.layers.1.self_attn.attn", use_sparse=True, indexer=None,
+                topk_indices_buffer=torch.zeros((16, TOPK), dtype=torch.int32))
+    finally:
+        torch.set_default_dtype(default)
+    assert layer.attn_backend is FlashMLASparsePluginBackend and isinstance(layer.impl, FlashMLASparsePluginImpl)
+    assert layer.kv_cache_dtype == stored and cfg.cache_config.cache_dtype == stored
+    assert layer.impl.kv_ds_mla == (stored == "fp8_ds_mla")
+    spec = layer.get_kv_cache_spec(cfg)
+    assert spec.real_page_size_bytes == spec.block_size * bytes_per_token
