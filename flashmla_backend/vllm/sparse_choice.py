@@ -3,7 +3,7 @@
 vLLM keeps one class path per registry slot (`register_backend(AttentionBackendEnum.CUSTOM, path)`), and the
 plugin's slot names the dense backend. vLLM's selector resolves a named backend in the platform's
 `get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)` (vllm/platforms/cuda.py: the
-slot's class, its validate_configuration, then its path; the same signature in 0.26 to 0.33). register()
+slot's class, its validate_configuration, then its path; the same in the 0.26 and 0.33 sources). register()
 wraps that method on vLLM's current platform object (install below) so that a layer asking for sparse MLA
 (attn_selector_config.use_sparse, DeepSeek-V3.2's attention) with the plugin's slot selected gets
 flashmla_backend.vllm.sparse_backend.FlashMLASparsePluginBackend instead, after the same check vLLM makes
