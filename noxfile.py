@@ -43,7 +43,7 @@ class Engine(NamedTuple):
     extra: bool = False      # only with FLASHMLA_BACKEND_EXTRA_ENGINES=1 (tests/run.sh)
 
 
-VLLM_FILES = ("test_vllm_cpu.py", "test_vllm_dcp_cpu.py")
+VLLM_FILES = ("test_vllm_cpu.py", "test_vllm_dcp_cpu.py", "test_vllm_sparse_cpu.py")
 SGLANG_FILES = ("test_sglang_cpu.py", "test_sglang_dcp_cpu.py")
 # The engine conformance environments, one line each. extra=True: made and run only when asked
 # (FLASHMLA_BACKEND_EXTRA_ENGINES=1 bash tests/run.sh --engines): older releases a plugin still supports,

@@ -12,6 +12,11 @@ KV-cache formats (`--kv-cache-dtype`):
 Refused, with a message naming what works: fp8_e5m2, DeepSeek's packed fp8_ds_mla (sparse MLA), fp4 /
 nvfp4 / mxfp8 / int8 formats, and anything else.
 
+Sparse MLA (DeepSeek-V3.2 / GLM-5 attention with vLLM's indexer choosing the tokens; vLLM only,
+flashmla_backend.vllm.sparse_backend) reads other caches: the model's 16-bit dtype ("auto", "bfloat16",
+"float16") or DeepSeek's 656-byte fp8_ds_mla token ("fp8_ds_mla"; "fp8" and "fp8_e4m3" name it too, as for
+vLLM's own FLASHMLA_SPARSE backend), with 64 or 128 query heads per rank (SPARSE_HEADS).
+
 FP8 query mode (FP8 caches only), chosen by FLASHMLA_BACKEND_FP8_MODE:
   * "accurate" (default): the engine hands the 16-bit query, which the kernel multiplies against the
     dequantized cache (no quantization of q; vLLM skips its concat + quant of q);
@@ -145,6 +150,53 @@ def default_scale_message(engine: str) -> str:
     return (f"flashmla_backend: FP8 KV cache with the default scale 1.0: {how}. Values whose magnitude is below "
             "2^-6 lose precision in e4m3 and above 448 saturate; README \"FP8 KV cache in the engines\" shows the "
             "accuracy with and without calibration.")
+
+
+# Sparse MLA (vLLM): --kv-cache-dtype values and what the cache holds. The FP8 spellings all mean the 656-byte
+# fp8_ds_mla token (flashmla_backend.fp8_ds_mla); the 16-bit ones a 576-wide token in the model dtype.
+SPARSE_DS_MLA = "fp8_ds_mla"
+SPARSE_KV_CACHE_DTYPES: dict[str, tuple[str, ...]] = {
+    "vllm": ("auto", "bfloat16", "float16", SPARSE_DS_MLA, "fp8", "fp8_e4m3"),
+}
+SPARSE_FP8_ALIASES = ("fp8", "fp8_e4m3")   # stored as fp8_ds_mla
+# Query heads per rank the sparse decode serves (FlashMLA's sparse kernels take 64 or 128).
+SPARSE_HEADS = (64, 128)
+
+
+def sparse_is_ds_mla(kv_cache_dtype: Optional[str]) -> bool:
+    """True when a sparse MLA layer with this --kv-cache-dtype stores fp8_ds_mla tokens."""
+    return kv_cache_dtype == SPARSE_DS_MLA or kv_cache_dtype in SPARSE_FP8_ALIASES
+
+
+def sparse_kv_cache_dtype_problem(engine: str, kv_cache_dtype: Optional[str],
+                                  model_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when sparse MLA serves this --kv-cache-dtype (with this model dtype), else why and what works."""
+    names = SPARSE_KV_CACHE_DTYPES.get(_engine(engine))
+    flag, value = "--kv-cache-dtype", "auto" if kv_cache_dtype is None else kv_cache_dtype
+    if not names:
+        return f"flashmla_backend has no sparse MLA (DeepSeek-V3.2 indexer) decode for {engine}"
+    if value not in names:
+        return (f"flashmla_backend's sparse MLA decode does not support {flag} {value!r}; it serves "
+                f"{', '.join(names)} (the FP8 names all store DeepSeek's 656-byte fp8_ds_mla token)")
+    if model_dtype is not None and model_dtype not in MODEL_DTYPES:
+        return f"flashmla_backend's sparse MLA decode serves bf16 and fp16 models, got model dtype {model_dtype}"
+    if sparse_is_ds_mla(value) and model_dtype is not None and model_dtype != torch.bfloat16:
+        return (f"flashmla_backend's sparse MLA decode reads the fp8_ds_mla cache with a bf16 query (its rope part "
+                f"is bf16), got model dtype {model_dtype}; use a bf16 model or {flag} auto")
+    wanted = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(value)
+    if wanted is not None and model_dtype is not None and wanted != model_dtype:
+        return (f"flashmla_backend's sparse MLA decode needs a 16-bit KV cache in the model dtype ({model_dtype}), "
+                f"got {flag} {value!r}; use {flag} auto or {SPARSE_DS_MLA}")
+    return None
+
+
+def sparse_heads_problem(num_heads: int) -> Optional[str]:
+    """None when sparse MLA decode serves this many query heads per rank, else why and what works."""
+    if num_heads in SPARSE_HEADS:
+        return None
+    return (f"flashmla_backend's sparse MLA decode serves {' or '.join(map(str, SPARSE_HEADS))} query heads per "
+            f"rank, got {num_heads}; choose --tensor-parallel-size so that the model's attention heads divided by it "
+            "is one of these (DeepSeek-V3.2 has 128 heads: tensor parallel size 1 or 2)")
 
 
 def _engine(engine: str) -> str:

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE_FILES = ("test_vllm_cpu.py", "test_vllm_dcp_cpu.py", "test_sglang_cpu.py", "test_sglang_dcp_cpu.py")
+ENGINE_FILES = ("test_vllm_cpu.py", "test_vllm_dcp_cpu.py", "test_vllm_sparse_cpu.py", "test_sglang_cpu.py",
+                "test_sglang_dcp_cpu.py")
 PYVER = "%d.%d" % sys.version_info[:2]
 
 

@@ -12,7 +12,11 @@ which vLLM calls in its front end, engine core and every worker. Then select it 
 FLASHMLA_BACKEND_VLLM_DEFAULT=1 in the environment of every vLLM process it becomes the automatic choice
 for dense MLA layers on Hopper that it supports (opt-in, see flashmla_backend.vllm.default_choice).
 
-What runs: decode tokens (query length 1, or a uniform length > 1 for MTP / speculative decoding)
+Sparse MLA models (DeepSeek-V3.2, GLM-5: vLLM's indexer picks the top-k tokens) select the plugin with the
+same flag and get its sparse backend (flashmla_backend.vllm.sparse_backend, routed by sparse_choice); on a
+CUDA device it refuses at start-up until the Hopper sparse decode kernel exists.
+
+What runs (dense MLA): decode tokens (query length 1, or a uniform length > 1 for MTP / speculative decoding)
 go to flashmla_backend.flash_mla_with_kvcache on 64-token pages; prefill stays with vLLM's MLA
 prefill backend. KV caches: the model's 16-bit dtype or FP8 e4m3 (`--kv-cache-dtype fp8`), with the
 query mode chosen by FLASHMLA_BACKEND_FP8_MODE (flashmla_backend.engine_support states what is accepted).
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import logging
 
-from . import _compat, default_choice
+from . import _compat, default_choice, sparse_choice
 
 BACKEND_CLASS_PATH = "flashmla_backend.vllm.backend.FlashMLAPluginBackend"
 UNSUPPORTED_CLASS_PATH = "flashmla_backend.vllm.unsupported.UnsupportedVLLMVersionBackend"
@@ -77,8 +81,22 @@ def register() -> None:
         "Select it with --attention-backend %s.",
         BACKEND_CLASS_PATH, " and ".join(names), version, names[-1],
     )
+    _install_sparse_choice(tuple(names))
     if default_choice.requested():
         _install_default_choice()
+
+
+def _install_sparse_choice(names: tuple[str, ...]) -> None:
+    """Sparse MLA layers (DeepSeek-V3.2) selecting the plugin get its sparse backend (sparse_choice.py); logs
+    instead of raising."""
+    try:
+        from vllm.platforms import current_platform
+
+        sparse_choice.install(current_platform, BACKEND_CLASS_PATH, names)
+    except Exception as e:
+        logger.warning("flashmla_backend: the sparse MLA backend could not be attached to vLLM's selector (%s: %s); "
+                       "sparse MLA models selecting %s get the dense backend's refusal.", type(e).__name__, e,
+                       " or ".join(names))
 
 
 def _install_default_choice() -> None:

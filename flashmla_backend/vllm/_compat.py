@@ -38,6 +38,17 @@ Interface differences the plugin meets (read in the 0.26.0 and 0.33.0 wheels; "0
     empty shards itself. Both force the decode threshold to 1 under DCP unless the builder passes
     `supports_dcp_with_varlen` (the plugin does not), and refuse MTP with an interleave size > 1 unless
     the impl sets `supports_mtp_with_cp_non_trivial_interleave_size`.
+  - sparse MLA (DeepSeek-V3.2; the plugin's sparse backend, tests/test_vllm_sparse_cpu.py on 0.26.0 and 0.33.0):
+    both releases put the indexer's top-k positions within each request in the impl's topk_indices_buffer and
+    leave the translation to cache slots to the backend; both have SparseMLACommonMetadataBuilder and
+    SparseMLACommonImpl in vllm.model_executor.layers.attention.sparse_mla_attention. 0.33 adds a common
+    SparseMLACommonMetadata (keyword-only fields, decode_max_query_len) that 0.26 lacks (the plugin declares 0.26's
+    fields itself: sparse_builder.py); 0.33 maps tokens to requests on the device
+    (CommonAttentionMetadata.token_to_req_indices, a Triton kernel), 0.26 on the host; 0.33's impl registers each
+    layer in an index group and reads the tensor-parallel size; 0.33 sizes the fp8_ds_mla page from the layer's
+    KV-cache spec (state_content_bytes), 0.26 from the backend's get_kv_cache_shape (the plugin defines it).
+    Both store `--kv-cache-dtype fp8` as fp8_ds_mla only for backends named FLASHMLA_SPARSE (and one other), in
+    mla_attention._canonicalize_sparse_mla_kv_cache_dtype, which sparse_choice.py extends to the plugin's backend.
 Releases outside [MIN_VERSION, MAX_VERSION_EXCLUSIVE) are refused when the backend is selected, with a
 message naming the supported range (see flashmla_backend.vllm.unsupported).
 """

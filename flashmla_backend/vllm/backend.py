@@ -76,7 +76,11 @@ class FlashMLAPluginBackend(MLACommonBackend):
         if not use_mla:
             reasons.append("flashmla_backend serves only MLA models (DeepSeek-V2/V3 architecture)")
         if use_sparse:
-            reasons.append("flashmla_backend has no sparse MLA (DeepSeek-V3.2 indexer) decode")
+            # Sparse layers selecting the plugin are handed its sparse backend (sparse_choice.py) before vLLM
+            # asks this class; reaching here means that routing is not in place in this process.
+            reasons.append("flashmla_backend's dense MLA backend does not serve sparse MLA layers (DeepSeek-V3.2 "
+                           "indexer); its sparse backend (flashmla_backend.vllm.sparse_backend) is chosen for them "
+                           "when the plugin's register() has run in this process")
         for problem in (engine_support.block_size_problem(block_size),
                         engine_support.kv_cache_dtype_problem("vllm", kv_cache_dtype, dtype)):
             if problem is not None:

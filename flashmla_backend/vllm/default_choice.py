@@ -39,7 +39,14 @@ def requested() -> bool:
 
 
 def is_installed(platform) -> bool:
-    return bool(getattr(getattr(platform, "get_attn_backend_cls", None), _MARK, False))
+    """True when this module's wrapper is on platform.get_attn_backend_cls, also under another wrapper (the
+    plugin's sparse MLA route, sparse_choice.py, wraps the same method)."""
+    fn = getattr(platform, "get_attn_backend_cls", None)
+    while fn is not None:
+        if getattr(fn, _MARK, False):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 def install(platform, backend_class_path: str) -> bool:
