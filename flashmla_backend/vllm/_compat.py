@@ -79,3 +79,15 @@ def unsupported_reason(version: str) -> str | None:
         f"{TESTED_VERSIONS[0]} to {TESTED_VERSIONS[-1]}), but {installed}. Install a supported vLLM "
         f"(e.g. `pip install vllm==0.26.0`) or choose another attention backend."
     )
+
+
+def selector_wrapped_by(platform, mark: str) -> bool:
+    """True when a wrapper carrying attribute `mark` is on platform.get_attn_backend_cls, outermost or under other
+    wrappers (the plugin's sparse MLA route and its opt-in automatic choice both wrap that method; each wrapper
+    keeps the one it wraps as __wrapped__)."""
+    fn = getattr(platform, "get_attn_backend_cls", None)
+    while fn is not None:
+        if getattr(fn, mark, False):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False

@@ -26,6 +26,8 @@ from __future__ import annotations
 import logging
 import os
 
+from . import _compat
+
 ENV = "FLASHMLA_BACKEND_VLLM_DEFAULT"
 HOPPER_MAJOR = 9
 _MARK = "_flashmla_backend_default_choice"
@@ -39,14 +41,8 @@ def requested() -> bool:
 
 
 def is_installed(platform) -> bool:
-    """True when this module's wrapper is on platform.get_attn_backend_cls, also under another wrapper (the
-    plugin's sparse MLA route, sparse_choice.py, wraps the same method)."""
-    fn = getattr(platform, "get_attn_backend_cls", None)
-    while fn is not None:
-        if getattr(fn, _MARK, False):
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    """True when this module's wrapper is on platform.get_attn_backend_cls (_compat.selector_wrapped_by)."""
+    return _compat.selector_wrapped_by(platform, _MARK)
 
 
 def install(platform, backend_class_path: str) -> bool:

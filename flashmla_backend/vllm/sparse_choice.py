@@ -24,6 +24,8 @@ import logging
 
 from flashmla_backend import engine_support
 
+from . import _compat
+
 SPARSE_CLASS_PATH = "flashmla_backend.vllm.sparse_backend.FlashMLASparsePluginBackend"
 _MARK = "_flashmla_backend_sparse_choice"
 _CANONICALIZER = "_canonicalize_sparse_mla_kv_cache_dtype"
@@ -32,14 +34,8 @@ logger = logging.getLogger("vllm.flashmla_backend")
 
 
 def is_installed(platform) -> bool:
-    """True when the route is on platform.get_attn_backend_cls, also under another wrapper (the opt-in
-    automatic choice, default_choice.py, wraps the same method)."""
-    fn = getattr(platform, "get_attn_backend_cls", None)
-    while fn is not None:
-        if getattr(fn, _MARK, False):
-            return True
-        fn = getattr(fn, "__wrapped__", None)
-    return False
+    """True when the sparse route is on platform.get_attn_backend_cls (_compat.selector_wrapped_by)."""
+    return _compat.selector_wrapped_by(platform, _MARK)
 
 
 def install(platform, dense_class_path: str, plugin_names: tuple[str, ...]) -> bool:

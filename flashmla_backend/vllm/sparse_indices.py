@@ -52,12 +52,8 @@ def to_global_indices(indices: torch.Tensor, req_id_per_token: torch.Tensor, blo
     keep = (pos >= 0) & (block < width)
     if seq_lens is not None:
         keep &= pos < seq_lens.long()[req].unsqueeze(1)
-    rows = block_table.long()[req]                                   # [T, max_blocks]
-    page = torch.gather(rows, 1, torch.where(keep, block, 0))       # [T, topk]
+    # [T, topk]: each entry's page, read straight from the table (not through a [T, max_blocks] copy of its rows).
+    page = block_table[req.unsqueeze(1), torch.where(keep, block, 0)].long()
     out = page * block_size + pos.remainder(block_size)
     return torch.where(keep, out, SKIP).to(torch.int32)
 
-
-def valid_counts(global_indices: torch.Tensor) -> torch.Tensor:
-    """How many entries of each row name a token (are not -1): [T] int32."""
-    return (global_indices != SKIP).sum(dim=-1, dtype=torch.int32)
