@@ -235,3 +235,14 @@ def test_accurate_mode_with_v_in_key_granules_gives_the_same_bits(monkeypatch, c
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "16")
     out, lse = run_fp8_decode(inp, case, dq, dk)
     assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[6]], ids=str)
+def test_fast_mode_with_vt_in_key_granules_gives_the_same_bits(monkeypatch, case):
+    """FLASHMLA_BACKEND_FP8_DEBUG=32 (decode.h: kDebugFastGranules) runs the fast mode's one- and two-M-tile plan with
+    each V^T half in two key granules: the same transposed bytes and products, so the same bits."""
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
+    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "32")
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)

@@ -48,6 +48,8 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
     if (debug & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
     if (stream && (debug & sm90::decode_fp8::kDebugClusterPlan) && sm90::decode_fp8::cluster_plan_applies(params)) {
       run_decode_kernel<Variant::kFastE4m3QCluster>(params, debug);
+    } else if (stream && (debug & sm90::decode_fp8::kDebugFastGranules)) {
+      run_decode_kernel<Variant::kFastE4m3QStreamGranules>(params, debug);
     } else if (stream) {
       run_decode_kernel<Variant::kFastE4m3QStream>(params, debug);
     } else {

@@ -57,6 +57,12 @@ template <>
 struct VariantTraits<Variant::kFastE4m3QStream> {
   using type = Traits<cutlass::float_e4m3_t, 1, 3, 2, 2, 208, 88>;
 };
+// The same with each V^T half in two key granules (traits.h: kVGranules; FLASHMLA_BACKEND_FP8_DEBUG bit 32 until it is
+// measured).
+template <>
+struct VariantTraits<Variant::kFastE4m3QStreamGranules> {
+  using type = Traits<cutlass::float_e4m3_t, 1, 3, 2, 2, 208, 88, false, false, 2>;
+};
 // Two M tiles as 2-CTA clusters: each CTA transposes one V^T half and copies it to the other (producer.cuh,
 // Traits::kShareVt). Measured (H100, b128 x 8192, h_q 128; docs/perf/journal.md): 2 KV stages and rings of 3 + 3
 // 363 us against the one-CTA plan's 348 (3 KV stages and 2 + 2: 436), so it stays behind FLASHMLA_BACKEND_FP8_DEBUG

@@ -267,8 +267,8 @@ __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss,
 }
 
 // Waits for pv_block's commit groups of block g (kLater groups were committed after them), releasing each key
-// granule of the half as its group completes.
-template <class T, int kHalf, int kLater, class FragO>
+// granule of the half as its group completes; kFenceO: O is read next (the last wait fences it).
+template <class T, int kHalf, int kLater, bool kFenceO = true, class FragO>
 __device__ __forceinline__ void pv_wait_release(typename T::SharedStorage& ss, uint32_t g, int lane, FragO& tOrO) {
   static_assert(T::kVGranules == 1 || T::kVGranules == 2, "one or two granules");
   if constexpr (T::kVGranules == 2) {
@@ -276,7 +276,7 @@ __device__ __forceinline__ void pv_wait_release(typename T::SharedStorage& ss, u
     release_vt<T, kHalf>(ss, g, 0, lane);
   }
   warpgroup_wait<kLater>();
-  warpgroup_fence_operand(tOrO);
+  if constexpr (kFenceO) warpgroup_fence_operand(tOrO);
   release_vt<T, kHalf>(ss, g, T::kVGranules - 1, lane);
 }
 
@@ -487,8 +487,8 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     }
     pv_block<T, 1>(tid, ss, g0, P0, tOrO);
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 3, tSrS);
-    warpgroup_wait<kNext ? 2 : 1>();
-    release_vt<T, 1>(ss, g0 + 1, 0, lane);
+    // P1 V1R's groups came before P0 V0R's and the next Q K^T's.
+    pv_wait_release<T, 1, (kNext ? 1 : 0) + T::kVGranules, false>(ss, g0 + 1, lane, tOrO);
     pv_wait_release<T, 1, kNext ? 1 : 0>(ss, g0, lane, tOrO);
     if constexpr (kNext) {
       warpgroup_wait<0>();

@@ -210,43 +210,74 @@ constexpr int units_in_flight() {
   return T::kProducerRegs >= 88 ? 8 : 4;
 }
 
+// One unit's four ldmatrix registers: keys at and past `valid` zeroed (kMask), then the byte permutes and the stmatrix.
+// key = transposed_key(th, m, lane) = 32 th + 8 m + 2 (lane % 4): compared as 32 th + 8 m against valid - 2 (lane % 4),
+// so that no per-lane key is kept in a register (the producer has few).
+template <bool kMask>
+__device__ __forceinline__ void store_unit(uint32_t (&d)[4], uint32_t dst, int th, int valid, int lane) {
+  if constexpr (kMask) {
+    const int lane_valid = valid - transposed_key(0, 0, lane);
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < 4; ++m) {
+      const int key = transposed_key(th, m, 0);
+      d[m] &= (key < lane_valid ? 0x0000ffffu : 0u) | (key + 1 < lane_valid ? 0xffff0000u : 0u);
+    }
+  }
+  uint32_t o[4];
+  unit_words(d, o);
+  stsm_x4(dst, o);
+}
+
 // kMask: the block has keys past its last visible one (zeroed). A separate instantiation: predicated-off mask
 // instructions still take issue slots, which the consumer warps on the same schedulers need (measured: extra
 // instructions in this loop cost the kernel more than the loads and stores of the transposition).
+// The units (cc, th) of the pair's pieces go kUnits at a time: the eight of each piece in turn, or with key granules
+// (Traits::kVGranules == 2) only th = gran (keys 32 gran .. + 31, the P V's k32 step gran), the four of each piece,
+// both pieces waited for first.
 template <class T, int kUnits, bool kMask>
 __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t vt_addr,
-                                               int stage, uint32_t parity, int pair, int valid,
+                                               int stage, uint32_t parity, int pair, int gran, int valid,
                                                const TransposeLane& tl, int lane, int debug) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int jj = 0; jj < 2; ++jj) {
-    const int j = 2 * pair + jj;
-    wait_barrier(ss.kv_full[stage][j], parity);
-    if (debug & kDebugNoTranspose) continue;
+  if constexpr (T::kVGranules == 2) {
+    wait_barrier(ss.kv_full[stage][2 * pair], parity);
+    wait_barrier(ss.kv_full[stage][2 * pair + 1], parity);
+    if (debug & kDebugNoTranspose) return;
     CUTLASS_PRAGMA_UNROLL
     for (int batch = 0; batch < 8 / kUnits; ++batch) {
-      // Units (cc, th) of piece j, kUnits at a time.
+      // Unit u of the pair: piece 2 pair + u / 4, column group u % 4.
       uint32_t d[kUnits][4];
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kUnits; ++k) {
-        const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
-        ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d[k]);
+        const int u = kUnits * batch + k;
+        ldsm_x4_trans(stage_addr + tl.src(2 * pair + u / 4, u % 4, gran), d[k]);
       }
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kUnits; ++k) {
-        const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
-        if constexpr (kMask) {
-          // key = transposed_key(th, m, lane) = 32 th + 8 m + 2 (lane % 4): compared as 32 th + 8 m against
-          // valid - 2 (lane % 4), so that no per-lane key is kept in a register (the producer has few).
-          const int lane_valid = valid - transposed_key(0, 0, lane);
-          CUTLASS_PRAGMA_UNROLL
-          for (int m = 0; m < 4; ++m) {
-            const int key = transposed_key(th, m, 0);
-            d[k][m] &= (key < lane_valid ? 0x0000ffffu : 0u) | (key + 1 < lane_valid ? 0xffff0000u : 0u);
-          }
+        const int u = kUnits * batch + k;
+        store_unit<kMask>(d[k], vt_addr + tl.dst(2 * pair + u / 4, u % 4, gran), gran, valid, lane);
+      }
+    }
+  } else {
+    static_assert(T::kVGranules == 1, "one or two key granules");
+    CUTLASS_PRAGMA_UNROLL
+    for (int jj = 0; jj < 2; ++jj) {
+      const int j = 2 * pair + jj;
+      wait_barrier(ss.kv_full[stage][j], parity);
+      if (debug & kDebugNoTranspose) continue;
+      CUTLASS_PRAGMA_UNROLL
+      for (int batch = 0; batch < 8 / kUnits; ++batch) {
+        // Units (cc, th) of piece j, kUnits at a time.
+        uint32_t d[kUnits][4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < kUnits; ++k) {
+          const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
+          ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d[k]);
         }
-        uint32_t o[4];
-        unit_words(d[k], o);
-        stsm_x4(vt_addr + tl.dst(j, cc, th), o);
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < kUnits; ++k) {
+          const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
+          store_unit<kMask>(d[k], vt_addr + tl.dst(j, cc, th), th, valid, lane);
+        }
       }
     }
   }
@@ -323,10 +354,10 @@ __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss
       widen_pair<T, false>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, lane, debug);
     }
   } else if (valid < kBlockN) {
-    transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
+    transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, tl, lane, debug);
   } else {
-    transpose_pair<T, units_in_flight<T>(), false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane,
-                                                   debug);
+    transpose_pair<T, units_in_flight<T>(), false>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, tl,
+                                                   lane, debug);
   }
   cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma and by the bulk copy (async proxy)
   __syncwarp();

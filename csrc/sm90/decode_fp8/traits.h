@@ -117,13 +117,14 @@ struct Traits {
   static_assert(cosize_v<SmemLayoutTile> == kTileBytes, "tile size");
   static_assert(cosize_v<SmemLayoutVtHalf> == kVtHalfBytes, "V^T half size");
   static_assert(cosize_v<SmemLayoutV16Half> * 2 == kV16HalfBytes, "fp16 V half size");
-  // kVGranules (kPvF16 only, 1 or 2): each fp16 V half in key granules (keys 32 j .. 32 j + 31 of each of its four
-  // pieces) with barriers of their own (vt_bar): the P V of a half is one commit group a granule, a granule is
-  // released when its group completed, and the producer's eight units a block (the pairs of each granule) spread
-  // over its three warps so that the first granule of each half is widened sooner (with whole halves, rings of one
-  // and four pairs on three warps, one half of every block waited for a warp's second pair: docs/perf/journal.md).
+  // kVGranules (1 or 2): each V half (fp16 V, or V^T) in key granules (keys 32 j .. 32 j + 31, one k32 step of the
+  // e4m3 P V or two k16 steps of the fp16 one) with barriers of their own (vt_bar): the P V of a half is one commit
+  // group a granule, a granule is released when its group completed, and the producer's eight units a block (the
+  // pairs of each granule) spread over its three warps so that the first granule of each half is written sooner
+  // (with whole halves and four pairs on three warps, one half of every block waited for a warp's second pair:
+  // docs/perf/journal.md).
   static constexpr int kVGranules = kVGranules_;
-  static_assert(kVGranules == 1 || (kPvF16 && kVGranules == 2), "two key granules for the fp16 V of kPvF16 only");
+  static_assert(kVGranules == 1 || kVGranules == 2, "one or two key granules");
   static constexpr int kVtBars = kVtSlots * kVGranules;
   static_assert(!kShareVt || kVGranules == 1, "the shared transposition sends whole V^T halves");
 
