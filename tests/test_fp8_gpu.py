@@ -226,23 +226,27 @@ def test_accurate_mode_with_tiny_q_rows():
     assert rel_norm(lse, ref_lse) < ACCURATE_LSE
 
 
+@pytest.mark.parametrize("debug", [16, 16 + 64])
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[6]], ids=str)
-def test_accurate_mode_with_v_in_key_granules_gives_the_same_bits(monkeypatch, case):
+def test_accurate_mode_with_v_in_key_granules_gives_the_same_bits(monkeypatch, case, debug):
     """FLASHMLA_BACKEND_FP8_DEBUG=16 (decode.h: kDebugVGranules) runs the bf16-q accurate mode with each fp16 V half
-    in two key granules, each with barriers of its own: the same products in the same order, so the same bits."""
+    in two key granules, each with barriers of its own (+ 64: the right half's units first): the same products in
+    the same order, so the same bits."""
     inp, dq, dk = fp8_inputs(case, "cuda")
     want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "16")
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(debug))
     out, lse = run_fp8_decode(inp, case, dq, dk)
     assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)
 
 
+@pytest.mark.parametrize("debug", [32, 32 + 64])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[6]], ids=str)
-def test_fast_mode_with_vt_in_key_granules_gives_the_same_bits(monkeypatch, case):
+def test_fast_mode_with_vt_in_key_granules_gives_the_same_bits(monkeypatch, case, debug):
     """FLASHMLA_BACKEND_FP8_DEBUG=32 (decode.h: kDebugFastGranules) runs the fast mode's one- and two-M-tile plan with
-    each V^T half in two key granules: the same transposed bytes and products, so the same bits."""
+    each V^T half in two key granules (+ 64: the right half's units first): the same transposed bytes and products,
+    so the same bits."""
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
     want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "32")
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(debug))
     out, lse = run_fp8_decode(inp, case, dq, dk)
     assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)

@@ -31,6 +31,8 @@ enum DebugFlags : int {
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugVGranules = 16,        // accurate mode, bf16 q: each fp16 V half in two key granules (same results)
   kDebugFastGranules = 32,     // fast mode, one or two M tiles: each V^T half in two key granules (same results)
+  kDebugRightHalfFirst = 64,   // with key granules (16, 32): each granule's right-half pairs go first (producer.cuh:
+                               // transpose_loop; same results)
 };
 // Whether a shape can run the 2-CTA cluster plan: two M tiles whose rows see the same keys (one query token, or no
 // causal limit, or each tile's rows within one query token), so that both CTAs of a cluster walk the same blocks.

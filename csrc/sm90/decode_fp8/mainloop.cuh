@@ -160,7 +160,9 @@ struct PFrag {
   using ALayout = decltype(make_layout(partition_shape_A(Mma{}, Shape<Int<kBlockM>, Int<kBlockN>>{})));
   static_assert(cosize_v<ALayout> * int(sizeof(E)) == 4 * kWords, "the words are the thread's whole A fragment");
   uint32_t w[kWords];
-  __device__ __forceinline__ auto tensor() { return make_tensor(make_rmem_ptr<E>(reinterpret_cast<E*>(&w[0])), ALayout{}); }
+  __device__ __forceinline__ auto tensor() {
+    return make_tensor(make_rmem_ptr<E>(reinterpret_cast<E*>(&w[0])), ALayout{});
+  }
   __device__ __forceinline__ void set(const uint32_t (&words)[kWords]) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kWords; ++i) w[i] = words[i];

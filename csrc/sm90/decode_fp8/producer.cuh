@@ -423,7 +423,10 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
     CUTLASS_PRAGMA_NO_UNROLL
     for (int unit = first_unit; unit < kUnits; unit += kNumTransposeWarps) {
       const int gran = T::kVGranules == 1 ? 0 : unit / kNumVPairs;
-      const int pair = T::kVGranules == 1 ? unit : unit % kNumVPairs;
+      // With granules, kDebugRightHalfFirst puts each granule's right-half pairs (2, 3) first.
+      const int pair = T::kVGranules == 1                ? unit
+                       : (debug & kDebugRightHalfFirst) ? (unit % kNumVPairs) ^ 2
+                                                        : unit % kNumVPairs;
       const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
       const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g), bar = T::vt_bar(slot, gran);
       if (use > 0) wait_barrier(T::vt_empty_of(ss, bar, use - 1), T::vt_empty_parity(use - 1));

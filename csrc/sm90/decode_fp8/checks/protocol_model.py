@@ -168,11 +168,13 @@ def copy_agent(blocks, kS, mutation=None):
         yield ("arrive", "kv_full", x % kS)
 
 
-def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None):
+def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None, right_first=False):
     units = pairs * vt.granules  # the pairs of each key granule, granule by granule
     for g in range(blocks):
         for unit in range((tw + warps - g % warps) % warps, units, warps):  # round-robin, shifted by one per block
             j, pair = divmod(unit, pairs)
+            if right_first and vt.granules > 1:  # kDebugRightHalfFirst: each granule's right-half pairs first
+                pair ^= 2
             h = pair // (pairs // 2)
             slot, use = vt.slot(h, g), vt.use(h, g)
             bar = vt.bar(slot, j)
@@ -312,7 +314,7 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False):
 
 def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
-        f16pv: bool = False, starve: str | None = None, granules: int = 1) -> None:
+        f16pv: bool = False, starve: str | None = None, granules: int = 1, right_first: bool = False) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
     agent that moves only when no other can (the interleavings where one role lags far behind the others)."""
     arrivals = read_arrivals() if arrivals is None else arrivals
@@ -324,7 +326,7 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
     agents = {"copy": copy_agent(blocks, stages, mutation)}
     for w in range(arrivals["kNumTransposeWarps"]):
         agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
-                                                    arrivals["kNumVPairs"], mutation)
+                                                    arrivals["kNumVPairs"], mutation, right_first)
     for wg in (0, 1):
         agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, mutation, f16pv)
     # Named barriers: generation counters. scale0 / scale1 / p0: one side arrives, the other syncs; consumers: both
@@ -332,7 +334,8 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
     named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0]}
     consumer_gen = {"wg0": 0, "wg1": 0}
     pending = {name: next(agent, None) for name, agent in agents.items()}
-    readers = {"kv": 1 + arrivals["kNumVPairs"] * granules, "vt": 1, "p0": 1, "p1": 2}  # p[1]: warpgroup 0, and 1 reloads it
+    # kv: the owner's Q K^T and the transposition's units; p[1]: warpgroup 0, and 1 reloads it.
+    readers = {"kv": 1 + arrivals["kNumVPairs"] * granules, "vt": 1, "p0": 1, "p1": 2}
     rng = random.Random(seed)
 
     def ready(name, op) -> bool:
@@ -386,7 +389,7 @@ def check_all(seeds: int = 30) -> int:
     for name, (_, stages, left, right, f16pv, granules) in read_variants().items():
         for reqs in sequences:
             for seed in range(seeds):
-                run(reqs, stages, (left, right), seed=seed, f16pv=f16pv, granules=granules,
+                run(reqs, stages, (left, right), seed=seed, f16pv=f16pv, granules=granules, right_first=seed % 2 == 1,
                     starve=starved[seed % len(starved)])
                 runs += 1
     return runs
