@@ -18,6 +18,10 @@ every tensor was used, and prints the mean next-token entropy next to ln(vocab),
 logits move when the attention softmax scale is multiplied by 1.5 (the test hook the engine tests
 use): the checkpoint is rejected if the entropy is not well below uniform or attention barely matters.
 
+A DeepSeek-V3.2 config (model_type deepseek_v32: DeepSeek Sparse Attention, index_topk / index_n_heads /
+index_head_dim) also gets each layer's indexer (self_attn.indexer: wq_b from the query LoRA, wk and weights_proj
+from the hidden state, k_norm a LayerNorm), the tensors vLLM's and transformers' DeepSeek-V3.2 models load.
+
 --mtp adds one multi-token-prediction layer (num_nextn_predict_layers = 1: enorm, hnorm, eh_proj,
 shared_head and a full MoE decoder block at index num_hidden_layers), which vLLM's DeepSeek MTP
 drafter loads for speculative decoding.
@@ -60,6 +64,13 @@ def decoder_block(gen, cfg: dict, prefix: str, layer_idx: int) -> dict[str, torc
         f"{prefix}.self_attn.kv_b_proj.weight": linear(gen, heads * (nope + v), kv_lora),
         f"{prefix}.self_attn.o_proj.weight": linear(gen, h, heads * v, GAIN_ATTN_OUT),
     }
+    if "index_topk" in cfg:  # DeepSeek-V3.2: the layer's indexer, which picks the tokens attention reads
+        n_idx, d_idx = cfg["index_n_heads"], cfg["index_head_dim"]
+        t[f"{prefix}.self_attn.indexer.wq_b.weight"] = linear(gen, n_idx * d_idx, q_lora)
+        t[f"{prefix}.self_attn.indexer.wk.weight"] = linear(gen, d_idx, h)
+        t[f"{prefix}.self_attn.indexer.k_norm.weight"] = torch.ones(d_idx)
+        t[f"{prefix}.self_attn.indexer.k_norm.bias"] = torch.zeros(d_idx)
+        t[f"{prefix}.self_attn.indexer.weights_proj.weight"] = linear(gen, n_idx, h)
     if q_lora:
         t[f"{prefix}.self_attn.q_a_proj.weight"] = linear(gen, q_lora, h)
         t[f"{prefix}.self_attn.q_a_layernorm.weight"] = torch.ones(q_lora)
@@ -143,7 +154,7 @@ def check_with_transformers(out: Path, cfg: dict, num_prompts: int, prompt_len: 
     missing = [k for k in info.get("missing_keys", [])]
     unexpected = [k for k in info.get("unexpected_keys", []) if not k.startswith(mtp_prefix)]
     if missing or unexpected or info.get("mismatched_keys"):
-        raise SystemExit(f"checkpoint does not match transformers' DeepSeek-V3: missing {missing[:8]}, "
+        raise SystemExit(f"checkpoint does not match transformers' {cfg['model_type']}: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}, mismatched {info.get('mismatched_keys')}")
     model = model.to(device).eval()
     gen = torch.Generator().manual_seed(7)
@@ -169,7 +180,7 @@ def check_with_transformers(out: Path, cfg: dict, num_prompts: int, prompt_len: 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, type=Path, help="a DeepSeek-V3 config.json")
+    ap.add_argument("--config", required=True, type=Path, help="a DeepSeek-V3 or -V3.2 config.json")
     ap.add_argument("--out", required=True, type=Path, help="output directory (created)")
     ap.add_argument("--mtp", action="store_true", help="add one MTP layer (num_nextn_predict_layers = 1)")
     ap.add_argument("--seed", type=int, default=SEED)
@@ -180,8 +191,13 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     cfg = json.loads(args.config.read_text())
-    if cfg.get("model_type") != "deepseek_v3":
-        raise SystemExit(f"{args.config}: model_type {cfg.get('model_type')!r}, expected 'deepseek_v3'")
+    model_type = cfg.get("model_type")
+    if model_type not in ("deepseek_v3", "deepseek_v32"):
+        raise SystemExit(f"{args.config}: model_type {model_type!r}, expected 'deepseek_v3' or 'deepseek_v32'")
+    if model_type == "deepseek_v32":
+        missing = [k for k in ("index_topk", "index_n_heads", "index_head_dim", "q_lora_rank") if not cfg.get(k)]
+        if missing:
+            raise SystemExit(f"{args.config}: a deepseek_v32 config needs {', '.join(missing)} (the indexer's shape)")
     cfg["num_nextn_predict_layers"] = 1 if args.mtp else 0
     cfg["torch_dtype"] = "bfloat16"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -649,3 +649,35 @@ def test_vllms_mla_layer_builds_the_sparse_impl_from_the_one_flag(kv_cache_dtype
     assert layer.impl.kv_ds_mla == (stored == "fp8_ds_mla")
     spec = layer.get_kv_cache_spec(cfg)
     assert spec.real_page_size_bytes == spec.block_size * bytes_per_token
+
+
+def test_tiny_v32_checkpoint_has_the_tensors_of_deepseek_v32(tmp_path):
+    """integration/models/tiny-deepseek-v32 through integration/make_tiny_checkpoint.py (the engine runs' model):
+    its tensors are transformers' DeepSeek-V3.2 parameters by name and shape, the indexer's included (transformers
+    fuses the routed experts when it loads them, so those are compared by count), and vLLM resolves the config as
+    sparse MLA with 64 heads."""
+    transformers = pytest.importorskip("transformers")
+    if "deepseek_v32" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V3.2 model")
+    import sys
+
+    root = base.REPO
+    sys.path.insert(0, str(root / "integration"))
+    import make_tiny_checkpoint
+
+    cfg = json.loads((root / "integration" / "models" / "tiny-deepseek-v32" / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 0
+    got = {k: tuple(v.shape) for k, v in make_tiny_checkpoint.make_weights(cfg, 1).items()}
+    hf_cfg = transformers.AutoConfig.for_model(cfg["model_type"], **{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("meta"):
+        hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    want = {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+    routed = ".mlp.experts."
+    assert {k: s for k, s in got.items() if routed not in k} == {k: s for k, s in want.items() if routed not in k}
+    assert sum(".self_attn.indexer." in k for k in got) == 5 * cfg["num_hidden_layers"]
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    assert sum(routed in k for k in got) == 3 * cfg["n_routed_experts"] * moe_layers
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=MAX_MODEL_LEN)
+    assert m.use_mla and m.hf_text_config.index_topk == cfg["index_topk"]
+    assert m.hf_text_config.num_attention_heads == 64
