@@ -130,8 +130,9 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
     assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16",
-                             "kAccurateBF16Granules", "kFastE4m3QStreamGranules"}
+                             "kAccurateBF16Granules", "kFastE4m3QStreamGranules", "kFastE4m3QGranules"}
     assert variants["kFastE4m3QStreamGranules"] == (1, 3, 2, 2, False, 2)
+    assert variants["kFastE4m3QGranules"] == (1, 2, 2, 4, False, 2)
     assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False, 1) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False, 1)
     assert variants["kFastE4m3QCluster"] == (1, 2, 3, 3, False, 1)
     assert variants["kAccurateBF16"] == (2, 2, 1, 1, True, 1) == variants["kAccurateFP16"]

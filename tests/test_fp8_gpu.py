@@ -240,11 +240,11 @@ def test_accurate_mode_with_v_in_key_granules_gives_the_same_bits(monkeypatch, c
 
 
 @pytest.mark.parametrize("debug", [32, 32 + 64])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[5], CASES[6]], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5], CASES[6]], ids=str)
 def test_fast_mode_with_vt_in_key_granules_gives_the_same_bits(monkeypatch, case, debug):
-    """FLASHMLA_BACKEND_FP8_DEBUG=32 (decode.h: kDebugFastGranules) runs the fast mode's one- and two-M-tile plan with
-    each V^T half in two key granules (+ 64: the right half's units first): the same transposed bytes and products,
-    so the same bits."""
+    """FLASHMLA_BACKEND_FP8_DEBUG=32 (decode.h: kDebugFastGranules) runs both fast-mode plans (one or two M tiles,
+    and more: CASES[2] and [4]) with each V^T half in two key granules (+ 64: the right half's units first): the
+    same transposed bytes and products, so the same bits."""
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
     want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(debug))

@@ -52,6 +52,8 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
       run_decode_kernel<Variant::kFastE4m3QStreamGranules>(params, debug);
     } else if (stream) {
       run_decode_kernel<Variant::kFastE4m3QStream>(params, debug);
+    } else if (debug & sm90::decode_fp8::kDebugFastGranules) {
+      run_decode_kernel<Variant::kFastE4m3QGranules>(params, debug);
     } else {
       run_decode_kernel<Variant::kFastE4m3Q>(params, debug);
     }
