@@ -48,10 +48,17 @@ Refused at start-up, each with what works: query heads other than 64 or 128 per 
 above, index_kpool > 1, decode context parallelism, HiSparse, speculative decoding (SGLang's target verification
 would go to its own kernel with the stand-in value), a model other than kv_lora_rank 512 / rope 64, and a CUDA
 device: the sparse decode kernel is not built yet, and flashmla_backend's sparse decode runs on CPU tensors only
-(its PyTorch reference). It never falls back to SGLang's kernel silently.
+(its PyTorch reference). An adopted backend never runs SGLang's decode kernel instead. Where the hooks cannot be
+registered, flashmla_backend.sglang.register raises; SGLang's plugin loader logs that as an error (in every process)
+and goes on, so that server then decodes with SGLang's own kernel: read the log when the variable is set.
 
 Versions: the hook targets and the attributes read here are those of SGLang 0.5.21 and 0.5.23 (checked by
-tests/test_sglang_sparse_cpu.py). Where the backend class is missing, register_hooks raises and says so.
+tests/test_sglang_sparse_cpu.py in their CPU test environments) and of 0.5.17 (the same tests, run once on CPU with
+0.5.17's package over the 0.5.21 environment's other packages). Differences handled: 0.5.17's backend has no
+index_kpool (read as 1) and no attention sinks (_forward_flashmla_sparse and forward_decode take no attn_sink; the
+hook passes SGLang's arguments on as given), and dispatches on self.dsa_decode_impl where 0.5.21 and 0.5.23
+dispatch on the value after their index_kpool remap (the same value with index_kpool 1); dcp_size exists in 0.5.23
+only (read as 1 where absent). Where the backend class is missing, register_hooks raises and says so.
 """
 from __future__ import annotations
 
@@ -192,16 +199,16 @@ def _speculative(model_runner) -> bool:
 def adopt(backend, model_runner) -> DSADecode:
     """After SGLang's DeepseekSparseAttnBackend constructor: check, then route its decode kernel to DSADecode.
 
-    Reads the attributes SGLang's constructor sets (0.5.21, 0.5.23): num_q_heads, kv_cache_dtype,
-    dsa_kv_cache_store_fp8, kv_cache_dim, kv_lora_rank, qk_rope_head_dim, dsa_index_kpool, dcp_size (0.5.23;
-    1 before), hisparse_coordinator, device, token_to_kv_pool.page_size, dsa_decode_impl. Raises
-    NotImplementedError naming what works, or RuntimeError on a CUDA device."""
+    Reads the attributes SGLang's constructor sets (0.5.17, 0.5.21, 0.5.23): num_q_heads, kv_cache_dtype,
+    dsa_kv_cache_store_fp8, kv_cache_dim, kv_lora_rank, qk_rope_head_dim, dsa_index_kpool (0.5.21, 0.5.23; 1 where
+    absent), dcp_size (0.5.23; 1 where absent), hisparse_coordinator, device, token_to_kv_pool.page_size,
+    dsa_decode_impl. Raises NotImplementedError naming what works, or RuntimeError on a CUDA device."""
     problem = serving_problem(
         num_heads=backend.num_q_heads, kv_cache_dtype=backend.kv_cache_dtype,
         model_dtype=getattr(model_runner, "dtype", None), kv_cache_dim=backend.kv_cache_dim,
         store_fp8=bool(backend.dsa_kv_cache_store_fp8), kv_lora_rank=backend.kv_lora_rank,
         qk_rope_head_dim=backend.qk_rope_head_dim, page_size=backend.token_to_kv_pool.page_size,
-        index_kpool=backend.dsa_index_kpool, dcp_size=getattr(backend, "dcp_size", 1),
+        index_kpool=getattr(backend, "dsa_index_kpool", 1), dcp_size=getattr(backend, "dcp_size", 1),
         hisparse=backend.hisparse_coordinator is not None, speculative=_speculative(model_runner),
         device=backend.device)
     if problem == KERNEL_MISSING:
@@ -261,8 +268,8 @@ def unsupported_reason() -> Optional[str]:
 
     version = _compat.installed_sglang_version() or "(not installed)"
     return (f"flashmla_backend: {DSA_DECODE_ENV} is set, but SGLang {version} has no {BACKEND_MODULE} (SGLang's DSA "
-            f"attention backend, DeepseekSparseAttnBackend), which flashmla_backend's DSA decode hooks (SGLang 0.5.21 "
-            f"and 0.5.23 have it). Unset {DSA_DECODE_ENV} or install one of those releases.")
+            f"attention backend, DeepseekSparseAttnBackend), which flashmla_backend's DSA decode hooks (SGLang 0.5.17, "
+            f"0.5.21 and 0.5.23 have it). Unset {DSA_DECODE_ENV} or install one of those releases.")
 
 
 def register_hooks() -> bool:
