@@ -491,10 +491,10 @@ def test_kernel_call_outside_decode_stays_sglangs(dsa_hooks, monkeypatch):
     monkeypatch.setattr(dsa.DSADecode, "__call__", lambda self, *a, **k: calls.append(1))
     q = torch.zeros(1, 64, HEAD_DIM_K, dtype=torch.bfloat16)
     table = torch.full((1, TOPK), -1, dtype=torch.int32)
-    with pytest.raises(Exception) as info:
+    with pytest.raises(ImportError):   # SGLang's kernel package: sgl_kernel (0.5.17, 0.5.21), flash_mla (0.5.23)
         backend._forward_flashmla_sparse(q_all=q, kv_cache=pool.get_key_buffer(0), v_head_dim=HEAD_DIM_V,
                                          page_table_1=table, sm_scale=SCALE)
-    assert calls == [] and "flashmla_backend" not in str(info.value)
+    assert calls == []
     assert getattr(backend, dsa.ATTR).active is False
 
 
@@ -506,6 +506,6 @@ def test_backends_not_adopted_keep_sglangs_decode(dsa_hooks, monkeypatch):
     calls = []
     monkeypatch.setattr(dsa.DSADecode, "__call__", lambda self, *a, **k: calls.append(1))
     q = torch.zeros(1, 64, HEAD_DIM_K, dtype=torch.bfloat16)
-    with pytest.raises(Exception):
+    with pytest.raises(ImportError):   # SGLang's own kernel call, as in the test above
         run_decode(backend, batch, q, monkeypatch)
     assert calls == []
