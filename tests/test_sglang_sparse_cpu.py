@@ -1,15 +1,17 @@
 """flashmla_backend's sparse decode as the decode kernel of SGLang's DSA backend, against SGLang's real classes on CPU.
 
 flashmla_backend.sglang.dsa hooks three methods of SGLang's DeepseekSparseAttnBackend (constructor, forward_decode,
-_forward_flashmla_sparse) while FLASHMLA_BACKEND_DSA_DECODE is set. Real SGLang pieces here: the backend class
-(its forward_decode runs, hooked through SGLang's HookRegistry), DSAMetadata, DSATokenToKVPool (its per-layer
-buffers are the caches read), RadixAttention, SpeculativeAlgorithm, and the sources of the kernel call, the top-k
-translation and the FP8 quantizer (what the hooks rely on is checked in them). What cannot run on CPU: the
-backend's constructor (it asks CUDA for the device capability; the instances here get the attributes it sets,
-whose names are checked against its source) and SGLang's Triton kernels: the top-k translation of forward_decode
-(transform_index_page_table_decode, replaced here by a PyTorch function with the semantics of its docstring:
-result[i, j] = page_table[i, topk[i, j]], -1 where topk is -1) and the FP8 KV writes (the caches are written here;
-SGLang 0.5.21's PyTorch quantizer, where present, writes the FP8 one). On CPU tensors flashmla_backend runs its
+_forward_flashmla_sparse) while FLASHMLA_BACKEND_DSA_DECODE is set. Real SGLang pieces here: the backend class, built
+by its own constructor (hooked through SGLang's HookRegistry) from the attention kit's MockMLAModelRunner with a
+DeepSeek-V3.2 model config and SGLang's DSATokenToKVPool (its per-layer buffers are the caches read), its
+forward_decode, DSAMetadata, RadixAttention, SpeculativeAlgorithm, and the sources of the kernel call, the top-k
+translation and the FP8 quantizer (what the hooks rely on is checked in them). Stand-ins: CUDA's device-capability
+query (answers Hopper's (9, 0): the constructor's one CUDA call), instances with the constructor's attributes set
+directly for the refusals adopt() makes (their names checked against its source), and SGLang's Triton kernels:
+the top-k translation of forward_decode (transform_index_page_table_decode, replaced by a PyTorch function with
+the semantics of its docstring: result[i, j] = page_table[i, topk[i, j]], -1 where topk is -1; with SGLang's fused
+top-k the same function gives the indexer's output) and the FP8 KV writes (the caches are written here; SGLang
+0.5.21's PyTorch quantizer, where present, writes the FP8 one). On CPU tensors flashmla_backend runs its
 PyTorch reference, so outputs are compared with that reference called directly with the indices expected
 (page * 64 + offset of each chosen position) and with dense attention over the chosen tokens computed here.
 
@@ -115,6 +117,28 @@ def init_source() -> str:
 def sinks_supported() -> bool:
     """Learnable attention sinks reach forward_decode in 0.5.21 and 0.5.23 (0.5.17 has none in DSA)."""
     return "attn_sink" in inspect.signature(inspect.unwrap(DeepseekSparseAttnBackend.forward_decode)).parameters
+
+
+def real_backend(monkeypatch, heads: int = 64, fp8: bool = True, pool=None, index_kpool: int | None = None,
+                 spec: str | None = None, fused: bool = True) -> DeepseekSparseAttnBackend:
+    """SGLang's own constructor (hooked by SGLang's HookRegistry when dsa_hooks is active) on CPU: the attention
+    kit's MockMLAModelRunner with `heads` heads and SGLang's DSA pool, a DeepSeek-V3.2 model config (architecture,
+    index_topk), and CUDA's device-capability query answering Hopper's (9, 0), the one CUDA call it makes.
+    fused: SGLang's SGLANG_DSA_FUSE_TOPK (on by default), with which its indexer emits the translated slots."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0))
+    monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "1" if fused else "0")
+    monkeypatch.setattr(base, "HEADS", heads)
+    model_runner = base.make_runner(fp8=fp8)
+    hf_config = SimpleNamespace(architectures=["DeepseekV32ForCausalLM"], index_topk=TOPK, index_head_dim=128)
+    if index_kpool is not None:
+        hf_config.index_kpool = index_kpool
+    monkeypatch.setattr(model_runner.model_config, "hf_config", hf_config, raising=False)
+    model_runner.token_to_kv_pool = pool if pool is not None else make_pool(fp8)
+    if spec is not None:
+        model_runner.spec_algorithm = SpeculativeAlgorithm.from_string(spec)
+    backend = DeepseekSparseAttnBackend(model_runner)
+    assert backend.use_fused_topk is fused
+    return backend
 
 
 def runner(model_dtype=torch.bfloat16, spec: str | None = None, draft: bool = False):
@@ -310,6 +334,33 @@ def test_constructor_hook_adopts_after_sglangs_constructor():
         dsa.init_hook(sglang_constructor, refused, runner(spec="EAGLE"))
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_sglangs_constructor_is_adopted(dsa_hooks, monkeypatch, fp8, heads):
+    backend = real_backend(monkeypatch, heads, fp8)
+    decoder = getattr(backend, dsa.ATTR)
+    assert backend.dsa_decode_impl == dsa.STAND_IN and backend.num_q_heads == heads and decoder.fp8 is fp8
+    assert backend.dsa_kv_cache_store_fp8 is fp8 and backend.kv_cache_dim == (656 if fp8 else 576)
+
+
+def test_sglangs_constructor_unhooked_keeps_sglangs_decode(monkeypatch):
+    monkeypatch.delenv(dsa.DSA_DECODE_ENV, raising=False)
+    backend = real_backend(monkeypatch)
+    assert not hasattr(backend, dsa.ATTR) and backend.dsa_decode_impl != dsa.STAND_IN
+
+
+@pytest.mark.parametrize("case,message", [
+    (dict(heads=16), "got 16"),
+    (dict(spec="EAGLE"), "speculative decoding"),
+    (dict(index_kpool=2), "index_kpool 2"),
+])
+def test_sglangs_constructor_refuses(dsa_hooks, monkeypatch, case, message):
+    if "index_kpool" in case and "self.dsa_index_kpool =" not in init_source():
+        pytest.skip("this SGLang's DSA backend has no index_kpool (0.5.21 and 0.5.23 do)")
+    with pytest.raises(NotImplementedError, match=message):
+        real_backend(monkeypatch, **case)
+
+
 # ---- decode through SGLang's forward_decode ------------------------------------------------------------------
 
 def sglang_translation(page_table, topk_indices, result=None, page_size=1):
@@ -397,22 +448,28 @@ def dense_over_chosen(q, batch: Batch, scale, sink=None):
 
 
 def run_decode(backend, batch: Batch, q, monkeypatch, sink=None):
+    """SGLang's forward_decode for a decode step of `batch`. The indexer's output it is handed: the top-k positions
+    (SGLang then translates them through the page table), or with SGLang's fused top-k (use_fused_topk) the
+    indexer's already translated slots, which the backend passes on as they are."""
     monkeypatch.setattr(dsa_backend, "transform_index_page_table_decode", sglang_translation)
+    topk = batch.topk_indices
+    if backend.use_fused_topk:
+        topk = sglang_translation(batch.req_to_token, topk)
     backend.forward_metadata = batch.metadata()
     layer = RadixAttention(num_heads=q.shape[1], head_dim=HEAD_DIM_K, scaling=SCALE, num_kv_heads=1, layer_id=0,
                            v_head_dim=HEAD_DIM_V)
     extra = dict(attn_sink=sink) if sink is not None else {}
     return backend.forward_decode(q.reshape(q.shape[0], -1), None, None, layer, SimpleNamespace(),
-                                  save_kv_cache=False, topk_indices=batch.topk_indices, **extra)
+                                  save_kv_cache=False, topk_indices=topk, **extra)
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("fp8", [True, False])
 @pytest.mark.parametrize("heads", [64, 128])
-def test_decode_runs_flashmla_backend_with_page_offset_indices(dsa_hooks, monkeypatch, fp8, heads):
+def test_decode_runs_flashmla_backend_with_page_offset_indices(dsa_hooks, monkeypatch, fp8, heads, fused):
     pool = make_pool(fp8)
     batch = Batch(pool, lens=[150, 40, 96 + 7], seed=heads + fp8)
-    backend = make_backend(heads, fp8, pool)
-    dsa.adopt(backend, runner())
+    backend = real_backend(monkeypatch, heads, fp8, pool, fused=fused)
     q = torch.randn(len(batch.lens), heads, HEAD_DIM_K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     out = run_decode(backend, batch, q, monkeypatch)
     assert out.shape == (len(batch.lens), heads, HEAD_DIM_V) and out.dtype == torch.bfloat16
@@ -432,8 +489,7 @@ def test_attention_sink_reaches_the_kernel(dsa_hooks, monkeypatch):
         pytest.skip("this SGLang's DSA decode takes no attention sinks (0.5.21 and 0.5.23 do)")
     pool = make_pool(False)
     batch = Batch(pool, lens=[70, 130], seed=3)
-    backend = make_backend(64, False, pool)
-    dsa.adopt(backend, runner())
+    backend = real_backend(monkeypatch, 64, False, pool)
     q = torch.randn(2, 64, HEAD_DIM_K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     sink = torch.linspace(-2, 2, 64).to(torch.bfloat16)
     out = run_decode(backend, batch, q, monkeypatch, sink=sink)
@@ -465,8 +521,7 @@ def test_topk_length_is_honoured(dsa_hooks, monkeypatch):
     reference with the same lengths."""
     pool = make_pool(False)
     batch = Batch(pool, lens=[150, 150], seed=7)
-    backend = make_backend(64, False, pool)
-    dsa.adopt(backend, runner())
+    backend = real_backend(monkeypatch, 64, False, pool, fused=False)
     q = torch.randn(2, 64, HEAD_DIM_K, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     batch.topk_length = torch.tensor([TOPK, 10], dtype=torch.int32)
     out = run_decode(backend, batch, q, monkeypatch)
