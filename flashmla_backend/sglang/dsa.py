@@ -30,10 +30,11 @@ flashmla_backend.sglang.register only while the variable is set):
 The indices: SGLang's forward_decode hands _forward_flashmla_sparse `page_table_1` [tokens, topk] int32, the
 indexer's top-k positions (within the request) already translated through req_to_token: by forward_decode
 (transform_index_page_table_decode with page_size 1), or, with SGLang's fused top-k (SGLANG_DSA_FUSE_TOPK, on by
-default in 0.5.17, 0.5.21 and 0.5.23), by the indexer's top-k kernel, whose output forward_decode passes on. Entry =
-the KV-pool slot of that token, -1 where the indexer chose nothing. A slot of SGLang's paged pool is page * page_size + offset (pool rows
-[slots, 1, width], pages of page_size consecutive rows), which is flashmla_backend's sparse convention with the
-pool viewed as [slots / page_size, page_size, 1, width]: the entries pass unchanged, -1 stays "skip". Alongside,
+default in 0.5.17, 0.5.21 and 0.5.23), by the indexer's top-k kernel, whose output forward_decode passes on.
+Entry = the KV-pool slot of that token, -1 where the indexer chose nothing. A slot of SGLang's paged pool is
+page * page_size + offset (pool rows [slots, 1, width], pages of page_size consecutive rows), which is
+flashmla_backend's sparse convention with the pool viewed as [slots / page_size, page_size, 1, width]: the entries
+pass unchanged, -1 stays "skip". Alongside,
 `topk_length` [tokens] int32 is the request's length clipped to topk (valid entries come first, -1 after),
 passed on as SGLang passes it to its kernel (dropped, as SGLang drops it, when its rows do not match q's).
 
