@@ -44,7 +44,7 @@ class Engine(NamedTuple):
 
 
 VLLM_FILES = ("test_vllm_cpu.py", "test_vllm_dcp_cpu.py", "test_vllm_sparse_cpu.py")
-SGLANG_FILES = ("test_sglang_cpu.py", "test_sglang_dcp_cpu.py")
+SGLANG_FILES = ("test_sglang_cpu.py", "test_sglang_dcp_cpu.py", "test_sglang_sparse_cpu.py")
 # The engine conformance environments, one line each. extra=True: made and run only when asked
 # (FLASHMLA_BACKEND_EXTRA_ENGINES=1 bash tests/run.sh --engines): older releases a plugin still supports,
 # kept out of the default run for their time (tests/README.md).

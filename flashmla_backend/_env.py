@@ -9,6 +9,11 @@ import os
 # tokens right and shows only in the draft acceptance.
 DEBUG_BREAK_SCALE_ENV = "FLASHMLA_BACKEND_DEBUG_BREAK_SCALE"
 
+# SGLang: run the decode of SGLang's DSA attention backend (--attention-backend dsa / nsa: DeepSeek-V3.2, GLM-5)
+# on flashmla_backend's sparse decode; SGLang's indexer, prefill and extend stay its own
+# (flashmla_backend.sglang.dsa).
+DSA_DECODE_ENV = "FLASHMLA_BACKEND_DSA_DECODE"
+
 
 def flag(name: str) -> bool:
     """True unless the variable is unset or one of '', '0', 'false', 'no', 'off' (any case)."""

@@ -12,10 +12,12 @@ KV-cache formats (`--kv-cache-dtype`):
 Refused, with a message naming what works: fp8_e5m2, DeepSeek's packed fp8_ds_mla (sparse MLA), fp4 /
 nvfp4 / mxfp8 / int8 formats, and anything else.
 
-Sparse MLA (DeepSeek-V3.2 / GLM-5 attention with vLLM's indexer choosing the tokens; vLLM only,
-flashmla_backend.vllm.sparse_backend) reads other caches: the model's 16-bit dtype ("auto", "bfloat16",
-"float16") or DeepSeek's 656-byte fp8_ds_mla token ("fp8_ds_mla"; "fp8" and "fp8_e4m3" name it too, as for
-vLLM's own FLASHMLA_SPARSE backend), with 64 or 128 query heads per rank (SPARSE_HEADS).
+Sparse MLA (DeepSeek-V3.2 / GLM-5 attention with the engine's indexer choosing the tokens: vLLM through
+flashmla_backend.vllm.sparse_backend, SGLang as the decode kernel of its DSA backend through
+flashmla_backend.sglang.dsa) reads other caches: the model's 16-bit dtype (vLLM "auto", "bfloat16", "float16";
+SGLang "auto", "bfloat16", "bf16", which its DSA backend serves in bf16 only) or DeepSeek's 656-byte
+fp8_ds_mla token (vLLM "fp8_ds_mla", and "fp8" / "fp8_e4m3" as for vLLM's own FLASHMLA_SPARSE backend; SGLang
+"fp8_e4m3", which its DSA backend stores in that layout), with 64 or 128 query heads per rank (SPARSE_HEADS).
 
 FP8 query mode (FP8 caches only), chosen by FLASHMLA_BACKEND_FP8_MODE:
   * "accurate" (default): the engine hands the 16-bit query, which the kernel multiplies against the
@@ -152,11 +154,13 @@ def default_scale_message(engine: str) -> str:
             "accuracy with and without calibration.")
 
 
-# Sparse MLA (vLLM): --kv-cache-dtype values and what the cache holds. The FP8 spellings all mean the 656-byte
+# Sparse MLA: --kv-cache-dtype values and what the cache holds. The FP8 spellings all mean the 656-byte
 # fp8_ds_mla token (flashmla_backend.fp8_ds_mla); the 16-bit ones a 576-wide token in the model dtype.
 SPARSE_DS_MLA = "fp8_ds_mla"
 SPARSE_KV_CACHE_DTYPES: dict[str, tuple[str, ...]] = {
     "vllm": ("auto", "bfloat16", "float16", SPARSE_DS_MLA, "fp8", "fp8_e4m3"),
+    # SGLang's DSA backend accepts bf16 / bfloat16 / fp8_e4m3 (and auto, which it resolves to one of them).
+    "sglang": ("auto", "bfloat16", "bf16", "fp8_e4m3"),
 }
 SPARSE_FP8_ALIASES = ("fp8", "fp8_e4m3")   # stored as fp8_ds_mla
 # Query heads per rank the sparse decode serves (FlashMLA's sparse kernels take 64 or 128).
@@ -183,10 +187,10 @@ def sparse_kv_cache_dtype_problem(engine: str, kv_cache_dtype: Optional[str],
     if sparse_is_ds_mla(value) and model_dtype is not None and model_dtype != torch.bfloat16:
         return (f"flashmla_backend's sparse MLA decode reads the fp8_ds_mla cache with a bf16 query (its rope part "
                 f"is bf16), got model dtype {model_dtype}; use a bf16 model or {flag} auto")
-    wanted = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(value)
+    wanted = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16}.get(value)
     if wanted is not None and model_dtype is not None and wanted != model_dtype:
         return (f"flashmla_backend's sparse MLA decode needs a 16-bit KV cache in the model dtype ({model_dtype}), "
-                f"got {flag} {value!r}; use {flag} auto or {SPARSE_DS_MLA}")
+                f"got {flag} {value!r}; use {flag} auto or {next(n for n in names if sparse_is_ds_mla(n))}")
     return None
 
 

@@ -55,3 +55,30 @@ def test_unknown_engine():
 def test_default_scale_message_says_how_to_calibrate():
     assert "--calculate-kv-scales" in es.default_scale_message("vllm")
     assert "k_scale" in es.default_scale_message("sglang")
+
+
+@pytest.mark.parametrize("engine,name,model_dtype", [
+    ("vllm", "fp8_ds_mla", torch.bfloat16), ("vllm", "auto", torch.float16), ("sglang", "fp8_e4m3", torch.bfloat16),
+    ("sglang", "bf16", torch.bfloat16), ("sglang", "bfloat16", torch.bfloat16), ("sglang", "auto", torch.bfloat16)])
+def test_sparse_caches_served(engine, name, model_dtype):
+    assert es.sparse_kv_cache_dtype_problem(engine, name, model_dtype) is None
+
+
+@pytest.mark.parametrize("engine,name,model_dtype,fp8_name", [
+    ("vllm", "float16", torch.bfloat16, "fp8_ds_mla"), ("sglang", "bf16", torch.float16, "fp8_e4m3")])
+def test_sparse_16bit_cache_must_match_the_model(engine, name, model_dtype, fp8_name):
+    problem = es.sparse_kv_cache_dtype_problem(engine, name, model_dtype)
+    assert "model dtype" in problem and problem.endswith(f"auto or {fp8_name}")
+
+
+@pytest.mark.parametrize("engine,name", [("sglang", "fp8_e5m2"), ("sglang", "fp8_ds_mla"), ("sglang", "float16"),
+                                         ("vllm", "bf16")])
+def test_sparse_refusals_name_what_works(engine, name):
+    problem = es.sparse_kv_cache_dtype_problem(engine, name)
+    assert problem and repr(name) in problem and all(n in problem for n in es.SPARSE_KV_CACHE_DTYPES[engine])
+
+
+def test_sparse_heads():
+    assert es.sparse_heads_problem(64) is None and es.sparse_heads_problem(128) is None
+    problem = es.sparse_heads_problem(16)
+    assert "got 16" in problem and "64 or 128" in problem

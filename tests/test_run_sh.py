@@ -30,7 +30,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_FILES = ("test_vllm_cpu.py", "test_vllm_dcp_cpu.py", "test_vllm_sparse_cpu.py", "test_sglang_cpu.py",
-                "test_sglang_dcp_cpu.py")
+                "test_sglang_dcp_cpu.py", "test_sglang_sparse_cpu.py")
 PYVER = "%d.%d" % sys.version_info[:2]
 
 

@@ -18,6 +18,10 @@ dtype or FP8 e4m3 (`--kv-cache-dtype fp8_e4m3`, read in place with the layer's k
 flashmla_backend.engine_support states what is accepted. Supported SGLang versions:
 flashmla_backend.sglang._compat.
 
+DeepSeek-V3.2 / GLM-5 (SGLang's DSA backend, --attention-backend dsa or nsa): FLASHMLA_BACKEND_DSA_DECODE=1 runs
+that backend's decode on flashmla_backend's sparse decode and leaves its indexer and prefill to SGLang
+(flashmla_backend.sglang.dsa, which says what it serves and why it is a variable).
+
 Names: the backend is "flashmla_backend"; it does not touch SGLang's own "flashmla" backend, the
 `flash_mla` package or the `torch.ops.flash_mla*` ops (ours are torch.ops.flashmla_backend.*).
 
@@ -86,7 +90,9 @@ def register(apply_hooks: bool | None = None) -> None:
     Adds "flashmla_backend" to the --attention-backend / --decode-attention-backend choices and to
     SGLang's attention registry, and registers the hooks of flashmla_backend.sglang.hooks. SGLang's
     plugin loader applies hooks after every plugin ran; called from elsewhere (apply_hooks None) this
-    applies them itself. Idempotent. On an unsupported SGLang it logs why and registers a backend whose
+    applies them itself. With FLASHMLA_BACKEND_DSA_DECODE set it also registers the hooks of
+    flashmla_backend.sglang.dsa (and raises RuntimeError, after registering the rest, where this SGLang has no
+    DSA backend class for them). Idempotent. On an unsupported SGLang it logs why and registers a backend whose
     creation raises that message (so the name is accepted and fails with an explanation, never silently).
     Where SGLang cannot be imported (not installed, or a broken installation) it raises ImportError saying so.
     """
@@ -105,11 +111,20 @@ def register(apply_hooks: bool | None = None) -> None:
         return
 
     register_attention_backend(BACKEND_NAME)(create_backend)
+    dsa_failure = None
     if not _hooks_registered:
+        from . import dsa
         from .hooks import register_hooks
 
         register_hooks()
         _hooks_registered = True
+        try:
+            dsa_registered = dsa.register_hooks()
+        except RuntimeError as e:
+            dsa_failure, dsa_registered = e, False
+        if dsa_registered:
+            logger.info("flashmla_backend: %s is set: the decode of SGLang's DSA attention backend runs on "
+                        "flashmla_backend's sparse decode.", dsa.DSA_DECODE_ENV)
     if apply_hooks is None:
         apply_hooks = not _inside_load_plugins()
     if apply_hooks:
@@ -118,6 +133,9 @@ def register(apply_hooks: bool | None = None) -> None:
         HookRegistry.apply_hooks()
     logger.info("flashmla_backend: registered SGLang attention backend %r (SGLang %s). Select it with "
                 "--attention-backend %s.", BACKEND_NAME, version, BACKEND_NAME)
+    if dsa_failure is not None:
+        logger.error("%s", dsa_failure)
+        raise dsa_failure
 
 
 __all__ = ["register", "create_backend", "BACKEND_NAME", "DEBUG_BREAK_SCALE_ENV"]

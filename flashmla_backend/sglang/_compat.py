@@ -29,6 +29,10 @@ Differences inside the supported range that the plugin handles (read from the wh
     (also with `SGLANG_ENABLE_METADATA_GLUE_GRAPH=1`, in 0.5.19+; 0.5.17 and 0.5.18 have no glue graph),
     SGLang snapshots and reinstalls each backend's `forward_metadata` per replay key, so the plugin keeps
     its per-batch metadata there.
+  - DSA decode (flashmla_backend.sglang.dsa, FLASHMLA_BACKEND_DSA_DECODE): DeepseekSparseAttnBackend and the
+    three methods hooked exist in 0.5.17, 0.5.21 and 0.5.23 (the releases read; 0.5.18-0.5.20 and 0.5.22 not
+    checked); the backend's `dsa_index_kpool` (0.5.21, 0.5.23; not 0.5.17) and `dcp_size` (0.5.23 only) are read
+    as 1 where absent; attention sinks (`attn_sink`) reach the decode in 0.5.21 and 0.5.23, not 0.5.17.
   - Unchanged from 0.5.17 to 0.5.23 and relied on: the attention registry, `HookRegistry` and the
     hook targets (flashmla_backend.sglang.hooks), `SharedReadEnds` and the default read ends
     (decode / target verify: IN_REPLAY; the plugin reads req_to_token and seq_lens only while building
