@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from . import kv_format
-from .geometry import PAGE_SIZE
+from .geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE, ROPE_DIM
 
 FP8_DTYPE = kv_format.FP8_E4M3.dtypes[0]   # the fp8_e4m3 format's dtype (float8_e4m3fn)
 
@@ -192,6 +192,17 @@ def sparse_kv_cache_dtype_problem(engine: str, kv_cache_dtype: Optional[str],
         return (f"flashmla_backend's sparse MLA decode needs a 16-bit KV cache in the model dtype ({model_dtype}), "
                 f"got {flag} {value!r}; use {flag} auto or {next(n for n in names if sparse_is_ds_mla(n))}")
     return None
+
+
+def mla_dims_problem(kv_lora_rank, qk_rope_head_dim, model: str, head_size: Optional[int] = None) -> Optional[str]:
+    """None when a model's MLA has the kernels' geometry (latent 512, rope 64; head 576 where head_size is given),
+    else "needs ..., got ..." for the caller to put after what needs it. model: the architectures that have it."""
+    if (kv_lora_rank, qk_rope_head_dim) == (HEAD_DIM_V, ROPE_DIM) and head_size in (None, HEAD_DIM_K):
+        return None
+    got = f"kv_lora_rank {kv_lora_rank}, qk_rope_head_dim {qk_rope_head_dim}"
+    if head_size is not None:
+        got += f", head size {head_size}"
+    return f"needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim {ROPE_DIM} ({model} MLA), got {got}"
 
 
 def sparse_heads_problem(num_heads: int) -> Optional[str]:

@@ -73,7 +73,13 @@ def model_config(dtype: str = "bfloat16", model: Path = TINY_DSV3) -> ModelConfi
 
 def vllm_config(manager_block_size: int = 64, dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
                 query_len: int = 1, full_cuda_graphs: bool = False) -> VllmConfig:
-    cfg = VllmConfig(model_config=model_config(dtype),
+    return vllm_config_for(model_config(dtype), manager_block_size, kv_cache_dtype, query_len, full_cuda_graphs)
+
+
+def vllm_config_for(model: ModelConfig, manager_block_size: int = 64, kv_cache_dtype: str = "auto",
+                    query_len: int = 1, full_cuda_graphs: bool = False) -> VllmConfig:
+    """A CPU VllmConfig around `model` (the tiny DeepSeek-V3 here, a V3.2 config in test_vllm_sparse_cpu.py)."""
+    cfg = VllmConfig(model_config=model,
                      cache_config=CacheConfig(block_size=manager_block_size, cache_dtype=kv_cache_dtype),
                      device_config=DeviceConfig(device="cpu"))
     if query_len > 1:

@@ -37,7 +37,7 @@ from flashmla_backend.vllm.sparse_impl import FlashMLASparsePluginImpl  # noqa: 
 
 import test_vllm_cpu as base  # noqa: E402  (tests/ is on sys.path)
 
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
+from vllm.config import ModelConfig, VllmConfig  # noqa: E402
 from vllm.config.vllm import set_current_vllm_config  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport  # noqa: E402
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
@@ -78,18 +78,7 @@ def model(tmp_path_factory):
 
 def make_vllm_config(model_config: ModelConfig, kv_cache_dtype: str = "auto", manager_block_size: int = 64,
                      query_len: int = 1, full_cuda_graphs: bool = False) -> VllmConfig:
-    cfg = VllmConfig(model_config=model_config,
-                     cache_config=CacheConfig(block_size=manager_block_size, cache_dtype=kv_cache_dtype),
-                     device_config=DeviceConfig(device="cpu"))
-    if query_len > 1:
-        from vllm.config import SpeculativeConfig
-
-        cfg.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=query_len - 1)
-    if full_cuda_graphs:
-        from vllm.config import CUDAGraphMode
-
-        cfg.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
-    return cfg
+    return base.vllm_config_for(model_config, manager_block_size, kv_cache_dtype, query_len, full_cuda_graphs)
 
 
 def make_sparse_impl(cfg: VllmConfig, kv_cache_dtype: str, topk_buffer: torch.Tensor | None, num_heads=None):

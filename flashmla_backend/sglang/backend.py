@@ -134,10 +134,10 @@ def check_model_runner(model_runner, *, skip_prefill: bool) -> list[str]:
     if not getattr(model_runner, "use_mla_backend", False):
         reasons.append("flashmla_backend serves only MLA models (DeepSeek-V2/V3 architecture)")
         return reasons
-    rank, rope = getattr(cfg, "kv_lora_rank", None), getattr(cfg, "qk_rope_head_dim", None)
-    if (rank, rope) != (HEAD_DIM_V, ROPE_DIM):
-        reasons.append(f"flashmla_backend's decode kernel needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim "
-                       f"{ROPE_DIM} (DeepSeek-V2/V3 MLA), got {rank} and {rope}")
+    dims = engine_support.mla_dims_problem(getattr(cfg, "kv_lora_rank", None), getattr(cfg, "qk_rope_head_dim", None),
+                                           "DeepSeek-V2/V3")
+    if dims is not None:
+        reasons.append(f"flashmla_backend's decode kernel {dims}")
     if model_runner.page_size != PAGE_SIZE:
         reasons.append(f"flashmla_backend needs --page-size {PAGE_SIZE} (got {model_runner.page_size}); the "
                        "plugin sets it when --attention-backend/--decode-attention-backend names it")

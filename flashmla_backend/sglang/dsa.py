@@ -74,7 +74,7 @@ import flashmla_backend
 from flashmla_backend import engine_support
 from flashmla_backend._env import DSA_DECODE_ENV, debug_break_scale_enabled, flag
 from flashmla_backend.fp8_ds_mla import TOKEN_BYTES
-from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE, ROPE_DIM
+from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE
 
 logger = logging.getLogger("sglang.flashmla_backend")
 
@@ -115,9 +115,9 @@ def serving_problem(*, num_heads: int, kv_cache_dtype: torch.dtype, model_dtype:
                     device: torch.device | str = "cpu") -> Optional[str]:
     """None when this decode serves SGLang's DSA backend so configured, else why and what works."""
     prefix = f"{DSA_DECODE_ENV}=1 (flashmla_backend's sparse decode in SGLang's DSA backend): "
-    if kv_lora_rank != HEAD_DIM_V or qk_rope_head_dim != ROPE_DIM:
-        return (prefix + f"needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim {ROPE_DIM} (DeepSeek-V3.2 / GLM-5 "
-                f"MLA), got kv_lora_rank {kv_lora_rank}, qk_rope_head_dim {qk_rope_head_dim}")
+    dims = engine_support.mla_dims_problem(kv_lora_rank, qk_rope_head_dim, "DeepSeek-V3.2 / GLM-5")
+    if dims is not None:
+        return prefix + dims
     problem = engine_support.sparse_heads_problem(num_heads)
     if problem is not None:
         return prefix + problem

@@ -37,7 +37,6 @@ from vllm.v1.attention.backend import AttentionLayer, AttentionType
 
 import flashmla_backend
 from flashmla_backend import engine_support
-from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, ROPE_DIM
 
 from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
 from .builder import FlashMLAPluginMetadata
@@ -98,11 +97,9 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
         # supports_quant_query_input True; the layer reads it per forward to choose what it hands forward_mqa.
         self.fp8_mode = engine_support.fp8_mode() if self.kv_fp8 else None
         self.supports_quant_query_input = self.fp8_mode == "fast"
-        if self.kv_lora_rank != HEAD_DIM_V or self.qk_rope_head_dim != ROPE_DIM or head_size != HEAD_DIM_K:
-            raise NotImplementedError(
-                f"flashmla_backend: the decode kernel needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim {ROPE_DIM} "
-                f"(DeepSeek-V2/V3 MLA), got kv_lora_rank {self.kv_lora_rank}, qk_rope_head_dim "
-                f"{self.qk_rope_head_dim}, head size {head_size}")
+        dims = engine_support.mla_dims_problem(self.kv_lora_rank, self.qk_rope_head_dim, "DeepSeek-V2/V3", head_size)
+        if dims is not None:
+            raise NotImplementedError(f"flashmla_backend: the decode kernel {dims}")
         if torch.cuda.is_available():
             ok, kernel_or_reason = flashmla_backend.is_supported()
             if not ok:

@@ -32,7 +32,6 @@ from vllm.v1.attention.backend import AttentionLayer
 
 import flashmla_backend
 from flashmla_backend import engine_support
-from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, ROPE_DIM
 
 from .sparse_builder import FlashMLASparsePluginMetadata
 from .sparse_indices import to_global_indices
@@ -61,11 +60,9 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
                    or engine_support.sparse_kv_cache_dtype_problem("vllm", kv_cache_dtype))
         if problem is not None:
             raise NotImplementedError(problem)
-        if self.kv_lora_rank != HEAD_DIM_V or self.qk_rope_head_dim != ROPE_DIM or head_size != HEAD_DIM_K:
-            raise NotImplementedError(
-                f"flashmla_backend: sparse decode needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim {ROPE_DIM} "
-                f"(DeepSeek-V3.2 MLA), got kv_lora_rank {self.kv_lora_rank}, qk_rope_head_dim "
-                f"{self.qk_rope_head_dim}, head size {head_size}")
+        dims = engine_support.mla_dims_problem(self.kv_lora_rank, self.qk_rope_head_dim, "DeepSeek-V3.2", head_size)
+        if dims is not None:
+            raise NotImplementedError(f"flashmla_backend: sparse decode {dims}")
         if torch.cuda.is_available():
             from .sparse_backend import SPARSE_KERNEL_MISSING
 
