@@ -5,10 +5,12 @@
 
 Every sglang.Engine that sglang_run.py builds gets tp_size = dcp_size = N, prefill on --prefill-backend (default
 flashinfer: the plugin serves only decode under DCP) and decode on --decode-backend (flashmla_backend for ours,
-flashinfer for the reference), and SGLang's custom all-reduce off: on a 2-GPU H200 host SGLang 0.5.17 hung in every
-TP 2 + DCP 2 start-up right after setting up that all-reduce's symmetric memory (the log's last lines are its
-"SymmDeviceMemory" ones, with flashinfer as the decode backend as with ours), before CUDA-graph capture; the check
-is about attention, NCCL's all-reduce serves it. Exits 0 with a SKIP line when fewer than N GPUs are visible or the installed SGLang
+flashinfer for the reference), and SGLang's own all-reduce paths off: its custom all-reduce and the FlashInfer
+all-reduce + RMSNorm fusion that SGLang turns on by itself for DeepSeek models on SM90 when TP > 1. On a 2-GPU H200
+host SGLang 0.5.17 hung in every TP 2 + DCP 2 start-up right after that fusion had allocated its workspace (the
+log's last lines are three FlashInfer "SymmDeviceMemory" ones a rank, a buffer, its flags and a Lamport buffer;
+with flashinfer as the decode backend as with ours), before CUDA-graph capture, also with the custom all-reduce
+off. The check is about attention: NCCL's all-reduce serves it. Exits 0 with a SKIP line when fewer than N GPUs are visible or the installed SGLang
 has no dcp_size server argument.
 """
 from __future__ import annotations
@@ -28,9 +30,11 @@ def server_arg_names(server_args_cls) -> set[str]:
 
 
 def engine_overrides(dcp: int, prefill_backend: str, decode_backend: str) -> dict:
-    """The sglang.Engine arguments this wrapper sets (the docstring above says why the custom all-reduce is off)."""
+    """The sglang.Engine arguments this wrapper sets (the docstring above says why SGLang's all-reduce paths are
+    off)."""
     return dict(tp_size=dcp, dcp_size=dcp, prefill_attention_backend=prefill_backend,
-                decode_attention_backend=decode_backend, disable_custom_all_reduce=True)
+                decode_attention_backend=decode_backend, disable_custom_all_reduce=True,
+                enforce_disable_flashinfer_allreduce_fusion=True)
 
 
 def main(argv=None) -> int:

@@ -201,11 +201,12 @@ FP8_LOG_LINE = "FP8 (e4m3) KV cache read in place"
 
 def launch_server_cmd(args, port: int) -> list[str]:
     """The launch_server command of `serve`. With --dcp N > 1: TP N + DCP N, the backend as the decode backend only
-    and flashinfer for prefill (under DCP the plugin serves decode), SGLang's custom all-reduce off (sglang_dcp_run.py
-    does the same for `run` and says why)."""
+    and flashinfer for prefill (under DCP the plugin serves decode), SGLang's custom all-reduce and its FlashInfer
+    all-reduce fusion off (sglang_dcp_run.py does the same for `run` and says why)."""
     if args.dcp > 1:
         backends = ["--prefill-attention-backend", "flashinfer", "--decode-attention-backend", args.backend,
-                    "--tp-size", str(args.dcp), "--dcp-size", str(args.dcp), "--disable-custom-all-reduce"]
+                    "--tp-size", str(args.dcp), "--dcp-size", str(args.dcp), "--disable-custom-all-reduce",
+                    "--enforce-disable-flashinfer-allreduce-fusion"]
     else:
         backends = ["--attention-backend", args.backend]
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model, *backends,

@@ -149,8 +149,10 @@ def test_dcp_serve_command_parses_with_this_sglang():
     ns = parsed(2)
     assert (ns.prefill_attention_backend, ns.decode_attention_backend) == ("flashinfer", BACKEND_NAME)
     assert ns.attention_backend is None and (ns.tp_size, ns.dcp_size) == (2, 2) and ns.disable_custom_all_reduce
+    assert ns.enforce_disable_flashinfer_allreduce_fusion
     ns = parsed(1)
     assert ns.attention_backend == BACKEND_NAME and ns.dcp_size in (None, 1) and not ns.disable_custom_all_reduce
+    assert not ns.enforce_disable_flashinfer_allreduce_fusion
 
 
 def test_dcp_engine_overrides_are_this_sglangs_server_arguments():
@@ -167,6 +169,7 @@ def test_dcp_engine_overrides_are_this_sglangs_server_arguments():
     names = sglang_dcp_run.server_arg_names(ServerArgs)
     assert "dcp_size" in names and set(kw) <= names
     assert kw["dcp_size"] == kw["tp_size"] == 2 and kw["disable_custom_all_reduce"] is True
+    assert kw["enforce_disable_flashinfer_allreduce_fusion"] is True
 
 
 # ---- the simulated ranks -----------------------------------------------------------------------------
