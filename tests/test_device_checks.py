@@ -129,15 +129,10 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
-    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16",
-                             "kAccurateBF16Granules", "kFastE4m3QStreamGranules", "kFastE4m3QGranules"}
-    assert variants["kFastE4m3QStreamGranules"] == (1, 3, 2, 2, False, 2)
-    assert variants["kFastE4m3QGranules"] == (1, 2, 2, 4, False, 2)
-    assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False, 1) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False, 1)
-    assert variants["kFastE4m3QCluster"] == (1, 2, 3, 3, False, 1)
-    assert variants["kAccurateBF16"] == (2, 2, 1, 1, True, 1) == variants["kAccurateFP16"]
-    assert variants["kAccurateBF16Granules"] == (2, 2, 1, 1, True, 2)
-    assert all(stages >= 2 and left >= 1 and right >= 1 for _, stages, left, right, _, _ in variants.values())
+    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16"}
+    assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False)
+    assert variants["kAccurateBF16"] == (2, 2, 1, 1, True) == variants["kAccurateFP16"]
+    assert all(stages >= 2 and left >= 1 and right >= 1 for _, stages, left, right, _ in variants.values())
     assert fp8_model.vt_empty_copies(3, 2, 2) == 2 and fp8_model.vt_empty_copies(2, 2, 4) == 1
     arrivals = fp8_model.read_arrivals()
     assert arrivals["kNumVPairs"] == 4 and arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumVPairs"]
@@ -154,28 +149,16 @@ def test_fp8_protocol_model_rejects_a_broken_schedule(fp8_model, mutation):
 
 
 def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):
-    # Whole V halves (with two key granules warpgroup 0 cannot get a step ahead here: one transposer warp widens a
-    # granule of its left half after a unit of the right half, which waits for warpgroup 1's release).
     with pytest.raises(fp8_model.ProtocolError, match="p"):
         for seed in range(200):
             fp8_model.run([9, 4, 7], 2, (1, 1), seed=seed, mutation="p0 rewritten early", f16pv=True,
                           starve="wg1")
 
 
-def test_fp8_protocol_model_needs_each_key_granule_released_on_its_own(fp8_model):
-    # With each fp16 V half in key granules (traits.h: kVGranules) a granule written after the release of another
-    # granule of its slot can overwrite keys the previous block's P V still reads.
-    with pytest.raises(fp8_model.ProtocolError, match="being read|before block"):
-        for seed in range(200):
-            fp8_model.run([9, 4, 7], 2, (1, 1), seed=seed, f16pv=True, granules=2,
-                          mutation="granules share one release", starve="wg0" if seed % 2 else "wg1")
-
-
 def test_fp8_protocol_model_catches_a_parity_wait_two_phases_ahead(fp8_model, monkeypatch):
     # One vt_empty barrier a slot, as before kVtEmptyCopies: the 3-stage plan with rings of 2, and the rings of one
     # of the fp16 P V mode, let a transposer warp wait for a release while the one before it is still pending.
     monkeypatch.setattr(fp8_model, "vt_empty_copies", lambda stages, left, right: 1)
-    # (Whole V halves: with two key granules the transposer warps' order couples the warpgroups more, see above.)
     for stages, rings, f16pv in ((3, (2, 2), False), (2, (1, 1), True)):
         with pytest.raises(fp8_model.ProtocolError, match="parity wait would pass"):
             for seed in range(200):

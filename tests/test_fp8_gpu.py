@@ -224,29 +224,3 @@ def test_accurate_mode_with_tiny_q_rows():
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     assert rel_norm(out, ref_out) < _out_tol("bf16q")
     assert rel_norm(lse, ref_lse) < ACCURATE_LSE
-
-
-@pytest.mark.parametrize("debug", [16, 16 + 64])
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[6]], ids=str)
-def test_accurate_mode_with_v_in_key_granules_gives_the_same_bits(monkeypatch, case, debug):
-    """FLASHMLA_BACKEND_FP8_DEBUG=16 (decode.h: kDebugVGranules) runs the bf16-q accurate mode with each fp16 V half
-    in two key granules, each with barriers of its own (+ 64: the right half's units first): the same products in
-    the same order, so the same bits."""
-    inp, dq, dk = fp8_inputs(case, "cuda")
-    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(debug))
-    out, lse = run_fp8_decode(inp, case, dq, dk)
-    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)
-
-
-@pytest.mark.parametrize("debug", [32, 32 + 64])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5], CASES[6]], ids=str)
-def test_fast_mode_with_vt_in_key_granules_gives_the_same_bits(monkeypatch, case, debug):
-    """FLASHMLA_BACKEND_FP8_DEBUG=32 (decode.h: kDebugFastGranules) runs both fast-mode plans (one or two M tiles,
-    and more: CASES[2] and [4]) with each V^T half in two key granules (+ 64: the right half's units first): the
-    same transposed bytes and products, so the same bits."""
-    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
-    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(debug))
-    out, lse = run_fp8_decode(inp, case, dq, dk)
-    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)

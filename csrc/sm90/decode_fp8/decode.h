@@ -17,9 +17,6 @@ enum class Variant {
   kFastE4m3QCluster, // kFastE4m3QStream as 2-CTA clusters over the two M tiles, sharing the V transposition
   kAccurateBF16, // bf16 q split in two e4m3 terms for Q K^T, P V in fp16 (traits.h: kPvF16), bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms for Q K^T, P V in fp16, fp16 out
-  kAccurateBF16Granules,  // kAccurateBF16 with each fp16 V half in two key granules (traits.h: kVGranules)
-  kFastE4m3QStreamGranules,  // kFastE4m3QStream with each V^T half in two key granules
-  kFastE4m3QGranules,        // kFastE4m3Q with each V^T half in two key granules
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -30,10 +27,6 @@ enum DebugFlags : int {
   kDebugNoTranspose = 1,       // the transposer waits and arrives but moves no data: wrong results, its time without it
   kDebugOtherFastPlan = 4,     // the fast mode runs the other pipeline plan than the shape's (same results)
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
-  kDebugVGranules = 16,        // accurate mode, bf16 q: each fp16 V half in two key granules (same results)
-  kDebugFastGranules = 32,     // fast mode: each V^T half in two key granules (same results)
-  kDebugRightHalfFirst = 64,   // with key granules (16, 32): each granule's right-half pairs go first (producer.cuh:
-                               // transpose_loop; same results)
 };
 // Whether a shape can run the 2-CTA cluster plan: two M tiles whose rows see the same keys (one query token, or no
 // causal limit, or each tile's rows within one query token), so that both CTAs of a cluster walk the same blocks.

@@ -48,12 +48,8 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
     if (debug & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
     if (stream && (debug & sm90::decode_fp8::kDebugClusterPlan) && sm90::decode_fp8::cluster_plan_applies(params)) {
       run_decode_kernel<Variant::kFastE4m3QCluster>(params, debug);
-    } else if (stream && (debug & sm90::decode_fp8::kDebugFastGranules)) {
-      run_decode_kernel<Variant::kFastE4m3QStreamGranules>(params, debug);
     } else if (stream) {
       run_decode_kernel<Variant::kFastE4m3QStream>(params, debug);
-    } else if (debug & sm90::decode_fp8::kDebugFastGranules) {
-      run_decode_kernel<Variant::kFastE4m3QGranules>(params, debug);
     } else {
       run_decode_kernel<Variant::kFastE4m3Q>(params, debug);
     }
@@ -61,11 +57,7 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   }
   switch (params.dtype) {
     case DType::kBF16:
-      if (debug & sm90::decode_fp8::kDebugVGranules) {
-        run_decode_kernel<Variant::kAccurateBF16Granules>(params, debug);
-      } else {
-        run_decode_kernel<Variant::kAccurateBF16>(params, debug);
-      }
+      run_decode_kernel<Variant::kAccurateBF16>(params, debug);
       return;
     case DType::kFP16:
       run_decode_kernel<Variant::kAccurateFP16>(params, debug);

@@ -73,14 +73,14 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     decode::set_row_ends(p, w, m_block, ri);
     if (tid < kBlockM) ss.row_max[tid] = -INFINITY;
     decode::cp_async_wait_all();
-    if constexpr (!T::kQFp8) split_q_tile<T>(q_addr, ss.row_scale_log2, tid);  // the split scales, see below
+    if constexpr (!T::kQFp8) split_q_tile<T>(q_addr, ss.q_scale, tid);
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
     consumers_sync();
 
     // Softmax scale of each row: scale_log2 * descale_k * (descale_q or the row's split scale).
     if (tid < kBlockM) {
       const float dk = descale_k_at(p, w.req, hk);
-      const float qs = T::kQFp8 ? descale_q_at(p, w.req, hk) : ss.row_scale_log2[tid];  // the row's split scale
+      const float qs = T::kQFp8 ? descale_q_at(p, w.req, hk) : ss.q_scale[tid];
       ss.row_scale_log2[tid] = p.scale_log2 * dk * qs;
       if (tid == 0) ss.value_scale = dk;
     }
@@ -151,12 +151,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     for (int s = 0; s < T::kStages; ++s) {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
-      ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kv_empty_arrivals(T::kVGranules));
+      ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kKvEmptyArrivals);
     }
     CUTLASS_PRAGMA_UNROLL
-    for (int b = 0; b < T::kVtBars; ++b) {
-      // With the shared transposition (one granule a slot) the other rank's half arrives by the peer's bulk copy
-      // (producer.cuh).
+    for (int b = 0; b < T::kVtSlots; ++b) {
+      // With the shared transposition the other rank's half arrives by the peer's bulk copy (producer.cuh).
       const bool copied = T::kShareVt && uint32_t(T::vt_half_of_slot(b)) != cluster_rank();
       ss.vt_full[b].init(copied ? kVtFullArrivalsCopied : kVtFullArrivals);
       CUTLASS_PRAGMA_UNROLL

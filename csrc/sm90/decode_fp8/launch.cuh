@@ -49,12 +49,6 @@ template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
   using type = Traits<cutlass::float_e4m3_t, 1, 2, 2, 4, 208, 88>;
 };
-// The same with each V^T half in two key granules (traits.h: kVGranules; FLASHMLA_BACKEND_FP8_DEBUG bit 32 until it is
-// measured).
-template <>
-struct VariantTraits<Variant::kFastE4m3QGranules> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 2, 2, 4, 208, 88, false, false, 2>;
-};
 // With one or two M tiles (h_q s_q / h_kv <= 128) 3 KV stages and V^T rings of 2 + 2 (the shared memory of both
 // plans is ~210 KB) measured faster once the transposer and the rescale got lighter: 1-4% at b128 h_q 16, 32 and
 // 128, on the varlen h_q 128 batch and at b = 1; 1% slower on the varlen h_q 16 batch, and at s_q 2 with h_q 128
@@ -62,12 +56,6 @@ struct VariantTraits<Variant::kFastE4m3QGranules> {
 template <>
 struct VariantTraits<Variant::kFastE4m3QStream> {
   using type = Traits<cutlass::float_e4m3_t, 1, 3, 2, 2, 208, 88>;
-};
-// The same with each V^T half in two key granules (traits.h: kVGranules; FLASHMLA_BACKEND_FP8_DEBUG bit 32 until it is
-// measured).
-template <>
-struct VariantTraits<Variant::kFastE4m3QStreamGranules> {
-  using type = Traits<cutlass::float_e4m3_t, 1, 3, 2, 2, 208, 88, false, false, 2>;
 };
 // Two M tiles as 2-CTA clusters: each CTA transposes one V^T half and copies it to the other (producer.cuh,
 // Traits::kShareVt). Measured (H100, b128 x 8192, h_q 128; docs/perf/journal.md): 2 KV stages and rings of 3 + 3
@@ -88,11 +76,6 @@ struct VariantTraits<Variant::kAccurateBF16> {
 template <>
 struct VariantTraits<Variant::kAccurateFP16> {
   using type = Traits<cutlass::half_t, 2, 2, 1, 1, 224, 56, false, true>;
-};
-// The same with each fp16 V half in two key granules (behind FLASHMLA_BACKEND_FP8_DEBUG bit 16 until it is measured).
-template <>
-struct VariantTraits<Variant::kAccurateBF16Granules> {
-  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, 2>;
 };
 
 template <Variant V>

@@ -160,9 +160,7 @@ struct PFrag {
   using ALayout = decltype(make_layout(partition_shape_A(Mma{}, Shape<Int<kBlockM>, Int<kBlockN>>{})));
   static_assert(cosize_v<ALayout> * int(sizeof(E)) == 4 * kWords, "the words are the thread's whole A fragment");
   uint32_t w[kWords];
-  __device__ __forceinline__ auto tensor() {
-    return make_tensor(make_rmem_ptr<E>(reinterpret_cast<E*>(&w[0])), ALayout{});
-  }
+  __device__ __forceinline__ auto tensor() { return make_tensor(make_rmem_ptr<E>(reinterpret_cast<E*>(&w[0])), ALayout{}); }
   __device__ __forceinline__ void set(const uint32_t (&words)[kWords]) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kWords; ++i) w[i] = words[i];
@@ -214,16 +212,40 @@ __device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss,
   warpgroup_fence_operand(tSrS);
 }
 
-// V^T half kHalf of block g, key granule j (Traits::kVGranules): wait until it is written; release it once this
-// warpgroup's P V of it completed.
+// O_half += P V_half of block g (its V^T half kHalf: value columns [256 kHalf, 256 kHalf + 256) in the order of
+// layout.h); one commit group.
+template <class T, int kHalf, class FragO>
+__device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss, uint32_t g, PFrag<T>& P,
+                                         FragO& tOrO) {
+  using E = typename T::PvElement;
+  typename T::TiledMmaPV mma;
+  auto thr = mma.get_slice(tid);
+  const uint32_t z = opaque_zero();
+  Tensor sV = make_tensor(
+      make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(kHalf, g) * T::kVHalfBytes) + z),
+      typename T::SmemLayoutVHalf{});  // (256, 64)
+  Tensor tOrV = thr.partition_fragment_B(sV);  // (MMA, 1, 2): k32 steps (e4m3), (MMA, 1, 4): k16 steps (fp16)
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  P.fence();
+  warpgroup_fence_operand(tOrO);
+  warpgroup_arrive();
+  Tensor tOrP = P.tensor();
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tOrO);
+  P.fence();
+}
+
+// V^T half kHalf of block g: wait until it is written; release it once this warpgroup's P V of it completed.
 template <class T, int kHalf>
-__device__ __forceinline__ void wait_vt(typename T::SharedStorage& ss, uint32_t g, int j) {
-  consumer_wait(ss.vt_full[T::vt_bar(T::vt_slot(kHalf, g), j)], T::vt_use(kHalf, g) & 1u);
+__device__ __forceinline__ void wait_vt(typename T::SharedStorage& ss, uint32_t g) {
+  consumer_wait(ss.vt_full[T::vt_slot(kHalf, g)], T::vt_use(kHalf, g) & 1u);
 }
 // With the shared transposition (Traits::kShareVt) the half of the other cluster rank was copied here by the peer
 // CTA, which is told instead (its peer_empty), one arrival per warp.
 template <class T, int kHalf>
-__device__ __forceinline__ void release_vt(typename T::SharedStorage& ss, uint32_t g, int j, int lane) {
+__device__ __forceinline__ void release_vt(typename T::SharedStorage& ss, uint32_t g, int lane) {
   const uint32_t slot = T::vt_slot(kHalf, g);
   if constexpr (T::kShareVt) {
     if (uint32_t(kHalf) != cluster_rank()) {
@@ -232,54 +254,7 @@ __device__ __forceinline__ void release_vt(typename T::SharedStorage& ss, uint32
       return;
     }
   }
-  warp_arrive(T::vt_empty_of(ss, T::vt_bar(slot, j), T::vt_use(kHalf, g)), lane);
-}
-
-// O_half += P V_half of block g (its V^T half kHalf: value columns [256 kHalf, 256 kHalf + 256) in the order of
-// layout.h), one commit group a key granule of the half, each issued once the granule is written (wait_vt); the
-// caller completes them with pv_wait_release.
-template <class T, int kHalf, class FragO>
-__device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss, uint32_t g, PFrag<T>& P,
-                                         FragO& tOrO) {
-  using E = typename T::PvElement;
-  wait_vt<T, kHalf>(ss, g, 0);
-  typename T::TiledMmaPV mma;
-  auto thr = mma.get_slice(tid);
-  const uint32_t z = opaque_zero();
-  Tensor sV = make_tensor(
-      make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(kHalf, g) * T::kVHalfBytes) + z),
-      typename T::SmemLayoutVHalf{});  // (256, 64)
-  Tensor tOrV = thr.partition_fragment_B(sV);  // (MMA, 1, 2): k32 steps (e4m3), (MMA, 1, 4): k16 steps (fp16)
-  constexpr int kSteps = decltype(size<2>(tOrV))::value / T::kVGranules;  // k steps a granule
-  static_assert(kSteps * T::kVGranules == decltype(size<2>(tOrV))::value, "whole k steps a granule");
-  mma.accumulate_ = GMMA::ScaleOut::One;
-  Tensor tOrP = P.tensor();
-  P.fence();
-  warpgroup_fence_operand(tOrO);
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < T::kVGranules; ++j) {
-    if (j > 0) wait_vt<T, kHalf>(ss, g, j);
-    warpgroup_arrive();
-    CUTLASS_PRAGMA_UNROLL
-    for (int kb = j * kSteps; kb < (j + 1) * kSteps; ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
-    warpgroup_commit_batch();
-  }
-  warpgroup_fence_operand(tOrO);
-  P.fence();
-}
-
-// Waits for pv_block's commit groups of block g (kLater groups were committed after them), releasing each key
-// granule of the half as its group completes; kFenceO: O is read next (the last wait fences it).
-template <class T, int kHalf, int kLater, bool kFenceO = true, class FragO>
-__device__ __forceinline__ void pv_wait_release(typename T::SharedStorage& ss, uint32_t g, int lane, FragO& tOrO) {
-  static_assert(T::kVGranules == 1 || T::kVGranules == 2, "one or two granules");
-  if constexpr (T::kVGranules == 2) {
-    warpgroup_wait<kLater + 1>();
-    release_vt<T, kHalf>(ss, g, 0, lane);
-  }
-  warpgroup_wait<kLater>();
-  if constexpr (kFenceO) warpgroup_fence_operand(tOrO);
-  release_vt<T, kHalf>(ss, g, T::kVGranules - 1, lane);
+  warp_arrive(T::vt_empty_of(ss, slot, T::vt_use(kHalf, g)), lane);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -365,6 +340,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 
     // ---- O_L = O_L sc0 + P0 V0L ----
     rescale_o(tOrO, sc0);
+    wait_vt<T, 0>(ss, g0);
     pv_block<T, 0>(tid, ss, g0, P, tOrO);
 
     // ---- warpgroup 1 decided m1 (and stored P1): P0 sc1 for its P0 V0R ----
@@ -382,7 +358,9 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
       NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     }
 
-    pv_wait_release<T, 0, 0>(ss, g0, lane, tOrO);  // P0 V0L done
+    warpgroup_wait<0>();  // P0 V0L done
+    warpgroup_fence_operand(tOrO);
+    release_vt<T, 0>(ss, g0, lane);
     rescale_o(tOrO, sc1);
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) row_sum[v] *= sc1[v];
@@ -393,9 +371,12 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
       load_p(ss.p[1], tid, words);
       P.set(words);
     }
+    wait_vt<T, 0>(ss, g0 + 1);
     pv_block<T, 0>(tid, ss, g0 + 1, P, tOrO);
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 2, tSrS);
-    pv_wait_release<T, 0, kNext ? 1 : 0>(ss, g0 + 1, lane, tOrO);
+    warpgroup_wait<kNext ? 1 : 0>();
+    warpgroup_fence_operand(tOrO);
+    release_vt<T, 0>(ss, g0 + 1, lane);
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
@@ -479,6 +460,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
 
     // ---- O_R = O_R sc0 sc1 + P1 V1R + (P0 sc1) V0R; then the next S = Q K1^T (block b0 + 3) ----
     rescale_o(tOrO, sc01);
+    wait_vt<T, 1>(ss, g0 + 1);
     pv_block<T, 1>(tid, ss, g0 + 1, P1, tOrO);
     NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     // P0 gets registers of its own, so that both products overlap.
@@ -487,11 +469,14 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
       load_p(ss.p[0], tid, words);
       P0.set(words);
     }
+    wait_vt<T, 1>(ss, g0);
     pv_block<T, 1>(tid, ss, g0, P0, tOrO);
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 3, tSrS);
-    // P1 V1R's groups came before P0 V0R's and the next Q K^T's.
-    pv_wait_release<T, 1, (kNext ? 1 : 0) + T::kVGranules, false>(ss, g0 + 1, lane, tOrO);
-    pv_wait_release<T, 1, kNext ? 1 : 0>(ss, g0, lane, tOrO);
+    warpgroup_wait<kNext ? 2 : 1>();
+    release_vt<T, 1>(ss, g0 + 1, lane);
+    warpgroup_wait<kNext ? 1 : 0>();
+    warpgroup_fence_operand(tOrO);
+    release_vt<T, 1>(ss, g0, lane);
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);

@@ -81,8 +81,11 @@ __device__ __forceinline__ void mainloop_f16pv_wg1(typename T::SharedStorage& ss
       if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) scale_p16(words, sc1);
       P.set(words);
     }
+    wait_vt<T, 1>(ss, g0);
     pv_block<T, 1>(tid, ss, g0, P, tOrO);
-    pv_wait_release<T, 1, 0>(ss, g0, lane, tOrO);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    release_vt<T, 1>(ss, g0, lane);
 
     // ---- O_R += P1 V1R (P1 back from p[1]: two fragments at once would cost 16 more registers); next S = Q K1^T
     // (block b0 + 3) ----
@@ -91,9 +94,12 @@ __device__ __forceinline__ void mainloop_f16pv_wg1(typename T::SharedStorage& ss
       load_p(ss.p[1], tid, words);
       P.set(words);
     }
+    wait_vt<T, 1>(ss, g0 + 1);
     pv_block<T, 1>(tid, ss, g0 + 1, P, tOrO);
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 3, tSrS);
-    pv_wait_release<T, 1, kNext ? 1 : 0>(ss, g0 + 1, lane, tOrO);
+    warpgroup_wait<kNext ? 1 : 0>();
+    warpgroup_fence_operand(tOrO);
+    release_vt<T, 1>(ss, g0 + 1, lane);
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);

@@ -5,12 +5,10 @@
 // Parities follow from g: the n-th completion of a barrier (n = 0, 1, ...) is waited with parity n & 1.
 //   warp 0, lane 0   issues every block in order (copy_loop): block x waits until stage x % kStages is empty (block
 //                    x - kStages consumed by its Q K^T and transposed).
-//   warps 1..3       block g: the four pairs of V pieces (in the accurate mode each in two key granules: eight
-//                    units) go round-robin over the three warps, shifted by one per block; a unit (half of a V^T
-//                    half, or of a granule of it) waits until its granule of its half's slot is empty (the P V of
-//                    the block that used it before done in that half's consumer warpgroup), is transposed or widened
-//                    as its pieces land, keys past the block's last visible key zeroed, then arrives on the granule's
-//                    vt_full and on kv_empty.
+//   warps 1..3       block g: the four pairs of V pieces go round-robin over the three warps, shifted by one per
+//                    block; a pair (half of a V^T half) waits until its half's slot is empty (the P V of the block
+//                    that used the slot before done in that half's consumer warpgroup), is transposed as its pieces
+//                    land, keys past the block's last visible key zeroed, then arrives on vt_full and kv_empty.
 // Measured (docs/perf/journal.md): with the copies issued by one of the transposing warps instead, a copy waited for
 // that warp's transposition and the kernel was 1.5x slower at h_q = 128.
 #pragma once
@@ -198,8 +196,7 @@ __device__ __forceinline__ void unit_words(const uint32_t (&d)[4], uint32_t (&o)
 // block go round-robin over the three warps, shifted by one per block (each warp handles four pairs every three
 // blocks); units_in_flight<T>() units (ldmatrix in flight) at a time. A pair is one V^T half's worth of work for its
 // barriers: the warp waits for the half's slot to be empty, transposes, and arrives once on the half's vt_full and on
-// the stage's kv_empty (traits.h: the arrival counts count pairs; the accurate mode's widening works the same way in
-// pairs of each key granule, transpose_loop).
+// the stage's kv_empty (traits.h: the arrival counts count pairs).
 // Units in flight: 8 where the producer has 88 registers (the fast plans), else 4 (8 spilled at 80, and the accurate
 // mode's 72 spilled more). Measured at b128 h_q 128 (docs/perf/journal.md, 2026-11-27): 4 faster than 2, and 8 faster
 // than 4 by 3-4% (336-341 us against 346-352): the transposer's pair is a chain of ldmatrix -> byte permutes ->
@@ -210,74 +207,43 @@ constexpr int units_in_flight() {
   return T::kProducerRegs >= 88 ? 8 : 4;
 }
 
-// One unit's four ldmatrix registers: keys at and past `valid` zeroed (kMask), then the byte permutes and the stmatrix.
-// key = transposed_key(th, m, lane) = 32 th + 8 m + 2 (lane % 4): compared as 32 th + 8 m against valid - 2 (lane % 4),
-// so that no per-lane key is kept in a register (the producer has few).
-template <bool kMask>
-__device__ __forceinline__ void store_unit(uint32_t (&d)[4], uint32_t dst, int th, int valid, int lane) {
-  if constexpr (kMask) {
-    const int lane_valid = valid - transposed_key(0, 0, lane);
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < 4; ++m) {
-      const int key = transposed_key(th, m, 0);
-      d[m] &= (key < lane_valid ? 0x0000ffffu : 0u) | (key + 1 < lane_valid ? 0xffff0000u : 0u);
-    }
-  }
-  uint32_t o[4];
-  unit_words(d, o);
-  stsm_x4(dst, o);
-}
-
 // kMask: the block has keys past its last visible one (zeroed). A separate instantiation: predicated-off mask
 // instructions still take issue slots, which the consumer warps on the same schedulers need (measured: extra
 // instructions in this loop cost the kernel more than the loads and stores of the transposition).
-// The units (cc, th) of the pair's pieces go kUnits at a time: the eight of each piece in turn, or with key granules
-// (Traits::kVGranules == 2) only th = gran (keys 32 gran .. + 31, the P V's k32 step gran), the four of each piece,
-// both pieces waited for first.
 template <class T, int kUnits, bool kMask>
 __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t vt_addr,
-                                               int stage, uint32_t parity, int pair, int gran, int valid,
+                                               int stage, uint32_t parity, int pair, int valid,
                                                const TransposeLane& tl, int lane, int debug) {
-  if constexpr (T::kVGranules == 2) {
-    wait_barrier(ss.kv_full[stage][2 * pair], parity);
-    wait_barrier(ss.kv_full[stage][2 * pair + 1], parity);
-    if (debug & kDebugNoTranspose) return;
+  CUTLASS_PRAGMA_UNROLL
+  for (int jj = 0; jj < 2; ++jj) {
+    const int j = 2 * pair + jj;
+    wait_barrier(ss.kv_full[stage][j], parity);
+    if (debug & kDebugNoTranspose) continue;
     CUTLASS_PRAGMA_UNROLL
     for (int batch = 0; batch < 8 / kUnits; ++batch) {
-      // Unit u of the pair: piece 2 pair + u / 4, column group u % 4.
+      // Units (cc, th) of piece j, kUnits at a time.
       uint32_t d[kUnits][4];
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kUnits; ++k) {
-        const int u = kUnits * batch + k;
-        ldsm_x4_trans(stage_addr + tl.src(2 * pair + u / 4, u % 4, gran), d[k]);
+        const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
+        ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d[k]);
       }
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kUnits; ++k) {
-        const int u = kUnits * batch + k;
-        store_unit<kMask>(d[k], vt_addr + tl.dst(2 * pair + u / 4, u % 4, gran), gran, valid, lane);
-      }
-    }
-  } else {
-    static_assert(T::kVGranules == 1, "one or two key granules");
-    CUTLASS_PRAGMA_UNROLL
-    for (int jj = 0; jj < 2; ++jj) {
-      const int j = 2 * pair + jj;
-      wait_barrier(ss.kv_full[stage][j], parity);
-      if (debug & kDebugNoTranspose) continue;
-      CUTLASS_PRAGMA_UNROLL
-      for (int batch = 0; batch < 8 / kUnits; ++batch) {
-        // Units (cc, th) of piece j, kUnits at a time.
-        uint32_t d[kUnits][4];
-        CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < kUnits; ++k) {
-          const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
-          ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d[k]);
+        const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
+        if constexpr (kMask) {
+          // key = transposed_key(th, m, lane) = 32 th + 8 m + 2 (lane % 4): compared as 32 th + 8 m against
+          // valid - 2 (lane % 4), so that no per-lane key is kept in a register (the producer has few).
+          const int lane_valid = valid - transposed_key(0, 0, lane);
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < 4; ++m) {
+            const int key = transposed_key(th, m, 0);
+            d[k][m] &= (key < lane_valid ? 0x0000ffffu : 0u) | (key + 1 < lane_valid ? 0xffff0000u : 0u);
+          }
         }
-        CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < kUnits; ++k) {
-          const int unit = kUnits * batch + k, cc = unit >> 1, th = unit & 1;
-          store_unit<kMask>(d[k], vt_addr + tl.dst(j, cc, th), th, valid, lane);
-        }
+        uint32_t o[4];
+        unit_words(d[k], o);
+        stsm_x4(vt_addr + tl.dst(j, cc, th), o);
       }
     }
   }
@@ -290,16 +256,13 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
 // columns, 128-byte rows, 128B swizzle; layout.h: v16_offset): a lane takes 16-byte chunk lane % 4 of key 8 i +
 // lane / 4 (i = 0..7) and writes the two fp16 chunks of those 16 columns. A quarter warp reads two whole 64-byte
 // rows and writes two chunks of 8 different 128-byte bank rows: no bank conflicts. kMask: keys at and past `valid`
-// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN). Only key granule j of
-// kGranules (Traits::kVGranules: keys 64 j / kGranules ..).
-template <bool kMask, int kGranules>
-__device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_piece, int valid, int lane, int j) {
+// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN).
+template <bool kMask>
+__device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_piece, int valid, int lane) {
   constexpr int kBatch = 4;  // chunks in flight
-  constexpr int kOctets = 8 / kGranules;  // row octets (8 keys) a granule
-  static_assert(kOctets % kBatch == 0, "whole batches a granule");
   const int c = lane & 3;
   CUTLASS_PRAGMA_UNROLL
-  for (int i0 = j * kOctets; i0 < (j + 1) * kOctets; i0 += kBatch) {
+  for (int i0 = 0; i0 < 8; i0 += kBatch) {
     uint4 v[kBatch];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kBatch; ++k) {
@@ -325,39 +288,36 @@ __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_pie
   }
 }
 
-// Key granule `gran` of a pair of V pieces, widened.
 template <class T, bool kMask>
 __device__ __forceinline__ void widen_pair(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t v_addr,
-                                           int stage, uint32_t parity, int pair, int gran, int valid, int lane,
-                                           int debug) {
+                                           int stage, uint32_t parity, int pair, int valid, int lane, int debug) {
   CUTLASS_PRAGMA_UNROLL
   for (int jj = 0; jj < 2; ++jj) {
     const int j = 2 * pair + jj;
     wait_barrier(ss.kv_full[stage][j], parity);
     if (debug & kDebugNoTranspose) continue;
-    widen_piece<kMask, T::kVGranules>(stage_addr + j * kPieceBytes, v_addr + (j % kVPiecesPerHalf) * kV16PieceBytes,
-                                      valid, lane, gran);
+    widen_piece<kMask>(stage_addr + j * kPieceBytes, v_addr + (j % kVPiecesPerHalf) * kV16PieceBytes, valid, lane);
   }
 }
 
-// One unit of block g (its stage, the masked or unmasked instantiation): a pair of V pieces transposed to V^T, or
-// key granule `gran` of the pair widened to fp16 (Traits::kPvF16).
+// One pair of V pieces of block g (its stage, the masked or unmasked instantiation): transposed to V^T, or widened
+// to fp16 (Traits::kPvF16).
 template <class T>
 __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss, uint32_t kv_addr, uint32_t vt_addr0,
-                                                   int stage, uint32_t parity, uint32_t slot, int pair, int gran,
-                                                   int valid, const TransposeLane& tl, int lane, int debug) {
+                                                   int stage, uint32_t parity, uint32_t slot, int pair, int valid,
+                                                   const TransposeLane& tl, int lane, int debug) {
   const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * T::kVHalfBytes;
   if constexpr (T::kPvF16) {
     if (valid < kBlockN) {
-      widen_pair<T, true>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, lane, debug);
+      widen_pair<T, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, lane, debug);
     } else {
-      widen_pair<T, false>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, lane, debug);
+      widen_pair<T, false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, lane, debug);
     }
   } else if (valid < kBlockN) {
-    transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, tl, lane, debug);
+    transpose_pair<T, 2, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane, debug);
   } else {
-    transpose_pair<T, units_in_flight<T>(), false>(ss, stage_addr, vt_addr, stage, parity, pair, gran, valid, tl,
-                                                   lane, debug);
+    transpose_pair<T, units_in_flight<T>(), false>(ss, stage_addr, vt_addr, stage, parity, pair, valid, tl, lane,
+                                                   debug);
   }
   cutlass::arch::fence_view_async_shared();  // V^T is read by wgmma and by the bulk copy (async proxy)
   __syncwarp();
@@ -388,7 +348,7 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
         wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
         wait_barrier(ss.peer_empty[slot], (use - 1) & 1u);
       }
-      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, 0, valid, tl, lane, debug);
+      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, valid, tl, lane, debug);
       if (lane == 0) {
         ss.vt_full[slot].arrive();
         ss.kv_empty[stage].arrive();
@@ -417,22 +377,15 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
     const int stage = int(stage_of(g, T::kStages));
     const uint32_t parity = (g / T::kStages) & 1u;
     const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)
-    // Units: the block's pairs in each key granule, granule by granule (traits.h: kVGranules).
-    constexpr int kUnits = kNumVPairs * T::kVGranules;
-    const int first_unit = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
+    const int first_pair = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
     CUTLASS_PRAGMA_NO_UNROLL
-    for (int unit = first_unit; unit < kUnits; unit += kNumTransposeWarps) {
-      const int gran = T::kVGranules == 1 ? 0 : unit / kNumVPairs;
-      // With granules, kDebugRightHalfFirst puts each granule's right-half pairs (2, 3) first.
-      const int pair = T::kVGranules == 1                ? unit
-                       : (debug & kDebugRightHalfFirst) ? (unit % kNumVPairs) ^ 2
-                                                        : unit % kNumVPairs;
+    for (int pair = first_pair; pair < kNumVPairs; pair += kNumTransposeWarps) {
       const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
-      const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g), bar = T::vt_bar(slot, gran);
-      if (use > 0) wait_barrier(T::vt_empty_of(ss, bar, use - 1), T::vt_empty_parity(use - 1));
-      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, gran, valid, tl, lane, debug);
+      const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
+      if (use > 0) wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
+      transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, valid, tl, lane, debug);
       if (lane == 0) {
-        ss.vt_full[bar].arrive();
+        ss.vt_full[slot].arrive();
         ss.kv_empty[stage].arrive();
       }
     }

@@ -6,8 +6,7 @@
 //   epilogue so that it lands while the epilogue runs.
 //   16-bit q (accurate mode): copied with cp.async into the tile's own bytes, issued at the same point, then split
 //   in place row by row, q ~ s (hi + lo) with s a power of two such that max |q| / s lies in (224, 448];
-//   hi = e4m3(q / s), lo = e4m3(q / s - hi); s goes to q_scale[row] (kernel.cuh: SharedStorage::row_scale_log2,
-//   which the row's softmax scale then replaces).
+//   hi = e4m3(q / s), lo = e4m3(q / s - hi); s goes to SharedStorage::q_scale.
 #pragma once
 
 #include <cute/tensor.hpp>

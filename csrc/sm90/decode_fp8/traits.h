@@ -43,8 +43,7 @@ struct ShareVtState<true, kVtSlots> {
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
-          int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false,
-          int kVGranules_ = 1>
+          int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false>
 struct Traits {
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
@@ -117,16 +116,6 @@ struct Traits {
   static_assert(cosize_v<SmemLayoutTile> == kTileBytes, "tile size");
   static_assert(cosize_v<SmemLayoutVtHalf> == kVtHalfBytes, "V^T half size");
   static_assert(cosize_v<SmemLayoutV16Half> * 2 == kV16HalfBytes, "fp16 V half size");
-  // kVGranules (1 or 2): each V half (fp16 V, or V^T) in key granules (keys 32 j .. 32 j + 31, one k32 step of the
-  // e4m3 P V or two k16 steps of the fp16 one) with barriers of their own (vt_bar): the P V of a half is one commit
-  // group a granule, a granule is released when its group completed, and the producer's eight units a block (the
-  // pairs of each granule) spread over its three warps so that the first granule of each half is written sooner
-  // (with whole halves and four pairs on three warps, one half of every block waited for a warp's second pair:
-  // docs/perf/journal.md).
-  static constexpr int kVGranules = kVGranules_;
-  static_assert(kVGranules == 1 || kVGranules == 2, "one or two key granules");
-  static constexpr int kVtBars = kVtSlots * kVGranules;
-  static_assert(!kShareVt || kVGranules == 1, "the shared transposition sends whole V^T halves");
 
   // The releases of a V^T slot go round kVtEmptyCopies barriers (use u: barrier u % kVtEmptyCopies, its completion
   // u / kVtEmptyCopies). A parity wait tells completion n from n + 1 only: it passes at once when the barrier is at
@@ -152,20 +141,20 @@ struct Traits {
     float scale0[kBlockM];    // exp2(m_prev - m0) of the current step (warpgroup 0)
     float scale1[kBlockM];    // exp2(m0 - m1) of the current step (warpgroup 1)
     float row_sum[kNumConsumerWarpGroups][kBlockM];
+    float q_scale[kBlockM];   // a 16-bit q's per-row split scale (q ~ q_scale (hi + lo)); unused for an e4m3 q
     // The current request's softmax scale per row (log2 domain, the scales folded: scale_log2 * descale_k *
-    // (descale_q or the 16-bit q's split scale, which split_q_tile leaves here first)) and the value scale of the
-    // epilogue (descale_k). Kept here rather than in registers across the main loop.
+    // (descale_q or q_scale)) and the value scale of the epilogue (descale_k). Kept here rather than in
+    // registers across the main loop.
     float row_scale_log2[kBlockM];
     float value_scale;
     // mbarriers. kv_full[s][j]: piece j of stage s landed (TMA, 4096 transaction bytes). kv_empty[s]: the owner
-    // warpgroup's Q K^T (4 warps) and the transposition's units (four piece pairs, each in kVGranules granules) are
-    // done with stage s. vt_full[b]: granule b % kVGranules of V^T slot b / kVGranules (vt_bar) written (its two
-    // piece pairs). vt_empty[b][u % kVtEmptyCopies]: the P V of use u of that granule completed in its consumer
-    // warpgroup (4 warps); see kVtEmptyCopies.
+    // warpgroup's Q K^T (4 warps) and the four piece pairs of the transposition are done with stage s. vt_full[s]:
+    // V^T slot s written (its two piece pairs). vt_empty[s][u % kVtEmptyCopies]: the P V of use u of slot s completed
+    // in its consumer warpgroup (4 warps); see kVtEmptyCopies.
     cutlass::arch::ClusterTransactionBarrier kv_full[kStages][kNumPieces];
     cutlass::arch::ClusterBarrier kv_empty[kStages];
-    cutlass::arch::ClusterBarrier vt_full[kVtBars];
-    cutlass::arch::ClusterBarrier vt_empty[kVtBars][kVtEmptyCopies];
+    cutlass::arch::ClusterBarrier vt_full[kVtSlots];
+    cutlass::arch::ClusterBarrier vt_empty[kVtSlots][kVtEmptyCopies];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
 
@@ -176,15 +165,10 @@ struct Traits {
   static __host__ __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) {
     return g / uint32_t(h == 0 ? kVtLeft_ : kVtRight_);
   }
-  // The barriers of key granule j of slot s (vt_full, vt_empty).
-  static __host__ __device__ __forceinline__ uint32_t vt_bar(uint32_t slot, int j) {
-    return slot * uint32_t(kVGranules) + uint32_t(j);
-  }
-  // The barrier that use u of granule barrier b (vt_bar) is released on (kVtEmptyCopies), and the parity of that
-  // release.
-  static __device__ __forceinline__ cutlass::arch::ClusterBarrier& vt_empty_of(SharedStorage& ss, uint32_t bar,
+  // The barrier that use u of slot s is released on (kVtEmptyCopies), and the parity of that release.
+  static __device__ __forceinline__ cutlass::arch::ClusterBarrier& vt_empty_of(SharedStorage& ss, uint32_t slot,
                                                                                uint32_t use) {
-    return ss.vt_empty[bar][use % uint32_t(kVtEmptyCopies)];
+    return ss.vt_empty[slot][use % uint32_t(kVtEmptyCopies)];
   }
   static __host__ __device__ __forceinline__ uint32_t vt_empty_parity(uint32_t use) {
     return (use / uint32_t(kVtEmptyCopies)) & 1u;
@@ -194,12 +178,12 @@ struct Traits {
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 };
 
-// Arrival counts of the mbarriers (per phase). The transposition works in pairs of V pieces (producer.cuh), each in
-// Traits::kVGranules key granules (a unit); the warp that did a unit arrives once for it, whichever warp that is.
+// Arrival counts of the mbarriers (per phase). The transposition works in pairs of V pieces (producer.cuh); the
+// warp that did a pair arrives once for it, whichever warp that is.
 constexpr int kNumTransposeWarps = 3;                       // producer warps 1..3 (producer.cuh)
 constexpr int kNumVPairs = kNumVPieces / 2;                 // 4 pairs a block, 2 a V^T half
-constexpr uint32_t kKvEmptyArrivals = 4 + kNumVPairs;       // owner warpgroup's warps + the block's pairs (one granule)
-constexpr uint32_t kVtFullArrivals = kNumVPairs / 2;        // the half's pairs (of the granule)
+constexpr uint32_t kKvEmptyArrivals = 4 + kNumVPairs;       // owner warpgroup's warps + the block's pairs
+constexpr uint32_t kVtFullArrivals = kNumVPairs / 2;        // the half's pairs
 constexpr uint32_t kVtEmptyArrivals = 4;                    // the warps of the consumer warpgroup reading the half
 // With the shared transposition (Traits::kShareVt) a CTA transposes the two pairs of its own half of each block; the
 // other half's slot is written by the peer CTA's bulk copy, whose sender arrives once (with the expected bytes), and
@@ -207,8 +191,6 @@ constexpr uint32_t kVtEmptyArrivals = 4;                    // the warps of the 
 constexpr uint32_t kKvEmptyArrivalsShared = 4 + kNumVPairs / 2;
 constexpr uint32_t kVtFullArrivalsCopied = 1;
 constexpr uint32_t kPeerEmptyArrivals = 4;
-// kv_empty's arrivals with `granules` key granules a V half: one more arrival a pair for each further granule.
-constexpr uint32_t kv_empty_arrivals(int granules) { return kKvEmptyArrivals + uint32_t(kNumVPairs * (granules - 1)); }
 
 // Named barriers among the 256 consumer threads (IDs relative to CUTLASS's reserved ones).
 enum class NamedBarriers : uint32_t {

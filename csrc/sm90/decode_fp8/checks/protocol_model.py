@@ -14,9 +14,9 @@ sequence of operations; a random scheduler interleaves them, many times per sequ
     would then miss the phase and hang), nor only n - 1 completions (it would pass at once, on the parity of
     completion n - 2);
   - data: a KV stage is written (TMA) only after every reader of its previous block (the owner's Q K^T, the four
-    piece pairs of the transposition, each in every key granule) finished; a V^T half slot (each key granule of it)
-    is written only after the P V of its previous block in the consumer warpgroup that reads that half finished; a
-    reader reads only the block it expects, after it was written.
+    piece pairs of the transposition) finished; a V^T half slot is written only after the P V of its previous block
+    in the consumer warpgroup that reads that half finished; a reader reads only the block it expects, after it was
+    written.
 """
 from __future__ import annotations
 
@@ -34,17 +34,16 @@ class ProtocolError(AssertionError):
     """A schedule the kernel would get wrong: a hang, a skipped barrier phase or a read of stale data."""
 
 
-def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, bool, int]]:
-    """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V, key granules)} from VariantTraits in
-    launch.cuh (Traits' kPvF16 and kVGranules come after the registers and kShareVt)."""
+def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, bool]]:
+    """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in launch.cuh (the
+    last is Traits' kPvF16, after the registers and kShareVt)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
-                       r"(?:,\s*(\d+))?(?:,\s*(\d+))?((?:,\s*\d+)*)(?:,\s*(true|false))?(?:,\s*(true|false))?"
-                       r"(?:,\s*(\d+))?>", text)
+                       r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
-    return {name: (int(a), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true", int(gr) if gr else 1)
-            for name, a, c, d, e, _regs, _share, f16, gr in found}
+    return {name: (int(a), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true")
+            for name, a, c, d, e, _share, f16 in found}
 
 
 V_PIECES = 8  # config.h: kNumVPieces, the 512 value columns in pieces of 64
@@ -76,14 +75,12 @@ def padded_blocks(n: int) -> int:
 
 class VtRings:
     """traits.h's vt_slot / vt_use: half h of block g in slot g % ring[h] of its half's ring (the left ring first);
-    vt_bar: key granule j of a slot has barriers of its own (kVGranules); and vt_empty_of: the release of use u of a
-    granule goes to the granule's barrier u % kVtEmptyCopies, as completion
+    and vt_empty_of: the release of use u of a slot goes to the slot's barrier u % kVtEmptyCopies, as completion
     u // kVtEmptyCopies of it."""
 
-    def __init__(self, left: int, right: int, stages: int, granules: int = 1):
+    def __init__(self, left: int, right: int, stages: int):
         self.ring = (left, right)
         self.copies = vt_empty_copies(stages, left, right)
-        self.granules = granules
 
     def slot(self, h: int, g: int) -> int:
         return g % self.ring[0] if h == 0 else self.ring[0] + g % self.ring[1]
@@ -91,12 +88,9 @@ class VtRings:
     def use(self, h: int, g: int) -> int:
         return g // self.ring[h]
 
-    def bar(self, slot: int, j: int) -> int:
-        return slot * self.granules + j
-
-    def empty(self, bar: int, use: int) -> tuple[tuple[int, int], int]:
-        """(vt_empty barrier, completion) of the release of `use` of granule barrier `bar`."""
-        return (bar, use % self.copies), use // self.copies
+    def empty(self, slot: int, use: int) -> tuple[tuple[int, int], int]:
+        """(vt_empty barrier, completion) of the release of `use` of `slot`."""
+        return (slot, use % self.copies), use // self.copies
 
 
 def vt_empty_copies(stages: int, left: int, right: int) -> int:
@@ -168,24 +162,19 @@ def copy_agent(blocks, kS, mutation=None):
         yield ("arrive", "kv_full", x % kS)
 
 
-def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None, right_first=False):
-    units = pairs * vt.granules  # the pairs of each key granule, granule by granule
+def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None):
     for g in range(blocks):
-        for unit in range((tw + warps - g % warps) % warps, units, warps):  # round-robin, shifted by one per block
-            j, pair = divmod(unit, pairs)
-            if right_first and vt.granules > 1:  # kDebugRightHalfFirst: each granule's right-half pairs first
-                pair ^= 2
+        for pair in range((tw + warps - g % warps) % warps, pairs, warps):  # round-robin, shifted by one per block
             h = pair // (pairs // 2)
             slot, use = vt.slot(h, g), vt.use(h, g)
-            bar = vt.bar(slot, j)
             if use > 0 and mutation != "transposer ignores vt_empty":
-                b, n = vt.empty(vt.bar(slot, 0) if mutation == "granules share one release" else bar, use - 1)
-                yield ("wait", "vt_empty", b, n)
+                bar, n = vt.empty(slot, use - 1)
+                yield ("wait", "vt_empty", bar, n)
             yield ("wait", "kv_full", g % kS, g // kS)
             yield ("read_begin", ("kv", g % kS), g)
-            yield ("write", ("vt", bar), g, "vt")
+            yield ("write", ("vt", slot), g, "vt")
             yield ("read_end", ("kv", g % kS), g)
-            yield ("arrive", "vt_full", bar)
+            yield ("arrive", "vt_full", slot)
             if mutation != "transposer does not release the stage":
                 yield ("arrive", "kv_empty", g % kS)
 
@@ -205,20 +194,14 @@ def qk_done(g, kS):
 
 
 def pv_issue(g, h, vt: VtRings):
-    """mainloop.cuh's pv_block: each key granule of the half waited for, then its product issued."""
-    for j in range(vt.granules):
-        bar = vt.bar(vt.slot(h, g), j)
-        yield ("wait", "vt_full", bar, vt.use(h, g))
-        yield ("read_begin", ("vt", bar), g)
+    yield ("wait", "vt_full", vt.slot(h, g), vt.use(h, g))
+    yield ("read_begin", ("vt", vt.slot(h, g)), g)
 
 
 def pv_done(g, h, vt: VtRings):
-    """mainloop.cuh's pv_wait_release: each granule released as its product completes."""
-    for j in range(vt.granules):
-        bar = vt.bar(vt.slot(h, g), j)
-        yield ("read_end", ("vt", bar), g)
-        for _ in range(CONSUMER_WARPS):
-            yield ("arrive", "vt_empty", vt.empty(bar, vt.use(h, g))[0])
+    yield ("read_end", ("vt", vt.slot(h, g)), g)
+    for _ in range(CONSUMER_WARPS):
+        yield ("arrive", "vt_empty", vt.empty(vt.slot(h, g), vt.use(h, g))[0])
 
 
 def f16pv_step(wg, g0, nxt, first, kS, kVt: VtRings, mutation=None):
@@ -314,19 +297,17 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False):
 
 def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
-        f16pv: bool = False, starve: str | None = None, granules: int = 1, right_first: bool = False) -> None:
+        f16pv: bool = False, starve: str | None = None) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
     agent that moves only when no other can (the interleavings where one role lags far behind the others)."""
     arrivals = read_arrivals() if arrivals is None else arrivals
-    # traits.h's kv_empty_arrivals(granules): one more arrival a pair for each further key granule.
-    sim = Sim(stages, {**arrivals, "kKvEmptyArrivals": arrivals["kKvEmptyArrivals"] +
-                       arrivals["kNumVPairs"] * (granules - 1)})
-    vt = VtRings(*vt_rings, stages, granules)
+    sim = Sim(stages, arrivals)
+    vt = VtRings(*vt_rings, stages)
     blocks = sum(padded_blocks(n) for n in requests)
     agents = {"copy": copy_agent(blocks, stages, mutation)}
     for w in range(arrivals["kNumTransposeWarps"]):
         agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
-                                                    arrivals["kNumVPairs"], mutation, right_first)
+                                                    arrivals["kNumVPairs"], mutation)
     for wg in (0, 1):
         agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, mutation, f16pv)
     # Named barriers: generation counters. scale0 / scale1 / p0: one side arrives, the other syncs; consumers: both
@@ -334,8 +315,7 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
     named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0]}
     consumer_gen = {"wg0": 0, "wg1": 0}
     pending = {name: next(agent, None) for name, agent in agents.items()}
-    # kv: the owner's Q K^T and the transposition's units; p[1]: warpgroup 0, and 1 reloads it.
-    readers = {"kv": 1 + arrivals["kNumVPairs"] * granules, "vt": 1, "p0": 1, "p1": 2}
+    readers = {"kv": 1 + arrivals["kNumVPairs"], "vt": 1, "p0": 1, "p1": 2}  # p[1]: warpgroup 0, and 1 reloads it
     rng = random.Random(seed)
 
     def ready(name, op) -> bool:
@@ -386,10 +366,10 @@ def check_all(seeds: int = 30) -> int:
     sequences = [[n] for n in range(8)] + [[a, b] for a in range(6) for b in range(6)]
     sequences += [[gen.randrange(0, 12) for _ in range(gen.randrange(1, 5))] for _ in range(20)]
     starved = [None, "copy", "wg0", "wg1"] + [f"transposer{w}" for w in range(read_arrivals()["kNumTransposeWarps"])]
-    for name, (_, stages, left, right, f16pv, granules) in read_variants().items():
+    for name, (_, stages, left, right, f16pv) in read_variants().items():
         for reqs in sequences:
             for seed in range(seeds):
-                run(reqs, stages, (left, right), seed=seed, f16pv=f16pv, granules=granules, right_first=seed % 2 == 1,
+                run(reqs, stages, (left, right), seed=seed, f16pv=f16pv,
                     starve=starved[seed % len(starved)])
                 runs += 1
     return runs
