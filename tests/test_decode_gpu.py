@@ -92,6 +92,10 @@ MATRIX = (
     + [Case(lengths=varlen(6, 300, s_q * 1000 + h), s_q=s_q, h_q=h, seed=h + s_q)
        for s_q in (1, 2, 4) for h in (1, 16, 20, 64, 100, 128)]
     + [Case(lengths=varlen(3, 200, 7), s_q=16, h_q=h, seed=h) for h in (8, 128)]
+    # short prefills on the decode kernel (the vLLM builder's threshold of 128): a fresh prompt (length = s_q) and
+    # chunks after a context
+    + [Case(lengths=[128, 129, 900], s_q=128, h_q=h, seed=h + 128) for h in (16, 128)]
+    + [Case(lengths=[90, 2000], s_q=90, h_q=64, seed=90)]
     # causal off, several kv heads
     + [Case(lengths=varlen(6, 500, 11), s_q=2, h_q=32, causal=False),
        Case(lengths=varlen(6, 500, 12), s_q=1, h_q=32, h_kv=2),

@@ -1,11 +1,11 @@
 """The FP8 KV cache kernel (sm_90a, FP8 tensor cores) against fp64 attention on the dequantized inputs (GPU only).
 
-Accurate mode (bf16/fp16 q, e4m3 cache) and fast mode (e4m3 q and cache): NaN in every unused cache slot,
-huge ids in unused block-table entries, lengths 0 and non-multiples of 64, s_q up to 16 causal, h_kv 1 and 2;
-bitwise repeatability; CUDA-graph replays that read a descale_k changed after capture. Descales per (request, KV
-head) ([b, h_kv], any strides): against fp64 and the reference, bitwise the per-tensor result of each request's
-own scale, expanded stride-0 tensors bitwise the per-tensor ones, graph replays with the tables changed. The removed
-kernel switch FLASHMLA_BACKEND_FP8_KERNEL is refused.
+Accurate mode (bf16/fp16 q, e4m3 cache) and fast mode (e4m3 q and cache): NaN in every unused cache slot, huge ids
+in unused block-table entries, lengths 0 and non-multiples of 64, s_q up to 16 causal, short prefills of 90 and 128
+query tokens, h_kv 1 and 2; bitwise repeatability; CUDA-graph replays that read a descale_k changed after capture.
+Descales per (request, KV head) ([b, h_kv], any strides): against fp64 and the reference, bitwise the per-tensor
+result of each request's own scale, expanded stride-0 tensors bitwise the per-tensor ones, graph replays with the
+tables changed. The removed kernel switch FLASHMLA_BACKEND_FP8_KERNEL is refused.
 """
 import pytest
 import torch
@@ -30,6 +30,9 @@ CASES = [
     Case(lengths=[0, 16, 129, 640, 3000], s_q=4, h_q=64, causal=False),
     Case(lengths=[8192], h_q=128),
     Case(lengths=[37 * i % 2100 for i in range(40)], h_q=16, seed=3),
+    # short prefills on the decode kernel (the vLLM builder's threshold of 128): a fresh prompt and a chunk
+    Case(lengths=[128, 1000], s_q=128, h_q=16, seed=128),
+    Case(lengths=[90, 700], s_q=90, h_q=128, seed=90),
 ]
 
 

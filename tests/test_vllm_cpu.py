@@ -34,7 +34,8 @@ from flashmla_backend.reference import mla_decode_reference  # noqa: E402
 from flashmla_backend.vllm import BACKEND_CLASS_PATH, BACKEND_NAME, DEBUG_BREAK_SCALE_ENV, _compat, register  # noqa: E402
 from flashmla_backend.vllm import default_choice  # noqa: E402
 from flashmla_backend.vllm.backend import FlashMLAPluginBackend  # noqa: E402
-from flashmla_backend.vllm.builder import FlashMLAPluginDecodeMetadata, uniform_query_len  # noqa: E402
+from flashmla_backend.vllm.builder import (  # noqa: E402
+    FlashMLAPluginDecodeMetadata, FlashMLAPluginMetadataBuilder, uniform_query_len)
 from flashmla_backend.vllm.unsupported import UnsupportedVLLMVersionBackend  # noqa: E402
 
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, VllmConfig  # noqa: E402
@@ -686,6 +687,30 @@ def test_spec_decode_is_causal():
     torch.testing.assert_close(out[last], non_causal[last], atol=OUT_ATOL, rtol=OUT_RTOL)
     first = torch.arange(B) * 4
     assert (out[first].float() - non_causal[first].float()).abs().max() > 0.05
+
+
+def test_short_prefills_run_on_the_decode_kernel_as_with_flashmla():
+    """The decode threshold is vLLM's FlashMLA builder's, 128 query tokens: a batch of fresh prompts of equal
+    length up to 128 is prefilled by the causal decode kernel (not vLLM's MHA prefill), so the plugin and
+    FLASHMLA route a step's tokens alike; 129 tokens go to the prefill path."""
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLAMetadataBuilder
+
+    assert FlashMLAPluginMetadataBuilder.reorder_batch_threshold == FlashMLAMetadataBuilder.reorder_batch_threshold
+    plugin = Plugin(vllm_config(64))
+    assert plugin.builder.reorder_batch_threshold == 128
+    batch = DecodeBatch(plugin, [128, 128, 128], 128, seed=128)
+    md = plugin.build(batch.common)
+    assert (md.num_decodes, md.num_prefills) == (3, 0) and md.decode.query_len == 128
+    out, _ = plugin.forward_mqa(batch.q(), batch.kv_cache, md)
+    torch.testing.assert_close(out, batch.expected(plugin.scale), atol=OUT_ATOL, rtol=OUT_RTOL)
+    # 129 tokens: vLLM's split (the builder's call: uniform query lengths required) sends them to the prefill path
+    # (building that path's metadata needs pinned memory on 0.33, so the split is asked directly).
+    from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+    common = DecodeBatch(plugin, [129, 129], 129, seed=129).common
+    split = split_decodes_and_prefills(common, decode_threshold=plugin.builder.reorder_batch_threshold,
+                                       require_uniform=True)
+    assert split[:2] == (0, 2)
 
 
 def test_forward_mqa_uses_the_layers_scale():

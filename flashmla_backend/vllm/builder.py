@@ -109,9 +109,13 @@ def dcp_interleave_problem(interleave_size: int, block_size: int | None) -> str 
 class FlashMLAPluginMetadataBuilder(MLACommonMetadataBuilder[FlashMLAPluginMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
-    # Decode = query length 1; vLLM raises it to 1 + num_speculative_tokens when speculative decoding
-    # (MTP, EAGLE, n-gram) is configured, so verification batches also run on the decode kernel.
-    reorder_batch_threshold: int = 1
+    # Requests of up to 128 query tokens in a batch of equal query lengths run on the decode kernel, as with
+    # vLLM's own FlashMLA builder (the same 128): decode steps, speculative verification and short prefills
+    # (a short prompt, or a chunk) alike, the causal mask making a prefill of s_q tokens exact. vLLM lowers it
+    # to 1 under decode context parallelism (module docstring) and raises it for more speculative tokens.
+    # With 1 here a short prompt went through vLLM's MHA prefill instead, and a step's tokens were routed
+    # differently from FLASHMLA's.
+    reorder_batch_threshold: int = 128
 
     def __init__(self, kv_cache_spec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, FlashMLAPluginMetadata)
