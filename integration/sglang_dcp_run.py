@@ -5,10 +5,10 @@
 
 Every sglang.Engine that sglang_run.py builds gets tp_size = dcp_size = N, prefill on --prefill-backend (default
 flashinfer: the plugin serves only decode under DCP) and decode on --decode-backend (flashmla_backend for ours,
-flashinfer for the reference), and SGLang's own all-reduce paths off: its custom all-reduce and the FlashInfer all-
-reduce + RMSNorm fusion that SGLang turns on by itself for DeepSeek models on SM90 when TP > 1. On a 2-GPU H200 host
-SGLang 0.5.17 hung in every TP 2 + DCP 2 start-up right after that fusion had allocated its workspace (the log's
-last lines are three FlashInfer "SymmDeviceMemory" ones a rank: a buffer, its flags and a Lamport buffer; with
+flashinfer for the reference), and SGLang's own all-reduce paths off: its custom all-reduce and the FlashInfer
+all-reduce + RMSNorm fusion that SGLang turns on by itself for DeepSeek models on SM90 when TP > 1. On a 2-GPU H200
+host SGLang 0.5.17 hung in every TP 2 + DCP 2 start-up right after that fusion had allocated its workspace (the
+log's last lines are three FlashInfer "SymmDeviceMemory" ones a rank: a buffer, its flags and a Lamport buffer; with
 flashinfer as the decode backend as with ours), before CUDA-graph capture, also with the custom all-reduce off. The
 check is about attention: NCCL's all-reduce serves it. Exits 0 with a SKIP line when fewer than N GPUs are visible
 or the installed SGLang has no dcp_size server argument.
