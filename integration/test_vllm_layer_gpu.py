@@ -8,7 +8,8 @@ the layer's forward_impl runs once with attn_backend = our plugin and once with 
 uniform multi-token decode batches, which TRITON_MLA, decode threshold 1, runs through vLLM's prefill path), on one
 KV-cache tensor viewed in each backend's kernel block size; outputs must agree (atol = rtol = 1e-2),
 and both must agree with an fp32 reference in MHA form (K/V up-projected with kv_b_proj). On our
-side decode tokens go to flashmla_backend's kernel and prefill tokens to vLLM's prefill backend.
+side the requests vLLM's split counts as decodes (DECODE_SPLITS) go to flashmla_backend's kernel and the rest to
+vLLM's prefill backend.
 
 A CUDA-graph test captures the plugin's forward_mqa once and replays it after build() wrote new
 lengths/block tables into the persistent buffers, against eager runs and the reference.
@@ -50,7 +51,7 @@ class Case:
     seq_lens: list[int]
     query_lens: list[int]
     manager_block_size: int = 64
-    spec_tokens: int = 0  # speculative tokens configured (decode threshold = 1 + spec_tokens)
+    spec_tokens: int = 0  # speculative tokens configured (vLLM raises a spec-capable threshold to 1 + spec_tokens)
 
 
 CASES = {
@@ -214,9 +215,9 @@ def vllm_num_decodes(case: Case, threshold: int, require_uniform: bool) -> int:
 # Decode thresholds and uniformity of the backends these tests run, as read in vLLM 0.26's sources (on the GPU,
 # LayerUnderTest.forward checks each batch with the split its builder made; tests/test_vllm_layer_batches.py checks
 # CASES with these on CPU): TRITON_MLA keeps vLLM's default threshold 1; FLASHMLA serves uniform batches up to 128
-# query tokens; ours uniform batches of 1 + the speculative tokens.
-DECODE_SPLITS = {"TRITON_MLA": lambda case: (1, False), "FLASHMLA": lambda case: (128, True),
-                 "CUSTOM": lambda case: (1 + case.spec_tokens, True)}
+# query tokens, and so do ours (flashmla_backend/vllm/builder.py declares FLASHMLA's threshold).
+DECODE_SPLITS = {"TRITON_MLA": lambda case: (1, False), "FLASHMLA": lambda case: (128, True)}
+DECODE_SPLITS["CUSTOM"] = DECODE_SPLITS["FLASHMLA"]
 
 
 class Batch:
@@ -307,7 +308,7 @@ def test_layer_matches_triton_mla(name):
 
     out_ours = ours.forward(batch)
     md = ours.last_metadata
-    num_decodes = sum(1 for s in case.query_lens if s <= 1 + case.spec_tokens and s == case.query_lens[0])
+    num_decodes = vllm_num_decodes(case, *DECODE_SPLITS["CUSTOM"](case))
     assert md.num_decodes == num_decodes, (md.num_decodes, md.num_prefills)
     if num_decodes:
         from flashmla_backend.vllm.builder import FlashMLAPluginDecodeMetadata
@@ -526,7 +527,7 @@ def test_fp8_layer_matches_references(name, scales, monkeypatch):
                         ref_decode)[1]
     assert self_check < 5e-3, f"absorbed-form reference vs MHA form: rel-norm {self_check:.2e}"
 
-    expected = sum(s for s in case.query_lens if s <= 1 + case.spec_tokens and s == case.query_lens[0])
+    expected = sum(case.query_lens[:vllm_num_decodes(case, *DECODE_SPLITS["CUSTOM"](case))])  # our decode tokens
     uniform_spec = expected == batch.num_tokens and case.query_lens[0] > 1
     print(f"\n[fp8 layer {name}, k_scale {k_scale}, q_scale {q_scale}] {batch.num_tokens} tokens; errors vs fp32 "
           "references on the dequantized cache (max abs / rel-norm):")

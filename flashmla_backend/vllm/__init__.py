@@ -16,9 +16,10 @@ Sparse MLA models (DeepSeek-V3.2, GLM-5: vLLM's indexer picks the top-k tokens) 
 same flag and get its sparse backend (flashmla_backend.vllm.sparse_backend, routed by sparse_choice); on a
 CUDA device it refuses at start-up until the Hopper sparse decode kernel exists.
 
-What runs (dense MLA): decode tokens (query length 1, or a uniform length > 1 for MTP / speculative decoding)
-go to flashmla_backend.flash_mla_with_kvcache on 64-token pages; prefill stays with vLLM's MLA
-prefill backend. KV caches: the model's 16-bit dtype or FP8 e4m3 (`--kv-cache-dtype fp8`), with the
+What runs (dense MLA): requests of up to the builder's decode threshold of query tokens in a batch of equal
+query lengths (decode steps, MTP / speculative verification, short prompts and prefill chunks; builder.py says
+the threshold) go to flashmla_backend.flash_mla_with_kvcache on 64-token pages, causal; longer prefills stay
+with vLLM's MLA prefill backend. KV caches: the model's 16-bit dtype or FP8 e4m3 (`--kv-cache-dtype fp8`), with the
 query mode chosen by FLASHMLA_BACKEND_FP8_MODE (flashmla_backend.engine_support states what is accepted).
 Supported vLLM versions: see flashmla_backend.vllm._compat.
 

@@ -125,7 +125,7 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
                           "of the cache with the group's gathered query heads, returns the lse for vLLM's merge)")
             logger.info(
                 "flashmla_backend: MLA decode attention runs on flashmla_backend %s (%s), %d heads per rank, "
-                "scale %.6g, %s; prefill stays with vLLM's MLA prefill backend.",
+                "scale %.6g, %s; longer prefills stay with vLLM's MLA prefill backend.",
                 flashmla_backend.__version__, where, num_heads, self.decode_scale, cache)
 
     def forward_mqa(
