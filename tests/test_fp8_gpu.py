@@ -5,7 +5,9 @@ in unused block-table entries, lengths 0 and non-multiples of 64, s_q up to 16 c
 query tokens, h_kv 1 and 2; bitwise repeatability; CUDA-graph replays that read a descale_k changed after capture.
 Descales per (request, KV head) ([b, h_kv], any strides): against fp64 and the reference, bitwise the per-tensor
 result of each request's own scale, expanded stride-0 tensors bitwise the per-tensor ones, graph replays with the
-tables changed. The removed kernel switch FLASHMLA_BACKEND_FP8_KERNEL is refused.
+tables changed. At most 32 query rows a KV head: the accurate mode's two tiles (the 64-row one and the keys-on-M
+one), each against fp64, with per-request descales and graph replays. The removed kernel switch
+FLASHMLA_BACKEND_FP8_KERNEL is refused.
 """
 import pytest
 import torch
@@ -184,6 +186,75 @@ def test_graph_replay_reads_the_current_descale_tables(mode):
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
         ref_out, _ = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
         assert rel_norm(out, ref_out) < _out_tol(mode)
+
+
+# ---- the accurate mode's two tiles for at most 32 query rows a KV head ---------------------------------------------
+# s_q h_q / h_kv <= 32 rows can run on the 64-row tile or on the keys-on-M tile (csrc/sm90/decode_fp8/keys_on_m.h);
+# FLASHMLA_BACKEND_FP8_DEBUG=16 runs the one that is not the default. Both are tested here, whichever is the default.
+OTHER_ACCURATE_TILE = "16"
+FEW_ROW_CASES = [
+    Case(lengths=[100, 300], h_q=16),                                    # 16 rows
+    Case(lengths=[37 * i % 2100 for i in range(40)], h_q=16, seed=3),   # zero lengths, several requests a CTA
+    Case(lengths=[1, 65, 700, 4000], s_q=2, h_q=16),                     # 32 rows, causal, split requests
+    Case(lengths=[5, 16, 17, 640, 3000], s_q=4, h_q=8, seed=4),          # causal over 4 query tokens
+    Case(lengths=[0, 16, 129, 640, 3000], s_q=2, h_q=16, causal=False),
+    Case(lengths=[8192], h_q=32),                                        # b = 1: one request in many splits
+    Case(lengths=[1, 65, 700, 4000], h_q=32, h_kv=2),                    # 16 rows a KV head, two KV heads
+    Case(lengths=[300, 2000], h_q=20, seed=20),                          # 20 rows: the R = 32 tile, 12 padded
+    Case(lengths=[70, 2500], h_q=1, seed=1),                             # 1 row
+    Case(lengths=[16, 40, 1000], s_q=16, h_q=2, seed=16),                # s_q 16 causal
+]
+
+
+@pytest.mark.parametrize("tile", ["default", "other"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16q", "fp16q"])
+@pytest.mark.parametrize("case", FEW_ROW_CASES, ids=str)
+def test_accurate_few_rows_both_tiles(monkeypatch, case, dtype, tile):
+    if tile == "other":
+        monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", OTHER_ACCURATE_TILE)
+    case = Case(**{**case.__dict__, "dtype": dtype})
+    inp, dq, dk = fp8_inputs(case, "cuda", k_gain=0.7)
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    out2, lse2 = run_fp8_decode(inp, case, dq, dk)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
+    e_out, e_lse = rel_norm(out, ref_out), rel_norm(lse, ref_lse)
+    print(f"{case} {tile} tile: out {e_out:.2e} lse {e_lse:.2e}")
+    assert e_out < _out_tol("bf16q")
+    assert e_lse < ACCURATE_LSE
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+
+
+@pytest.mark.parametrize("tile", ["default", "other"])
+def test_accurate_few_rows_per_request_descales_and_graph_replay(monkeypatch, tile):
+    """Both tiles read [b, h_kv] descale tables per (request, KV head), and a captured graph reads their current
+    values at each replay."""
+    if tile == "other":
+        monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", OTHER_ACCURATE_TILE)
+    case = Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=32, h_kv=2)
+    inp, dq, dk = fp8_inputs(case, "cuda", k_gain=0.7)
+    _, dk = _tables(case, inp, dq, dk, seed=9)
+    dk = dk.contiguous()
+    run_fp8_decode(inp, case, None, dk)
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_fp8_decode(inp, case, None, dk)
+        with torch.cuda.graph(g, stream=s):
+            out, lse = run_fp8_decode(inp, case, None, dk)
+    torch.cuda.current_stream().wait_stream(s)
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(2):
+        dk.mul_(torch.exp2(torch.rand(dk.shape, generator=gen) - 0.5).cuda())
+        g.replay()
+        torch.cuda.synchronize()
+        want_out, want_lse = run_fp8_decode(inp, case, None, dk)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+        ref_out, ref_lse = brute_force_fp64(dequantized(inp, None, dk), case.causal)
+        assert rel_norm(out, ref_out) < _out_tol("bf16q")
+        assert rel_norm(lse, ref_lse) < ACCURATE_LSE
 
 
 # ---- the removed kernel switch ------------------------------------------------------------------------------------

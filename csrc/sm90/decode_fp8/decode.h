@@ -17,6 +17,11 @@ enum class Variant {
   kFastE4m3QCluster, // kFastE4m3QStream as 2-CTA clusters over the two M tiles, sharing the V transposition
   kAccurateBF16, // bf16 q split in two e4m3 terms for Q K^T, P V in fp16 (traits.h: kPvF16), bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms for Q K^T, P V in fp16, fp16 out
+  // The accurate mode for at most 16 / 32 query rows a KV head (s_q h_q / h_kv): the keys-on-M tile (keys_on_m.h)
+  kAccurateKmBF16R16,
+  kAccurateKmBF16R32,
+  kAccurateKmFP16R16,
+  kAccurateKmFP16R32,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -27,7 +32,13 @@ enum DebugFlags : int {
   kDebugNoTranspose = 1,       // the transposer waits and arrives but moves no data: wrong results, its time without it
   kDebugOtherFastPlan = 4,     // the fast mode runs the other pipeline plan than the shape's (same results)
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
+  kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
+                                 // (keys on M, or the 64-row tile); the same results within the mode's error
 };
+// Whether the accurate mode's keys-on-M tile can serve a shape (at most 32 query rows a KV head), and whether it does
+// by default.
+bool keys_on_m_applies(const DecodeParams& params);
+constexpr bool kKeysOnMByDefault = false;
 // Whether a shape can run the 2-CTA cluster plan: two M tiles whose rows see the same keys (one query token, or no
 // causal limit, or each tile's rows within one query token), so that both CTAs of a cluster walk the same blocks.
 bool cluster_plan_applies(const DecodeParams& params);

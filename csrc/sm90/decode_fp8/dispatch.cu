@@ -35,6 +35,7 @@ bool cluster_plan_applies(const DecodeParams& p) {
   // causal limit differs between their rows.
   return !p.causal || p.seqlen_q == 1 || p.ngroups % (2 * kBlockM) == 0;
 }
+bool keys_on_m_applies(const DecodeParams& p) { return p.q_rows <= 32; }
 }  // namespace sm90::decode_fp8
 
 void run_sm90_fp8_decode(const DecodeParams& params) {
@@ -55,12 +56,29 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
     }
     return;
   }
+  // The accurate mode: at most 32 query rows a KV head may take the keys-on-M tile (kKeysOnMByDefault, and the debug
+  // bit for the other one).
+  bool km = sm90::decode_fp8::keys_on_m_applies(params) && sm90::decode_fp8::kKeysOnMByDefault;
+  if (sm90::decode_fp8::keys_on_m_applies(params) && (debug & sm90::decode_fp8::kDebugOtherAccurateTile)) km = !km;
+  const bool r16 = params.q_rows <= 16;
   switch (params.dtype) {
     case DType::kBF16:
-      run_decode_kernel<Variant::kAccurateBF16>(params, debug);
+      if (km && r16) {
+        run_decode_kernel<Variant::kAccurateKmBF16R16>(params, debug);
+      } else if (km) {
+        run_decode_kernel<Variant::kAccurateKmBF16R32>(params, debug);
+      } else {
+        run_decode_kernel<Variant::kAccurateBF16>(params, debug);
+      }
       return;
     case DType::kFP16:
-      run_decode_kernel<Variant::kAccurateFP16>(params, debug);
+      if (km && r16) {
+        run_decode_kernel<Variant::kAccurateKmFP16R16>(params, debug);
+      } else if (km) {
+        run_decode_kernel<Variant::kAccurateKmFP16R32>(params, debug);
+      } else {
+        run_decode_kernel<Variant::kAccurateFP16>(params, debug);
+      }
       return;
   }
   FMLA_HOST_CHECK(false, "sm90 FP8 decode: unsupported dtype " << int(params.dtype));

@@ -13,6 +13,7 @@
 #include "params.h"
 #include "sm90/decode/launch.cuh"  // get_encode_tiled, decode_requirements, launch_on_decode_grid
 #include "sm90/decode_fp8/decode.h"
+#include "sm90/decode_fp8/keys_on_m.cuh"
 #include "sm90/decode_fp8/kernel.cuh"
 
 namespace flashmla_backend::sm90::decode_fp8 {
@@ -78,6 +79,25 @@ struct VariantTraits<Variant::kAccurateFP16> {
   using type = Traits<cutlass::half_t, 2, 2, 1, 1, 224, 56, false, true>;
 };
 
+// The accurate mode's keys-on-M tile (keys_on_m.h) for at most 16 or 32 query rows a KV head: 2 KV stages; fp16 V
+// rings of 2 + 2 halves at R = 16 (the plan is 226 KB), 2 + 1 at R = 32 (its Q tile is 36 KB).
+template <>
+struct VariantTraits<Variant::kAccurateKmBF16R16> {
+  using type = TraitsKM<cutlass::bfloat16_t, 16, 2, 2, 2>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateKmBF16R32> {
+  using type = TraitsKM<cutlass::bfloat16_t, 32, 2, 2, 1>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateKmFP16R16> {
+  using type = TraitsKM<cutlass::half_t, 16, 2, 2, 2>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateKmFP16R32> {
+  using type = TraitsKM<cutlass::half_t, 32, 2, 2, 1>;
+};
+
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p, int debug) {
   using T = typename VariantTraits<V>::type;
@@ -92,7 +112,13 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
   check_decode_params(p, req);
 
   const CUtensorMap tmap = make_kv_tensor_map(p);
-  if constexpr (T::kShareVt) {
+  if constexpr (T::kKeysOnM) {
+    FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
+                    "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
+                                                                           << p.q_rows);
+    decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T>, kKmNumThreads, T::kSmemBytes,
+                                  "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
+  } else if constexpr (T::kShareVt) {
     FMLA_HOST_CHECK(cluster_plan_applies(p), "sm90 FP8 decode: the 2-CTA cluster plan needs two M tiles whose rows "
                                              "see the same keys (num_m_blocks "
                                                  << p.num_m_blocks << ", s_q " << p.seqlen_q << ")");

@@ -79,6 +79,26 @@ FMLA_HD int p_source_index(int kk, int q, int i) {
   return 16 * kk + 8 * (q >> 1) + 2 * (q & 1) + (i & 1) + 4 * (i >> 1);
 }
 
+// ---- The keys-on-M tile of the accurate mode for few query rows (keys_on_m.h) ----------------------------------
+// Its Q tile is (2 R rows, 576) e4m3, K-major, 64B swizzle, nine pieces of 64 columns (each 2 R x 64 bytes): rows
+// 0..R-1 hold the hi terms of query rows 0..R-1, rows R..2R-1 their lo terms. Byte offset of 16-byte chunk c (0..35)
+// of tile row r. For R a multiple of 8 the swizzle XOR of row r + R is that of row r, so a row's lo chunk is its hi
+// chunk + 64 R bytes (km_q_lo_delta).
+FMLA_HD uint32_t km_q_chunk_offset(int rows2, int r, int c) {
+  return uint32_t((c >> 2) * rows2 * kSwizzleRowBytes) + sw64_offset(r, c & 3);
+}
+FMLA_HD uint32_t km_q_lo_delta(int rows) { return uint32_t(rows * kSwizzleRowBytes); }
+
+// P^T of a block in fp16, (R rows, 64 keys) MN-major (rows contiguous): eight 8-key atoms of 2 R bytes a key, with
+// the swizzle of a 2 R-byte row (R = 16: 32B swizzle, R = 32: 64B): 16-byte chunk c of key k is chunk
+// c ^ ((k >> s) & (R / 8 - 1)), s = 2 for 32-byte rows and 1 for 64-byte rows. Byte offset of row n (even or odd)
+// of key k.
+FMLA_HD uint32_t km_pt_offset(int rows, int n, int k) {
+  const int shift = rows == 16 ? 2 : 1;
+  const int chunk = (n >> 3) ^ ((k >> shift) & (rows / 8 - 1));
+  return uint32_t((k >> 3) * 8 * rows * 2 + (k & 7) * rows * 2 + chunk * 16 + (n & 7) * 2);
+}
+
 }  // namespace flashmla_backend::sm90::decode_fp8
 
 #undef FMLA_HD

@@ -46,14 +46,34 @@ __device__ __forceinline__ const QIn* q_row_src(const DecodeParams& p, int req, 
          int64_t(h) * p.q_pe_stride_h + (col - kHeadDimV);
 }
 
+// 16-bit q: the copy of row r's groups part, part + 4, ... (16 columns, 32 bytes each): the two 16-byte halves of a
+// group go where the split puts its hi and lo terms (chunk_offset(r, c) and that + lo_delta), so that the Q region
+// holds the 16-bit q exactly (two terms of e4m3 are as many bytes). The thread that copies a group splits it
+// (split_q16_row): it reads and overwrites only its own bytes, so the split needs no barrier before it. No commit.
+template <class QIn, class ChunkOffset>
+__device__ __forceinline__ void issue_q16_row_copy(const DecodeParams& p, int req, int m_block, int hk, int r,
+                                                   int part, uint32_t q_addr, uint32_t lo_delta,
+                                                   ChunkOffset&& chunk_offset) {
+  static_assert(kHeadDimV % 64 == 0 && kHeadDimK - kHeadDimV == 64, "groups 0..7 of a thread in q, 8 in q_pe");
+  // The thread's row in q and in q_pe, found once (the loop stays small: at b = 1 a CTA runs this code once, and
+  // instruction fetch is a third of the kernel's stalls there).
+  const QIn* q_src = q_row_src<QIn>(p, req, m_block, hk, r, 16 * part);
+  const QIn* pe_src = q_row_src<QIn>(p, req, m_block, hk, r, kHeadDimV + 16 * part);
+  const bool valid = q_src != nullptr;
+#pragma unroll 1
+  for (int k = 0; k < kQGroupsPerThread; ++k) {
+    const QIn* src = !valid ? reinterpret_cast<const QIn*>(p.q) : k < kQGroupsPerThread - 1 ? q_src + 64 * k : pe_src;
+    const uint32_t dst = q_addr + chunk_offset(r, part + 4 * k);
+    decode::cp_async_16(dst, src, valid);
+    decode::cp_async_16(dst + lo_delta, src + 8, valid);
+  }
+}
+
 // The copy of the tile's q, one commit group, issued when the tile is free (before the first request, and after the
 // previous request's last wgmma) so that it lands while the previous request's epilogue runs.
 //   e4m3 q: the tile's 2304 16-byte chunks, 9 per consumer thread, where the product reads them. The caller waits
 //   (cp_async_wait_all), fences the async proxy and synchronizes the consumers before the first wgmma.
-//   16-bit q: the 16 values of row r's 16-column group c are 32 bytes; their two 16-byte halves go where the
-//   split puts the group's hi and lo terms (tile_chunk_offset(r, c) in term tiles 0 and 1), so that the Q region
-//   holds the 16-bit q exactly (two terms of e4m3 are as many bytes). Thread (r, part) copies the groups it splits
-//   (split_q_tile): it reads and overwrites only its own bytes, so the split needs no barrier before it.
+//   16-bit q: issue_q16_row_copy, thread tid into row tid / 4 (its term tiles 0 and 1 at tile_chunk_offset).
 template <class T>
 __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int m_block, int hk, uint32_t q_addr,
                                              int tid) {
@@ -66,22 +86,9 @@ __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int
       decode::cp_async_16(q_addr + tile_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
     }
   } else {
-    using QIn = typename T::QIn;
     static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two term tiles");
-    static_assert(kHeadDimV % 64 == 0 && kHeadDimK - kHeadDimV == 64, "groups 0..7 of a thread in q, 8 in q_pe");
-    const int r = tid >> 2, part = tid & 3;
-    // The thread's row in q and in q_pe, found once (the loop stays small: at b = 1 a CTA runs this code once, and
-    // instruction fetch is a third of the kernel's stalls there).
-    const QIn* q_src = q_row_src<QIn>(p, req, m_block, hk, r, 16 * part);
-    const QIn* pe_src = q_row_src<QIn>(p, req, m_block, hk, r, kHeadDimV + 16 * part);
-    const bool valid = q_src != nullptr;
-#pragma unroll 1
-    for (int k = 0; k < kQGroupsPerThread; ++k) {
-      const QIn* src = !valid ? reinterpret_cast<const QIn*>(p.q) : k < kQGroupsPerThread - 1 ? q_src + 64 * k : pe_src;
-      const uint32_t dst = q_addr + tile_chunk_offset(r, part + 4 * k);
-      decode::cp_async_16(dst, src, valid);
-      decode::cp_async_16(dst + kTileBytes, src + 8, valid);
-    }
+    issue_q16_row_copy<typename T::QIn>(p, req, m_block, hk, tid >> 2, tid & 3, q_addr, kTileBytes,
+                                        [](int r, int c) { return tile_chunk_offset(r, c); });
   }
   decode::cp_async_commit();
 }
@@ -130,26 +137,27 @@ __device__ __forceinline__ void q16x8_to_f32(const uint4& v, float* x) {
 // request; holding the row's chunks in registers instead made ptxas spill values that live across the main loop).
 // Runs when no accumulator is live; the caller fences the async proxy and synchronizes the consumers.
 template <class QIn>
-__device__ __forceinline__ void load_q16_group(uint32_t addr, float (&x)[16]) {
+__device__ __forceinline__ void load_q16_group(uint32_t addr, uint32_t lo_delta, float (&x)[16]) {
   uint4 v0, v1;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v0.x), "=r"(v0.y), "=r"(v0.z), "=r"(v0.w) : "r"(addr) : "memory");
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v1.x), "=r"(v1.y), "=r"(v1.z), "=r"(v1.w) : "r"(addr + kTileBytes) : "memory");
+               : "=r"(v1.x), "=r"(v1.y), "=r"(v1.z), "=r"(v1.w) : "r"(addr + lo_delta) : "memory");
   q16x8_to_f32<QIn>(v0, x);
   q16x8_to_f32<QIn>(v1, x + 8);
 }
 
-template <class T>
-__device__ __forceinline__ void split_q_tile(uint32_t q_addr, float* q_scale, int tid) {
-  using QIn = typename T::QIn;
-  static_assert(!T::kQFp8 && T::kQTerms == 2, "16-bit q in two terms only");
-  const int r = tid >> 2, part = tid & 3;
+// Row r's split by its four threads (lanes 4 k .. 4 k + 3 of a warp; part = lane % 4): the row's max over the
+// thread's groups and the other three threads', the scale, the terms in place (hi at chunk_offset(r, c), lo at that
+// + lo_delta). The scale goes to q_scale[r].
+template <class QIn, class ChunkOffset>
+__device__ __forceinline__ void split_q16_row(uint32_t q_addr, uint32_t lo_delta, ChunkOffset&& chunk_offset, int r,
+                                              int part, float* q_scale) {
   float amax = 0.f;
 #pragma unroll 3
   for (int k = 0; k < kQGroupsPerThread; ++k) {
     float x[16];
-    load_q16_group<QIn>(q_addr + tile_chunk_offset(r, part + 4 * k), x);
+    load_q16_group<QIn>(q_addr + chunk_offset(r, part + 4 * k), lo_delta, x);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(x[i]));
   }
@@ -164,9 +172,9 @@ __device__ __forceinline__ void split_q_tile(uint32_t q_addr, float* q_scale, in
   if (part == 0) q_scale[r] = 1.f / inv;
 #pragma unroll 3
   for (int k = 0; k < kQGroupsPerThread; ++k) {
-    const uint32_t off = q_addr + tile_chunk_offset(r, part + 4 * k);
+    const uint32_t off = q_addr + chunk_offset(r, part + 4 * k);
     float x[16];
-    load_q16_group<QIn>(off, x);
+    load_q16_group<QIn>(off, lo_delta, x);
     uint32_t hi[4], lo[4];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < 4; ++i) {
@@ -179,10 +187,17 @@ __device__ __forceinline__ void split_q_tile(uint32_t q_addr, float* q_scale, in
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(off), "r"(hi[0]), "r"(hi[1]), "r"(hi[2]),
                  "r"(hi[3])
                  : "memory");
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(off + kTileBytes), "r"(lo[0]), "r"(lo[1]),
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(off + lo_delta), "r"(lo[0]), "r"(lo[1]),
                  "r"(lo[2]), "r"(lo[3])
                  : "memory");
   }
+}
+
+template <class T>
+__device__ __forceinline__ void split_q_tile(uint32_t q_addr, float* q_scale, int tid) {
+  static_assert(!T::kQFp8 && T::kQTerms == 2, "16-bit q in two terms only");
+  split_q16_row<typename T::QIn>(q_addr, kTileBytes, [](int r, int c) { return tile_chunk_offset(r, c); }, tid >> 2,
+                                 tid & 3, q_scale);
 }
 
 }  // namespace flashmla_backend::sm90::decode_fp8

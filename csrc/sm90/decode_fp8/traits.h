@@ -68,6 +68,7 @@ struct Traits {
                 "V^T rings of two halves or more (one or more for the fp16 V of kPvF16)");
   static_assert(!kPvF16 || (!kQFp8 && kQTerms == 2), "fp16 P V is the accurate mode's: a 16-bit q in two terms");
   static constexpr bool kShareVt = kShareVt_;
+  static constexpr bool kKeysOnM = false;  // keys_on_m.h: TraitsKM
   static_assert(!kShareVt || kQFp8, "the shared transposition serves the fast mode");
   static constexpr int kConsumerRegs = kConsumerRegs_;
   static constexpr int kProducerRegs = kProducerRegs_;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "sm90/decode/epilogue.cuh"
+#include "sm90/decode_fp8/keys_on_m.h"
 #include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/traits.h"
 
@@ -210,12 +211,67 @@ static void check_f16pv() {
   }
 }
 
+// The keys-on-M tile (keys_on_m.h, keys_on_m.cuh): its Q tile and P^T offsets (layout.h) against CuTe's layouts, the
+// lo term of a row at its hi chunk + km_q_lo_delta, and the S^T and O^T accumulator coordinates keys_on_m.cuh assumes.
+template <int R>
+static void check_keys_on_m() {
+  using K = TraitsKM<cutlass::bfloat16_t, R, 2, 2, R == 16 ? 2 : 1>;
+  F8* qbuf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, K::kQBytes));
+  Tensor q = make_tensor(make_smem_ptr(qbuf), typename K::SmemLayoutQ{});
+  for (int r = 0; r < 2 * R; ++r)
+    for (int c = 0; c < kHeadDimK; ++c)
+      EXPECT_EQ(&q(r, c) - qbuf, km_q_chunk_offset(2 * R, r, c / 16) + c % 16, "keys-on-M Q byte", "R %d row %d col %d",
+                R, r, c);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kHeadDimK / 16; ++c)
+      EXPECT_EQ(km_q_chunk_offset(2 * R, r + R, c), km_q_chunk_offset(2 * R, r, c) + km_q_lo_delta(R),
+                "keys-on-M lo term chunk", "R %d row %d chunk %d", R, r, c);
+  std::free(qbuf);
+  using H = cutlass::half_t;
+  H* pbuf = static_cast<H*>(std::aligned_alloc(kSmemAlign, K::kPtBytes));
+  Tensor pt = make_tensor(make_smem_ptr(pbuf), typename K::SmemLayoutPt{});
+  for (int n = 0; n < R; ++n)
+    for (int k = 0; k < kBlockN; ++k)
+      EXPECT_EQ(2 * (&pt(n, k) - pbuf), km_pt_offset(R, n, k), "keys-on-M P^T byte", "R %d row %d key %d", R, n, k);
+  std::free(pbuf);
+  typename K::TiledMmaS mma_s;
+  typename K::TiledMmaO mma_o;
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockN>, Int<2 * R>>{});
+  Tensor cO = make_identity_tensor(Shape<Int<kHalfDimV>, Int<R>>{});
+  for (int t = 0; t < 128; ++t) {
+    const int l = t % 32, w = t / 32, g = l / 4, c = l % 4;
+    Tensor s = mma_s.get_slice(t).partition_C(cS);
+    EXPECT_EQ(int(size(s)), R, "keys-on-M S^T values", "thread %d", t);
+    for (int i = 0; i < size(s); ++i) {
+      EXPECT_EQ(get<0>(s(i)), 16 * w + g + 8 * ((i >> 1) & 1), "keys-on-M S^T key", "R %d thread %d value %d", R, t, i);
+      EXPECT_EQ(get<1>(s(i)), 8 * (i >> 2) + 2 * c + (i & 1), "keys-on-M S^T column", "R %d thread %d value %d", R, t,
+                i);
+      if (i < R / 2) {
+        EXPECT_EQ(get<1>(s(i + R / 2)), get<1>(s(i)) + R, "keys-on-M lo column", "R %d thread %d value %d", R, t, i);
+        EXPECT_EQ(get<0>(s(i + R / 2)), get<0>(s(i)), "keys-on-M lo key", "R %d thread %d value %d", R, t, i);
+      }
+    }
+    Tensor o = mma_o.get_slice(t).partition_C(cO);
+    EXPECT_EQ(int(size<1>(o)), 4, "keys-on-M O^T tiles", "thread %d", t);
+    EXPECT_EQ(int(size<0>(o)), R / 2, "keys-on-M O^T values a tile", "thread %d", t);
+    for (int mt = 0; mt < size<1>(o); ++mt)
+      for (int v = 0; v < size<0>(o); ++v) {
+        EXPECT_EQ(get<0>(o(v, mt, 0)), 64 * mt + 16 * w + g + 8 * ((v >> 1) & 1), "keys-on-M O^T value column",
+                  "R %d thread %d tile %d value %d", R, t, mt, v);
+        EXPECT_EQ(get<1>(o(v, mt, 0)), 8 * (v >> 2) + 2 * c + (v & 1), "keys-on-M O^T row", "R %d thread %d tile %d "
+                  "value %d", R, t, mt, v);
+      }
+  }
+}
+
 int main() {
   check_tiles();
   check_fragments();
   check_f16pv();
   check_transposition();
   check_output_columns();
+  check_keys_on_m<16>();
+  check_keys_on_m<32>();
   if (g_fail) {
     printf("%d mismatches\n", g_fail);
     return 1;

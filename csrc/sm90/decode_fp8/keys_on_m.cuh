@@ -1,0 +1,468 @@
+// The accurate mode's keys-on-M kernel (keys_on_m.h: TraitsKM; docs/kernel-design.md, "The accurate mode for few
+// query rows"): the consumer warpgroup, its epilogue and the __global__ function. The producer warpgroup is
+// producer.cuh's (KV copies, V widened to fp16).
+//
+// A thread's accumulators (one warpgroup, w = warp, g = lane / 4, c = lane % 4):
+//   S^T (64 keys x 2 R): value i is key 16 w + g + 8 ((i >> 1) & 1) and column 8 (i >> 2) + 2 c + (i & 1); the
+//     columns R.. are the lo terms of the columns ..R-1, so the score of (key, row) is value i + value i + R / 2
+//     (i < R / 2), and the thread's rows are n(q) = 8 (q >> 1) + 2 c + (q & 1), q = 2 (i >> 2) + (i & 1) < R / 4.
+//   O^T (two halves of 256 value columns x R): value v of m64 tile t is value column 256 half + 64 t + 16 w + g +
+//     8 ((v >> 1) & 1) of row 8 (v >> 2) + 2 c + (v & 1).
+// checks/layout_check.cu compares both with CuTe's partitions.
+//
+// Per block g (S^T of g in registers): the scores (hi + lo), the mask, each row's max over the block's keys (the four
+// lanes that share c hold a column's keys in a warp; the four warps meet in shared memory), P = exp2(s scale - m +
+// 2^8 range) in fp16 into P^T (shared memory, even and odd blocks apart), the previous block's P V waited for (its V
+// halves released, O rescaled), then the next block's S^T and O^T += V^T P^T for both halves: the tensor cores run
+// this block's P V while the warps do the softmax of the next block.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+
+#include <cstdint>
+
+#include "common/device.cuh"
+#include "params.h"
+#include "sm90/decode/softmax.cuh"    // update_max
+#include "sm90/decode/tile_work.cuh"  // RequestPiece
+#include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/keys_on_m.h"
+#include "sm90/decode_fp8/layout.h"
+#include "sm90/decode_fp8/mainloop.cuh"  // opaque_zero, warp_arrive
+#include "sm90/decode_fp8/producer.cuh"
+#include "sm90/decode_fp8/q_tile.cuh"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+
+using namespace cute;
+
+// The row of column slot q (< R / 4) of a thread with c = lane % 4.
+__device__ __forceinline__ constexpr int km_row(int q, int c) { return 8 * (q >> 1) + 2 * c + (q & 1); }
+// The column slot of accumulator value i (S^T's first R / 2 values, or an O^T tile's values).
+__device__ __forceinline__ constexpr int km_slot(int i) { return 2 * (i >> 2) + (i & 1); }
+
+__device__ __forceinline__ void km_sync(KmBarriers id) {
+  cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, uint32_t(id));
+}
+
+// The Q copy of a request (one commit group): four threads a row, rows 0..R-1.
+template <class T>
+__device__ __forceinline__ void km_issue_q_copy(const DecodeParams& p, int req, int hk, uint32_t q_addr, int tid) {
+  if (tid < 4 * T::kRows) {
+    issue_q16_row_copy<typename T::QIn>(p, req, 0, hk, tid >> 2, tid & 3, q_addr, km_q_lo_delta(T::kRows),
+                                        [](int r, int c) { return km_q_chunk_offset(T::kQRows, r, c); });
+  }
+  decode::cp_async_commit();
+}
+
+// S^T = K Q^T of block g (stage g % kStages), hi and lo terms in their own columns; one commit group. All nine pieces
+// are waited for before the first wgmma (mainloop.cuh: qk_block says why).
+template <class T, class FragS>
+__device__ __forceinline__ void km_qk_block(typename T::SharedStorage& ss, int tid, uint32_t g, FragS& tSrS) {
+  using E = typename T::Element;
+  const int stage = int(stage_of(g, T::kStages));
+  const uint32_t parity = (g / T::kStages) & 1u;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kNumPieces; ++j) consumer_wait(ss.kv_full[stage][j], parity);
+  typename T::TiledMmaS mma;
+  auto thr = mma.get_slice(tid);
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  const uint32_t z = opaque_zero();
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.kv.data() + stage * kTileBytes) + z),
+                          typename T::SmemLayoutTile{});
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.q.data()) + z), typename T::SmemLayoutQ{});
+  Tensor tSrK = thr.partition_fragment_A(sK);  // (MMA, 1, 18)
+  Tensor tSrQ = thr.partition_fragment_B(sQ);  // (MMA, 1, 18)
+  warpgroup_fence_operand(tSrS);
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(tSrK); ++kb) {
+    cute::gemm(mma, tSrK(_, _, kb), tSrQ(_, _, kb), tSrS);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tSrS);
+}
+
+// O^T_half += V_half^T P^T of block g; one commit group.
+template <class T, int kHalf, class FragO>
+__device__ __forceinline__ void km_pv_half(typename T::SharedStorage& ss, int tid, uint32_t g, FragO& tOrO) {
+  using H = cutlass::half_t;
+  typename T::TiledMmaO mma;
+  auto thr = mma.get_slice(tid);
+  const uint32_t z = opaque_zero();
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.vt.data() + T::vt_slot(kHalf, g) * T::kVHalfBytes) + z),
+                          typename T::SmemLayoutVHalf{});  // (256, 64)
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.pt.data() + (g & 1u) * T::kPtBytes) + z),
+                          typename T::SmemLayoutPt{});  // (R, 64)
+  Tensor tOrV = thr.partition_fragment_A(sV);  // (MMA, 4, 4)
+  Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  warpgroup_fence_operand(tOrO);
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrV(_, _, kb), tOrP(_, _, kb), tOrO);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tOrO);
+}
+
+template <class T, int kHalf>
+__device__ __forceinline__ void km_wait_v(typename T::SharedStorage& ss, uint32_t g) {
+  consumer_wait(ss.vt_full[T::vt_slot(kHalf, g)], T::vt_use(kHalf, g) & 1u);
+}
+template <class T, int kHalf>
+__device__ __forceinline__ void km_release_v(typename T::SharedStorage& ss, uint32_t g, int lane) {
+  warp_arrive(T::vt_empty_of(ss, T::vt_slot(kHalf, g), T::vt_use(kHalf, g)), lane);
+}
+
+// O^T rows times sc (per column slot), skipped by a warp whose rows all kept their max.
+template <class FragO, int kSlots>
+__device__ __forceinline__ void km_rescale(FragO& o, const float (&sc)[kSlots]) {
+  bool one = true;
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kSlots; ++q) one = one && sc[q] == 1.f;
+  if (__all_sync(0xffffffffu, one)) return;
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < size<1>(o); ++t) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < size<0>(o); ++v) o(v, t, 0) *= sc[km_slot(v)];
+  }
+}
+
+// One request piece: the blocks g_base .. g_base + padded_blocks - 1 (producer.cuh: for_each_block walks the same).
+// m, l: the thread's rows' running max (log2 domain, P's range included) and row sums (this thread's keys only).
+template <class T, class FragO>
+__device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const decode::RequestPiece& w,
+                                            const int (&row_end)[T::kRows / 4], const float (&sl2)[T::kRows / 4],
+                                            int tid, uint32_t g_base, FragO& oL, FragO& oR,
+                                            float (&m)[T::kRows / 4], float (&l)[T::kRows / 4]) {
+  constexpr int R = T::kRows, kSlots = R / 4, kVals = R / 2;
+  const int lane = tid & 31, warp = tid >> 5, c = lane & 3;
+  const int key_base = 16 * warp + (lane >> 2);  // the thread's keys in a block: key_base and key_base + 8
+  const int nblk = padded_blocks(w.num_blocks);
+  if (nblk == 0) {
+    clear(oL);
+    clear(oR);
+    return;
+  }
+  typename T::TiledMmaS mma_s;
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockN>, Int<T::kQRows>>{});  // R floats
+  km_qk_block<T>(ss, tid, g_base, tSrS);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(tSrS);
+  clear(oL);  // here, not before the first S^T (mainloop.cuh: mainloop_wg0 says why)
+  clear(oR);
+  warp_arrive(ss.kv_empty[stage_of(g_base, T::kStages)], lane);
+
+  auto step = [&](auto next_c, int b) CUTLASS_LAMBDA_FUNC_INLINE {
+    constexpr bool kNext = decltype(next_c)::value;  // block b + 1 exists
+    const uint32_t g = g_base + uint32_t(b);
+    const int tok0 = (w.first_page + b) * kBlockN;
+    float s[kVals];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVals; ++i) s[i] = tSrS(i) + tSrS(i + kVals);
+
+    // ---- the mask and each row's max over the block's keys ----
+    if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kVals; ++i) {
+        const int t = tok0 + key_base + 8 * ((i >> 1) & 1);
+        if (t < w.start || t >= row_end[km_slot(i)]) s[i] = -INFINITY;
+      }
+    }
+    float mx[kSlots];
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) mx[q] = -INFINITY;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVals; ++i) mx[km_slot(i)] = fmaxf(mx[km_slot(i)], s[i]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 4));
+      mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 8));
+      mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 16));
+    }
+    if (lane < 4) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int q = 0; q < kSlots; ++q) ss.col_max[warp][km_row(q, c)] = mx[q];
+    }
+    km_sync(KmBarriers::kColMax);
+    float sc[kSlots], off[kSlots], sum[kSlots];
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      const int n = km_row(q, c);
+      const float bm = fmaxf(fmaxf(ss.col_max[0][n], ss.col_max[1][n]), fmaxf(ss.col_max[2][n], ss.col_max[3][n]));
+      float m_new, m_use;
+      decode::update_max(m[q], bm, sl2[q], m_new, m_use, sc[q]);
+      m[q] = m_new;
+      off[q] = kPScaleLog2 - m_use;
+      sum[q] = 0.f;
+    }
+
+    // ---- P = exp2(s sl2 - m + 2^8 range) in fp16 into P^T (rows n, n + 1 of a key: one word) ----
+    const uint32_t pt = cute::cast_smem_ptr_to_uint(ss.pt.data()) + (g & 1u) * uint32_t(T::kPtBytes);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVals; i += 2) {
+      const float p0 = fast_exp2(fmaf(s[i], sl2[km_slot(i)], off[km_slot(i)]));
+      const float p1 = fast_exp2(fmaf(s[i + 1], sl2[km_slot(i + 1)], off[km_slot(i + 1)]));
+      sum[km_slot(i)] += p0;
+      sum[km_slot(i + 1)] += p1;
+      const __half2 h = __floats2half2_rn(p0, p1);
+      const uint32_t addr = pt + km_pt_offset(R, 8 * (i >> 2) + 2 * c, key_base + 8 * ((i >> 1) & 1));
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t*>(&h)) : "memory");
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) l[q] = l[q] * sc[q] + sum[q];
+    cutlass::arch::fence_view_async_shared();  // P^T is read by wgmma
+
+    // ---- the previous block's P V done: its V halves go back, O takes this block's max ----
+    // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one is
+    // (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not in a
+    // branch (at b = 0 nothing is in flight and it returns at once).
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(oL);
+    warpgroup_fence_operand(oR);
+    if (b > 0) {
+      km_release_v<T, 0>(ss, g - 1, lane);
+      km_release_v<T, 1>(ss, g - 1, lane);
+    }
+    km_rescale(oL, sc);
+    km_rescale(oR, sc);
+    km_sync(KmBarriers::kPtReady);
+
+    // ---- the next S^T; O^T += V^T P^T, both halves ----
+    if constexpr (kNext) km_qk_block<T>(ss, tid, g + 1, tSrS);
+    km_wait_v<T, 0>(ss, g);
+    km_pv_half<T, 0>(ss, tid, g, oL);
+    km_wait_v<T, 1>(ss, g);
+    km_pv_half<T, 1>(ss, tid, g, oR);
+    if constexpr (kNext) {
+      warpgroup_wait<2>();  // the next S^T (committed before this block's P V)
+      warpgroup_fence_operand(tSrS);
+      warp_arrive(ss.kv_empty[stage_of(g + 1, T::kStages)], lane);
+    } else {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(oL);
+      warpgroup_fence_operand(oR);
+      km_release_v<T, 0>(ss, g, lane);
+      km_release_v<T, 1>(ss, g, lane);
+    }
+  };
+  int b = 0;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (; b + 1 < nblk; ++b) step(cute::true_type{}, b);
+  step(cute::false_type{}, b);
+}
+
+// A request piece's output: O / l (q's dtype) and lse, or, for a split, O / l and lse into the accumulators. Two
+// lanes of a quad pair (g even and odd: value columns k and k + 1) swap one value so that each writes two
+// consecutive columns of one row: the even lane row n, the odd lane row n + 1.
+template <class T, class FragO>
+__device__ __forceinline__ void km_store_output(const DecodeParams& p, const decode::RequestPiece& w, int hk, int tid,
+                                                const FragO& oL, const FragO& oR, const float (&l)[T::kRows / 4],
+                                                const float (&m)[T::kRows / 4], float v_scale) {
+  using Out = typename T::Out;
+  constexpr int kSlots = T::kRows / 4;
+  const int lane = tid & 31, warp = tid >> 5, c = lane & 3, g = lane >> 2;
+  const bool odd = g & 1;
+  float inv[kSlots];
+  int64_t row_off[kSlots];  // the row's output element offset (or o_accum row), -1 past q_rows
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kSlots; ++q) {
+    const int n = km_row(q, c);
+    inv[q] = row_has_key(l[q]) ? v_scale / l[q] : 0.f;
+    row_off[q] = -1;
+    if (n < p.q_rows) {
+      const int s = n / p.ngroups, h = hk * p.ngroups + (n - s * p.ngroups);
+      row_off[q] = w.split ? ((int64_t(w.split_id) * p.num_heads_kv + hk) * p.q_rows + n) * kHeadDimV
+                           : int64_t(w.req) * p.out_stride_b + int64_t(s) * p.out_stride_s + int64_t(h) * p.out_stride_h;
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int half = 0; half < 2; ++half) {
+    const FragO& o = half == 0 ? oL : oR;
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < size<1>(o); ++t) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < size<0>(o); v += 2) {
+        // v: row n = km_row(q, c) (q = km_slot(v)), v + 1: row n + 1; this lane's value column k.
+        const int q0 = km_slot(v), q1 = km_slot(v + 1);
+        const float x0 = o(v, t, 0) * inv[q0], x1 = o(v + 1, t, 0) * inv[q1];
+        const float other = __shfl_xor_sync(0xffffffffu, odd ? x0 : x1, 4);
+        const int k = half * kHalfDimV + 64 * t + 16 * warp + g + 8 * ((v >> 1) & 1);
+        const int col = odd ? k - 1 : k;
+        const int64_t ro = odd ? row_off[q1] : row_off[q0];  // (not row_off[odd ? q1 : q0]: a local-memory array)
+        const float a = odd ? other : x0, bb = odd ? x1 : other;
+        if (ro < 0) continue;
+        if (!w.split) {
+          Out* out = reinterpret_cast<Out*>(p.out) + ro + col;
+          const Out pair[2] = {static_cast<Out>(a), static_cast<Out>(bb)};
+          *reinterpret_cast<uint32_t*>(out) = *reinterpret_cast<const uint32_t*>(pair);
+        } else {
+          *reinterpret_cast<float2*>(p.o_accum + ro + col) = make_float2(a, bb);
+        }
+      }
+    }
+  }
+  if (warp == 0 && g == 0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      const int n = km_row(q, c);
+      if (n >= p.q_rows) continue;
+      const bool has_key = row_has_key(l[q]);
+      if (!w.split) {
+        const int s = n / p.ngroups, h = hk * p.ngroups + (n - s * p.ngroups);
+        p.lse[int64_t(w.req) * p.lse_stride_b + int64_t(h) * p.lse_stride_h + s] =
+            has_key ? row_lse(m[q], l[q]) : kNoKeyLse;
+      } else {
+        p.lse_accum[(int64_t(w.split_id) * p.num_heads_kv + hk) * p.q_rows + n] =
+            has_key ? row_lse(m[q], l[q]) : kNoKeySplitLse;
+      }
+    }
+  }
+}
+
+// The consumer warpgroup's request loop.
+template <class T>
+__device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename T::SharedStorage& ss,
+                                                 const SchedMetaRow& meta, int begin_req, int end_req, int hk,
+                                                 int tid) {
+  constexpr int R = T::kRows, kSlots = R / 4;
+  const int lane = tid & 31, warp = tid >> 5, c = lane & 3;
+  const uint32_t q_addr = cute::cast_smem_ptr_to_uint(ss.q.data());
+  typename T::TiledMmaO mma_o;
+  Tensor oL = partition_fragment_C(mma_o, Shape<Int<kHalfDimV>, Int<R>>{});  // 2 R floats
+  Tensor oR = partition_fragment_C(mma_o, Shape<Int<kHalfDimV>, Int<R>>{});
+
+  km_issue_q_copy<T>(p, begin_req, hk, q_addr, tid);
+  uint32_t g_base = 0;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int req = begin_req; req <= end_req; ++req) {
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, 0);
+    int row_end[kSlots];
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      const int n = km_row(q, c);
+      int end = w.stop_eff;  // rows past q_rows: any bound that keeps them finite
+      if (n < p.q_rows) {
+        end = w.stop;
+        if (p.causal) end = min(end, w.len - p.seqlen_q + n / p.ngroups + 1);
+      }
+      row_end[q] = end;
+    }
+    decode::cp_async_wait_all();
+    if (tid < 4 * R) {
+      split_q16_row<typename T::QIn>(q_addr, km_q_lo_delta(R),
+                                     [](int r, int cc) { return km_q_chunk_offset(T::kQRows, r, cc); }, tid >> 2,
+                                     tid & 3, ss.q_scale);
+    }
+    cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
+    km_sync(KmBarriers::kWarpGroup);
+    if (tid < R) {
+      const float dk = descale_k_at(p, w.req, hk);
+      ss.row_scale_log2[tid] = p.scale_log2 * dk * ss.q_scale[tid];
+      if (tid == 0) ss.value_scale = dk;
+    }
+    km_sync(KmBarriers::kWarpGroup);
+    float sl2[kSlots], m[kSlots], l[kSlots];
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      sl2[q] = ss.row_scale_log2[km_row(q, c)];
+      m[q] = -INFINITY;
+      l[q] = 0.f;
+    }
+    km_mainloop<T>(ss, w, row_end, sl2, tid, g_base, oL, oR, m, l);
+    g_base += uint32_t(padded_blocks(w.num_blocks));
+
+    // Row sums: the eight lanes of a column slot, then the four warps.
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      l[q] += __shfl_xor_sync(0xffffffffu, l[q], 4);
+      l[q] += __shfl_xor_sync(0xffffffffu, l[q], 8);
+      l[q] += __shfl_xor_sync(0xffffffffu, l[q], 16);
+    }
+    if (lane < 4) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int q = 0; q < kSlots; ++q) ss.row_sum[warp][km_row(q, c)] = l[q];
+    }
+    // Every warp is past its last wgmma: the Q tile may be overwritten.
+    km_sync(KmBarriers::kWarpGroup);
+    if (req < end_req) {
+      km_issue_q_copy<T>(p, req + 1, hk, q_addr, tid);
+    } else {
+      pdl_launch_dependents();
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      const int n = km_row(q, c);
+      l[q] = (ss.row_sum[0][n] + ss.row_sum[1][n]) + (ss.row_sum[2][n] + ss.row_sum[3][n]);
+      m[q] -= kPScaleLog2;  // l carries P's 2^kPScaleLog2 (config.h): lse must not
+    }
+    km_store_output<T>(p, w, hk, tid, oL, oR, l, m, ss.value_scale);
+    km_sync(KmBarriers::kWarpGroup);  // row_sum, q_scale, row_scale_log2 reused
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kKmNumThreads, 1)
+    sm90_fp8_decode_km_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv,
+                              int debug) {
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using SharedStorage = typename T::SharedStorage;
+  const DecodeParams& p = params;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = cute::cast_smem_ptr_to_uint(smem_raw);
+  SharedStorage& ss =
+      *reinterpret_cast<SharedStorage*>(smem_raw + ((kSmemAlign - (raw_addr % kSmemAlign)) % kSmemAlign));
+  const int hk = blockIdx.y;
+  const int part = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffffu, tid / kThreadsPerWarpGroup, 0);  // warp-uniform
+  const int lane = tid & 31;
+
+  pdl_wait_primary();
+  const SchedMetaRow meta = reinterpret_cast<const SchedMetaRow*>(p.sched_meta)[part];
+  const int begin_req = meta.begin_req;
+  const int end_req = min(meta.end_req, p.batch - 1);
+  if (begin_req < 0 || begin_req > end_req) {
+    pdl_launch_dependents();
+    return;
+  }
+  if (tid == 0) {
+    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tmap_kv));
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < T::kStages; ++s) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
+      ss.kv_empty[s].init(kKvEmptyArrivals);  // the consumer's four warps + the block's four V piece pairs
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = 0; b < T::kVtSlots; ++b) {
+      ss.vt_full[b].init(kVtFullArrivals);
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 1) {
+    const int warp = (tid - kThreadsPerWarpGroup) / 32;
+    if (warp == 0) {
+      if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, 0, hk);
+    } else {
+      transpose_loop<T>(p, ss, meta, begin_req, end_req, 0, warp - 1, lane, debug);
+    }
+  } else {
+    km_consumer_loop<T>(p, ss, meta, begin_req, end_req, hk, tid);
+  }
+#else
+  if (threadIdx.x == 0) printf("flashmla_backend: sm90 FP8 decode kernel was not compiled for sm_90a\n");
+  __trap();
+#endif
+}
+
+}  // namespace flashmla_backend::sm90::decode_fp8
