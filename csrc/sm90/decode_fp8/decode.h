@@ -34,6 +34,8 @@ enum DebugFlags : int {
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
                                  // (keys on M, or the 64-row tile); the same results within the mode's error
+  kDebugKmPlan1 = 32,          // the keys-on-M tile's pipeline plan 1 (launch.cuh: KmPlans; same results)
+  kDebugKmPlan2 = 64,          // its plan 2
 };
 // Whether the accurate mode's keys-on-M tile can serve a shape (at most 32 query rows a KV head), and whether it does
 // by default.

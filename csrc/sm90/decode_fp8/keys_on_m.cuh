@@ -12,9 +12,9 @@
 //
 // Per block g (S^T of g in registers): the scores (hi + lo), the mask, each row's max over the block's keys (the four
 // lanes that share c hold a column's keys in a warp; the four warps meet in shared memory), P = exp2(s scale - m +
-// 2^8 range) in fp16 into P^T (shared memory, even and odd blocks apart), the previous block's P V waited for (its V
-// halves released, O rescaled), then the next block's S^T and O^T += V^T P^T for both halves: the tensor cores run
-// this block's P V while the warps do the softmax of the next block.
+// 2^8 range) in fp16, the previous block's P V waited for (its V halves released, O rescaled), P^T written to shared
+// memory (one buffer), then the next block's S^T and O^T += V^T P^T for both halves: the tensor cores run this
+// block's P V while the warps do the softmax of the next block.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -97,8 +97,7 @@ __device__ __forceinline__ void km_pv_half(typename T::SharedStorage& ss, int ti
   const uint32_t z = opaque_zero();
   Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.vt.data() + T::vt_slot(kHalf, g) * T::kVHalfBytes) + z),
                           typename T::SmemLayoutVHalf{});  // (256, 64)
-  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.pt.data() + (g & 1u) * T::kPtBytes) + z),
-                          typename T::SmemLayoutPt{});  // (R, 64)
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.pt.data()) + z), typename T::SmemLayoutPt{});  // (R, 64)
   Tensor tOrV = thr.partition_fragment_A(sV);  // (MMA, 4, 4)
   Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
   mma.accumulate_ = GMMA::ScaleOut::One;
@@ -202,8 +201,8 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
       sum[q] = 0.f;
     }
 
-    // ---- P = exp2(s sl2 - m + 2^8 range) in fp16 into P^T (rows n, n + 1 of a key: one word) ----
-    const uint32_t pt = cute::cast_smem_ptr_to_uint(ss.pt.data()) + (g & 1u) * uint32_t(T::kPtBytes);
+    // ---- P = exp2(s sl2 - m + 2^8 range) in fp16 (rows n, n + 1 of a key: one word) ----
+    uint32_t pw[kVals / 2];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kVals; i += 2) {
       const float p0 = fast_exp2(fmaf(s[i], sl2[km_slot(i)], off[km_slot(i)]));
@@ -211,14 +210,12 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
       sum[km_slot(i)] += p0;
       sum[km_slot(i + 1)] += p1;
       const __half2 h = __floats2half2_rn(p0, p1);
-      const uint32_t addr = pt + km_pt_offset(R, 8 * (i >> 2) + 2 * c, key_base + 8 * ((i >> 1) & 1));
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(*reinterpret_cast<const uint32_t*>(&h)) : "memory");
+      pw[i / 2] = *reinterpret_cast<const uint32_t*>(&h);
     }
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kSlots; ++q) l[q] = l[q] * sc[q] + sum[q];
-    cutlass::arch::fence_view_async_shared();  // P^T is read by wgmma
 
-    // ---- the previous block's P V done: its V halves go back, O takes this block's max ----
+    // ---- the previous block's P V done: its V halves go back, P^T may be rewritten, O takes this block's max ----
     // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one is
     // (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not in a
     // branch (at b = 0 nothing is in flight and it returns at once).
@@ -229,6 +226,16 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
       km_release_v<T, 0>(ss, g - 1, lane);
       km_release_v<T, 1>(ss, g - 1, lane);
     }
+    // Each warp's share of a wgmma completes on its own (a warp's tensor core reads the whole P^T for its 16 rows of
+    // M), so P^T is rewritten only once every warp has waited for the previous block's P V.
+    km_sync(KmBarriers::kPvDone);
+    const uint32_t pt = cute::cast_smem_ptr_to_uint(ss.pt.data());
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVals; i += 2) {
+      const uint32_t addr = pt + km_pt_offset(R, 8 * (i >> 2) + 2 * c, key_base + 8 * ((i >> 1) & 1));
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(pw[i / 2]) : "memory");
+    }
+    cutlass::arch::fence_view_async_shared();  // P^T is read by wgmma
     km_rescale(oL, sc);
     km_rescale(oR, sc);
     km_sync(KmBarriers::kPtReady);

@@ -91,8 +91,8 @@ struct TraitsKM {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQBytes, kSmemAlign> q;
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVHalfBytes, kSmemAlign> vt; // slot s at s * 32 KB
-    // P^T of blocks of even and odd g.
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, 2 * kPtBytes, kSmemAlign> pt;
+    // P^T of the current block (written once the previous block's P V completed: keys_on_m.cuh).
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kPtBytes, kSmemAlign> pt;
     // Per-warp maxima of a block's rows (one buffer: a block's are read before the kPtReady barrier that the next
     // block's writes come after), and the row sums at the end of a request.
     float col_max[4][kRows];
@@ -128,8 +128,9 @@ struct TraitsKM {
 // Named barriers of the consumer warpgroup (128 threads).
 enum class KmBarriers : uint32_t {
   kColMax = 0,  // the four warps' column maxima of a block are written
-  kPtReady = 1, // P^T of a block is written (and fenced), the previous block's P V is done in every warp
+  kPtReady = 1, // P^T of a block is written (and fenced)
   kWarpGroup = 2,  // request boundaries, Q tile, row sums
+  kPvDone = 3,  // every warp waited for the previous block's P V: P^T may be rewritten
 };
 
 }  // namespace flashmla_backend::sm90::decode_fp8

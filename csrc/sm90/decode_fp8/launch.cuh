@@ -79,24 +79,41 @@ struct VariantTraits<Variant::kAccurateFP16> {
   using type = Traits<cutlass::half_t, 2, 2, 1, 1, 224, 56, false, true>;
 };
 
-// The accurate mode's keys-on-M tile (keys_on_m.h) for at most 16 or 32 query rows a KV head: 2 KV stages; fp16 V
-// rings of 2 + 2 halves at R = 16 (the plan is 226 KB), 2 + 1 at R = 32 (its Q tile is 36 KB).
-template <>
-struct VariantTraits<Variant::kAccurateKmBF16R16> {
-  using type = TraitsKM<cutlass::bfloat16_t, 16, 2, 2, 2>;
+// The accurate mode's keys-on-M tile (keys_on_m.h) for at most 16 or 32 query rows a KV head: its pipeline plans
+// (KV stages, fp16 V halves in the left and right rings). `type` is the default; plan1 / plan2 run under
+// FLASHMLA_BACKEND_FP8_DEBUG bits 32 / 64 (decode.h), for measurement. The shared memory holds 3 KV stages with rings
+// of 2 + 1 at R = 16 (226 KB), and 1 + 1 at R = 32 (its Q tile is 36 KB).
+template <class QIn, int R>
+struct KmPlans;
+template <class QIn>
+struct KmPlans<QIn, 16> {
+  using type = TraitsKM<QIn, 16, 3, 2, 1>;
+  using plan1 = TraitsKM<QIn, 16, 3, 1, 1>;
+  using plan2 = TraitsKM<QIn, 16, 2, 2, 2>;
+};
+template <class QIn>
+struct KmPlans<QIn, 32> {
+  using type = TraitsKM<QIn, 32, 3, 1, 1>;
+  using plan1 = TraitsKM<QIn, 32, 2, 2, 1>;
+  using plan2 = TraitsKM<QIn, 32, 2, 1, 1>;
 };
 template <>
-struct VariantTraits<Variant::kAccurateKmBF16R32> {
-  using type = TraitsKM<cutlass::bfloat16_t, 32, 2, 2, 1>;
-};
+struct VariantTraits<Variant::kAccurateKmBF16R16> : KmPlans<cutlass::bfloat16_t, 16> {};
 template <>
-struct VariantTraits<Variant::kAccurateKmFP16R16> {
-  using type = TraitsKM<cutlass::half_t, 16, 2, 2, 2>;
-};
+struct VariantTraits<Variant::kAccurateKmBF16R32> : KmPlans<cutlass::bfloat16_t, 32> {};
 template <>
-struct VariantTraits<Variant::kAccurateKmFP16R32> {
-  using type = TraitsKM<cutlass::half_t, 32, 2, 2, 1>;
-};
+struct VariantTraits<Variant::kAccurateKmFP16R16> : KmPlans<cutlass::half_t, 16> {};
+template <>
+struct VariantTraits<Variant::kAccurateKmFP16R32> : KmPlans<cutlass::half_t, 32> {};
+
+template <class T>
+void launch_keys_on_m(const DecodeParams& p, const CUtensorMap& tmap, int debug) {
+  FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
+                  "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
+                                                                         << p.q_rows);
+  decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T>, kKmNumThreads, T::kSmemBytes,
+                                "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
+}
 
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p, int debug) {
@@ -113,11 +130,13 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
 
   const CUtensorMap tmap = make_kv_tensor_map(p);
   if constexpr (T::kKeysOnM) {
-    FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
-                    "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
-                                                                           << p.q_rows);
-    decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T>, kKmNumThreads, T::kSmemBytes,
-                                  "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
+    if (debug & kDebugKmPlan1) {
+      launch_keys_on_m<typename VariantTraits<V>::plan1>(p, tmap, debug);
+    } else if (debug & kDebugKmPlan2) {
+      launch_keys_on_m<typename VariantTraits<V>::plan2>(p, tmap, debug);
+    } else {
+      launch_keys_on_m<T>(p, tmap, debug);
+    }
   } else if constexpr (T::kShareVt) {
     FMLA_HOST_CHECK(cluster_plan_applies(p), "sm90 FP8 decode: the 2-CTA cluster plan needs two M tiles whose rows "
                                              "see the same keys (num_m_blocks "
