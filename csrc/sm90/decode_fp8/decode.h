@@ -34,13 +34,11 @@ enum DebugFlags : int {
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
                                  // (keys on M, or the 64-row tile); the same results within the mode's error
-  kDebugKmPlan1 = 32,          // the keys-on-M tile's pipeline plan 1 (launch.cuh: KmPlans; same results)
-  kDebugKmPlan2 = 64,          // its plan 2
 };
-// Whether the accurate mode's keys-on-M tile can serve a shape (at most 32 query rows a KV head), and whether it does
-// by default.
+// The accurate mode's tile for at most 32 query rows a KV head (s_q h_q / h_kv): whether the keys-on-M tile can serve
+// the shape, and whether it does by default (dispatch.cu says where the 64-row tile stays).
 bool keys_on_m_applies(const DecodeParams& params);
-constexpr bool kKeysOnMByDefault = false;
+bool keys_on_m_by_default(const DecodeParams& params);
 // Whether a shape can run the 2-CTA cluster plan: two M tiles whose rows see the same keys (one query token, or no
 // causal limit, or each tile's rows within one query token), so that both CTAs of a cluster walk the same blocks.
 bool cluster_plan_applies(const DecodeParams& params);

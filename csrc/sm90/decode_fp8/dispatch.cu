@@ -36,6 +36,15 @@ bool cluster_plan_applies(const DecodeParams& p) {
   return !p.causal || p.seqlen_q == 1 || p.ngroups % (2 * kBlockM) == 0;
 }
 bool keys_on_m_applies(const DecodeParams& p) { return p.q_rows <= 32; }
+// Measured on an H100 (docs/perf/journal.md, 2026-11-27): up to 16 rows the keys-on-M tile is faster at every batch
+// (b = 1 to 128: 22.5 against 31 us at b = 1, 237 against 330 at b = 128); with 17..32 rows at b64 h_q 32 and b128
+// s_q 2 h_q 16 (168 against 186 us, 294 against 336), but not at b = 1 (h_q 32: 42.5 against 34): one consumer
+// warpgroup walks a split's few blocks one after the other, where the 64-row tile's two take two at a time. With
+// 17..32 rows it is the default from kKeysOnM32MinRequests (request, KV head) pairs.
+constexpr int kKeysOnM32MinRequests = 16;
+bool keys_on_m_by_default(const DecodeParams& p) {
+  return keys_on_m_applies(p) && (p.q_rows <= 16 || p.batch * p.num_heads_kv >= kKeysOnM32MinRequests);
+}
 }  // namespace sm90::decode_fp8
 
 void run_sm90_fp8_decode(const DecodeParams& params) {
@@ -56,9 +65,9 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
     }
     return;
   }
-  // The accurate mode: at most 32 query rows a KV head may take the keys-on-M tile (kKeysOnMByDefault, and the debug
-  // bit for the other one).
-  bool km = sm90::decode_fp8::keys_on_m_applies(params) && sm90::decode_fp8::kKeysOnMByDefault;
+  // The accurate mode: at most 32 query rows a KV head may take the keys-on-M tile (keys_on_m_by_default; the debug
+  // bit runs the other tile).
+  bool km = sm90::decode_fp8::keys_on_m_by_default(params);
   if (sm90::decode_fp8::keys_on_m_applies(params) && (debug & sm90::decode_fp8::kDebugOtherAccurateTile)) km = !km;
   const bool r16 = params.q_rows <= 16;
   switch (params.dtype) {
