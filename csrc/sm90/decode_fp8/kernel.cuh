@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     const int warp = (tid - kNumConsumerThreads) / 32;
     if (warp == 0) {
-      if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk, debug);
+      if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk);
     } else {
       transpose_loop<T>(p, ss, meta, begin_req, end_req, m_block, warp - 1, lane, debug);
     }

@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(kKmNumThreads, 1)
   if (wg == 1) {
     const int warp = (tid - kThreadsPerWarpGroup) / 32;
     if (warp == 0) {
-      if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, 0, hk, debug);
+      if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, 0, hk);
     } else {
       transpose_loop<T>(p, ss, meta, begin_req, end_req, 0, warp - 1, lane, debug);
     }

@@ -96,28 +96,10 @@ __device__ __forceinline__ void for_each_block(const DecodeParams& p, const Sche
 // Warp 0 of the producer, lane 0: issues every block in the consumers' order, waiting for each stage to be released.
 // A virtual block's pieces complete without a copy (plain arrivals): its consumer multiplies whatever the stage holds
 // and masks every key.
-// With FLASHMLA_BACKEND_FP8_DEBUG bits 32 / 64 (measurement) the lane also asks L2 for the blocks 2 / 4 ahead of the
-// one it copies next (within the request piece), before it waits for that copy's stage: the KV stages bound how many
-// blocks are in flight from HBM, a prefetch into L2 needs no shared memory.
-__device__ __forceinline__ int l2_prefetch_distance(int debug) {
-  return (debug & kDebugL2Prefetch2 ? 2 : 0) + (debug & kDebugL2Prefetch4 ? 4 : 0);
-}
-__device__ __forceinline__ void prefetch_kv_block_l2(const CUtensorMap* tmap, int page, int hk) {
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (int j = 0; j < kNumPieces; ++j) cute::SM90_TMA_LOAD_4D::PREFETCH::copy(tmap, j * kPieceCols, hk, 0, page);
-}
-
 template <class T>
 __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorMap* tmap, typename T::SharedStorage& ss,
-                                          const SchedMetaRow& meta, int begin_req, int end_req, int m_block, int hk,
-                                          int debug) {
-  const int ahead = l2_prefetch_distance(debug);
+                                          const SchedMetaRow& meta, int begin_req, int end_req, int m_block, int hk) {
   for_each_block(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
-    if (ahead > 0) {
-      for (int k = b == 0 ? 1 : ahead; k <= ahead; ++k) {
-        if (b + k < w.num_blocks) prefetch_kv_block_l2(tmap, decode::block_page(p, w, b + k), hk);
-      }
-    }
     const int stage = int(stage_of(g, T::kStages));
     if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
     if (b < w.num_blocks) {
