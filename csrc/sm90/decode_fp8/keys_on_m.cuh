@@ -88,17 +88,17 @@ __device__ __forceinline__ void km_qk_block(typename T::SharedStorage& ss, int t
   warpgroup_fence_operand(tSrS);
 }
 
-// O^T_half += V_half^T P^T of block g; one commit group.
-template <class T, int kHalf, class FragO>
-__device__ __forceinline__ void km_pv_half(typename T::SharedStorage& ss, int tid, uint32_t g, FragO& tOrO) {
+// O^T_part += V_part^T P^T of block g; one commit group.
+template <class T, class FragO>
+__device__ __forceinline__ void km_pv_part(typename T::SharedStorage& ss, int tid, int part, uint32_t g, FragO& tOrO) {
   using H = cutlass::half_t;
   typename T::TiledMmaO mma;
   auto thr = mma.get_slice(tid);
   const uint32_t z = opaque_zero();
-  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.vt.data() + T::vt_slot(kHalf, g) * T::kVHalfBytes) + z),
-                          typename T::SmemLayoutVHalf{});  // (256, 64)
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.vt.data() + T::vt_slot(part, g) * T::kVSlotBytes) + z),
+                          typename T::SmemLayoutVPart{});  // (kPartCols, 64)
   Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.pt.data()) + z), typename T::SmemLayoutPt{});  // (R, 64)
-  Tensor tOrV = thr.partition_fragment_A(sV);  // (MMA, 4, 4)
+  Tensor tOrV = thr.partition_fragment_A(sV);  // (MMA, kPartCols / 64, 4)
   Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
   mma.accumulate_ = GMMA::ScaleOut::One;
   warpgroup_fence_operand(tOrO);
@@ -109,13 +109,25 @@ __device__ __forceinline__ void km_pv_half(typename T::SharedStorage& ss, int ti
   warpgroup_fence_operand(tOrO);
 }
 
-template <class T, int kHalf>
-__device__ __forceinline__ void km_wait_v(typename T::SharedStorage& ss, uint32_t g) {
-  consumer_wait(ss.vt_full[T::vt_slot(kHalf, g)], T::vt_use(kHalf, g) & 1u);
+template <class T>
+__device__ __forceinline__ void km_wait_v(typename T::SharedStorage& ss, int part, uint32_t g) {
+  consumer_wait(ss.vt_full[T::vt_slot(part, g)], T::vt_use(part, g) & 1u);
 }
-template <class T, int kHalf>
-__device__ __forceinline__ void km_release_v(typename T::SharedStorage& ss, uint32_t g, int lane) {
-  warp_arrive(T::vt_empty_of(ss, T::vt_slot(kHalf, g), T::vt_use(kHalf, g)), lane);
+template <class T>
+__device__ __forceinline__ void km_release_v(typename T::SharedStorage& ss, int part, uint32_t g, int lane) {
+  warp_arrive(T::vt_empty_of(ss, T::vt_slot(part, g), T::vt_use(part, g)), lane);
+}
+
+// The wait for all of the previous block's P V products, then the release of its parts [kFrom, kUpto) (the others went
+// back at the end of the previous step).
+template <class T, int kFrom, int kUpto>
+__device__ __forceinline__ void km_release_done_parts(typename T::SharedStorage& ss, uint32_t g, int b, int lane) {
+  static_assert(kUpto == T::kVParts, "waits for all");
+  warpgroup_wait<0>();
+  if (b > 0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = kFrom; k < kUpto; ++k) km_release_v<T>(ss, k, g - 1, lane);
+  }
 }
 
 // O^T rows times sc (per column slot), skipped by a warp whose rows all kept their max.
@@ -137,15 +149,19 @@ __device__ __forceinline__ void km_rescale(FragO& o, const float (&sc)[kSlots]) 
 template <class T, class FragO>
 __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const decode::RequestPiece& w,
                                             const int (&row_end)[T::kRows / 4], const float (&sl2)[T::kRows / 4],
-                                            int tid, uint32_t g_base, FragO& oL, FragO& oR,
+                                            int tid, uint32_t g_base, FragO (&o)[T::kVParts],
                                             float (&m)[T::kRows / 4], float (&l)[T::kRows / 4]) {
-  constexpr int R = T::kRows, kSlots = R / 4, kVals = R / 2;
+  constexpr int R = T::kRows, kSlots = R / 4, kVals = R / 2, kParts = T::kVParts;
+  // Quarters: the first two parts' P V is committed before the next block's S^T, so that the wait for that S^T also
+  // finds them done and their slots go back to the producer a block earlier than the rest (the slots are rings of
+  // one). A wait for fewer groups in the middle of the softmax instead made ptxas serialize every wgmma (C7514).
+  constexpr int kEarly = kParts == 4 ? 2 : 0;
   const int lane = tid & 31, warp = tid >> 5, c = lane & 3;
   const int key_base = 16 * warp + (lane >> 2);  // the thread's keys in a block: key_base and key_base + 8
   const int nblk = padded_blocks(w.num_blocks);
   if (nblk == 0) {
-    clear(oL);
-    clear(oR);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kParts; ++k) clear(o[k]);
     return;
   }
   typename T::TiledMmaS mma_s;
@@ -153,8 +169,8 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
   km_qk_block<T>(ss, tid, g_base, tSrS);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
-  clear(oL);  // here, not before the first S^T (mainloop.cuh: mainloop_wg0 says why)
-  clear(oR);
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < kParts; ++k) clear(o[k]);  // here, not before the first S^T (mainloop.cuh: mainloop_wg0 says why)
   warp_arrive(ss.kv_empty[stage_of(g_base, T::kStages)], lane);
 
   auto step = [&](auto next_c, int b) CUTLASS_LAMBDA_FUNC_INLINE {
@@ -219,13 +235,9 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one is
     // (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not in a
     // branch (at b = 0 nothing is in flight and it returns at once).
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(oL);
-    warpgroup_fence_operand(oR);
-    if (b > 0) {
-      km_release_v<T, 0>(ss, g - 1, lane);
-      km_release_v<T, 1>(ss, g - 1, lane);
-    }
+    km_release_done_parts<T, kEarly, kParts>(ss, g, b, lane);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
     // Each warp's share of a wgmma completes on its own (a warp's tensor core reads the whole P^T for its 16 rows of
     // M), so P^T is rewritten only once every warp has waited for the previous block's P V.
     km_sync(KmBarriers::kPvDone);
@@ -236,26 +248,38 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
       asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(pw[i / 2]) : "memory");
     }
     cutlass::arch::fence_view_async_shared();  // P^T is read by wgmma
-    km_rescale(oL, sc);
-    km_rescale(oR, sc);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
     km_sync(KmBarriers::kPtReady);
 
-    // ---- the next S^T; O^T += V^T P^T, both halves ----
+    // ---- the next S^T; O^T += V^T P^T, part by part (with quarters the first two before the next S^T) ----
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kEarly; ++k) {
+      km_wait_v<T>(ss, k, g);
+      km_pv_part<T>(ss, tid, k, g, o[k]);
+    }
     if constexpr (kNext) km_qk_block<T>(ss, tid, g + 1, tSrS);
-    km_wait_v<T, 0>(ss, g);
-    km_pv_half<T, 0>(ss, tid, g, oL);
-    km_wait_v<T, 1>(ss, g);
-    km_pv_half<T, 1>(ss, tid, g, oR);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = kEarly; k < kParts; ++k) {
+      km_wait_v<T>(ss, k, g);
+      km_pv_part<T>(ss, tid, k, g, o[k]);
+    }
     if constexpr (kNext) {
-      warpgroup_wait<2>();  // the next S^T (committed before this block's P V)
+      warpgroup_wait<kParts - kEarly>();  // the next S^T (and the parts committed before it)
       warpgroup_fence_operand(tSrS);
       warp_arrive(ss.kv_empty[stage_of(g + 1, T::kStages)], lane);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kEarly; ++k) {
+        warpgroup_fence_operand(o[k]);
+        km_release_v<T>(ss, k, g, lane);
+      }
     } else {
       warpgroup_wait<0>();
-      warpgroup_fence_operand(oL);
-      warpgroup_fence_operand(oR);
-      km_release_v<T, 0>(ss, g, lane);
-      km_release_v<T, 1>(ss, g, lane);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kParts; ++k) {
+        warpgroup_fence_operand(o[k]);
+        km_release_v<T>(ss, k, g, lane);
+      }
     }
   };
   int b = 0;
@@ -269,7 +293,7 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
 // consecutive columns of one row: the even lane row n, the odd lane row n + 1.
 template <class T, class FragO>
 __device__ __forceinline__ void km_store_output(const DecodeParams& p, const decode::RequestPiece& w, int hk, int tid,
-                                                const FragO& oL, const FragO& oR, const float (&l)[T::kRows / 4],
+                                                const FragO (&o)[T::kVParts], const float (&l)[T::kRows / 4],
                                                 const float (&m)[T::kRows / 4], float v_scale) {
   using Out = typename T::Out;
   constexpr int kSlots = T::kRows / 4;
@@ -289,17 +313,16 @@ __device__ __forceinline__ void km_store_output(const DecodeParams& p, const dec
     }
   }
   CUTLASS_PRAGMA_UNROLL
-  for (int half = 0; half < 2; ++half) {
-    const FragO& o = half == 0 ? oL : oR;
+  for (int part = 0; part < T::kVParts; ++part) {
     CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < size<1>(o); ++t) {
+    for (int t = 0; t < size<1>(o[part]); ++t) {
       CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < size<0>(o); v += 2) {
+      for (int v = 0; v < size<0>(o[part]); v += 2) {
         // v: row n = km_row(q, c) (q = km_slot(v)), v + 1: row n + 1; this lane's value column k.
         const int q0 = km_slot(v), q1 = km_slot(v + 1);
-        const float x0 = o(v, t, 0) * inv[q0], x1 = o(v + 1, t, 0) * inv[q1];
+        const float x0 = o[part](v, t, 0) * inv[q0], x1 = o[part](v + 1, t, 0) * inv[q1];
         const float other = __shfl_xor_sync(0xffffffffu, odd ? x0 : x1, 4);
-        const int k = half * kHalfDimV + 64 * t + 16 * warp + g + 8 * ((v >> 1) & 1);
+        const int k = part * T::kPartCols + 64 * t + 16 * warp + g + 8 * ((v >> 1) & 1);
         const int col = odd ? k - 1 : k;
         const int64_t ro = odd ? row_off[q1] : row_off[q0];  // (not row_off[odd ? q1 : q0]: a local-memory array)
         const float a = odd ? other : x0, bb = odd ? x1 : other;
@@ -341,8 +364,8 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
   const int lane = tid & 31, warp = tid >> 5, c = lane & 3;
   const uint32_t q_addr = cute::cast_smem_ptr_to_uint(ss.q.data());
   typename T::TiledMmaO mma_o;
-  Tensor oL = partition_fragment_C(mma_o, Shape<Int<kHalfDimV>, Int<R>>{});  // 2 R floats
-  Tensor oR = partition_fragment_C(mma_o, Shape<Int<kHalfDimV>, Int<R>>{});
+  using FragO = decltype(partition_fragment_C(mma_o, Shape<Int<T::kPartCols>, Int<R>>{}));
+  FragO o[T::kVParts];  // 4 R floats in all
 
   km_issue_q_copy<T>(p, begin_req, hk, q_addr, tid);
   uint32_t g_base = 0;
@@ -381,7 +404,7 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
       m[q] = -INFINITY;
       l[q] = 0.f;
     }
-    km_mainloop<T>(ss, w, row_end, sl2, tid, g_base, oL, oR, m, l);
+    km_mainloop<T>(ss, w, row_end, sl2, tid, g_base, o, m, l);
     g_base += uint32_t(padded_blocks(w.num_blocks));
 
     // Row sums: the eight lanes of a column slot, then the four warps.
@@ -408,7 +431,7 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
       l[q] = (ss.row_sum[0][n] + ss.row_sum[1][n]) + (ss.row_sum[2][n] + ss.row_sum[3][n]);
       m[q] -= kPScaleLog2;  // l carries P's 2^kPScaleLog2 (config.h): lse must not
     }
-    km_store_output<T>(p, w, hk, tid, oL, oR, l, m, ss.value_scale);
+    km_store_output<T>(p, w, hk, tid, o, l, m, ss.value_scale);
     km_sync(KmBarriers::kWarpGroup);  // row_sum, q_scale, row_scale_log2 reused
   }
 }
@@ -448,7 +471,7 @@ __global__ void __launch_bounds__(kKmNumThreads, 1)
     }
     CUTLASS_PRAGMA_UNROLL
     for (int b = 0; b < T::kVtSlots; ++b) {
-      ss.vt_full[b].init(kVtFullArrivals);
+      ss.vt_full[b].init(T::kVSlotPairs);  // the V piece pairs of a part
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
     }

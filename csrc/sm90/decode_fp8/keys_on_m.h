@@ -28,9 +28,11 @@ using namespace cute;
 constexpr int kKmNumThreads = 2 * kThreadsPerWarpGroup;
 
 // QIn: bf16 or fp16 (the accurate mode). kRows: R, query rows of the tile (16 or 32; a tile serves up to R rows of
-// one KV head). kStages: KV blocks in flight. kVtLeft / kVtRight: fp16 V halves in flight (value columns [0, 256)
-// and [256, 512)); the one consumer reads both halves of a block, left first.
-template <class QIn_, int kRows_, int kStages_, int kVtLeft_, int kVtRight_>
+// one KV head). kStages: KV blocks in flight. kVParts: the fp16 V of a block in 2 halves or 4 quarters of value
+// columns (each its own O^T accumulator, P V product and slot ring; the producer fills a half with two V piece pairs,
+// a quarter with one). kRingA / kRingB: with halves, the left and right rings (blocks in flight); with quarters, one
+// slot each (both 1). The one consumer reads a block's parts in order.
+template <class QIn_, int kRows_, int kStages_, int kVParts_, int kRingA_, int kRingB_>
 struct TraitsKM {
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
@@ -42,6 +44,10 @@ struct TraitsKM {
   static_assert(kRows == 16 || kRows == 32, "R = 16 or 32 query rows");
   static constexpr int kStages = kStages_;
   static_assert(kStages >= 2, "at least two KV stages");
+  static constexpr int kVParts = kVParts_;
+  static_assert(kVParts == 2 || (kVParts == 4 && kRingA_ == 1 && kRingB_ == 1),
+                "V in halves (two rings), or in quarters (one slot each)");
+  static constexpr int kPartCols = kHeadDimV / kVParts;  // 256 or 128
 
   // What producer.cuh reads of its Traits (the accurate mode's fp16 V; traits.h explains each).
   static constexpr bool kQFp8 = false;
@@ -50,19 +56,20 @@ struct TraitsKM {
   static constexpr bool kShareVt = false;
   static constexpr bool kKeysOnM = true;
   static constexpr int kProducerRegs = 0;  // no setmaxnreg; the widening does not read it
-  static constexpr int kVtLeft = kVtLeft_;
-  static constexpr int kVtRight = kVtRight_;
-  static constexpr int kVtSlots = kVtLeft + kVtRight;
-  static_assert(kVtLeft >= 1 && kVtRight >= 1, "rings of one fp16 V half or more");
-  static constexpr int kVHalfBytes = kV16HalfBytes;
-  static constexpr int kVtEmptyCopies = (kStages + (kVtLeft_ < kVtRight_ ? kVtLeft_ : kVtRight_) - 1) /
-                                        (kVtLeft_ < kVtRight_ ? kVtLeft_ : kVtRight_);
+  static constexpr int kVtLeft = kVParts == 2 ? kRingA_ : 1;
+  static constexpr int kVtRight = kVParts == 2 ? kRingB_ : 1;
+  static constexpr int kVtSlots = kVParts == 2 ? kVtLeft + kVtRight : 4;
+  static constexpr int kVSlotPairs = kNumVPairs / kVParts;
+  static constexpr int kVSlotBytes = kPartCols * kBlockN * 2;
+  static constexpr int kMinRing = kVtLeft < kVtRight ? kVtLeft : kVtRight;
+  static constexpr int kVtEmptyCopies = (kStages + kMinRing - 1) / kMinRing;
 
   // S^T of a block: (64 keys, 2 R) e4m3, k32 steps, both operands K-major in shared memory.
   using TiledMmaS = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kQRows>, Int<kPieceCols>>,
                            GMMA::Major::K, GMMA::Major::K>()));
-  // O^T_half += V_half^T P^T: (256 value columns, R) fp16, k16 steps; A = the fp16 V half, B = P^T, both MN-major.
+  // O^T_part += V_part^T P^T: (kPartCols value columns, R) fp16, k16 steps; A = the fp16 V part, B = P^T, both
+  // MN-major.
   using TiledMmaO = decltype(make_tiled_mma(
       GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<Int<64>, Int<kRows>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>()));
@@ -74,10 +81,11 @@ struct TraitsKM {
   // A KV block (64 keys, 576), as in the 64-row kernel.
   using SmemLayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
                                                 Shape<Int<kBlockN>, Int<kHeadDimK>>{}));
-  // A fp16 V half seen as (256 value columns, 64 keys) MN-major: the 64-row kernel's layout (traits.h).
-  using SmemLayoutVHalf = decltype(composition(
-      tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<Int<kBlockN>, Int<kHalfDimV>>{}),
-      make_layout(Shape<Int<kHalfDimV>, Int<kBlockN>>{}, GenRowMajor{})));
+  // A fp16 V part seen as (kPartCols value columns, 64 keys) MN-major: the 64-row kernel's layout of a half (traits.h),
+  // pieces of 64 columns, 8 KB each (layout.h: v16_offset).
+  using SmemLayoutVPart = decltype(composition(
+      tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<Int<kBlockN>, Int<kPartCols>>{}),
+      make_layout(Shape<Int<kPartCols>, Int<kBlockN>>{}, GenRowMajor{})));
   // P^T of a block: (R rows, 64 keys) fp16 MN-major (layout.h: km_pt_offset).
   using PtAtom = std::conditional_t<kRows == 16, GMMA::Layout_MN_SW32_Atom<cutlass::half_t>,
                                     GMMA::Layout_MN_SW64_Atom<cutlass::half_t>>;
@@ -90,7 +98,7 @@ struct TraitsKM {
   struct alignas(kSmemAlign) SharedStorage {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQBytes, kSmemAlign> q;
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVHalfBytes, kSmemAlign> vt; // slot s at s * 32 KB
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVSlotBytes, kSmemAlign> vt;  // slot s: s * kVSlotBytes
     // P^T of the current block (written once the previous block's P V completed: keys_on_m.cuh).
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kPtBytes, kSmemAlign> pt;
     // Per-warp maxima of a block's rows (one buffer: a block's are read before the kPtReady barrier that the next
@@ -110,11 +118,14 @@ struct TraitsKM {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 
+  // The slot of part h of block g, and the use of it that block g is (halves: rings; quarters: slot h, use g).
   static __host__ __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t g) {
-    return h == 0 ? g % uint32_t(kVtLeft_) : uint32_t(kVtLeft_) + g % uint32_t(kVtRight_);
+    if constexpr (kVParts == 4) return uint32_t(h);
+    return h == 0 ? g % uint32_t(kVtLeft) : uint32_t(kVtLeft) + g % uint32_t(kVtRight);
   }
   static __host__ __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) {
-    return g / uint32_t(h == 0 ? kVtLeft_ : kVtRight_);
+    if constexpr (kVParts == 4) return g;
+    return g / uint32_t(h == 0 ? kVtLeft : kVtRight);
   }
   static __device__ __forceinline__ cutlass::arch::ClusterBarrier& vt_empty_of(SharedStorage& ss, uint32_t slot,
                                                                                uint32_t use) {

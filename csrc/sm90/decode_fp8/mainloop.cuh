@@ -222,7 +222,7 @@ __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss,
   auto thr = mma.get_slice(tid);
   const uint32_t z = opaque_zero();
   Tensor sV = make_tensor(
-      make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(kHalf, g) * T::kVHalfBytes) + z),
+      make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(kHalf, g) * T::kVSlotBytes) + z),
       typename T::SmemLayoutVHalf{});  // (256, 64)
   Tensor tOrV = thr.partition_fragment_B(sV);  // (MMA, 1, 2): k32 steps (e4m3), (MMA, 1, 4): k16 steps (fp16)
   mma.accumulate_ = GMMA::ScaleOut::One;

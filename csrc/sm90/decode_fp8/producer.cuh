@@ -296,7 +296,8 @@ __device__ __forceinline__ void widen_pair(typename T::SharedStorage& ss, uint32
     const int j = 2 * pair + jj;
     wait_barrier(ss.kv_full[stage][j], parity);
     if (debug & kDebugNoTranspose) continue;
-    widen_piece<kMask>(stage_addr + j * kPieceBytes, v_addr + (j % kVPiecesPerHalf) * kV16PieceBytes, valid, lane);
+    widen_piece<kMask>(stage_addr + j * kPieceBytes, v_addr + (j % (2 * T::kVSlotPairs)) * kV16PieceBytes, valid,
+                       lane);
   }
 }
 
@@ -306,7 +307,7 @@ template <class T>
 __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss, uint32_t kv_addr, uint32_t vt_addr0,
                                                    int stage, uint32_t parity, uint32_t slot, int pair, int valid,
                                                    const TransposeLane& tl, int lane, int debug) {
-  const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * T::kVHalfBytes;
+  const uint32_t stage_addr = kv_addr + stage * kTileBytes, vt_addr = vt_addr0 + slot * T::kVSlotBytes;
   if constexpr (T::kPvF16) {
     if (valid < kBlockN) {
       widen_pair<T, true>(ss, stage_addr, vt_addr, stage, parity, pair, valid, lane, debug);
@@ -380,7 +381,9 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
     const int first_pair = int((tw + kNumTransposeWarps - g % kNumTransposeWarps) % kNumTransposeWarps);
     CUTLASS_PRAGMA_NO_UNROLL
     for (int pair = first_pair; pair < kNumVPairs; pair += kNumTransposeWarps) {
-      const int h = pair / (kNumVPairs / 2);  // pairs 0, 1: the left half (pieces 0..3); 2, 3: the right one
+      // The V slot the pair writes: halves (pairs 0, 1: the left half, pieces 0..3; 2, 3: the right one), or with one
+      // pair a slot (the keys-on-M tile's quarters) slot h = pair.
+      const int h = pair / T::kVSlotPairs;
       const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
       if (use > 0) wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
       transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, valid, tl, lane, debug);

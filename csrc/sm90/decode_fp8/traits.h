@@ -112,8 +112,9 @@ struct Traits {
       tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<Int<kBlockN>, Int<kHalfDimV>>{}),
       make_layout(Shape<Int<kHalfDimV>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutVHalf = std::conditional_t<kPvF16, SmemLayoutV16Half, SmemLayoutVtHalf>;
-  // Bytes of one V buffer slot (a V^T half, or a fp16 V half).
-  static constexpr int kVHalfBytes = kPvF16 ? kV16HalfBytes : kVtHalfBytes;
+  // Bytes of one V buffer slot (a V^T half, or a fp16 V half), and the V piece pairs that fill one (producer.cuh).
+  static constexpr int kVSlotBytes = kPvF16 ? kV16HalfBytes : kVtHalfBytes;
+  static constexpr int kVSlotPairs = kNumVPieces / 4;
   static_assert(cosize_v<SmemLayoutTile> == kTileBytes, "tile size");
   static_assert(cosize_v<SmemLayoutVtHalf> == kVtHalfBytes, "V^T half size");
   static_assert(cosize_v<SmemLayoutV16Half> * 2 == kV16HalfBytes, "fp16 V half size");
@@ -133,8 +134,8 @@ struct Traits {
   struct alignas(kSmemAlign) SharedStorage : ShareVtState<kShareVt, kVtSlots> {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTerms * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
-    // slot s at s * kVHalfBytes
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVHalfBytes, kSmemAlign> vt;
+    // slot s at s * kVSlotBytes
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVSlotBytes, kSmemAlign> vt;
     // P tiles handed between the consumer warpgroups in A-fragment order: p[0] = P0 * scale1 (warpgroup 0 ->
     // 1; kPvF16: P0, which warpgroup 1 scales), p[1] = P1 (warpgroup 1 -> 0).
     alignas(16) uint8_t p[2][kPBytes];

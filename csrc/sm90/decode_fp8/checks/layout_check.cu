@@ -213,9 +213,9 @@ static void check_f16pv() {
 
 // The keys-on-M tile (keys_on_m.h, keys_on_m.cuh): its Q tile and P^T offsets (layout.h) against CuTe's layouts, the
 // lo term of a row at its hi chunk + km_q_lo_delta, and the S^T and O^T accumulator coordinates keys_on_m.cuh assumes.
-template <int R>
+template <int R, int kParts>
 static void check_keys_on_m() {
-  using K = TraitsKM<cutlass::bfloat16_t, R, 2, 2, R == 16 ? 2 : 1>;
+  using K = TraitsKM<cutlass::bfloat16_t, R, 2, kParts, kParts == 2 ? 2 : 1, 1>;
   F8* qbuf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, K::kQBytes));
   Tensor q = make_tensor(make_smem_ptr(qbuf), typename K::SmemLayoutQ{});
   for (int r = 0; r < 2 * R; ++r)
@@ -234,10 +234,17 @@ static void check_keys_on_m() {
     for (int k = 0; k < kBlockN; ++k)
       EXPECT_EQ(2 * (&pt(n, k) - pbuf), km_pt_offset(R, n, k), "keys-on-M P^T byte", "R %d row %d key %d", R, n, k);
   std::free(pbuf);
+  H* vbuf = static_cast<H*>(std::aligned_alloc(kSmemAlign, K::kVSlotBytes));
+  Tensor vp = make_tensor(make_smem_ptr(vbuf), typename K::SmemLayoutVPart{});
+  for (int n = 0; n < K::kPartCols; ++n)
+    for (int k = 0; k < kBlockN; ++k)
+      EXPECT_EQ(2 * (&vp(n, k) - vbuf), v16_offset(k, n), "keys-on-M fp16 V part byte", "parts %d column %d key %d",
+                kParts, n, k);
+  std::free(vbuf);
   typename K::TiledMmaS mma_s;
   typename K::TiledMmaO mma_o;
   Tensor cS = make_identity_tensor(Shape<Int<kBlockN>, Int<2 * R>>{});
-  Tensor cO = make_identity_tensor(Shape<Int<kHalfDimV>, Int<R>>{});
+  Tensor cO = make_identity_tensor(Shape<Int<K::kPartCols>, Int<R>>{});
   for (int t = 0; t < 128; ++t) {
     const int l = t % 32, w = t / 32, g = l / 4, c = l % 4;
     Tensor s = mma_s.get_slice(t).partition_C(cS);
@@ -252,7 +259,7 @@ static void check_keys_on_m() {
       }
     }
     Tensor o = mma_o.get_slice(t).partition_C(cO);
-    EXPECT_EQ(int(size<1>(o)), 4, "keys-on-M O^T tiles", "thread %d", t);
+    EXPECT_EQ(int(size<1>(o)), K::kPartCols / 64, "keys-on-M O^T tiles", "thread %d", t);
     EXPECT_EQ(int(size<0>(o)), R / 2, "keys-on-M O^T values a tile", "thread %d", t);
     for (int mt = 0; mt < size<1>(o); ++mt)
       for (int v = 0; v < size<0>(o); ++v) {
@@ -270,8 +277,10 @@ int main() {
   check_f16pv();
   check_transposition();
   check_output_columns();
-  check_keys_on_m<16>();
-  check_keys_on_m<32>();
+  check_keys_on_m<16, 2>();
+  check_keys_on_m<32, 2>();
+  check_keys_on_m<16, 4>();
+  check_keys_on_m<32, 4>();
   if (g_fail) {
     printf("%d mismatches\n", g_fail);
     return 1;
