@@ -34,7 +34,6 @@ enum DebugFlags : int {
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
                                  // (keys on M, or the 64-row tile); the same results within the mode's error
-  kDebugKmOtherPlan = 32,      // the keys-on-M tile's other pipeline plan (launch.cuh: KmPlans; same results)
 };
 // The accurate mode's tile for at most 32 query rows a KV head (s_q h_q / h_kv): whether the keys-on-M tile can serve
 // the shape, and whether it does by default (dispatch.cu says where the 64-row tile stays).

@@ -80,40 +80,26 @@ struct VariantTraits<Variant::kAccurateFP16> {
 };
 
 // The accurate mode's keys-on-M tile (keys_on_m.h) for at most 16 or 32 query rows a KV head. Plans measured on an
-// H100 (docs/perf/journal.md, 2026-11-27; KV stages, fp16 V in halves with left and right rings, or in quarters of
-// one slot): at R = 16, 3 stages and halves in rings of 2 + 1 (226 KB; 236 us at b128 h_q 16 against 252 for 2 stages
-// with 2 + 2, 276 for 3 with 1 + 1); at R = 32 (a Q tile of 36 KB), 2 stages and halves in 2 + 1 (168 us at b64 h_q 32
-// against 187 for 3 stages with 1 + 1, 188 for 2 with 1 + 1). `other` runs under FLASHMLA_BACKEND_FP8_DEBUG bit 32
-// (decode.h), for measurement.
-template <class QIn, int R>
-struct KmPlans;
-template <class QIn>
-struct KmPlans<QIn, 16> {
-  using type = TraitsKM<QIn, 16, 3, 2, 2, 1>;
-  using other = TraitsKM<QIn, 16, 3, 4, 1, 1>;
-};
-template <class QIn>
-struct KmPlans<QIn, 32> {
-  using type = TraitsKM<QIn, 32, 2, 2, 2, 1>;
-  using other = TraitsKM<QIn, 32, 3, 4, 1, 1>;
+// H100 (docs/perf/journal.md, 2026-11-27; KV stages, fp16 V in halves with left and right rings or in quarters of one
+// slot): at R = 16, 3 stages and halves in rings of 2 + 1 (226 KB; 236-238 us at b128 h_q 16 against 245-249 with
+// quarters, 252 for 2 stages with 2 + 2, 276 for 3 with 1 + 1); at R = 32 (a Q tile of 36 KB), 3 stages and quarters
+// (165.5-166.4 us at b64 h_q 32 against 168 for 2 stages with halves in 2 + 1, 187 for 3 stages with 1 + 1).
+template <>
+struct VariantTraits<Variant::kAccurateKmBF16R16> {
+  using type = TraitsKM<cutlass::bfloat16_t, 16, 3, 2, 2, 1>;
 };
 template <>
-struct VariantTraits<Variant::kAccurateKmBF16R16> : KmPlans<cutlass::bfloat16_t, 16> {};
+struct VariantTraits<Variant::kAccurateKmBF16R32> {
+  using type = TraitsKM<cutlass::bfloat16_t, 32, 3, 4, 1, 1>;
+};
 template <>
-struct VariantTraits<Variant::kAccurateKmBF16R32> : KmPlans<cutlass::bfloat16_t, 32> {};
+struct VariantTraits<Variant::kAccurateKmFP16R16> {
+  using type = TraitsKM<cutlass::half_t, 16, 3, 2, 2, 1>;
+};
 template <>
-struct VariantTraits<Variant::kAccurateKmFP16R16> : KmPlans<cutlass::half_t, 16> {};
-template <>
-struct VariantTraits<Variant::kAccurateKmFP16R32> : KmPlans<cutlass::half_t, 32> {};
-
-template <class T>
-void launch_keys_on_m(const DecodeParams& p, const CUtensorMap& tmap, int debug) {
-  FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
-                  "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
-                                                                         << p.q_rows);
-  decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T>, kKmNumThreads, T::kSmemBytes,
-                                "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
-}
+struct VariantTraits<Variant::kAccurateKmFP16R32> {
+  using type = TraitsKM<cutlass::half_t, 32, 3, 4, 1, 1>;
+};
 
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p, int debug) {
@@ -130,11 +116,11 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
 
   const CUtensorMap tmap = make_kv_tensor_map(p);
   if constexpr (T::kKeysOnM) {
-    if (debug & kDebugKmOtherPlan) {
-      launch_keys_on_m<typename VariantTraits<V>::other>(p, tmap, debug);
-    } else {
-      launch_keys_on_m<T>(p, tmap, debug);
-    }
+    FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
+                    "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
+                                                                           << p.q_rows);
+    decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T>, kKmNumThreads, T::kSmemBytes,
+                                  "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
   } else if constexpr (T::kShareVt) {
     FMLA_HOST_CHECK(cluster_plan_applies(p), "sm90 FP8 decode: the 2-CTA cluster plan needs two M tiles whose rows "
                                              "see the same keys (num_m_blocks "
