@@ -6,15 +6,15 @@
 //   S^T (64 keys x 2 R): value i is key 16 w + g + 8 ((i >> 1) & 1) and column 8 (i >> 2) + 2 c + (i & 1); the
 //     columns R.. are the lo terms of the columns ..R-1, so the score of (key, row) is value i + value i + R / 2
 //     (i < R / 2), and the thread's rows are n(q) = 8 (q >> 1) + 2 c + (q & 1), q = 2 (i >> 2) + (i & 1) < R / 4.
-//   O^T (two halves of 256 value columns x R): value v of m64 tile t is value column 256 half + 64 t + 16 w + g +
-//     8 ((v >> 1) & 1) of row 8 (v >> 2) + 2 c + (v & 1).
+//   O^T (kVParts parts of kPartCols value columns x R): value v of m64 tile t of part p is value column
+//     kPartCols p + 64 t + 16 w + g + 8 ((v >> 1) & 1) of row 8 (v >> 2) + 2 c + (v & 1).
 // checks/layout_check.cu compares both with CuTe's partitions.
 //
 // Per block g (S^T of g in registers): the scores (hi + lo), the mask, each row's max over the block's keys (the four
 // lanes that share c hold a column's keys in a warp; the four warps meet in shared memory), P = exp2(s scale - m +
-// 2^8 range) in fp16, the previous block's P V waited for (its V halves released, O rescaled), P^T written to shared
-// memory (one buffer), then the next block's S^T and O^T += V^T P^T for both halves: the tensor cores run this
-// block's P V while the warps do the softmax of the next block.
+// 2^8 range) in fp16, the previous block's P V waited for (its V parts released, O rescaled), P^T written to shared
+// memory (one buffer), then the next block's S^T and O^T += V^T P^T part by part: the tensor cores run this block's
+// P V while the warps do the softmax of the next block.
 #pragma once
 
 #include <cuda_fp16.h>
