@@ -30,10 +30,13 @@ constexpr int kKmNumThreads = 2 * kThreadsPerWarpGroup;
 // QIn: bf16 or fp16 (the accurate mode). kRows: R, query rows of the tile (16 or 32; a tile serves up to R rows of
 // one KV head). kStages: KV blocks in flight. kVParts: the fp16 V of a block in 2 halves or 4 quarters of value
 // columns (each its own O^T accumulator, P V product and slot ring; the producer fills a half with two V piece pairs,
-// a quarter with one). kRingA / kRingB: with halves, the left and right rings (blocks in flight); with quarters, one
-// slot each (both 1). The one consumer reads a block's parts in order.
+// a quarter with one). kRingA / kRingB: the rings (blocks in flight) of the first and the second half of the parts
+// (traits.h: VRings). The one consumer reads a block's parts in order.
 template <class QIn_, int kRows_, int kStages_, int kVParts_, int kRingA_, int kRingB_>
-struct TraitsKM {
+struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
+  using Rings = VRings<kStages_, kVParts_, kRingA_, kRingB_>;
+  using Rings::kVtEmptyCopies;
+  using Rings::kVtSlots;
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
   using Out = QIn;
@@ -45,8 +48,6 @@ struct TraitsKM {
   static constexpr int kStages = kStages_;
   static_assert(kStages >= 2, "at least two KV stages");
   static constexpr int kVParts = kVParts_;
-  static_assert(kVParts == 2 || (kVParts == 4 && kRingA_ == 1 && kRingB_ == 1),
-                "V in halves (two rings), or in quarters (one slot each)");
   static constexpr int kPartCols = kHeadDimV / kVParts;  // 256 or 128
 
   // What producer.cuh reads of its Traits (the accurate mode's fp16 V; traits.h explains each).
@@ -56,13 +57,8 @@ struct TraitsKM {
   static constexpr bool kShareVt = false;
   static constexpr bool kKeysOnM = true;
   static constexpr int kProducerRegs = 0;  // no setmaxnreg; the widening does not read it
-  static constexpr int kVtLeft = kVParts == 2 ? kRingA_ : 1;
-  static constexpr int kVtRight = kVParts == 2 ? kRingB_ : 1;
-  static constexpr int kVtSlots = kVParts == 2 ? kVtLeft + kVtRight : 4;
   static constexpr int kVSlotPairs = kNumVPairs / kVParts;
   static constexpr int kVSlotBytes = kPartCols * kBlockN * 2;
-  static constexpr int kMinRing = kVtLeft < kVtRight ? kVtLeft : kVtRight;
-  static constexpr int kVtEmptyCopies = (kStages + kMinRing - 1) / kMinRing;
 
   // S^T of a block: (64 keys, 2 R) e4m3, k32 steps, both operands K-major in shared memory.
   using TiledMmaS = decltype(make_tiled_mma(
@@ -117,23 +113,6 @@ struct TraitsKM {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
-
-  // The slot of part h of block g, and the use of it that block g is (halves: rings; quarters: slot h, use g).
-  static __host__ __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t g) {
-    if constexpr (kVParts == 4) return uint32_t(h);
-    return h == 0 ? g % uint32_t(kVtLeft) : uint32_t(kVtLeft) + g % uint32_t(kVtRight);
-  }
-  static __host__ __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) {
-    if constexpr (kVParts == 4) return g;
-    return g / uint32_t(h == 0 ? kVtLeft : kVtRight);
-  }
-  static __device__ __forceinline__ cutlass::arch::ClusterBarrier& vt_empty_of(SharedStorage& ss, uint32_t slot,
-                                                                               uint32_t use) {
-    return ss.vt_empty[slot][use % uint32_t(kVtEmptyCopies)];
-  }
-  static __host__ __device__ __forceinline__ uint32_t vt_empty_parity(uint32_t use) {
-    return (use / uint32_t(kVtEmptyCopies)) & 1u;
-  }
 };
 
 // Named barriers of the consumer warpgroup (128 threads).

@@ -27,6 +27,44 @@ struct ShareVtState<true, kVtSlots> {
   uint32_t vt_pairs_sent[kVtSlots];
 };
 
+// The V slots of both kernels' Traits (Traits below, keys_on_m.h's TraitsKM): a block's V in kParts parts of value
+// columns (halves: h = 0, 1; quarters: h = 0..3), part h of block g in slot vt_slot(h, g): g modulo the part's ring
+// (kRingA for the first half of the parts, kRingB for the others), the rings one after the other. vt_use(h, g): the
+// use of that slot block g is (its barriers' completion n = 0, 1, ...).
+// The releases of a slot go round kVtEmptyCopies barriers (use u: barrier u % kVtEmptyCopies, its completion
+// u / kVtEmptyCopies). A parity wait tells completion n from n + 1 only: it passes at once when the barrier is at
+// n - 1, which happens when a producer warp reaches use u of a slot (waiting for the release of u - 1) while use
+// u - 2 is still being read. The pairs of V pieces go round-robin over the producer's warps, so a warp may skip uses
+// of a slot, and nothing but its KV stage holds it back: the copy of block g waited for the V work of block
+// g - kStages, whose use of the slot waited for releases up to kStages / ring uses before. With one barrier per slot
+// that was unsafe wherever kStages > ring (the 3-stage fast plan with rings of 2, the rings of one of kPvF16); with
+// ceil(kStages / shortest ring) copies each barrier's completions are that many uses apart.
+// checks/protocol_model.py plays the parity rule and finds the unsafe schedules with one barrier.
+template <int kStages, int kParts, int kRingA, int kRingB>
+struct VRings {
+  static_assert(kParts == 2 || kParts == 4, "V in halves or quarters");
+  static_assert(kRingA >= 1 && kRingB >= 1, "rings of one slot or more");
+  static constexpr int kVtSlots = kParts / 2 * (kRingA + kRingB);
+  static constexpr int kMinRing = kRingA < kRingB ? kRingA : kRingB;
+  static constexpr int kVtEmptyCopies = (kStages + kMinRing - 1) / kMinRing;
+  static __host__ __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t g) {
+    return h < kParts / 2 ? uint32_t(h * kRingA) + g % uint32_t(kRingA)
+                          : uint32_t(kParts / 2 * kRingA + (h - kParts / 2) * kRingB) + g % uint32_t(kRingB);
+  }
+  static __host__ __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) {
+    return g / uint32_t(h < kParts / 2 ? kRingA : kRingB);
+  }
+  // The barrier that use u of slot s is released on, and the parity of that release.
+  template <class SharedStorage>
+  static __device__ __forceinline__ cutlass::arch::ClusterBarrier& vt_empty_of(SharedStorage& ss, uint32_t slot,
+                                                                               uint32_t use) {
+    return ss.vt_empty[slot][use % uint32_t(kVtEmptyCopies)];
+  }
+  static __host__ __device__ __forceinline__ uint32_t vt_empty_parity(uint32_t use) {
+    return (use / uint32_t(kVtEmptyCopies)) & 1u;
+  }
+};
+
 // QIn: q's element type in global memory. An e4m3 q (the fast mode: true value = stored x descale_q) is used as
 // it is, one term. A 16-bit q (the accurate mode) is split per row into kQTerms e4m3 terms of one power-of-two
 // scale: q ~ s (hi + lo) with hi = e4m3(q / s), lo = e4m3(q / s - hi), so Q K^T is kQTerms e4m3 products into one
@@ -44,7 +82,10 @@ struct ShareVtState<true, kVtSlots> {
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
           int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false>
-struct Traits {
+struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
+  using Rings = VRings<kStages_, 2, kVtLeft_, kVtRight_>;
+  using Rings::kVtEmptyCopies;
+  using Rings::kVtSlots;
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
   static constexpr bool kQFp8 = std::is_same_v<QIn, cutlass::float_e4m3_t>;
@@ -52,11 +93,9 @@ struct Traits {
   using Out = std::conditional_t<kQFp8, cutlass::bfloat16_t, QIn>;
   static constexpr int kQTerms = kQTerms_;
   static constexpr int kStages = kStages_;
-  // V^T half h of block g lives in slot vt_slot(h, g) of the kVtSlots half buffers: g modulo half h's ring, the
-  // left ring first.
+  // V^T half h of block g lives in slot vt_slot(h, g) (VRings): the left ring, then the right one.
   static constexpr int kVtLeft = kVtLeft_;
   static constexpr int kVtRight = kVtRight_;
-  static constexpr int kVtSlots = kVtLeft + kVtRight;
   static_assert(std::is_same_v<QIn, cutlass::float_e4m3_t> || std::is_same_v<QIn, cutlass::bfloat16_t> ||
                     std::is_same_v<QIn, cutlass::half_t>,
                 "q is e4m3, bf16 or fp16");
@@ -119,18 +158,6 @@ struct Traits {
   static_assert(cosize_v<SmemLayoutVtHalf> == kVtHalfBytes, "V^T half size");
   static_assert(cosize_v<SmemLayoutV16Half> * 2 == kV16HalfBytes, "fp16 V half size");
 
-  // The releases of a V^T slot go round kVtEmptyCopies barriers (use u: barrier u % kVtEmptyCopies, its completion
-  // u / kVtEmptyCopies). A parity wait tells completion n from n + 1 only: it passes at once when the barrier is at
-  // n - 1, which happens when a transposer warp reaches use u of a slot (waiting for the release of u - 1) while use
-  // u - 2 is still being read. The pairs of a half go round-robin over the warps, so a warp may skip uses of a slot,
-  // and nothing but its KV stage holds it back: the copy of block g waited for the transposition of block g - kStages,
-  // whose use of the slot waited for releases up to kStages / ring uses before. With one barrier per slot that was
-  // unsafe wherever kStages > ring (the 3-stage fast plan with rings of 2, and the rings of one of kPvF16); with
-  // ceil(kStages / shortest ring) copies each barrier's completions are that many uses apart.
-  // checks/protocol_model.py plays the parity rule and finds the unsafe schedules with one barrier.
-  static constexpr int kVtEmptyCopies = (kStages + (kVtLeft_ < kVtRight_ ? kVtLeft_ : kVtRight_) - 1) /
-                                        (kVtLeft_ < kVtRight_ ? kVtLeft_ : kVtRight_);
-
   struct alignas(kSmemAlign) SharedStorage : ShareVtState<kShareVt, kVtSlots> {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTerms * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
@@ -160,21 +187,6 @@ struct Traits {
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
 
-  // The slot of V^T half h of block g, and the completion of its barriers that block g's use is (n = 0, 1, ...).
-  static __host__ __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t g) {
-    return h == 0 ? g % uint32_t(kVtLeft_) : uint32_t(kVtLeft_) + g % uint32_t(kVtRight_);
-  }
-  static __host__ __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) {
-    return g / uint32_t(h == 0 ? kVtLeft_ : kVtRight_);
-  }
-  // The barrier that use u of slot s is released on (kVtEmptyCopies), and the parity of that release.
-  static __device__ __forceinline__ cutlass::arch::ClusterBarrier& vt_empty_of(SharedStorage& ss, uint32_t slot,
-                                                                               uint32_t use) {
-    return ss.vt_empty[slot][use % uint32_t(kVtEmptyCopies)];
-  }
-  static __host__ __device__ __forceinline__ uint32_t vt_empty_parity(uint32_t use) {
-    return (use / uint32_t(kVtEmptyCopies)) & 1u;
-  }
   // The V^T half that slot s holds (the left ring first).
   static __host__ __device__ __forceinline__ int vt_half_of_slot(int s) { return s < kVtLeft_ ? 0 : 1; }
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
