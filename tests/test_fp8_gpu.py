@@ -5,9 +5,9 @@ in unused block-table entries, lengths 0 and non-multiples of 64, s_q up to 16 c
 query tokens, h_kv 1 and 2; bitwise repeatability; CUDA-graph replays that read a descale_k changed after capture.
 Descales per (request, KV head) ([b, h_kv], any strides): against fp64 and the reference, bitwise the per-tensor
 result of each request's own scale, expanded stride-0 tensors bitwise the per-tensor ones, graph replays with the
-tables changed. At most 32 query rows a KV head: the accurate mode's two tiles (the 64-row one and the keys-on-M
-one), each against fp64, with per-request descales and graph replays. The removed kernel switch
-FLASHMLA_BACKEND_FP8_KERNEL is refused.
+tables changed. At most 32 query rows a KV head: both modes' two tiles (the 64-row one and the keys-on-M one), each
+against fp64, with per-request descales and graph replays. The removed kernel switch FLASHMLA_BACKEND_FP8_KERNEL is
+refused.
 """
 import pytest
 import torch
@@ -226,34 +226,61 @@ def test_accurate_few_rows_both_tiles(monkeypatch, case, dtype, tile):
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
 
 
-@pytest.mark.parametrize("tile", ["default", "other"])
-def test_accurate_few_rows_per_request_descales_and_graph_replay(monkeypatch, tile):
-    """Both tiles read [b, h_kv] descale tables per (request, KV head), and a captured graph reads their current
-    values at each replay."""
-    if tile == "other":
-        monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", OTHER_ACCURATE_TILE)
+# The fast mode's keys-on-M tile runs under FLASHMLA_BACKEND_FP8_DEBUG=32 only, until it is measured.
+FAST_KEYS_ON_M = "32"
+
+
+@pytest.mark.parametrize("tile", ["default", "keys_on_m"])
+@pytest.mark.parametrize("case", FEW_ROW_CASES, ids=str)
+def test_fast_few_rows_both_tiles(monkeypatch, case, tile):
+    if tile == "keys_on_m":
+        monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", FAST_KEYS_ON_M)
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    out2, lse2 = run_fp8_decode(inp, case, dq, dk)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
+    e_out, e_lse = rel_norm(out, ref_out), rel_norm(lse, ref_lse)
+    print(f"{case} fast, {tile} tile: out {e_out:.2e} lse {e_lse:.2e}")
+    assert e_out < _out_tol("e4m3q")
+    assert e_lse < ACCURATE_LSE
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+
+
+@pytest.mark.parametrize("mode,debug", [("bf16q", None), ("bf16q", OTHER_ACCURATE_TILE), ("e4m3q", None),
+                                        ("e4m3q", FAST_KEYS_ON_M)],
+                         ids=["accurate-default", "accurate-other", "fast-default", "fast-keys_on_m"])
+def test_few_rows_per_request_descales_and_graph_replay(monkeypatch, mode, debug):
+    """Every tile at <= 32 rows reads [b, h_kv] descale tables per (request, KV head), and a captured graph reads
+    their current values at each replay."""
+    if debug is not None:
+        monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", debug)
     case = Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=32, h_kv=2)
-    inp, dq, dk = fp8_inputs(case, "cuda", k_gain=0.7)
-    _, dk = _tables(case, inp, dq, dk, seed=9)
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
+    dq, dk = _tables(case, inp, dq, dk, seed=9)
     dk = dk.contiguous()
-    run_fp8_decode(inp, case, None, dk)
+    dq = dq.contiguous() if dq is not None else None
+    run_fp8_decode(inp, case, dq, dk)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        run_fp8_decode(inp, case, None, dk)
+        run_fp8_decode(inp, case, dq, dk)
         with torch.cuda.graph(g, stream=s):
-            out, lse = run_fp8_decode(inp, case, None, dk)
+            out, lse = run_fp8_decode(inp, case, dq, dk)
     torch.cuda.current_stream().wait_stream(s)
     gen = torch.Generator().manual_seed(13)
     for _ in range(2):
         dk.mul_(torch.exp2(torch.rand(dk.shape, generator=gen) - 0.5).cuda())
+        if dq is not None:
+            dq.mul_(torch.exp2(torch.rand(dq.shape, generator=gen) - 0.5).cuda())
         g.replay()
         torch.cuda.synchronize()
-        want_out, want_lse = run_fp8_decode(inp, case, None, dk)
+        want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-        ref_out, ref_lse = brute_force_fp64(dequantized(inp, None, dk), case.causal)
-        assert rel_norm(out, ref_out) < _out_tol("bf16q")
+        ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
+        assert rel_norm(out, ref_out) < _out_tol(mode)
         assert rel_norm(lse, ref_lse) < ACCURATE_LSE
 
 

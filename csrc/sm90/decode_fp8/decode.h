@@ -22,6 +22,9 @@ enum class Variant {
   kAccurateKmBF16R32,
   kAccurateKmFP16R16,
   kAccurateKmFP16R32,
+  // The fast mode's keys-on-M tile for at most 16 / 32 query rows a KV head (not the default: kDebugFastKeysOnM)
+  kFastKmR16,
+  kFastKmR32,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -34,6 +37,8 @@ enum DebugFlags : int {
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
                                  // (keys on M, or the 64-row tile); the same results within the mode's error
+  kDebugFastKeysOnM = 32,      // the fast mode at <= 32 query rows a KV head on the keys-on-M tile (results within the
+                               // mode's error of the 64-row tile's)
 };
 // The accurate mode's tile for at most 32 query rows a KV head (s_q h_q / h_kv): whether the keys-on-M tile can serve
 // the shape, and whether it does by default (dispatch.cu says where the 64-row tile stays).

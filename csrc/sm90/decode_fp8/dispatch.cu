@@ -53,6 +53,14 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   refuse_fp8_kernel_env();
   const int debug = sm90_fp8_debug_flags();
   if (params.q_fp8) {
+    if ((debug & sm90::decode_fp8::kDebugFastKeysOnM) && sm90::decode_fp8::keys_on_m_applies(params)) {
+      if (params.q_rows <= 16) {
+        run_decode_kernel<Variant::kFastKmR16>(params, debug);
+      } else {
+        run_decode_kernel<Variant::kFastKmR32>(params, debug);
+      }
+      return;
+    }
     // Up to two M tiles per (request, KV head): the plan with the deeper KV pipeline (launch.cuh: VariantTraits).
     bool stream = params.num_m_blocks <= 2;
     if (debug & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;

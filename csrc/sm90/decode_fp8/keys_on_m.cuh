@@ -49,12 +49,22 @@ __device__ __forceinline__ void km_sync(KmBarriers id) {
   cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, uint32_t(id));
 }
 
-// The Q copy of a request (one commit group): four threads a row, rows 0..R-1.
+// The Q copy of a request (one commit group): four threads a row, rows 0..R-1. An e4m3 q lands where S^T reads it;
+// a 16-bit q where its split puts the terms (q_tile.cuh: issue_q16_row_copy).
 template <class T>
 __device__ __forceinline__ void km_issue_q_copy(const DecodeParams& p, int req, int hk, uint32_t q_addr, int tid) {
   if (tid < 4 * T::kRows) {
-    issue_q16_row_copy<typename T::QIn>(p, req, 0, hk, tid >> 2, tid & 3, q_addr, km_q_lo_delta(T::kRows),
-                                        [](int r, int c) { return km_q_chunk_offset(T::kQRows, r, c); });
+    const int r = tid >> 2, part = tid & 3;
+    if constexpr (T::kQFp8) {
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int c = part; c < kHeadDimK / 16; c += 4) {
+        const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, 0, hk, r, 16 * c);
+        decode::cp_async_16(q_addr + km_q_chunk_offset(T::kQRows, r, c), src != nullptr ? src : p.q, src != nullptr);
+      }
+    } else {
+      issue_q16_row_copy<typename T::QIn>(p, req, 0, hk, r, part, q_addr, km_q_lo_delta(T::kRows),
+                                          [](int rr, int c) { return km_q_chunk_offset(T::kQRows, rr, c); });
+    }
   }
   decode::cp_async_commit();
 }
@@ -91,15 +101,15 @@ __device__ __forceinline__ void km_qk_block(typename T::SharedStorage& ss, int t
 // O^T_part += V_part^T P^T of block g; one commit group.
 template <class T, class FragO>
 __device__ __forceinline__ void km_pv_part(typename T::SharedStorage& ss, int tid, int part, uint32_t g, FragO& tOrO) {
-  using H = cutlass::half_t;
+  using E = typename T::PvElement;
   typename T::TiledMmaO mma;
   auto thr = mma.get_slice(tid);
   const uint32_t z = opaque_zero();
-  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.vt.data() + T::vt_slot(part, g) * T::kVSlotBytes) + z),
+  Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(part, g) * T::kVSlotBytes) + z),
                           typename T::SmemLayoutVPart{});  // (kPartCols, 64)
-  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<H*>(ss.pt.data()) + z), typename T::SmemLayoutPt{});  // (R, 64)
-  Tensor tOrV = thr.partition_fragment_A(sV);  // (MMA, kPartCols / 64, 4)
-  Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.pt.data()) + z), typename T::SmemLayoutPt{});  // (R, 64)
+  Tensor tOrV = thr.partition_fragment_A(sV);  // (MMA, kPartCols / 64, k steps: 4 of k16 or 2 of k32)
+  Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, k steps)
   mma.accumulate_ = GMMA::ScaleOut::One;
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
@@ -127,6 +137,27 @@ __device__ __forceinline__ void km_release_done_parts(typename T::SharedStorage&
   if (b > 0) {
     CUTLASS_PRAGMA_UNROLL
     for (int k = kFrom; k < kUpto; ++k) km_release_v<T>(ss, k, g - 1, lane);
+  }
+}
+
+// The fast mode's P^T in e4m3, keys in V^T's order (layout.h: vt_kprime_of_key): within a warp's 16 keys, key
+// 2 t + b + 8 h sits at k' 4 t + b + 2 h, so the four bytes at k' 4 t .. + 3 of a row are keys 2 t, 2 t + 1, 2 t + 8,
+// 2 t + 9: the values (h = 0, 1) of the lanes with g = 2 t and g = 2 t + 1 (lanes l and l ^ 4). Each lane packs its
+// two values of a row slot into 16 bits, the pair of lanes swaps one slot's, and the even lane writes the words of the
+// even slots, the odd lane those of the odd ones: word k is row slot 2 k + (g odd).
+template <int kSlots>
+__device__ __forceinline__ void km_pt8_words(const float (&pv)[kSlots * 2], int lane, uint32_t (&w)[kSlots / 2]) {
+  const bool odd = (lane >> 2) & 1;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < kSlots / 2; ++k) {
+    // slot q: values i0 = 4 (q >> 1) + (q & 1) (h = 0) and i0 + 2 (h = 1)
+    const int q0 = 2 * k, q1 = 2 * k + 1;
+    const int i00 = 4 * (q0 >> 1) + (q0 & 1), i10 = 4 * (q1 >> 1) + (q1 & 1);
+    const uint32_t own0 = f32x2_to_e4m3x2(pv[i00], pv[i00 + 2]);  // slot q0: (h 0, h 1)
+    const uint32_t own1 = f32x2_to_e4m3x2(pv[i10], pv[i10 + 2]);  // slot q1
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? own0 : own1, 4);
+    // even lane: slot q0, bytes (own h0, partner h0, own h1, partner h1); odd lane: slot q1, the partner's first
+    w[k] = odd ? __byte_perm(got, own1, 0x5140) : __byte_perm(own0, got, 0x5140);
   }
 }
 
@@ -179,7 +210,7 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     const int tok0 = (w.first_page + b) * kBlockN;
     float s[kVals];
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kVals; ++i) s[i] = tSrS(i) + tSrS(i + kVals);
+    for (int i = 0; i < kVals; ++i) s[i] = T::kQTerms == 2 ? tSrS(i) + tSrS(i + kVals) : tSrS(i);
 
     // ---- the mask and each row's max over the block's keys ----
     if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) {
@@ -217,16 +248,23 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
       sum[q] = 0.f;
     }
 
-    // ---- P = exp2(s sl2 - m + 2^8 range) in fp16 (rows n, n + 1 of a key: one word) ----
-    uint32_t pw[kVals / 2];
+    // ---- P = exp2(s sl2 - m + 2^8 range): fp16 (rows n, n + 1 of a key: one word), or e4m3 (km_pt8_words) ----
+    float pv[kVals];
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kVals; i += 2) {
-      const float p0 = fast_exp2(fmaf(s[i], sl2[km_slot(i)], off[km_slot(i)]));
-      const float p1 = fast_exp2(fmaf(s[i + 1], sl2[km_slot(i + 1)], off[km_slot(i + 1)]));
-      sum[km_slot(i)] += p0;
-      sum[km_slot(i + 1)] += p1;
-      const __half2 h = __floats2half2_rn(p0, p1);
-      pw[i / 2] = *reinterpret_cast<const uint32_t*>(&h);
+    for (int i = 0; i < kVals; ++i) {
+      pv[i] = fast_exp2(fmaf(s[i], sl2[km_slot(i)], off[km_slot(i)]));
+      sum[km_slot(i)] += pv[i];
+    }
+    constexpr int kWords = T::kQFp8 ? kSlots / 2 : kVals / 2;
+    uint32_t pw[kWords];
+    if constexpr (T::kQFp8) {
+      km_pt8_words<kSlots>(pv, lane, pw);
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kVals; i += 2) {
+        const __half2 h = __floats2half2_rn(pv[i], pv[i + 1]);
+        pw[i / 2] = *reinterpret_cast<const uint32_t*>(&h);
+      }
     }
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kSlots; ++q) l[q] = l[q] * sc[q] + sum[q];
@@ -243,9 +281,17 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     km_sync(KmBarriers::kPvDone);
     const uint32_t pt = cute::cast_smem_ptr_to_uint(ss.pt.data());
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kVals; i += 2) {
-      const uint32_t addr = pt + km_pt_offset(R, 8 * (i >> 2) + 2 * c, key_base + 8 * ((i >> 1) & 1));
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(pw[i / 2]) : "memory");
+    for (int k = 0; k < kWords; ++k) {
+      uint32_t addr;
+      if constexpr (T::kQFp8) {
+        // Word k: row km_row(2 k + (g odd), c), k' 16 w + 4 (g / 2) .. + 3 (km_pt8_words).
+        const int kp = 16 * warp + 4 * ((lane >> 2) >> 1);
+        addr = pt + sw64_offset(km_row(2 * k + ((lane >> 2) & 1), c), kp >> 4) + uint32_t(kp & 15);
+      } else {
+        const int i = 2 * k;
+        addr = pt + km_pt_offset(R, 8 * (i >> 2) + 2 * c, key_base + 8 * ((i >> 1) & 1));
+      }
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(pw[k]) : "memory");
     }
     cutlass::arch::fence_view_async_shared();  // P^T is read by wgmma
     CUTLASS_PRAGMA_UNROLL
@@ -312,6 +358,33 @@ __device__ __forceinline__ void km_store_output(const DecodeParams& p, const dec
                            : int64_t(w.req) * p.out_stride_b + int64_t(s) * p.out_stride_s + int64_t(h) * p.out_stride_h;
     }
   }
+  if constexpr (T::kQFp8) {
+    // V^T row m of a half holds value column vt_row_column(m) (layout.h): the thread's rows 16 w + g and + 8 of an m64
+    // tile are value columns 16 w + 2 g and + 1 of it, consecutive, for each of its query rows.
+    CUTLASS_PRAGMA_UNROLL
+    for (int part = 0; part < T::kVParts; ++part) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int t = 0; t < size<1>(o[part]); ++t) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int v = 0; v < size<0>(o[part]); v += 4) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < 2; ++e) {  // v + e: row slot km_slot(v + e); v + e + 2: the next value column
+            const int q = km_slot(v + e);
+            if (row_off[q] < 0) continue;
+            const float a = o[part](v + e, t, 0) * inv[q], bb = o[part](v + e + 2, t, 0) * inv[q];
+            const int col = part * T::kPartCols + 64 * t + 16 * warp + 2 * g;
+            if (!w.split) {
+              Out* out = reinterpret_cast<Out*>(p.out) + row_off[q] + col;
+              const Out pair[2] = {static_cast<Out>(a), static_cast<Out>(bb)};
+              *reinterpret_cast<uint32_t*>(out) = *reinterpret_cast<const uint32_t*>(pair);
+            } else {
+              *reinterpret_cast<float2*>(p.o_accum + row_off[q] + col) = make_float2(a, bb);
+            }
+          }
+        }
+      }
+    }
+  } else {
   CUTLASS_PRAGMA_UNROLL
   for (int part = 0; part < T::kVParts; ++part) {
     CUTLASS_PRAGMA_UNROLL
@@ -336,6 +409,7 @@ __device__ __forceinline__ void km_store_output(const DecodeParams& p, const dec
         }
       }
     }
+  }
   }
   if (warp == 0 && g == 0) {
     CUTLASS_PRAGMA_UNROLL
@@ -384,16 +458,18 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
       row_end[q] = end;
     }
     decode::cp_async_wait_all();
-    if (tid < 4 * R) {
-      split_q16_row<typename T::QIn>(q_addr, km_q_lo_delta(R),
-                                     [](int r, int cc) { return km_q_chunk_offset(T::kQRows, r, cc); }, tid >> 2,
-                                     tid & 3, ss.q_scale);
+    if constexpr (!T::kQFp8) {
+      if (tid < 4 * R) {
+        split_q16_row<typename T::QIn>(q_addr, km_q_lo_delta(R),
+                                       [](int r, int cc) { return km_q_chunk_offset(T::kQRows, r, cc); }, tid >> 2,
+                                       tid & 3, ss.q_scale);
+      }
     }
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
     km_sync(KmBarriers::kWarpGroup);
     if (tid < R) {
       const float dk = descale_k_at(p, w.req, hk);
-      ss.row_scale_log2[tid] = p.scale_log2 * dk * ss.q_scale[tid];
+      ss.row_scale_log2[tid] = p.scale_log2 * dk * (T::kQFp8 ? descale_q_at(p, w.req, hk) : ss.q_scale[tid]);
       if (tid == 0) ss.value_scale = dk;
     }
     km_sync(KmBarriers::kWarpGroup);

@@ -1,12 +1,13 @@
-// Types of the accurate mode's keys-on-M kernel (docs/kernel-design.md, "The accurate mode for few query rows"):
-// for R <= 32 query rows a KV head, the products are transposed so that the 64 keys of a block fill wgmma's M:
-//   S^T = K Q^T   e4m3, M = 64 keys (the KV stage, as the 64-row kernel's B), N = 2 R (the hi terms of the R rows,
-//                 then their lo terms: each term has an accumulator of its own, added in fp32), K = 576;
-//   O^T += V^T P^T  fp16, M = value columns (the producer's fp16 V halves, read MN-major), N = R (P^T written to
-//                 shared memory by the consumers), K = the block's 64 keys; fp32 accumulators.
+// Types of the keys-on-M kernel (docs/kernel-design.md, "The accurate mode for few query rows"): for R <= 32 query
+// rows a KV head, the products are transposed so that the 64 keys of a block fill wgmma's M:
+//   S^T = K Q^T   e4m3, M = 64 keys (the KV stage, as the 64-row kernel's B), K = 576, N = 2 R in the accurate mode
+//                 (the hi terms of the R rows, then their lo terms: each term has an accumulator of its own, added in
+//                 fp32), R in the fast mode (an e4m3 q, one term);
+//   O^T += V^T P^T  M = value columns, N = R (P^T written to shared memory by the consumers), K = the block's 64 keys,
+//                 fp32 accumulators: in fp16 with the producer's fp16 V (accurate), or in e4m3 with its V^T (fast).
 // One consumer warpgroup holds all 512 value columns (4 R accumulators a thread) and walks the blocks in order;
-// warpgroup 1 is the producer of the 64-row kernel (producer.cuh: the KV copies and the fp16 widening of V), which
-// this Traits type serves with the same names.
+// warpgroup 1 is the producer of the 64-row kernel (producer.cuh: the KV copies and the fp16 widening or the
+// transposition of V), which this Traits type serves with the same names.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -39,57 +40,72 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   using Rings::kVtSlots;
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
-  using Out = QIn;
-  static_assert(std::is_same_v<QIn, cutlass::bfloat16_t> || std::is_same_v<QIn, cutlass::half_t>,
-                "the keys-on-M tile serves the accurate mode: a 16-bit q");
+  // An e4m3 q: the fast mode (one q term, P in e4m3, P V on e4m3 tensor cores with the transposed V^T of the fast
+  // mode's producer, bf16 out). A 16-bit q: the accurate mode (two q terms, P and V in fp16).
+  static constexpr bool kQFp8 = std::is_same_v<QIn, cutlass::float_e4m3_t>;
+  using Out = std::conditional_t<kQFp8, cutlass::bfloat16_t, QIn>;
+  static_assert(kQFp8 || std::is_same_v<QIn, cutlass::bfloat16_t> || std::is_same_v<QIn, cutlass::half_t>,
+                "q is e4m3, bf16 or fp16");
   static constexpr int kRows = kRows_;
-  static constexpr int kQRows = 2 * kRows;  // the Q tile: hi terms, then lo terms
+  static constexpr int kQTerms = kQFp8 ? 1 : 2;
+  static constexpr int kQRows = kQTerms * kRows;  // the Q tile: (the hi terms, then the lo terms of) the R rows
   static_assert(kRows == 16 || kRows == 32, "R = 16 or 32 query rows");
   static constexpr int kStages = kStages_;
   static_assert(kStages >= 2, "at least two KV stages");
   static constexpr int kVParts = kVParts_;
+  static_assert(!kQFp8 || kVParts == 2, "the fast mode's V^T comes in halves");
   static constexpr int kPartCols = kHeadDimV / kVParts;  // 256 or 128
 
-  // What producer.cuh reads of its Traits (the accurate mode's fp16 V; traits.h explains each).
-  static constexpr bool kQFp8 = false;
-  static constexpr int kQTerms = 2;
-  static constexpr bool kPvF16 = true;
+  // What producer.cuh reads of its Traits (traits.h explains each): the accurate mode's fp16 V, or the fast mode's
+  // V^T with eight ldmatrix in flight (units_in_flight: the producer is not held to few registers here).
+  static constexpr bool kPvF16 = !kQFp8;
   static constexpr bool kShareVt = false;
   static constexpr bool kKeysOnM = true;
-  static constexpr int kProducerRegs = 0;  // no setmaxnreg; the widening does not read it
+  static constexpr int kProducerRegs = kQFp8 ? 88 : 0;  // no setmaxnreg: only units_in_flight reads it
   static constexpr int kVSlotPairs = kNumVPairs / kVParts;
-  static constexpr int kVSlotBytes = kPartCols * kBlockN * 2;
+  static constexpr int kVSlotBytes = kPartCols * kBlockN * (kPvF16 ? 2 : 1);
 
-  // S^T of a block: (64 keys, 2 R) e4m3, k32 steps, both operands K-major in shared memory.
+  // S^T of a block: (64 keys, kQRows) e4m3, k32 steps, both operands K-major in shared memory.
   using TiledMmaS = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kQRows>, Int<kPieceCols>>,
                            GMMA::Major::K, GMMA::Major::K>()));
-  // O^T_part += V_part^T P^T: (kPartCols value columns, R) fp16, k16 steps; A = the fp16 V part, B = P^T, both
-  // MN-major.
+  // O^T_part += V_part^T P^T: (kPartCols value columns, R). Accurate: fp16, k16 steps, A = the fp16 V part and B =
+  // P^T, both MN-major. Fast: e4m3, k32 steps, A = the V^T half (value columns in the order of layout.h:
+  // vt_row_column, keys in V^T's order) and B = P^T in that key order, both K-major.
+  using PvElement = std::conditional_t<kPvF16, cutlass::half_t, Element>;
+  static constexpr GMMA::Major kPvMajor = kPvF16 ? GMMA::Major::MN : GMMA::Major::K;
   using TiledMmaO = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<cutlass::half_t, cutlass::half_t, float, Shape<Int<64>, Int<kRows>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>()));
+      GMMA::ss_op_selector<PvElement, PvElement, float, Shape<Int<64>, Int<kRows>, Int<kBlockN>>, kPvMajor,
+                           kPvMajor>()));
 
-  // The Q tile (2 R rows, 576): 64B-swizzle atoms stacked along the rows first, nine pieces of 2 R x 64 bytes
+  // The Q tile (kQRows rows, 576): 64B-swizzle atoms stacked along the rows first, nine pieces of kQRows x 64 bytes
   // (layout.h: km_q_chunk_offset).
   using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
                                              Shape<Int<kQRows>, Int<kHeadDimK>>{}));
   // A KV block (64 keys, 576), as in the 64-row kernel.
   using SmemLayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
                                                 Shape<Int<kBlockN>, Int<kHeadDimK>>{}));
-  // A fp16 V part seen as (kPartCols value columns, 64 keys) MN-major: the 64-row kernel's layout of a half (traits.h),
-  // pieces of 64 columns, 8 KB each (layout.h: v16_offset).
-  using SmemLayoutVPart = decltype(composition(
-      tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<Int<kBlockN>, Int<kPartCols>>{}),
-      make_layout(Shape<Int<kPartCols>, Int<kBlockN>>{}, GenRowMajor{})));
-  // P^T of a block: (R rows, 64 keys) fp16 MN-major (layout.h: km_pt_offset).
+  // A V part as (kPartCols value columns, 64 keys). Accurate: the fp16 V, MN-major, the 64-row kernel's layout of a
+  // half (traits.h), pieces of 64 columns, 8 KB each (layout.h: v16_offset). Fast: a V^T half, K-major, 64B swizzle
+  // (traits.h: SmemLayoutVtHalf).
+  using SmemLayoutVPart = std::conditional_t<
+      kPvF16,
+      decltype(composition(
+          tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<Int<kBlockN>, Int<kPartCols>>{}),
+          make_layout(Shape<Int<kPartCols>, Int<kBlockN>>{}, GenRowMajor{}))),
+      decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{}, Shape<Int<kPartCols>, Int<kBlockN>>{}))>;
+  // P^T of a block: (R rows, 64 keys). Accurate: fp16 MN-major (layout.h: km_pt_offset). Fast: e4m3 K-major with 64B
+  // swizzle, keys in V^T's order (layout.h: vt_kprime_of_key).
   using PtAtom = std::conditional_t<kRows == 16, GMMA::Layout_MN_SW32_Atom<cutlass::half_t>,
                                     GMMA::Layout_MN_SW64_Atom<cutlass::half_t>>;
-  using SmemLayoutPt = decltype(tile_to_shape(PtAtom{}, Shape<Int<kRows>, Int<kBlockN>>{}));
+  using SmemLayoutPt = std::conditional_t<
+      kPvF16, decltype(tile_to_shape(PtAtom{}, Shape<Int<kRows>, Int<kBlockN>>{})),
+      decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{}, Shape<Int<kRows>, Int<kBlockN>>{}))>;
   static constexpr int kQBytes = kQRows * kHeadDimK;
-  static constexpr int kPtBytes = kRows * kBlockN * 2;
+  static constexpr int kPtBytes = kRows * kBlockN * int(sizeof(PvElement));
   static_assert(cosize_v<SmemLayoutQ> == kQBytes, "Q tile size");
-  static_assert(cosize_v<SmemLayoutPt> * 2 == kPtBytes, "P^T size");
+  static_assert(cosize_v<SmemLayoutPt> * int(sizeof(PvElement)) == kPtBytes, "P^T size");
+  static_assert(cosize_v<SmemLayoutVPart> * int(sizeof(PvElement)) == kVSlotBytes, "V part size");
 
   struct alignas(kSmemAlign) SharedStorage {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQBytes, kSmemAlign> q;
@@ -101,8 +117,8 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
     // block's writes come after), and the row sums at the end of a request.
     float col_max[4][kRows];
     float row_sum[4][kRows];
-    float q_scale[kRows];         // a row's split scale (q ~ q_scale (hi + lo))
-    float row_scale_log2[kRows];  // scale_log2 * descale_k * q_scale of the current request
+    float q_scale[kRows];         // a 16-bit q row's split scale (q ~ q_scale (hi + lo))
+    float row_scale_log2[kRows];  // scale_log2 * descale_k * (descale_q or q_scale) of the current request
     float value_scale;
     // mbarriers: as in traits.h (the producer's protocol is the same; the one consumer warpgroup's four warps take
     // the place of the owner warpgroup and of the warpgroup that reads a half).

@@ -99,6 +99,13 @@ FMLA_HD uint32_t km_pt_offset(int rows, int n, int k) {
   return uint32_t((k >> 3) * 8 * rows * 2 + (k & 7) * rows * 2 + chunk * 16 + (n & 7) * 2);
 }
 
+// The fast mode's P^T (keys_on_m.cuh): the position k' that V^T (the transposition above) gives block key `key`, the
+// inverse of its key order: within each 16 keys, key 2 t + b + 8 h sits at k' = 4 t + b + 2 h.
+FMLA_HD int vt_kprime_of_key(int key) {
+  const int r = key & 15;
+  return (key & ~15) + 4 * ((r & 7) >> 1) + (r & 1) + 2 * (r >> 3);
+}
+
 }  // namespace flashmla_backend::sm90::decode_fp8
 
 #undef FMLA_HD

@@ -271,6 +271,68 @@ static void check_keys_on_m() {
   }
 }
 
+// The fast mode's keys-on-M tile: P^T in e4m3 (64B swizzle) and the V^T half as its A operand against the formulas
+// keys_on_m.cuh writes and reads them with, the key order of P^T (vt_kprime_of_key) the inverse of V^T's, the S^T
+// and O^T coordinates, and the epilogue's value columns of O^T's rows.
+template <int R>
+static void check_keys_on_m_fast() {
+  using K = TraitsKM<F8, R, 2, 2, 2, 1>;
+  F8* buf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, K::kVSlotBytes));
+  Tensor pt = make_tensor(make_smem_ptr(buf), typename K::SmemLayoutPt{});
+  for (int n = 0; n < R; ++n)
+    for (int k = 0; k < kBlockN; ++k)
+      EXPECT_EQ(&pt(n, k) - buf, sw64_offset(n, k / 16) + k % 16, "fast keys-on-M P^T byte", "R %d row %d k' %d", R, n,
+                k);
+  Tensor vp = make_tensor(make_smem_ptr(buf), typename K::SmemLayoutVPart{});
+  for (int n = 0; n < kHalfDimV; ++n)
+    for (int k = 0; k < kBlockN; ++k)
+      EXPECT_EQ(&vp(n, k) - buf, sw64_offset(n, k / 16) + k % 16, "fast keys-on-M V^T byte", "row %d k' %d", n, k);
+  std::free(buf);
+  for (int kp = 0; kp < kBlockN; ++kp)
+    EXPECT_EQ(vt_kprime_of_key(key_of_kprime(kp)), kp, "P^T key order", "k' %d", kp);
+  // km_pt8_words and its store: lane (w, g, c) writes word k at row slot 2 k + (g odd), k' 16 w + 4 (g / 2); its bytes
+  // are (the even lane's h 0, the odd lane's h 0, the even lane's h 1, the odd lane's h 1) of that slot, where lane
+  // g's value h is key 16 w + g + 8 h. Every byte of P^T is written once, with the key V^T holds at its k'.
+  int written[R][kBlockN] = {};
+  for (int t = 0; t < 128; ++t) {
+    const int l = t % 32, w = t / 32, g = l / 4, c = l % 4, even_g = g & ~1;
+    for (int k = 0; k < R / 8; ++k) {
+      const int slot = 2 * k + (g & 1), row = 8 * (slot >> 1) + 2 * c + (slot & 1), kp = 16 * w + 4 * (g >> 1);
+      const int keys[4] = {16 * w + even_g, 16 * w + even_g + 1, 16 * w + even_g + 8, 16 * w + even_g + 9};
+      for (int j = 0; j < 4; ++j) {
+        EXPECT_EQ(keys[j], key_of_kprime(kp + j), "P^T word byte key", "thread %d word %d byte %d", t, k, j);
+        ++written[row][kp + j];
+      }
+    }
+  }
+  for (int n = 0; n < R; ++n)
+    for (int kp = 0; kp < kBlockN; ++kp) EXPECT_EQ(written[n][kp], 1, "P^T byte written once", "row %d k' %d", n, kp);
+  typename K::TiledMmaS mma_s;
+  typename K::TiledMmaO mma_o;
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockN>, Int<R>>{});
+  Tensor cO = make_identity_tensor(Shape<Int<kHalfDimV>, Int<R>>{});
+  for (int t = 0; t < 128; ++t) {
+    const int l = t % 32, w = t / 32, g = l / 4, c = l % 4;
+    Tensor sv = mma_s.get_slice(t).partition_C(cS);
+    EXPECT_EQ(int(size(sv)), R / 2, "fast keys-on-M S^T values", "thread %d", t);
+    for (int i = 0; i < size(sv); ++i) {
+      EXPECT_EQ(get<0>(sv(i)), 16 * w + g + 8 * ((i >> 1) & 1), "fast S^T key", "R %d thread %d value %d", R, t, i);
+      EXPECT_EQ(get<1>(sv(i)), 8 * (i >> 2) + 2 * c + (i & 1), "fast S^T row", "R %d thread %d value %d", R, t, i);
+    }
+    Tensor o = mma_o.get_slice(t).partition_C(cO);
+    for (int mt = 0; mt < size<1>(o); ++mt)
+      for (int v = 0; v < size<0>(o); ++v) {
+        const int m = get<0>(o(v, mt, 0));
+        EXPECT_EQ(m, 64 * mt + 16 * w + g + 8 * ((v >> 1) & 1), "fast O^T V^T row", "R %d thread %d tile %d value %d",
+                  R, t, mt, v);
+        EXPECT_EQ(get<1>(o(v, mt, 0)), 8 * (v >> 2) + 2 * c + (v & 1), "fast O^T row", "R %d thread %d tile %d value %d",
+                  R, t, mt, v);
+        EXPECT_EQ(vt_row_column(m), 64 * mt + 16 * w + 2 * g + ((v >> 1) & 1), "fast O^T value column",
+                  "R %d thread %d tile %d value %d", R, t, mt, v);
+      }
+  }
+}
+
 int main() {
   check_tiles();
   check_fragments();
@@ -281,6 +343,8 @@ int main() {
   check_keys_on_m<32, 2>();
   check_keys_on_m<16, 4>();
   check_keys_on_m<32, 4>();
+  check_keys_on_m_fast<16>();
+  check_keys_on_m_fast<32>();
   if (g_fail) {
     printf("%d mismatches\n", g_fail);
     return 1;
