@@ -269,7 +269,7 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kSlots; ++q) l[q] = l[q] * sc[q] + sum[q];
 
-    // ---- the previous block's P V done: its V halves go back, P^T may be rewritten, O takes this block's max ----
+    // ---- the previous block's P V done: its V parts go back, P^T may be rewritten, O takes this block's max ----
     // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one is
     // (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not in a
     // branch (at b = 0 nothing is in flight and it returns at once).
