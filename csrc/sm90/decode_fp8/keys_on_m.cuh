@@ -69,8 +69,8 @@ __device__ __forceinline__ void km_issue_q_copy(const DecodeParams& p, int req, 
   decode::cp_async_commit();
 }
 
-// S^T = K Q^T of block g (stage g % kStages), hi and lo terms in their own columns; one commit group. All nine pieces
-// are waited for before the first wgmma (mainloop.cuh: qk_block says why).
+// S^T = K Q^T of block g (stage g % kStages; a 16-bit q's hi and lo terms in columns of their own); one commit
+// group. All nine pieces are waited for before the first wgmma (mainloop.cuh: qk_block says why).
 template <class T, class FragS>
 __device__ __forceinline__ void km_qk_block(typename T::SharedStorage& ss, int tid, uint32_t g, FragS& tSrS) {
   using E = typename T::Element;
