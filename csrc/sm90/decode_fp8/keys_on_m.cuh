@@ -107,7 +107,8 @@ __device__ __forceinline__ void km_pv_part(typename T::SharedStorage& ss, int ti
   const uint32_t z = opaque_zero();
   Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(part, g) * T::kVSlotBytes) + z),
                           typename T::SmemLayoutVPart{});  // (kPartCols, 64)
-  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.pt.data()) + z), typename T::SmemLayoutPt{});  // (R, 64)
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.pt.data()) + z),
+                          typename T::SmemLayoutPt{});  // (R, 64)
   Tensor tOrV = thr.partition_fragment_A(sV);  // (MMA, kPartCols / 64, k steps: 4 of k16 or 2 of k32)
   Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, k steps)
   mma.accumulate_ = GMMA::ScaleOut::One;
@@ -355,7 +356,8 @@ __device__ __forceinline__ void km_store_output(const DecodeParams& p, const dec
     if (n < p.q_rows) {
       const int s = n / p.ngroups, h = hk * p.ngroups + (n - s * p.ngroups);
       row_off[q] = w.split ? ((int64_t(w.split_id) * p.num_heads_kv + hk) * p.q_rows + n) * kHeadDimV
-                           : int64_t(w.req) * p.out_stride_b + int64_t(s) * p.out_stride_s + int64_t(h) * p.out_stride_h;
+                           : int64_t(w.req) * p.out_stride_b + int64_t(s) * p.out_stride_s +
+                                 int64_t(h) * p.out_stride_h;
     }
   }
   if constexpr (T::kQFp8) {

@@ -277,6 +277,13 @@ static void check_keys_on_m() {
 template <int R>
 static void check_keys_on_m_fast() {
   using K = TraitsKM<F8, R, 2, 2, 2, 1>;
+  F8* qbuf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, K::kQBytes));
+  Tensor q = make_tensor(make_smem_ptr(qbuf), typename K::SmemLayoutQ{});  // one term: R rows
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kHeadDimK; ++c)
+      EXPECT_EQ(&q(r, c) - qbuf, km_q_chunk_offset(R, r, c / 16) + c % 16, "fast keys-on-M Q byte",
+                "R %d row %d col %d", R, r, c);
+  std::free(qbuf);
   F8* buf = static_cast<F8*>(std::aligned_alloc(kSmemAlign, K::kVSlotBytes));
   Tensor pt = make_tensor(make_smem_ptr(buf), typename K::SmemLayoutPt{});
   for (int n = 0; n < R; ++n)
@@ -325,8 +332,8 @@ static void check_keys_on_m_fast() {
         const int m = get<0>(o(v, mt, 0));
         EXPECT_EQ(m, 64 * mt + 16 * w + g + 8 * ((v >> 1) & 1), "fast O^T V^T row", "R %d thread %d tile %d value %d",
                   R, t, mt, v);
-        EXPECT_EQ(get<1>(o(v, mt, 0)), 8 * (v >> 2) + 2 * c + (v & 1), "fast O^T row", "R %d thread %d tile %d value %d",
-                  R, t, mt, v);
+        EXPECT_EQ(get<1>(o(v, mt, 0)), 8 * (v >> 2) + 2 * c + (v & 1), "fast O^T row",
+                  "R %d thread %d tile %d value %d", R, t, mt, v);
         EXPECT_EQ(vt_row_column(m), 64 * mt + 16 * w + 2 * g + ((v >> 1) & 1), "fast O^T value column",
                   "R %d thread %d tile %d value %d", R, t, mt, v);
       }
