@@ -47,6 +47,16 @@ bool keys_on_m_by_default(const DecodeParams& p) {
 }
 }  // namespace sm90::decode_fp8
 
+// The keys-on-M tile for the shape's rows: R = 16 up to 16 rows a KV head, else R = 32.
+template <sm90::decode_fp8::Variant kR16, sm90::decode_fp8::Variant kR32>
+static void run_keys_on_m(const DecodeParams& params, int debug) {
+  if (params.q_rows <= 16) {
+    sm90::decode_fp8::run_decode_kernel<kR16>(params, debug);
+  } else {
+    sm90::decode_fp8::run_decode_kernel<kR32>(params, debug);
+  }
+}
+
 void run_sm90_fp8_decode(const DecodeParams& params) {
   using sm90::decode_fp8::Variant;
   using sm90::decode_fp8::run_decode_kernel;
@@ -54,11 +64,7 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   const int debug = sm90_fp8_debug_flags();
   if (params.q_fp8) {
     if ((debug & sm90::decode_fp8::kDebugFastKeysOnM) && sm90::decode_fp8::keys_on_m_applies(params)) {
-      if (params.q_rows <= 16) {
-        run_decode_kernel<Variant::kFastKmR16>(params, debug);
-      } else {
-        run_decode_kernel<Variant::kFastKmR32>(params, debug);
-      }
+      run_keys_on_m<Variant::kFastKmR16, Variant::kFastKmR32>(params, debug);
       return;
     }
     // Up to two M tiles per (request, KV head): the plan with the deeper KV pipeline (launch.cuh: VariantTraits).
@@ -77,22 +83,17 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   // bit runs the other tile).
   bool km = sm90::decode_fp8::keys_on_m_by_default(params);
   if (sm90::decode_fp8::keys_on_m_applies(params) && (debug & sm90::decode_fp8::kDebugOtherAccurateTile)) km = !km;
-  const bool r16 = params.q_rows <= 16;
   switch (params.dtype) {
     case DType::kBF16:
-      if (km && r16) {
-        run_decode_kernel<Variant::kAccurateKmBF16R16>(params, debug);
-      } else if (km) {
-        run_decode_kernel<Variant::kAccurateKmBF16R32>(params, debug);
+      if (km) {
+        run_keys_on_m<Variant::kAccurateKmBF16R16, Variant::kAccurateKmBF16R32>(params, debug);
       } else {
         run_decode_kernel<Variant::kAccurateBF16>(params, debug);
       }
       return;
     case DType::kFP16:
-      if (km && r16) {
-        run_decode_kernel<Variant::kAccurateKmFP16R16>(params, debug);
-      } else if (km) {
-        run_decode_kernel<Variant::kAccurateKmFP16R32>(params, debug);
+      if (km) {
+        run_keys_on_m<Variant::kAccurateKmFP16R16, Variant::kAccurateKmFP16R32>(params, debug);
       } else {
         run_decode_kernel<Variant::kAccurateFP16>(params, debug);
       }

@@ -145,28 +145,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     return;
   }
 
-  if (tid == 0) {
-    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tmap_kv));
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = 0; s < T::kStages; ++s) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
-      ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kKvEmptyArrivals);
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int b = 0; b < T::kVtSlots; ++b) {
-      // With the shared transposition the other rank's half arrives by the peer's bulk copy (producer.cuh).
-      const bool copied = T::kShareVt && uint32_t(T::vt_half_of_slot(b)) != cluster_rank();
-      ss.vt_full[b].init(copied ? kVtFullArrivalsCopied : kVtFullArrivals);
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
-      if constexpr (T::kShareVt) {
-        ss.peer_empty[b].init(kPeerEmptyArrivals);
-        ss.vt_pairs_sent[b] = 0;
-      }
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  if (tid == 0) init_pipeline_barriers<T>(ss, &tmap_kv);
   // The shared transposition: the peer's barriers must be initialized before the first remote arrival or copy. Both
   // CTAs of a cluster have the same metadata row, so both got here or both returned above.
   if constexpr (T::kShareVt) {

@@ -75,9 +75,7 @@ template <class T, class FragS>
 __device__ __forceinline__ void km_qk_block(typename T::SharedStorage& ss, int tid, uint32_t g, FragS& tSrS) {
   using E = typename T::Element;
   const int stage = int(stage_of(g, T::kStages));
-  const uint32_t parity = (g / T::kStages) & 1u;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kNumPieces; ++j) consumer_wait(ss.kv_full[stage][j], parity);
+  wait_kv_block<T>(ss, g);
   typename T::TiledMmaS mma;
   auto thr = mma.get_slice(tid);
   mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -129,15 +127,14 @@ __device__ __forceinline__ void km_release_v(typename T::SharedStorage& ss, int 
   warp_arrive(T::vt_empty_of(ss, T::vt_slot(part, g), T::vt_use(part, g)), lane);
 }
 
-// The wait for all of the previous block's P V products, then the release of its parts [kFrom, kUpto) (the others went
+// The wait for all of the previous block's P V products, then the release of its parts from kFrom on (the others went
 // back at the end of the previous step).
-template <class T, int kFrom, int kUpto>
+template <class T, int kFrom>
 __device__ __forceinline__ void km_release_done_parts(typename T::SharedStorage& ss, uint32_t g, int b, int lane) {
-  static_assert(kUpto == T::kVParts, "waits for all");
   warpgroup_wait<0>();
   if (b > 0) {
     CUTLASS_PRAGMA_UNROLL
-    for (int k = kFrom; k < kUpto; ++k) km_release_v<T>(ss, k, g - 1, lane);
+    for (int k = kFrom; k < T::kVParts; ++k) km_release_v<T>(ss, k, g - 1, lane);
   }
 }
 
@@ -274,7 +271,7 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one is
     // (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not in a
     // branch (at b = 0 nothing is in flight and it returns at once).
-    km_release_done_parts<T, kEarly, kParts>(ss, g, b, lane);
+    km_release_done_parts<T, kEarly>(ss, g, b, lane);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
     // Each warp's share of a wgmma completes on its own (a warp's tensor core reads the whole P^T for its 16 rows of
@@ -539,22 +536,7 @@ __global__ void __launch_bounds__(kKmNumThreads, 1)
     pdl_launch_dependents();
     return;
   }
-  if (tid == 0) {
-    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(&tmap_kv));
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = 0; s < T::kStages; ++s) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
-      ss.kv_empty[s].init(kKvEmptyArrivals);  // the consumer's four warps + the block's four V piece pairs
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int b = 0; b < T::kVtSlots; ++b) {
-      ss.vt_full[b].init(T::kVSlotPairs);  // the V piece pairs of a part
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  if (tid == 0) init_pipeline_barriers<T>(ss, &tmap_kv);
   __syncthreads();
 
   if (wg == 1) {

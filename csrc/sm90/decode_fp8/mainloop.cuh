@@ -181,9 +181,7 @@ template <class T, class FragS>
 __device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss, uint32_t g, FragS& tSrS) {
   using E = typename T::Element;
   const int stage = int(stage_of(g, T::kStages));
-  const uint32_t parity = (g / T::kStages) & 1u;
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < kNumPieces; ++j) consumer_wait(ss.kv_full[stage][j], parity);
+  wait_kv_block<T>(ss, g);
   typename T::TiledMmaQK mma;
   auto thr = mma.get_slice(tid);
   mma.accumulate_ = GMMA::ScaleOut::Zero;

@@ -54,6 +54,16 @@ __device__ __forceinline__ void consumer_wait(Barrier& bar, uint32_t parity) {
 
 __device__ __forceinline__ uint32_t stage_of(uint32_t g, int stages) { return g % uint32_t(stages); }
 
+// A consumer's wait for all nine pieces of block g's KV stage, before the first wgmma of a product that reads it
+// (mainloop.cuh: qk_block says why not piece by piece between the wgmma).
+template <class T>
+__device__ __forceinline__ void wait_kv_block(typename T::SharedStorage& ss, uint32_t g) {
+  const int stage = int(stage_of(g, T::kStages));
+  const uint32_t parity = (g / T::kStages) & 1u;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kNumPieces; ++j) consumer_wait(ss.kv_full[stage][j], parity);
+}
+
 // ------------------------------------------------------------------------------------------------
 // KV copies
 // ------------------------------------------------------------------------------------------------
@@ -157,6 +167,36 @@ __device__ __forceinline__ void send_vt_half(typename T::SharedStorage& ss, uint
   asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
                "r"(src), "r"(uint32_t(kVtHalfBytes)), "r"(full)
                : "memory");
+}
+
+// The pipeline's mbarriers, by one thread of the CTA before the CTA's first barrier, for both kernels (kernel.cuh,
+// keys_on_m.cuh; arrival counts: traits.h). kv_empty: the four warps of the consumer warpgroup that multiplies the
+// block by Q, and the block's V piece pairs (with the shared transposition only this CTA's two). vt_full: the pairs
+// that fill a slot, or, for a slot the peer CTA copies here (the shared transposition), the peer's one arrival with
+// the bytes. vt_empty: the four warps of the warpgroup that reads the slot.
+template <class T>
+__device__ __forceinline__ void init_pipeline_barriers(typename T::SharedStorage& ss, const CUtensorMap* tmap) {
+  static_assert(T::kKeysOnM || T::kVSlotPairs == int(kVtFullArrivals), "a V^T half: the pairs traits.h counts");
+  cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(tmap));
+  CUTLASS_PRAGMA_UNROLL
+  for (int s = 0; s < T::kStages; ++s) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
+    ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kKvEmptyArrivals);
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int b = 0; b < T::kVtSlots; ++b) {
+    bool copied = false;
+    if constexpr (T::kShareVt) copied = uint32_t(T::vt_half_of_slot(b)) != cluster_rank();
+    ss.vt_full[b].init(copied ? kVtFullArrivalsCopied : uint32_t(T::kVSlotPairs));
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
+    if constexpr (T::kShareVt) {
+      ss.peer_empty[b].init(kPeerEmptyArrivals);
+      ss.vt_pairs_sent[b] = 0;
+    }
+  }
+  cutlass::arch::fence_barrier_init();
 }
 
 // ------------------------------------------------------------------------------------------------
