@@ -45,23 +45,28 @@ def _sm90():
         pytest.skip(problem)
 
 
-@pytest.mark.parametrize("mode", ["bf16q", "fp16q", "e4m3q"])
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_fp8_decode_matches_fp64(case, mode):
-    q_dtype = torch.float16 if mode == "fp16q" else torch.bfloat16
-    case = Case(**{**case.__dict__, "dtype": q_dtype})
+def _matches_fp64(case, mode, label=""):
+    """One FP8 decode (mode: bf16q / fp16q / e4m3q, with case.dtype q's 16-bit type) run twice: bitwise the same,
+    out in its dtype without NaN, out and lse against fp64 attention on the dequantized inputs."""
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
     out, lse = run_fp8_decode(inp, case, dq, dk)
     out2, lse2 = run_fp8_decode(inp, case, dq, dk)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
-    assert out.dtype == (torch.bfloat16 if mode == "e4m3q" else q_dtype)
+    assert out.dtype == (torch.bfloat16 if mode == "e4m3q" else case.dtype)
     assert not torch.isnan(out).any()
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     e_out, e_lse = rel_norm(out, ref_out), rel_norm(lse, ref_lse)
-    print(f"{case} {mode}: out {e_out:.2e} lse {e_lse:.2e}")
+    print(f"{case} {mode}{label}: out {e_out:.2e} lse {e_lse:.2e}")
     assert e_out < _out_tol(mode)
     assert e_lse < ACCURATE_LSE
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+
+
+@pytest.mark.parametrize("mode", ["bf16q", "fp16q", "e4m3q"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fp8_decode_matches_fp64(case, mode):
+    q_dtype = torch.float16 if mode == "fp16q" else torch.bfloat16
+    _matches_fp64(Case(**{**case.__dict__, "dtype": q_dtype}), mode)
 
 
 def test_graph_replay_reads_the_current_descale():
@@ -157,13 +162,11 @@ def test_expanded_descales_are_bitwise_the_per_tensor_ones(case):
         assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse), name
 
 
-@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
-def test_graph_replay_reads_the_current_descale_tables(mode):
+def _graph_replay_follows_descale_tables(case, mode, table_seed, replay_seed):
     """Replays of a captured decode read the [b, h_kv] tables' current values, changed differently per request and
-    head between replays."""
-    case = Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2)
+    head between replays: bitwise an eager call with the new tables, and within the mode's error of fp64."""
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
-    dq, dk = _tables(case, inp, dq, dk, seed=7)
+    dq, dk = _tables(case, inp, dq, dk, seed=table_seed)
     dk = dk.contiguous()  # updated in place below
     dq = dq.contiguous() if dq is not None else None
     run_fp8_decode(inp, case, dq, dk)
@@ -175,7 +178,7 @@ def test_graph_replay_reads_the_current_descale_tables(mode):
         with torch.cuda.graph(g, stream=s):
             out, lse = run_fp8_decode(inp, case, dq, dk)
     torch.cuda.current_stream().wait_stream(s)
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(replay_seed)
     for _ in range(2):
         dk.mul_(torch.exp2(torch.rand(dk.shape, generator=gen) - 0.5).cuda())
         if dq is not None:
@@ -184,8 +187,14 @@ def test_graph_replay_reads_the_current_descale_tables(mode):
         torch.cuda.synchronize()
         want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-        ref_out, _ = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
+        ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
         assert rel_norm(out, ref_out) < _out_tol(mode)
+        assert rel_norm(lse, ref_lse) < ACCURATE_LSE
+
+
+@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
+def test_graph_replay_reads_the_current_descale_tables(mode):
+    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), mode, 7, 11)
 
 
 # ---- the accurate mode's two tiles for at most 32 query rows a KV head ---------------------------------------------
@@ -212,18 +221,8 @@ FEW_ROW_CASES = [
 def test_accurate_few_rows_both_tiles(monkeypatch, case, dtype, tile):
     if tile == "other":
         monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", OTHER_ACCURATE_TILE)
-    case = Case(**{**case.__dict__, "dtype": dtype})
-    inp, dq, dk = fp8_inputs(case, "cuda", k_gain=0.7)
-    out, lse = run_fp8_decode(inp, case, dq, dk)
-    out2, lse2 = run_fp8_decode(inp, case, dq, dk)
-    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
-    assert out.dtype == dtype and not torch.isnan(out).any()
-    ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
-    e_out, e_lse = rel_norm(out, ref_out), rel_norm(lse, ref_lse)
-    print(f"{case} {tile} tile: out {e_out:.2e} lse {e_lse:.2e}")
-    assert e_out < _out_tol("bf16q")
-    assert e_lse < ACCURATE_LSE
-    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+    _matches_fp64(Case(**{**case.__dict__, "dtype": dtype}), "fp16q" if dtype == torch.float16 else "bf16q",
+                  f", {tile} tile")
 
 
 # The fast mode's keys-on-M tile runs under FLASHMLA_BACKEND_FP8_DEBUG=32 only, until it is measured.
@@ -235,17 +234,7 @@ FAST_KEYS_ON_M = "32"
 def test_fast_few_rows_both_tiles(monkeypatch, case, tile):
     if tile == "keys_on_m":
         monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", FAST_KEYS_ON_M)
-    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
-    out, lse = run_fp8_decode(inp, case, dq, dk)
-    out2, lse2 = run_fp8_decode(inp, case, dq, dk)
-    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
-    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
-    ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
-    e_out, e_lse = rel_norm(out, ref_out), rel_norm(lse, ref_lse)
-    print(f"{case} fast, {tile} tile: out {e_out:.2e} lse {e_lse:.2e}")
-    assert e_out < _out_tol("e4m3q")
-    assert e_lse < ACCURATE_LSE
-    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+    _matches_fp64(case, "e4m3q", f", {tile} tile")
 
 
 @pytest.mark.parametrize("mode,debug", [("bf16q", None), ("bf16q", OTHER_ACCURATE_TILE), ("e4m3q", None),
@@ -256,32 +245,7 @@ def test_few_rows_per_request_descales_and_graph_replay(monkeypatch, mode, debug
     their current values at each replay."""
     if debug is not None:
         monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", debug)
-    case = Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=32, h_kv=2)
-    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
-    dq, dk = _tables(case, inp, dq, dk, seed=9)
-    dk = dk.contiguous()
-    dq = dq.contiguous() if dq is not None else None
-    run_fp8_decode(inp, case, dq, dk)
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run_fp8_decode(inp, case, dq, dk)
-        with torch.cuda.graph(g, stream=s):
-            out, lse = run_fp8_decode(inp, case, dq, dk)
-    torch.cuda.current_stream().wait_stream(s)
-    gen = torch.Generator().manual_seed(13)
-    for _ in range(2):
-        dk.mul_(torch.exp2(torch.rand(dk.shape, generator=gen) - 0.5).cuda())
-        if dq is not None:
-            dq.mul_(torch.exp2(torch.rand(dq.shape, generator=gen) - 0.5).cuda())
-        g.replay()
-        torch.cuda.synchronize()
-        want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
-        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-        ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
-        assert rel_norm(out, ref_out) < _out_tol(mode)
-        assert rel_norm(lse, ref_lse) < ACCURATE_LSE
+    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=32, h_kv=2), mode, 9, 13)
 
 
 # ---- the removed kernel switch ------------------------------------------------------------------------------------
