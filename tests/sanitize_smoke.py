@@ -28,9 +28,11 @@ CASES = [
     Case(lengths=[5000], s_q=1, h_q=16),  # one request in many splits: the splits-in-parallel combine
 ]
 
-# FP8 cache (sm_90a only): empty requests, page edges, two KV heads with s_q 2, one request in many splits.
+# FP8 cache (sm_90a only): empty requests, page edges, two KV heads with s_q 2, one request in many splits, and 32
+# query rows over 16 requests (the keys-on-M tile's R = 32 plan, chosen from 16 (request, KV head) pairs on).
 FP8_CASES = [
     Case(lengths=[0, 1, 65, 140], s_q=1, h_q=16),
+    Case(lengths=[(37 * i) % 300 for i in range(16)], s_q=1, h_q=32),
     Case(lengths=[63, 200], s_q=2, h_q=128, h_kv=2),
     Case(lengths=[3000], s_q=1, h_q=16),
 ]
