@@ -208,6 +208,7 @@ FEW_ROW_CASES = [
     Case(lengths=[5, 16, 17, 640, 3000], s_q=4, h_q=8, seed=4),          # causal over 4 query tokens
     Case(lengths=[0, 16, 129, 640, 3000], s_q=2, h_q=16, causal=False),
     Case(lengths=[8192], h_q=32),                                        # b = 1: one request in many splits
+    Case(lengths=[5000], h_q=16, seed=5),                                # b = 1, 16 rows (the fast mode's keys on M)
     Case(lengths=[1, 65, 700, 4000], h_q=32, h_kv=2),                    # 16 rows a KV head, two KV heads
     Case(lengths=[300, 2000], h_q=20, seed=20),                          # 20 rows: the R = 32 tile, 12 padded
     Case(lengths=[70, 2500], h_q=1, seed=1),                             # 1 row
@@ -225,27 +226,33 @@ def test_accurate_few_rows_both_tiles(monkeypatch, case, dtype, tile):
                   f", {tile} tile")
 
 
-# The fast mode's keys-on-M tile runs under FLASHMLA_BACKEND_FP8_DEBUG=32 only, until it is measured.
-FAST_KEYS_ON_M = "32"
+# The fast mode's two tiles for at most 16 query rows a KV head: the keys-on-M tile is its default with one (request,
+# KV head) pair (csrc/sm90/decode_fp8/dispatch.cu), the 64-row tile otherwise; FLASHMLA_BACKEND_FP8_DEBUG=32 runs the
+# one that is not the default. Past 16 rows the fast mode has the 64-row tile only.
+OTHER_FAST_TILE = "32"
+FAST_FEW_ROW_CASES = [c for c in FEW_ROW_CASES if c.s_q * c.h_q // c.h_kv <= 16]
 
 
-@pytest.mark.parametrize("tile", ["default", "keys_on_m"])
-@pytest.mark.parametrize("case", FEW_ROW_CASES, ids=str)
+@pytest.mark.parametrize("tile", ["default", "other"])
+@pytest.mark.parametrize("case", FAST_FEW_ROW_CASES, ids=str)
 def test_fast_few_rows_both_tiles(monkeypatch, case, tile):
-    if tile == "keys_on_m":
-        monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", FAST_KEYS_ON_M)
+    if tile == "other":
+        monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", OTHER_FAST_TILE)
     _matches_fp64(case, "e4m3q", f", {tile} tile")
 
 
-@pytest.mark.parametrize("mode,debug", [("bf16q", None), ("bf16q", OTHER_ACCURATE_TILE), ("e4m3q", None),
-                                        ("e4m3q", FAST_KEYS_ON_M)],
-                         ids=["accurate-default", "accurate-other", "fast-default", "fast-keys_on_m"])
-def test_few_rows_per_request_descales_and_graph_replay(monkeypatch, mode, debug):
+@pytest.mark.parametrize("mode,debug,rows", [("bf16q", None, 16), ("bf16q", OTHER_ACCURATE_TILE, 16), ("bf16q", None, 32),
+                                             ("bf16q", OTHER_ACCURATE_TILE, 32), ("e4m3q", None, 16),
+                                             ("e4m3q", OTHER_FAST_TILE, 16), ("e4m3q", None, 32)],
+                         ids=["accurate-default-16", "accurate-other-16", "accurate-default-32", "accurate-other-32",
+                              "fast-default-16", "fast-other-16", "fast-32"])
+def test_few_rows_per_request_descales_and_graph_replay(monkeypatch, mode, debug, rows):
     """Every tile at <= 32 rows reads [b, h_kv] descale tables per (request, KV head), and a captured graph reads
     their current values at each replay."""
     if debug is not None:
         monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", debug)
-    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=32, h_kv=2), mode, 9, 13)
+    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=rows // 16, h_q=32, h_kv=2), mode, 9,
+                                         13)
 
 
 # ---- the removed kernel switch ------------------------------------------------------------------------------------

@@ -22,9 +22,8 @@ enum class Variant {
   kAccurateKmBF16R32,
   kAccurateKmFP16R16,
   kAccurateKmFP16R32,
-  // The fast mode's keys-on-M tile for at most 16 / 32 query rows a KV head (not the default: kDebugFastKeysOnM)
+  // The fast mode's keys-on-M tile for at most 16 query rows a KV head (dispatch.cu: where it is the default)
   kFastKmR16,
-  kFastKmR32,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -37,13 +36,16 @@ enum DebugFlags : int {
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
                                  // (keys on M, or the 64-row tile); the same results within the mode's error
-  kDebugFastKeysOnM = 32,      // the fast mode at <= 32 query rows a KV head on the keys-on-M tile (results within the
-                               // mode's error of the 64-row tile's)
+  kDebugFastKeysOnM = 32,      // the fast mode at <= 16 query rows a KV head: the other tile than the default (keys on
+                               // M, or the 64-row tile); the same results within the mode's error
 };
 // The accurate mode's tile for at most 32 query rows a KV head (s_q h_q / h_kv): whether the keys-on-M tile can serve
 // the shape, and whether it does by default (dispatch.cu says where the 64-row tile stays).
 bool keys_on_m_applies(const DecodeParams& params);
 bool keys_on_m_by_default(const DecodeParams& params);
+// The same for the fast mode, whose keys-on-M tile serves at most 16 rows.
+bool fast_keys_on_m_applies(const DecodeParams& params);
+bool fast_keys_on_m_by_default(const DecodeParams& params);
 // Whether a shape can run the 2-CTA cluster plan: two M tiles whose rows see the same keys (one query token, or no
 // causal limit, or each tile's rows within one query token), so that both CTAs of a cluster walk the same blocks.
 bool cluster_plan_applies(const DecodeParams& params);

@@ -45,9 +45,18 @@ constexpr int kKeysOnM32MinRequests = 16;
 bool keys_on_m_by_default(const DecodeParams& p) {
   return keys_on_m_applies(p) && (p.q_rows <= 16 || p.batch * p.num_heads_kv >= kKeysOnM32MinRequests);
 }
+// The fast mode's keys-on-M tile (one q term, P V on e4m3 tensor cores), measured on an H100 (docs/perf/journal.md,
+// 2026-11-27) against the fast 64-row tile, h_q 16: faster with one (request, KV head) pair (b = 1: 16.4 / 18.0 / 25.8
+// against 16.9 / 19.8 / 26.5 us at 4096 / 8192 / 32768 keys), slower from two on (b2 19.8 / 19.5, b4 26.8 / 25.4,
+// b16 52.0 / 50.4, b128 239.9 / 230.5); at 17..32 rows it was slower at every batch (b = 1 h_q 32 23.6 against 21.6,
+// b64 140.5 / 130.5), so it serves at most 16 rows.
+bool fast_keys_on_m_applies(const DecodeParams& p) { return p.q_rows <= 16; }
+bool fast_keys_on_m_by_default(const DecodeParams& p) {
+  return fast_keys_on_m_applies(p) && p.batch * p.num_heads_kv == 1;
+}
 }  // namespace sm90::decode_fp8
 
-// The keys-on-M tile for the shape's rows: R = 16 up to 16 rows a KV head, else R = 32.
+// The accurate mode's keys-on-M tile for the shape's rows: R = 16 up to 16 rows a KV head, else R = 32.
 template <sm90::decode_fp8::Variant kR16, sm90::decode_fp8::Variant kR32>
 static void run_keys_on_m(const DecodeParams& params, int debug) {
   if (params.q_rows <= 16) {
@@ -63,8 +72,12 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   refuse_fp8_kernel_env();
   const int debug = sm90_fp8_debug_flags();
   if (params.q_fp8) {
-    if ((debug & sm90::decode_fp8::kDebugFastKeysOnM) && sm90::decode_fp8::keys_on_m_applies(params)) {
-      run_keys_on_m<Variant::kFastKmR16, Variant::kFastKmR32>(params, debug);
+    // At most 16 rows a KV head may take the keys-on-M tile (fast_keys_on_m_by_default; the debug bit runs the other
+    // tile).
+    bool km = sm90::decode_fp8::fast_keys_on_m_by_default(params);
+    if (sm90::decode_fp8::fast_keys_on_m_applies(params) && (debug & sm90::decode_fp8::kDebugFastKeysOnM)) km = !km;
+    if (km) {
+      run_decode_kernel<Variant::kFastKmR16>(params, debug);
       return;
     }
     // Up to two M tiles per (request, KV head): the plan with the deeper KV pipeline (launch.cuh: VariantTraits).

@@ -100,16 +100,13 @@ template <>
 struct VariantTraits<Variant::kAccurateKmFP16R32> {
   using type = TraitsKM<cutlass::half_t, 32, 3, 4, 1, 1>;
 };
-// The fast mode's keys-on-M tile (an e4m3 q: one term, P V on e4m3 tensor cores with the transposed V^T): its Q tile
-// (9 or 18 KB) and V^T halves (16 KB) leave room for 4 KV stages, with V^T rings of 2 + 2 at R = 16 (218 KB) and
-// 2 + 1 at R = 32 (212 KB). Not measured yet: it runs under FLASHMLA_BACKEND_FP8_DEBUG bit 32 only.
+// The fast mode's keys-on-M tile (an e4m3 q: one term, P V on e4m3 tensor cores with the transposed V^T) for at most
+// 16 rows: its Q tile (9 KB) and V^T halves (16 KB) leave room for 4 KV stages with V^T rings of 2 + 2 (218 KB).
+// (An R = 32 plan, 4 stages with rings of 2 + 1 or 1 + 2, was slower than the 64-row tile at every batch measured:
+// dispatch.cu.)
 template <>
 struct VariantTraits<Variant::kFastKmR16> {
   using type = TraitsKM<cutlass::float_e4m3_t, 16, 4, 2, 2, 2>;
-};
-template <>
-struct VariantTraits<Variant::kFastKmR32> {
-  using type = TraitsKM<cutlass::float_e4m3_t, 32, 4, 2, 2, 1>;
 };
 
 template <Variant V>
