@@ -5,15 +5,15 @@ side by side, against vLLM's FlashMLA-FP8 on the same e4m3 bytes, in one process
         --modes fast,accurate --debug 0,1
 
 --debug lists values of FLASHMLA_BACKEND_FP8_DEBUG: 0 for normal use, else a sum of the bits of DebugFlags in
-csrc/sm90/decode_fp8/decode.h (1 skips the V transposition, or the accurate mode's widening of V, so its results
-are wrong and only its time means something; 4 runs the fast mode's other pipeline plan than the one the shape
-gets; 16 runs the accurate mode's other tile at <= 32 query rows a KV head: keys on M or 64 rows; 32 runs the fast
-mode there on the keys-on-M tile). Each call is captured in a CUDA graph and its replays timed with
-triton.testing.do_bench (median). One line
-per (shape, mode, debug value) with the time, FlashMLA-FP8's time and the relative difference of the outputs from
-FlashMLA-FP8's (the fast mode reads the same e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's
-quantization), then one JSON line per shape. FlashMLA-FP8 is vLLM 0.26's flash_mla_with_kvcache_fp8 (importable
-vllm, or the 2 MB package of its FlashMLA on PYTHONPATH).
+csrc/sm90/decode_fp8/decode.h (1 skips the V transposition, or the accurate mode's widening of V, so its results are
+wrong and only its time means something; 4 runs the fast mode's other pipeline plan than the one the shape gets; 16
+runs the accurate mode's other tile at <= 32 query rows a KV head: keys on M or 64 rows; 32 the fast mode's other
+tile at <= 16 rows; 64 the KV tensor map's other L2 promotion). Each call is captured in a CUDA graph and its
+replays timed with triton.testing.do_bench (median). One line per (shape, mode, debug value) with the time,
+FlashMLA-FP8's time and the relative difference of the outputs from FlashMLA-FP8's (the fast mode reads the same
+e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's quantization), then one JSON line per shape.
+FlashMLA-FP8 is vLLM 0.26's flash_mla_with_kvcache_fp8 (importable vllm, or the 2 MB package of its FlashMLA on
+PYTHONPATH).
 """
 import argparse
 import json

@@ -38,6 +38,8 @@ enum DebugFlags : int {
                                  // (keys on M, or the 64-row tile); the same results within the mode's error
   kDebugFastKeysOnM = 32,      // the fast mode at <= 16 query rows a KV head: the other tile than the default (keys on
                                // M, or the 64-row tile); the same results within the mode's error
+  kDebugOtherL2Promotion = 64,  // the KV tensor map's other L2 promotion (launch.cuh: 128 bytes with one M tile, none
+                                // with more); the same results
 };
 // The accurate mode's tile for at most 32 query rows a KV head (s_q h_q / h_kv): whether the keys-on-M tile can serve
 // the shape, and whether it does by default (dispatch.cu says where the 64-row tile stays).

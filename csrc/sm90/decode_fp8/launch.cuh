@@ -19,8 +19,13 @@
 namespace flashmla_backend::sm90::decode_fp8 {
 
 // e4m3 cache [num_pages, 64, h_kv, 576] as a 4-d tensor map (576 columns, h_kv, 64 tokens, num_pages); box = one
-// piece of 64 columns x 64 tokens, 64B swizzle (the shared-memory layout of traits.h).
-inline CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
+// piece of 64 columns x 64 tokens, 64B swizzle (the shared-memory layout of traits.h). A box reads 64 bytes of each
+// of 64 tokens 576 bytes apart. With one M tile (every block read once), L2 promotion to 128 bytes was measured
+// faster on an H100 (docs/perf/journal.md, 2026-11-27; fast mode: b128 h_q 16 224.3-224.5 against 230.3-230.4 us,
+// b64 h_q 32 127.4-127.6 / 130.7-131.1, varlen h_q 16 137.7-138.0 / 141.6-141.7; accurate keys-on-M b128 h_q 16
+// 233.5 / 237.0; 256 bytes the same or a little slower), but slower with two M tiles, which read each block twice
+// (b128 h_q 128: 354-367 against 343), so those keep none.
+inline CUtensorMap make_kv_tensor_map(const DecodeParams& p, int debug) {
   CUtensorMap tmap;
   const cuuint64_t dims[4] = {cuuint64_t(kHeadDimK), cuuint64_t(p.num_heads_kv), cuuint64_t(kBlockN),
                               cuuint64_t(p.num_pages)};
@@ -30,7 +35,9 @@ inline CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
   const cuuint32_t elem_strides[4] = {1u, 1u, 1u, 1u};
   const CUresult res = decode::get_encode_tiled()(
       &tmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
+      (p.num_m_blocks == 1) != bool(debug & kDebugOtherL2Promotion) ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                                     : CU_TENSOR_MAP_L2_PROMOTION_NONE,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FMLA_HOST_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the FP8 KV cache (CUresult "
                                            << int(res) << "; strides in elements: page " << p.kv_stride_page
@@ -122,7 +129,7 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
   req.o_accum = AccessRule{16, 1, false};
   check_decode_params(p, req);
 
-  const CUtensorMap tmap = make_kv_tensor_map(p);
+  const CUtensorMap tmap = make_kv_tensor_map(p, debug);
   if constexpr (T::kKeysOnM) {
     FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
                     "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
