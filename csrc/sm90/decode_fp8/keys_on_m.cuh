@@ -173,9 +173,108 @@ __device__ __forceinline__ void km_rescale(FragO& o, const float (&sc)[kSlots]) 
   }
 }
 
+// Words of P^T a thread stores for a block: fp16 pairs of rows (accurate), or e4m3 quads (fast: km_pt8_words).
+template <class T>
+constexpr int km_pt_words = T::kQFp8 ? T::kRows / 8 : T::kRows / 4;
+
+// A block's scores s (hi + lo) masked, and each row's max over the block's keys: the thread's keys, the lanes that
+// share c (a column's keys in a warp), then the four warps in shared memory (kColMax). The running max m takes the
+// block's (decode::update_max); sc: O's rescale, off: P's exponent offset (P = exp2(s sl2 + off)).
+template <class T>
+__device__ __forceinline__ void km_block_max(typename T::SharedStorage& ss, const decode::RequestPiece& w, int tok0,
+                                             int key_base, const int (&row_end)[T::kRows / 4],
+                                             const float (&sl2)[T::kRows / 4], int lane, int warp,
+                                             float (&s)[T::kRows / 2], float (&m)[T::kRows / 4],
+                                             float (&sc)[T::kRows / 4], float (&off)[T::kRows / 4]) {
+  constexpr int kSlots = T::kRows / 4, kVals = T::kRows / 2;
+  const int c = lane & 3;
+  if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVals; ++i) {
+      const int t = tok0 + key_base + 8 * ((i >> 1) & 1);
+      if (t < w.start || t >= row_end[km_slot(i)]) s[i] = -INFINITY;
+    }
+  }
+  float mx[kSlots];
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kSlots; ++q) mx[q] = -INFINITY;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kVals; ++i) mx[km_slot(i)] = fmaxf(mx[km_slot(i)], s[i]);
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kSlots; ++q) {
+    mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 4));
+    mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 8));
+    mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 16));
+  }
+  if (lane < 4) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) ss.col_max[warp][km_row(q, c)] = mx[q];
+  }
+  km_sync(KmBarriers::kColMax);
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kSlots; ++q) {
+    const int n = km_row(q, c);
+    const float bm = fmaxf(fmaxf(ss.col_max[0][n], ss.col_max[1][n]), fmaxf(ss.col_max[2][n], ss.col_max[3][n]));
+    float m_new, m_use;
+    decode::update_max(m[q], bm, sl2[q], m_new, m_use, sc[q]);
+    m[q] = m_new;
+    off[q] = kPScaleLog2 - m_use;
+  }
+}
+
+// P = exp2(s sl2 - m + 2^8 range) packed for P^T: fp16 (rows n, n + 1 of a key: one word), or e4m3
+// (km_pt8_words); the row sums l take the block's (this thread's keys only).
+template <class T>
+__device__ __forceinline__ void km_block_p(const float (&s)[T::kRows / 2], const float (&sl2)[T::kRows / 4],
+                                           const float (&off)[T::kRows / 4], const float (&sc)[T::kRows / 4],
+                                           int lane, uint32_t (&pw)[km_pt_words<T>], float (&l)[T::kRows / 4]) {
+  constexpr int kSlots = T::kRows / 4, kVals = T::kRows / 2;
+  float pv[kVals], sum[kSlots];
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kSlots; ++q) sum[q] = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kVals; ++i) {
+    pv[i] = fast_exp2(fmaf(s[i], sl2[km_slot(i)], off[km_slot(i)]));
+    sum[km_slot(i)] += pv[i];
+  }
+  if constexpr (T::kQFp8) {
+    km_pt8_words<kSlots>(pv, lane, pw);
+  } else {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVals; i += 2) {
+      const __half2 h = __floats2half2_rn(pv[i], pv[i + 1]);
+      pw[i / 2] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kSlots; ++q) l[q] = l[q] * sc[q] + sum[q];
+}
+
+// This thread's words of P^T (the caller has made sure no P V reads the buffer any more), fenced for wgmma.
+template <class T>
+__device__ __forceinline__ void km_store_pt(typename T::SharedStorage& ss, const uint32_t (&pw)[km_pt_words<T>],
+                                            int lane, int warp, int c, int key_base) {
+  constexpr int R = T::kRows;
+  const uint32_t pt = cute::cast_smem_ptr_to_uint(ss.pt.data());
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < km_pt_words<T>; ++k) {
+    uint32_t addr;
+    if constexpr (T::kQFp8) {
+      // Word k: row km_row(2 k + (g odd), c), k' 16 w + 4 (g / 2) .. + 3 (km_pt8_words).
+      const int kp = 16 * warp + 4 * ((lane >> 2) >> 1);
+      addr = pt + sw64_offset(km_row(2 * k + ((lane >> 2) & 1), c), kp >> 4) + uint32_t(kp & 15);
+    } else {
+      const int i = 2 * k;
+      addr = pt + km_pt_offset(R, 8 * (i >> 2) + 2 * c, key_base + 8 * ((i >> 1) & 1));
+    }
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(pw[k]) : "memory");
+  }
+  cutlass::arch::fence_view_async_shared();  // P^T is read by wgmma
+}
+
 // One request piece: the blocks g_base .. g_base + padded_blocks - 1 (producer.cuh: for_each_block walks the same).
 // m, l: the thread's rows' running max (log2 domain, P's range included) and row sums (this thread's keys only).
-template <class T, class FragO>
+template <class T, bool kAhead, class FragO>
 __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const decode::RequestPiece& w,
                                             const int (&row_end)[T::kRows / 4], const float (&sl2)[T::kRows / 4],
                                             int tid, uint32_t g_base, FragO (&o)[T::kVParts],
@@ -210,62 +309,10 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kVals; ++i) s[i] = T::kQTerms == 2 ? tSrS(i) + tSrS(i + kVals) : tSrS(i);
 
-    // ---- the mask and each row's max over the block's keys ----
-    if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kVals; ++i) {
-        const int t = tok0 + key_base + 8 * ((i >> 1) & 1);
-        if (t < w.start || t >= row_end[km_slot(i)]) s[i] = -INFINITY;
-      }
-    }
-    float mx[kSlots];
-    CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < kSlots; ++q) mx[q] = -INFINITY;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kVals; ++i) mx[km_slot(i)] = fmaxf(mx[km_slot(i)], s[i]);
-    CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < kSlots; ++q) {
-      mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 4));
-      mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 8));
-      mx[q] = fmaxf(mx[q], __shfl_xor_sync(0xffffffffu, mx[q], 16));
-    }
-    if (lane < 4) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int q = 0; q < kSlots; ++q) ss.col_max[warp][km_row(q, c)] = mx[q];
-    }
-    km_sync(KmBarriers::kColMax);
-    float sc[kSlots], off[kSlots], sum[kSlots];
-    CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < kSlots; ++q) {
-      const int n = km_row(q, c);
-      const float bm = fmaxf(fmaxf(ss.col_max[0][n], ss.col_max[1][n]), fmaxf(ss.col_max[2][n], ss.col_max[3][n]));
-      float m_new, m_use;
-      decode::update_max(m[q], bm, sl2[q], m_new, m_use, sc[q]);
-      m[q] = m_new;
-      off[q] = kPScaleLog2 - m_use;
-      sum[q] = 0.f;
-    }
-
-    // ---- P = exp2(s sl2 - m + 2^8 range): fp16 (rows n, n + 1 of a key: one word), or e4m3 (km_pt8_words) ----
-    float pv[kVals];
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kVals; ++i) {
-      pv[i] = fast_exp2(fmaf(s[i], sl2[km_slot(i)], off[km_slot(i)]));
-      sum[km_slot(i)] += pv[i];
-    }
-    constexpr int kWords = T::kQFp8 ? kSlots / 2 : kVals / 2;
-    uint32_t pw[kWords];
-    if constexpr (T::kQFp8) {
-      km_pt8_words<kSlots>(pv, lane, pw);
-    } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kVals; i += 2) {
-        const __half2 h = __floats2half2_rn(pv[i], pv[i + 1]);
-        pw[i / 2] = *reinterpret_cast<const uint32_t*>(&h);
-      }
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < kSlots; ++q) l[q] = l[q] * sc[q] + sum[q];
+    float sc[kSlots], off[kSlots];
+    km_block_max<T>(ss, w, tok0, key_base, row_end, sl2, lane, warp, s, m, sc, off);
+    uint32_t pw[km_pt_words<T>];
+    km_block_p<T>(s, sl2, off, sc, lane, pw, l);
 
     // ---- the previous block's P V done: its V parts go back, P^T may be rewritten, O takes this block's max ----
     // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one is
@@ -277,21 +324,7 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     // Each warp's share of a wgmma completes on its own (a warp's tensor core reads the whole P^T for its 16 rows of
     // M), so P^T is rewritten only once every warp has waited for the previous block's P V.
     km_sync(KmBarriers::kPvDone);
-    const uint32_t pt = cute::cast_smem_ptr_to_uint(ss.pt.data());
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kWords; ++k) {
-      uint32_t addr;
-      if constexpr (T::kQFp8) {
-        // Word k: row km_row(2 k + (g odd), c), k' 16 w + 4 (g / 2) .. + 3 (km_pt8_words).
-        const int kp = 16 * warp + 4 * ((lane >> 2) >> 1);
-        addr = pt + sw64_offset(km_row(2 * k + ((lane >> 2) & 1), c), kp >> 4) + uint32_t(kp & 15);
-      } else {
-        const int i = 2 * k;
-        addr = pt + km_pt_offset(R, 8 * (i >> 2) + 2 * c, key_base + 8 * ((i >> 1) & 1));
-      }
-      asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(pw[k]) : "memory");
-    }
-    cutlass::arch::fence_view_async_shared();  // P^T is read by wgmma
+    km_store_pt<T>(ss, pw, lane, warp, c, key_base);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
     km_sync(KmBarriers::kPtReady);
@@ -326,10 +359,77 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
       }
     }
   };
+  // The other order (kAhead): the next block's S^T is issued as soon as this block's row maxima are known and the
+  // previous block's P V is done (O rescaled with nothing in flight), so that it runs during this block's P, its P^T
+  // store and barriers and its P V issue, instead of after them. The P V parts go in ahead_part order: first those
+  // whose slot ring is the shorter (V halves in rings of 2 + 1: the second half), the first kEarlyAhead of them
+  // waited for with the next S^T at the end of the step, so that their slots go back a step before the others.
+  constexpr int kEarlyAhead = kParts / 2;
+  constexpr bool kSecondFirst = kParts == 2 && T::kRingSecond < T::kRingFirst;
+  auto ahead_part = [](int j) CUTLASS_LAMBDA_FUNC_INLINE { return kSecondFirst ? kParts - 1 - j : j; };
+  auto step_ahead = [&](auto next_c, int b) CUTLASS_LAMBDA_FUNC_INLINE {
+    constexpr bool kNext = decltype(next_c)::value;  // block b + 1 exists
+    const uint32_t g = g_base + uint32_t(b);
+    const int tok0 = (w.first_page + b) * kBlockN;
+    float s[kVals];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kVals; ++i) s[i] = T::kQTerms == 2 ? tSrS(i) + tSrS(i + kVals) : tSrS(i);
+    float sc[kSlots], off[kSlots];
+    km_block_max<T>(ss, w, tok0, key_base, row_end, sl2, lane, warp, s, m, sc, off);
+
+    // ---- the previous block's P V done: its late V parts go back, O takes this block's max; then the next S^T ----
+    warpgroup_wait<0>();
+    if (b > 0) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = kEarlyAhead; j < kParts; ++j) km_release_v<T>(ss, ahead_part(j), g - 1, lane);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
+    if constexpr (kNext) km_qk_block<T>(ss, tid, g + 1, tSrS);
+
+    // ---- P, P^T (every warp has waited for the previous block's P V: the kPvDone barrier), this block's P V ----
+    uint32_t pw[km_pt_words<T>];
+    km_block_p<T>(s, sl2, off, sc, lane, pw, l);
+    km_sync(KmBarriers::kPvDone);
+    km_store_pt<T>(ss, pw, lane, warp, c, key_base);
+    km_sync(KmBarriers::kPtReady);
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kParts; ++j) {
+      km_wait_v<T>(ss, ahead_part(j), g);
+      km_pv_part<T>(ss, tid, ahead_part(j), g, o[ahead_part(j)]);
+    }
+    if constexpr (kNext) {
+      warpgroup_wait<kParts - kEarlyAhead>();  // the next S^T and the early parts (the others stay in flight)
+      warpgroup_fence_operand(tSrS);
+      warp_arrive(ss.kv_empty[stage_of(g + 1, T::kStages)], lane);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kEarlyAhead; ++j) {
+        warpgroup_fence_operand(o[ahead_part(j)]);
+        km_release_v<T>(ss, ahead_part(j), g, lane);
+      }
+    } else {
+      warpgroup_wait<0>();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kParts; ++k) {
+        warpgroup_fence_operand(o[k]);
+        km_release_v<T>(ss, k, g, lane);
+      }
+    }
+  };
   int b = 0;
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (; b + 1 < nblk; ++b) step(cute::true_type{}, b);
-  step(cute::false_type{}, b);
+  if constexpr (kAhead) {
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; b + 1 < nblk; ++b) step_ahead(cute::true_type{}, b);
+    step_ahead(cute::false_type{}, b);
+  } else {
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; b + 1 < nblk; ++b) step(cute::true_type{}, b);
+    step(cute::false_type{}, b);
+  }
 }
 
 // A request piece's output: O / l (q's dtype) and lse, or, for a split, O / l and lse into the accumulators. Two
@@ -429,7 +529,7 @@ __device__ __forceinline__ void km_store_output(const DecodeParams& p, const dec
 }
 
 // The consumer warpgroup's request loop.
-template <class T>
+template <class T, bool kAhead>
 __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename T::SharedStorage& ss,
                                                  const SchedMetaRow& meta, int begin_req, int end_req, int hk,
                                                  int tid) {
@@ -479,7 +579,7 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
       m[q] = -INFINITY;
       l[q] = 0.f;
     }
-    km_mainloop<T>(ss, w, row_end, sl2, tid, g_base, o, m, l);
+    km_mainloop<T, kAhead>(ss, w, row_end, sl2, tid, g_base, o, m, l);
     g_base += uint32_t(padded_blocks(w.num_blocks));
 
     // Row sums: the eight lanes of a column slot, then the four warps.
@@ -511,7 +611,7 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
   }
 }
 
-template <class T>
+template <class T, bool kAhead>
 __global__ void __launch_bounds__(kKmNumThreads, 1)
     sm90_fp8_decode_km_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv,
                               int debug) {
@@ -547,7 +647,7 @@ __global__ void __launch_bounds__(kKmNumThreads, 1)
       transpose_loop<T>(p, ss, meta, begin_req, end_req, 0, warp - 1, lane, debug);
     }
   } else {
-    km_consumer_loop<T>(p, ss, meta, begin_req, end_req, hk, tid);
+    km_consumer_loop<T, kAhead>(p, ss, meta, begin_req, end_req, hk, tid);
   }
 #else
   if (threadIdx.x == 0) printf("flashmla_backend: sm90 FP8 decode kernel was not compiled for sm_90a\n");

@@ -55,6 +55,7 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   static constexpr int kVParts = kVParts_;
   static_assert(!kQFp8 || kVParts == 2, "the fast mode's V^T comes in halves");
   static constexpr int kPartCols = kHeadDimV / kVParts;  // 256 or 128
+  static constexpr int kRingFirst = kRingA_, kRingSecond = kRingB_;
 
   // What producer.cuh reads of its Traits (traits.h explains each): the accurate mode's fp16 V, or the fast mode's
   // V^T with eight ldmatrix in flight (units_in_flight: the producer is not held to few registers here).

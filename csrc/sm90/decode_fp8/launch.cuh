@@ -134,8 +134,13 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
     FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
                     "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
                                                                            << p.q_rows);
-    decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T>, kKmNumThreads, T::kSmemBytes,
-                                  "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
+    if (debug & kDebugKmOtherOrder) {
+      decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T, true>, kKmNumThreads, T::kSmemBytes,
+                                    "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
+    } else {
+      decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T, false>, kKmNumThreads, T::kSmemBytes,
+                                    "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
+    }
   } else if constexpr (T::kShareVt) {
     FMLA_HOST_CHECK(cluster_plan_applies(p), "sm90 FP8 decode: the 2-CTA cluster plan needs two M tiles whose rows "
                                              "see the same keys (num_m_blocks "
