@@ -19,6 +19,11 @@ constexpr int kBlockM = 64;           // query rows per CTA (rows = s_q * heads-
 // ---- Tile scheduler ----------------------------------------------------------------------------
 // Each request costs ceil(len / kPageSize) KV blocks plus kFixedOverheadBlocks (its epilogue).
 constexpr int kFixedOverheadBlocks = 5;
+// A part's share P (and piece mode's grain) is at least kMinPartBlocks blocks. The FP8 kernels take a piece's blocks
+// in pairs (an odd count gets one masked virtual block), so a one-block piece costs them two blocks; with two-block
+// pieces a b = 1 batch of 128 blocks runs 64 parts instead of 128 at the same time per part, with half the splits
+// to combine (docs/perf/journal.md, 2026-11-27 evening, has the 16-bit and FP8 timings).
+constexpr int kMinPartBlocks = 2;
 constexpr int kSchedMetaInts = 8;     // int32 per metadata row
 
 // One row of tile_scheduler_metadata [num_sm_parts, 8] int32; one row per sm part.

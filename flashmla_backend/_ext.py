@@ -18,9 +18,10 @@ def _load():
 
     exported = dict(_C.schedule_constants)
     wrong = geometry.mismatches(exported)
-    if exported.get("fixed_overhead_blocks") != scheduler.FIXED_OVERHEAD_BLOCKS:  # the CPU mirror's cost model
-        wrong.append(f"fixed_overhead_blocks: compiled {exported.get('fixed_overhead_blocks')!r}, "
-                     f"Python {scheduler.FIXED_OVERHEAD_BLOCKS!r}")
+    for name, value in (("fixed_overhead_blocks", scheduler.FIXED_OVERHEAD_BLOCKS),  # the CPU mirror's cost model
+                        ("min_part_blocks", scheduler.MIN_PART_BLOCKS)):
+        if exported.get(name) != value:
+            wrong.append(f"{name}: compiled {exported.get(name)!r}, Python {value!r}")
     if wrong:  # a stale build from other sources: refuse it rather than compute with the wrong shapes
         return None, ImportError(f"{_C.__file__} was built for another MLA geometry ({'; '.join(wrong)}); rebuild it")
     return _C, None

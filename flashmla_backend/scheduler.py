@@ -5,16 +5,16 @@ The model, in short (the kernel's header comment has the full statement; the tim
 are in docs/perf/journal.md):
   request i costs w_i = ceil(len_i / PAGE_SIZE) + FIXED_OVERHEAD_BLOCKS units (geometry: PAGE_SIZE, BLOCK_M,
   META_INTS); requests are laid end to end, request i on [C_i, C_i + w_i); part p starts at unit p * P,
-  P = max(1, ceil((T - FIXED_OVERHEAD_BLOCKS) / num_sm_parts)): the last request's trailing overhead needs no
-  part of its own (the last part always runs to the end of the batch), so b = 1 with 128 blocks on 66 parts
-  gets P = 2 (64 parts of 2 blocks), not ceil(133 / 66) = 3 (43 parts of 3 blocks).
+  P = max(MIN_PART_BLOCKS, ceil((T - FIXED_OVERHEAD_BLOCKS) / num_sm_parts)): the last request's trailing
+  overhead needs no part of its own (the last part always runs to the end of the batch), so b = 1 with 128
+  blocks on 66 parts gets P = 2 (64 parts of 2 blocks), not ceil(133 / 66) = 3 (43 parts of 3 blocks).
   Unit C_i + k is the position (i, k) when k < nb_i or k == 0 (a request's first unit is its start, even
   for a zero-length request); inside the rest of its overhead it is (i + 1, 0).
   Part p covers the positions from its start to the next part's start.
 Piece mode (batch <= min(num_sm_parts, PIECE_MODE_MAX_BATCH)): each part computes at most one piece of one
 request. Request i is cut into s_i = max(1, ceil(nb_i / G)) nearly equal pieces (q, r = divmod(nb_i, s_i);
-piece j: blocks [j q + min(j, r), (j + 1) q + min(j + 1, r))), G the smallest grain <= P with sum s_i <=
-num_sm_parts (if G = P does not fit, the line model is used); pieces go to parts in order (request by
+piece j: blocks [j q + min(j, r), (j + 1) q + min(j + 1, r))), G the smallest grain in [MIN_PART_BLOCKS, P]
+with sum s_i <= num_sm_parts (if G = P does not fit, the line model is used); pieces go to parts in order (request by
 request), the remaining parts are empty. A piece has at most G <= P blocks, so no part costs more than the
 line model's bound (P + overhead), and no request that fits in one part is cut: 128 requests of 128 blocks
 on 132 parts are 128 whole requests (no combine), where the line model cut 127 of them in two.
@@ -32,6 +32,7 @@ import torch
 from .geometry import BLOCK_M, META_INTS, PAGE_SIZE
 
 FIXED_OVERHEAD_BLOCKS = 5
+MIN_PART_BLOCKS = 2   # P and piece mode's grain are at least this (csrc/params.h: kMinPartBlocks says why)
 PIECE_MODE_MAX_BATCH = 256
 WHOLE_SLACK_PERCENT = 3
 
@@ -58,7 +59,7 @@ def schedule(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor,
     for nb in blocks:
         starts.append(total)
         total += nb + FIXED_OVERHEAD_BLOCKS
-    per_part = max(1, -(-(total - FIXED_OVERHEAD_BLOCKS) // num_parts))
+    per_part = max(MIN_PART_BLOCKS, -(-(total - FIXED_OVERHEAD_BLOCKS) // num_parts))
 
     pieces = _piece_mode_split_counts(blocks, num_parts, per_part)
     if pieces is not None:
@@ -155,7 +156,7 @@ def _piece_mode_split_counts(blocks: list[int], num_parts: int, per_part: int) -
     if count(per_part) > num_parts:
         return None
     # smallest grain whose piece count fits; none below ceil(sum(blocks) / num_parts) can (count >= sum / grain)
-    lo, hi = max(1, min(per_part, -(-sum(blocks) // num_parts))), per_part
+    lo, hi = max(MIN_PART_BLOCKS, min(per_part, -(-sum(blocks) // num_parts))), per_part
     while lo < hi:
         mid = (lo + hi) // 2
         if count(mid) <= num_parts:

@@ -59,6 +59,7 @@ def test_schedule_constants_match_python():
     assert c["page_size"] == scheduler.PAGE_SIZE == geometry.PAGE_SIZE
     assert c["block_m"] == scheduler.BLOCK_M
     assert c["fixed_overhead_blocks"] == scheduler.FIXED_OVERHEAD_BLOCKS
+    assert c["min_part_blocks"] == scheduler.MIN_PART_BLOCKS
     assert c["meta_ints"] == scheduler.META_INTS
     assert (c["head_dim_k"], c["head_dim_v"]) == (geometry.HEAD_DIM_K, geometry.HEAD_DIM_V)
 

@@ -42,7 +42,7 @@ def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_spl
     covered = [[0] * nb for nb in blocks]
     owners = [[] for _ in range(b)]  # (part, split index) per piece, in part order
     total = sum(nb + OVH for nb in blocks)
-    per_part = max(1, -(-(total - OVH) // parts))
+    per_part = max(scheduler.MIN_PART_BLOCKS, -(-(total - OVH) // parts))
     # Line model and piece mode: a part costs at most P + overhead. Whole-request mode (no request cut) may go
     # WHOLE_SLACK_PERCENT % over that.
     limit = per_part + OVH
@@ -78,17 +78,17 @@ def test_mirror_invariants(lengths, parts):
     check_invariants(lengths, parts, meta, num_splits)
 
 
-@pytest.mark.parametrize("length,parts,busy", [(8192, 66, 64), (8192, 132, 128), (8192 * 2, 66, 64),
-                                               (PAGE * 66, 66, 66), (1, 66, 1)])
+@pytest.mark.parametrize("length,parts,busy", [(8192, 66, 64), (8192, 132, 64), (8192 * 2, 66, 64),
+                                               (PAGE * 66, 66, 33), (PAGE * 132, 66, 66), (1, 66, 1)])
 def test_a_single_request_is_spread_over_the_parts(length, parts, busy):
     """The last request's trailing overhead does not count towards the part size: one request of 128
-    blocks on 66 parts is 64 parts of 2 blocks (not 43 of 3)."""
+    blocks on 66 parts is 64 parts of 2 blocks (not 43 of 3); parts of at least MIN_PART_BLOCKS blocks."""
     meta, _ = scheduler.schedule(torch.tensor([length], dtype=torch.int32), parts)
     pieces = [p for p in pieces_from_metadata(meta, [length]) if p]
     assert len(pieces) == busy
     blocks = -(-length // PAGE)
     widest = max(-(-stop // PAGE) - start // PAGE for piece in pieces for _, start, stop, _ in piece)
-    assert widest == -(-blocks // parts)
+    assert widest == max(min(blocks, scheduler.MIN_PART_BLOCKS), -(-blocks // parts))
 
 
 def test_negative_lengths_count_as_zero():
@@ -107,6 +107,19 @@ def test_balance_is_tight_for_uniform_batches():
     # the makespan is within one block + one overhead of the perfect split
     assert max(costs) <= total / 132 + OVH + 1, costs
     assert sum(costs) <= total + OVH * 132
+
+
+@pytest.mark.parametrize("lengths,parts,splits", [([8192], 132, [64]), ([8192], 66, [64]), ([4096, 4096], 132, [32, 32]),
+                                                 ([8192 - 3 * PAGE], 132, [63]), ([PAGE + 1], 132, [1])])
+def test_small_batches_get_pieces_of_two_blocks(lengths, parts, splits):
+    """Fewer blocks than parts: pieces of MIN_PART_BLOCKS blocks, not one (the FP8 kernels pay a virtual block for
+    an odd piece; csrc/params.h: kMinPartBlocks), so b = 1 with 128 blocks has 64 splits on 66 or 132 parts."""
+    assert scheduler.MIN_PART_BLOCKS == 2
+    meta, num_splits = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), parts)
+    assert [int(num_splits[i + 1] - num_splits[i]) for i in range(len(lengths))] == splits
+    sizes = [-(-stop // PAGE) - start // PAGE for p in pieces_from_metadata(meta, lengths) for _, start, stop, _ in p]
+    assert sizes.count(1) <= sum(-(-n // PAGE) % 2 for n in lengths), sizes  # a one-block piece only for an odd count
+    check_invariants(lengths, parts, meta, num_splits)
 
 
 @pytest.mark.parametrize("b,length,parts,per_part_requests", [(128, 8192, 66, 2), (256, 4096, 66, 4), (128, 8192, 33, 4),

@@ -186,6 +186,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("cuda_runtime_version") = CUDART_VERSION;
   m.attr("schedule_constants") = py::dict(py::arg("page_size") = kPageSize, py::arg("block_m") = kBlockM,
                                           py::arg("fixed_overhead_blocks") = kFixedOverheadBlocks,
+                                          py::arg("min_part_blocks") = kMinPartBlocks,
                                           py::arg("meta_ints") = kSchedMetaInts,
                                           py::arg("head_dim_k") = kHeadDimK, py::arg("head_dim_v") = kHeadDimV);
 }

@@ -40,7 +40,7 @@ enum DebugFlags : int {
                                // M, or the 64-row tile); the same results within the mode's error
   kDebugOtherL2Promotion = 64,  // the KV tensor map's other L2 promotion (launch.cuh: 128 bytes with one M tile, none
                                 // with more); the same results
-  kDebugKmOtherOrder = 128,    // the keys-on-M tile's other step order (keys_on_m.cuh: km_mainloop); the same results
+  kDebugKmOtherOrder = 128,    // the keys-on-M tile's other step order (keys_on_m.h: kStepAhead); the same results
 };
 // The accurate mode's tile for at most 32 query rows a KV head (s_q h_q / h_kv): whether the keys-on-M tile can serve
 // the shape, and whether it does by default (dispatch.cu says where the 64-row tile stays).

@@ -56,6 +56,13 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   static_assert(!kQFp8 || kVParts == 2, "the fast mode's V^T comes in halves");
   static constexpr int kPartCols = kHeadDimV / kVParts;  // 256 or 128
   static constexpr int kRingFirst = kRingA_, kRingSecond = kRingB_;
+  // The step order (keys_on_m.cuh: km_mainloop; FLASHMLA_BACKEND_FP8_DEBUG bit 128 runs the other). Measured on an
+  // H100 (docs/perf/journal.md, 2026-11-27 evening), the next S^T issued ahead, once the block's maxima are known, is
+  // faster for the accurate mode at R = 16 (b128 h_q 16 229.1-229.5 against 232.9-233.1 us, varlen h_q 16 141.2-141.3
+  // against 142.3-142.7, b = 1 22.1 against 22.2-22.3), slower at R = 32 (b64 h_q 32 167.9-168.2 against
+  // 161.2-162.6; its quarters' one-slot rings then wait for the widening) and for the fast mode (b = 1 h_q 16 17.7
+  // against 17.4).
+  static constexpr bool kStepAhead = !kQFp8 && kRows == 16;
 
   // What producer.cuh reads of its Traits (traits.h explains each): the accurate mode's fp16 V, or the fast mode's
   // V^T with eight ldmatrix in flight (units_in_flight: the producer is not held to few registers here).

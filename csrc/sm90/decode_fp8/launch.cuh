@@ -134,7 +134,7 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
     FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
                     "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
                                                                            << p.q_rows);
-    if (debug & kDebugKmOtherOrder) {
+    if (T::kStepAhead != bool(debug & kDebugKmOtherOrder)) {
       decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T, true>, kKmNumThreads, T::kSmemBytes,
                                     "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
     } else {
