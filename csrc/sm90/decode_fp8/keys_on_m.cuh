@@ -127,14 +127,52 @@ __device__ __forceinline__ void km_release_v(typename T::SharedStorage& ss, int 
   warp_arrive(T::vt_empty_of(ss, T::vt_slot(part, g), T::vt_use(part, g)), lane);
 }
 
-// The wait for all of the previous block's P V products, then the release of its parts from kFrom on (the others went
-// back at the end of the previous step).
-template <class T, int kFrom>
+// A step's P V parts: the order it issues them in, and how many of them (the first in that order) the step's end waits
+// for with the next S^T, so that their slots go back to the producer a step before the others (the slot rings are
+// short). The first step order (kAhead false): parts in order, with quarters the first two (committed before the next
+// S^T). The other (keys_on_m.h: kStepAhead): the parts with the shorter ring first (V halves in rings of 2 + 1: the
+// second half), half of them early.
+template <class T, bool kAhead>
+__device__ __forceinline__ constexpr int km_part(int j) {
+  return kAhead && T::kVParts == 2 && T::kRingSecond < T::kRingFirst ? T::kVParts - 1 - j : j;
+}
+template <class T, bool kAhead>
+constexpr int km_early_parts = kAhead ? T::kVParts / 2 : (T::kVParts == 4 ? 2 : 0);
+
+// The wait for all of the previous block's P V products, then the release of its parts that the previous step's end
+// did not release (km_early_parts).
+template <class T, bool kAhead>
 __device__ __forceinline__ void km_release_done_parts(typename T::SharedStorage& ss, uint32_t g, int b, int lane) {
   warpgroup_wait<0>();
   if (b > 0) {
     CUTLASS_PRAGMA_UNROLL
-    for (int k = kFrom; k < T::kVParts; ++k) km_release_v<T>(ss, k, g - 1, lane);
+    for (int j = km_early_parts<T, kAhead>; j < T::kVParts; ++j) km_release_v<T>(ss, km_part<T, kAhead>(j), g - 1, lane);
+  }
+}
+
+// The end of the step of block g: with a next block, the wait for its S^T and this block's early parts (their slots
+// go back; the others stay in flight), then the next block's KV stage; without one, the wait for everything and
+// every part's release.
+template <class T, bool kAhead, bool kNext, class FragS, class FragO>
+__device__ __forceinline__ void km_step_end(typename T::SharedStorage& ss, uint32_t g, int lane, FragS& tSrS,
+                                            FragO (&o)[T::kVParts]) {
+  constexpr int kEarlyN = km_early_parts<T, kAhead>;
+  if constexpr (kNext) {
+    warpgroup_wait<T::kVParts - kEarlyN>();  // the next S^T and the early parts
+    warpgroup_fence_operand(tSrS);
+    warp_arrive(ss.kv_empty[stage_of(g + 1, T::kStages)], lane);
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kEarlyN; ++j) {
+      warpgroup_fence_operand(o[km_part<T, kAhead>(j)]);
+      km_release_v<T>(ss, km_part<T, kAhead>(j), g, lane);
+    }
+  } else {
+    warpgroup_wait<0>();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < T::kVParts; ++k) {
+      warpgroup_fence_operand(o[k]);
+      km_release_v<T>(ss, k, g, lane);
+    }
   }
 }
 
@@ -280,10 +318,11 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
                                             int tid, uint32_t g_base, FragO (&o)[T::kVParts],
                                             float (&m)[T::kRows / 4], float (&l)[T::kRows / 4]) {
   constexpr int R = T::kRows, kSlots = R / 4, kVals = R / 2, kParts = T::kVParts;
-  // Quarters: the first two parts' P V is committed before the next block's S^T, so that the wait for that S^T also
-  // finds them done and their slots go back to the producer a block earlier than the rest (the slots are rings of
-  // one). A wait for fewer groups in the middle of the softmax instead made ptxas serialize every wgmma (C7514).
-  constexpr int kEarly = kParts == 4 ? 2 : 0;
+  // Quarters (first order): the first two parts' P V is committed before the next block's S^T, so that the wait for
+  // that S^T also finds them done and their slots go back to the producer a block earlier than the rest (the slots
+  // are rings of one). A wait for fewer groups in the middle of the softmax instead made ptxas serialize every wgmma
+  // (C7514).
+  constexpr int kEarly = km_early_parts<T, false>;
   const int lane = tid & 31, warp = tid >> 5, c = lane & 3;
   const int key_base = 16 * warp + (lane >> 2);  // the thread's keys in a block: key_base and key_base + 8
   const int nblk = padded_blocks(w.num_blocks);
@@ -318,7 +357,7 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one is
     // (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not in a
     // branch (at b = 0 nothing is in flight and it returns at once).
-    km_release_done_parts<T, kEarly>(ss, g, b, lane);
+    km_release_done_parts<T, false>(ss, g, b, lane);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
     // Each warp's share of a wgmma completes on its own (a warp's tensor core reads the whole P^T for its 16 rows of
@@ -341,32 +380,11 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
       km_wait_v<T>(ss, k, g);
       km_pv_part<T>(ss, tid, k, g, o[k]);
     }
-    if constexpr (kNext) {
-      warpgroup_wait<kParts - kEarly>();  // the next S^T (and the parts committed before it)
-      warpgroup_fence_operand(tSrS);
-      warp_arrive(ss.kv_empty[stage_of(g + 1, T::kStages)], lane);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kEarly; ++k) {
-        warpgroup_fence_operand(o[k]);
-        km_release_v<T>(ss, k, g, lane);
-      }
-    } else {
-      warpgroup_wait<0>();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kParts; ++k) {
-        warpgroup_fence_operand(o[k]);
-        km_release_v<T>(ss, k, g, lane);
-      }
-    }
+    km_step_end<T, false, kNext>(ss, g, lane, tSrS, o);
   };
   // The other order (kAhead): the next block's S^T is issued as soon as this block's row maxima are known and the
   // previous block's P V is done (O rescaled with nothing in flight), so that it runs during this block's P, its P^T
-  // store and barriers and its P V issue, instead of after them. The P V parts go in ahead_part order: first those
-  // whose slot ring is the shorter (V halves in rings of 2 + 1: the second half), the first kEarlyAhead of them
-  // waited for with the next S^T at the end of the step, so that their slots go back a step before the others.
-  constexpr int kEarlyAhead = kParts / 2;
-  constexpr bool kSecondFirst = kParts == 2 && T::kRingSecond < T::kRingFirst;
-  auto ahead_part = [](int j) CUTLASS_LAMBDA_FUNC_INLINE { return kSecondFirst ? kParts - 1 - j : j; };
+  // store and barriers and its P V issue, instead of after them.
   auto step_ahead = [&](auto next_c, int b) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr bool kNext = decltype(next_c)::value;  // block b + 1 exists
     const uint32_t g = g_base + uint32_t(b);
@@ -378,11 +396,7 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     km_block_max<T>(ss, w, tok0, key_base, row_end, sl2, lane, warp, s, m, sc, off);
 
     // ---- the previous block's P V done: its late V parts go back, O takes this block's max; then the next S^T ----
-    warpgroup_wait<0>();
-    if (b > 0) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = kEarlyAhead; j < kParts; ++j) km_release_v<T>(ss, ahead_part(j), g - 1, lane);
-    }
+    km_release_done_parts<T, true>(ss, g, b, lane);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
     CUTLASS_PRAGMA_UNROLL
@@ -399,26 +413,10 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     km_sync(KmBarriers::kPtReady);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kParts; ++j) {
-      km_wait_v<T>(ss, ahead_part(j), g);
-      km_pv_part<T>(ss, tid, ahead_part(j), g, o[ahead_part(j)]);
+      km_wait_v<T>(ss, km_part<T, true>(j), g);
+      km_pv_part<T>(ss, tid, km_part<T, true>(j), g, o[km_part<T, true>(j)]);
     }
-    if constexpr (kNext) {
-      warpgroup_wait<kParts - kEarlyAhead>();  // the next S^T and the early parts (the others stay in flight)
-      warpgroup_fence_operand(tSrS);
-      warp_arrive(ss.kv_empty[stage_of(g + 1, T::kStages)], lane);
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kEarlyAhead; ++j) {
-        warpgroup_fence_operand(o[ahead_part(j)]);
-        km_release_v<T>(ss, ahead_part(j), g, lane);
-      }
-    } else {
-      warpgroup_wait<0>();
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kParts; ++k) {
-        warpgroup_fence_operand(o[k]);
-        km_release_v<T>(ss, k, g, lane);
-      }
-    }
+    km_step_end<T, true, kNext>(ss, g, lane, tSrS, o);
   };
   int b = 0;
   if constexpr (kAhead) {
