@@ -12,11 +12,11 @@
 // splits this kernel takes a large share of the decode step (docs/perf/journal.md).
 //
 // combine_splits_kernel (splits in parallel), for few requests cut into many splits (b = 1 at 8192 keys: 64 splits
-// of two blocks, on 66 parts at h_q = 128 or 132 at h_q = 16): grid (q_rows * 4, h_kv, batch), one CTA per row
-// and 128-column chunk, 8 warps; warp w takes splits w, w + 8, ..., lane j the float4 j of the chunk. Every thread issues the loads of all
-// its splits (up to kPerWarp, a template parameter sized on the host from the largest possible split count)
-// together with the log-sum-exp inputs, so the partials are read in one round trip, and the 8 warps' sums
-// are added in shared memory. combine_kernel walks the same splits in several dependent rounds of loads
+// of two blocks, on 66 parts at h_q = 128 or 132 at h_q = 16): grid (q_rows * 4, h_kv, batch), one CTA per row and
+// 128-column chunk, 8 warps; warp w takes splits w, w + 8, ..., lane j the float4 j of the chunk. Every thread
+// issues the loads of all its splits (up to kPerWarp, a template parameter sized on the host from the largest
+// possible split count) together with the log-sum-exp inputs, so the partials are read in one round trip, and the 8
+// warps' sums are added in shared memory. combine_kernel walks the same splits in several dependent rounds of loads
 // after two passes over the lse values, which is what makes it slower there (docs/perf/journal.md).
 //
 // Both accumulate in a fixed order (combine_kernel: split order; combine_splits_kernel: split order within
