@@ -264,9 +264,9 @@ def test_fast_few_rows_both_tiles(monkeypatch, case, tile):
     _matches_fp64(case, "e4m3q", f", {tile} tile")
 
 
-@pytest.mark.parametrize("mode,debug,rows", [("bf16q", None, 16), ("bf16q", OTHER_ACCURATE_TILE, 16), ("bf16q", None, 32),
-                                             ("bf16q", OTHER_ACCURATE_TILE, 32), ("e4m3q", None, 16),
-                                             ("e4m3q", OTHER_FAST_TILE, 16), ("e4m3q", None, 32)],
+@pytest.mark.parametrize("mode,debug,rows", [("bf16q", None, 16), ("bf16q", OTHER_ACCURATE_TILE, 16),
+                                             ("bf16q", None, 32), ("bf16q", OTHER_ACCURATE_TILE, 32),
+                                             ("e4m3q", None, 16), ("e4m3q", OTHER_FAST_TILE, 16), ("e4m3q", None, 32)],
                          ids=["accurate-default-16", "accurate-other-16", "accurate-default-32", "accurate-other-32",
                               "fast-default-16", "fast-other-16", "fast-32"])
 def test_few_rows_per_request_descales_and_graph_replay(monkeypatch, mode, debug, rows):

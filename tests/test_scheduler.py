@@ -109,8 +109,9 @@ def test_balance_is_tight_for_uniform_batches():
     assert sum(costs) <= total + OVH * 132
 
 
-@pytest.mark.parametrize("lengths,parts,splits", [([8192], 132, [64]), ([8192], 66, [64]), ([4096, 4096], 132, [32, 32]),
-                                                 ([8192 - 3 * PAGE], 132, [63]), ([PAGE + 1], 132, [1])])
+@pytest.mark.parametrize("lengths,parts,splits", [([8192], 132, [64]), ([8192], 66, [64]),
+                                                 ([4096, 4096], 132, [32, 32]), ([8192 - 3 * PAGE], 132, [63]),
+                                                 ([PAGE + 1], 132, [1])])
 def test_small_batches_get_pieces_of_two_blocks(lengths, parts, splits):
     """Fewer blocks than parts: pieces of MIN_PART_BLOCKS blocks, not one (the FP8 kernels pay a virtual block for
     an odd piece; csrc/params.h: kMinPartBlocks), so b = 1 with 128 blocks has 64 splits on 66 or 132 parts."""

@@ -162,7 +162,9 @@ __device__ __forceinline__ void km_release_done_parts(typename T::SharedStorage&
   warpgroup_wait<0>();
   if (has_prev) {
     CUTLASS_PRAGMA_UNROLL
-    for (int j = km_early_parts<T, kAhead>; j < T::kVParts; ++j) km_release_v<T>(ss, km_part<T, kAhead>(j), g_prev, lane);
+    for (int j = km_early_parts<T, kAhead>; j < T::kVParts; ++j) {
+      km_release_v<T>(ss, km_part<T, kAhead>(j), g_prev, lane);
+    }
   }
 }
 
