@@ -360,6 +360,10 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
   for (int k = 0; k < kParts; ++k) clear(o[k]);  // here, not before the first S^T (mainloop.cuh: mainloop_wg0 says why)
   warp_arrive(ss.kv_empty[stage_of(g_base + uint32_t(wg), T::kStages)], lane);
 
+  // A step (block b of this warpgroup). The first order: the block's P and P^T, the previous block's P V waited for,
+  // then this block's P V with the next S^T among its parts. The other (kAhead): the next block's S^T is issued as
+  // soon as this block's row maxima are known and the previous block's P V is done (O rescaled with nothing in
+  // flight), so that it runs during this block's P, its P^T store and barriers and its P V issue.
   auto step = [&](auto next_c, int b) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr bool kNext = decltype(next_c)::value;  // block b + kC exists
     const uint32_t g = g_base + uint32_t(b);
@@ -367,87 +371,67 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
     float s[kVals];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kVals; ++i) s[i] = T::kQTerms == 2 ? tSrS(i) + tSrS(i + kVals) : tSrS(i);
-
     float sc[kSlots], off[kSlots];
     km_block_max<T>(ss, w, tok0, key_base, row_end, sl2, lane, warp, wg, s, m, sc, off);
     uint32_t pw[km_pt_words<T>];
-    km_block_p<T>(s, sl2, off, sc, lane, pw, l);
 
-    // ---- the previous block's P V done: its V parts go back, P^T may be rewritten, O takes this block's max ----
-    // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one is
-    // (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not in a
-    // branch (at b = 0 nothing is in flight and it returns at once).
-    km_release_done_parts<T, false>(ss, g - uint32_t(kC), b >= kC, lane);
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
-    // Each warp's share of a wgmma completes on its own (a warp's tensor core reads the whole P^T for its 16 rows of
-    // M), so P^T is rewritten only once every warp has waited for the previous block's P V.
-    km_sync(KmBarriers::kPvDone, wg);
-    km_store_pt<T>(ss, pw, lane, warp, wg, c, key_base);
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
-    km_sync(KmBarriers::kPtReady, wg);
+    if constexpr (!kAhead) {
+      km_block_p<T>(s, sl2, off, sc, lane, pw, l);
+      // ---- the previous block's P V done: its V parts go back, P^T may be rewritten, O takes this block's max ----
+      // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one
+      // is (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not
+      // in a branch (at b = 0 nothing is in flight and it returns at once).
+      km_release_done_parts<T, false>(ss, g - uint32_t(kC), b >= kC, lane);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
+      // Each warp's share of a wgmma completes on its own (a warp's tensor core reads the whole P^T for its 16 rows
+      // of M), so P^T is rewritten only once every warp has waited for the previous block's P V.
+      km_sync(KmBarriers::kPvDone, wg);
+      km_store_pt<T>(ss, pw, lane, warp, wg, c, key_base);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
+      km_sync(KmBarriers::kPtReady, wg);
 
-    // ---- the next S^T; O^T += V^T P^T, part by part (with quarters the first two before the next S^T) ----
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kEarly; ++k) {
-      km_wait_v<T>(ss, k, g);
-      km_pv_part<T>(ss, tid, wg, k, g, o[k]);
+      // ---- the next S^T; O^T += V^T P^T, part by part (with quarters the first two before the next S^T) ----
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kEarly; ++k) {
+        km_wait_v<T>(ss, k, g);
+        km_pv_part<T>(ss, tid, wg, k, g, o[k]);
+      }
+      if constexpr (kNext) km_qk_block<T>(ss, tid, g + uint32_t(kC), tSrS);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = kEarly; k < kParts; ++k) {
+        km_wait_v<T>(ss, k, g);
+        km_pv_part<T>(ss, tid, wg, k, g, o[k]);
+      }
+    } else {
+      // ---- the previous block's P V done: its late V parts go back, O takes this block's max; the next S^T ----
+      km_release_done_parts<T, true>(ss, g - uint32_t(kC), b >= kC, lane);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
+      if constexpr (kNext) km_qk_block<T>(ss, tid, g + uint32_t(kC), tSrS);
+
+      // ---- P, P^T (every warp has waited for the previous block's P V: the kPvDone barrier), this block's P V ----
+      km_block_p<T>(s, sl2, off, sc, lane, pw, l);
+      km_sync(KmBarriers::kPvDone, wg);
+      km_store_pt<T>(ss, pw, lane, warp, wg, c, key_base);
+      km_sync(KmBarriers::kPtReady, wg);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kParts; ++j) {
+        km_wait_v<T>(ss, km_part<T, true>(j), g);
+        km_pv_part<T>(ss, tid, wg, km_part<T, true>(j), g, o[km_part<T, true>(j)]);
+      }
     }
-    if constexpr (kNext) km_qk_block<T>(ss, tid, g + uint32_t(kC), tSrS);
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = kEarly; k < kParts; ++k) {
-      km_wait_v<T>(ss, k, g);
-      km_pv_part<T>(ss, tid, wg, k, g, o[k]);
-    }
-    km_step_end<T, false, kNext>(ss, g, g + uint32_t(kC), lane, tSrS, o);
-  };
-  // The other order (kAhead): the next block's S^T is issued as soon as this block's row maxima are known and the
-  // previous block's P V is done (O rescaled with nothing in flight), so that it runs during this block's P, its P^T
-  // store and barriers and its P V issue, instead of after them.
-  auto step_ahead = [&](auto next_c, int b) CUTLASS_LAMBDA_FUNC_INLINE {
-    constexpr bool kNext = decltype(next_c)::value;  // block b + kC exists
-    const uint32_t g = g_base + uint32_t(b);
-    const int tok0 = (w.first_page + b) * kBlockN;
-    float s[kVals];
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kVals; ++i) s[i] = T::kQTerms == 2 ? tSrS(i) + tSrS(i + kVals) : tSrS(i);
-    float sc[kSlots], off[kSlots];
-    km_block_max<T>(ss, w, tok0, key_base, row_end, sl2, lane, warp, wg, s, m, sc, off);
-
-    // ---- the previous block's P V done: its late V parts go back, O takes this block's max; then the next S^T ----
-    km_release_done_parts<T, true>(ss, g - uint32_t(kC), b >= kC, lane);
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
-    if constexpr (kNext) km_qk_block<T>(ss, tid, g + uint32_t(kC), tSrS);
-
-    // ---- P, P^T (every warp has waited for the previous block's P V: the kPvDone barrier), this block's P V ----
-    uint32_t pw[km_pt_words<T>];
-    km_block_p<T>(s, sl2, off, sc, lane, pw, l);
-    km_sync(KmBarriers::kPvDone, wg);
-    km_store_pt<T>(ss, pw, lane, warp, wg, c, key_base);
-    km_sync(KmBarriers::kPtReady, wg);
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kParts; ++j) {
-      km_wait_v<T>(ss, km_part<T, true>(j), g);
-      km_pv_part<T>(ss, tid, wg, km_part<T, true>(j), g, o[km_part<T, true>(j)]);
-    }
-    km_step_end<T, true, kNext>(ss, g, g + uint32_t(kC), lane, tSrS, o);
+    km_step_end<T, kAhead, kNext>(ss, g, g + uint32_t(kC), lane, tSrS, o);
   };
   int b = wg;
-  if constexpr (kAhead) {
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; b + kC < nblk; b += kC) step_ahead(cute::true_type{}, b);
-    step_ahead(cute::false_type{}, b);
-  } else {
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (; b + kC < nblk; b += kC) step(cute::true_type{}, b);
-    step(cute::false_type{}, b);
-  }
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (; b + kC < nblk; b += kC) step(cute::true_type{}, b);
+  step(cute::false_type{}, b);
 }
 
 // A request piece's output: O / l (q's dtype) and lse, or, for a split, O / l and lse into the accumulators. Two
