@@ -68,13 +68,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   // Everything below reads memory written by earlier kernels (metadata, q, the cache).
   pdl_wait_primary();
 
-  const SchedMetaRow meta = reinterpret_cast<const SchedMetaRow*>(p.sched_meta)[part];
-  const int begin_req = meta.begin_req;
-  const int end_req = min(meta.end_req, p.batch - 1);
-  if (begin_req < 0 || begin_req > end_req) {
-    pdl_launch_dependents();
-    return;
-  }
+  CtaRequests cta;
+  if (!cta_requests(p, part, cta)) return;
+  const SchedMetaRow& meta = cta.meta;
+  const int begin_req = cta.begin_req, end_req = cta.end_req;
 
   init_kv_barriers(&tmap_kv, ss.kv_full, tid);
   __syncthreads();

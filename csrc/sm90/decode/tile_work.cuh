@@ -8,10 +8,30 @@
 
 #include <cutlass/cutlass.h>
 
+#include "common/device.cuh"  // pdl_launch_dependents
 #include "params.h"
 #include "sm90/decode/config.h"
 
 namespace flashmla_backend::sm90::decode {
+
+// The requests [begin_req, end_req] of metadata row `part` (end_req clamped to the batch), read after
+// pdl_wait_primary() (the row is an earlier kernel's output). An empty row (begin_req < 0 or past end_req) lets the
+// dependent grid start and returns false: the CTA has no work. The sm90 decode kernels (16-bit and FP8) share it.
+struct CtaRequests {
+  SchedMetaRow meta;
+  int begin_req;
+  int end_req;
+};
+__device__ __forceinline__ bool cta_requests(const DecodeParams& p, int part, CtaRequests& r) {
+  r.meta = reinterpret_cast<const SchedMetaRow*>(p.sched_meta)[part];
+  r.begin_req = r.meta.begin_req;
+  r.end_req = min(r.meta.end_req, p.batch - 1);
+  if (r.begin_req < 0 || r.begin_req > r.end_req) {
+    pdl_launch_dependents();
+    return false;
+  }
+  return true;
+}
 
 // One request piece as seen by this CTA. All values are CTA-uniform; token bounds are request-local.
 struct RequestPiece {

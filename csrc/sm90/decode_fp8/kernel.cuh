@@ -137,13 +137,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   pdl_wait_primary();
 
-  const SchedMetaRow meta = reinterpret_cast<const SchedMetaRow*>(p.sched_meta)[part];
-  const int begin_req = meta.begin_req;
-  const int end_req = min(meta.end_req, p.batch - 1);
-  if (begin_req < 0 || begin_req > end_req) {
-    pdl_launch_dependents();
-    return;
-  }
+  decode::CtaRequests cta;
+  if (!decode::cta_requests(p, part, cta)) return;
+  const SchedMetaRow& meta = cta.meta;
+  const int begin_req = cta.begin_req, end_req = cta.end_req;
 
   if (tid == 0) init_pipeline_barriers<T>(ss, &tmap_kv);
   // The shared transposition: the peer's barriers must be initialized before the first remote arrival or copy. Both
@@ -157,12 +154,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (wg == kNumConsumerWarpGroups) {
     // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    const int warp = (tid - kNumConsumerThreads) / 32;
-    if (warp == 0) {
-      if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk);
-    } else {
-      transpose_loop<T>(p, ss, meta, begin_req, end_req, m_block, warp - 1, lane, debug);
-    }
+    producer_warp<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk, (tid - kNumConsumerThreads) / 32, lane,
+                     debug);
   } else if (wg == 0) {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     consumer_loop<T, 0>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);

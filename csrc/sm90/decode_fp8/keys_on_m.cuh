@@ -710,24 +710,17 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
   const int lane = tid & 31;
 
   pdl_wait_primary();
-  const SchedMetaRow meta = reinterpret_cast<const SchedMetaRow*>(p.sched_meta)[part];
-  const int begin_req = meta.begin_req;
-  const int end_req = min(meta.end_req, p.batch - 1);
-  if (begin_req < 0 || begin_req > end_req) {
-    pdl_launch_dependents();
-    return;
-  }
+  decode::CtaRequests cta;
+  if (!decode::cta_requests(p, part, cta)) return;
+  const SchedMetaRow& meta = cta.meta;
+  const int begin_req = cta.begin_req, end_req = cta.end_req;
   if (tid == 0) init_pipeline_barriers<T>(ss, &tmap_kv);
   __syncthreads();
 
   if (wg == T::kConsumers) {
     if constexpr (T::kConsumers > 1) cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     const int warp = (tid - T::kConsumers * kThreadsPerWarpGroup) / 32;
-    if (warp == 0) {
-      if (lane == 0) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, 0, hk);
-    } else {
-      transpose_loop<T>(p, ss, meta, begin_req, end_req, 0, warp - 1, lane, debug);
-    }
+    producer_warp<T>(p, &tmap_kv, ss, meta, begin_req, end_req, 0, hk, warp, lane, debug);
   } else {
     if constexpr (T::kConsumers > 1) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     // (one consumer warpgroup: tid and wg = 0 as constants for ptxas, so that its barrier ids are)

@@ -435,4 +435,17 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
   });
 }
 
+// The producer warpgroup's warp `warp` (0..3): warp 0's lane 0 issues the copies, warps 1..3 transpose V (or widen
+// it to fp16). The 64-row and the keys-on-M kernel share it.
+template <class T>
+__device__ __forceinline__ void producer_warp(const DecodeParams& p, const CUtensorMap* tmap,
+                                              typename T::SharedStorage& ss, const SchedMetaRow& meta, int begin_req,
+                                              int end_req, int m_block, int hk, int warp, int lane, int debug) {
+  if (warp == 0) {
+    if (lane == 0) copy_loop<T>(p, tmap, ss, meta, begin_req, end_req, m_block, hk);
+  } else {
+    transpose_loop<T>(p, ss, meta, begin_req, end_req, m_block, warp - 1, lane, debug);
+  }
+}
+
 }  // namespace flashmla_backend::sm90::decode_fp8
