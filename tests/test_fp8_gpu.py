@@ -226,29 +226,6 @@ def test_accurate_few_rows_both_tiles(monkeypatch, case, dtype, tile):
                   f", {tile} tile")
 
 
-# The accurate mode's keys-on-M tile with two consumer warpgroups over alternate blocks (bf16 q, 17-32 rows a KV head;
-# FLASHMLA_BACKEND_FP8_DEBUG bit 256, with bit 16 where the 64-row tile is the shape's default: fewer than 16
-# (request, KV head) pairs, csrc/sm90/decode_fp8/dispatch.cu).
-TWO_CONSUMERS = 256
-TWO_CONSUMER_CASES = [c for c in FEW_ROW_CASES if c.s_q * c.h_q // c.h_kv > 16]
-
-
-@pytest.mark.parametrize("case", TWO_CONSUMER_CASES, ids=str)
-def test_accurate_two_consumer_warpgroups(monkeypatch, case):
-    keys_on_m_default = len(case.lengths) * case.h_kv >= 16
-    debug = TWO_CONSUMERS | (0 if keys_on_m_default else int(OTHER_ACCURATE_TILE))
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(debug))
-    _matches_fp64(case, "bf16q", ", two consumer warpgroups")
-
-
-def test_accurate_two_consumer_warpgroups_many_requests(monkeypatch):
-    """32 rows over 24 requests (the keys-on-M tile by default): several requests a CTA, zero lengths, odd block
-    counts (a virtual block in one warpgroup's share), split requests."""
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(TWO_CONSUMERS))
-    _matches_fp64(Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=2, h_q=16, seed=7), "bf16q",
-                  ", two consumer warpgroups")
-
-
 # The fast mode's two tiles for at most 16 query rows a KV head: the keys-on-M tile is its default with one (request,
 # KV head) pair (csrc/sm90/decode_fp8/dispatch.cu), the 64-row tile otherwise; FLASHMLA_BACKEND_FP8_DEBUG=32 runs the
 # one that is not the default. Past 16 rows the fast mode has the 64-row tile only.

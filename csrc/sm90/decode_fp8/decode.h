@@ -24,8 +24,6 @@ enum class Variant {
   kAccurateKmFP16R32,
   // The fast mode's keys-on-M tile for at most 16 query rows a KV head (dispatch.cu: where it is the default)
   kFastKmR16,
-  // The accurate mode's R = 32 keys-on-M tile with two consumer warpgroups over alternate blocks (kDebugKmTwoConsumers)
-  kAccurateKmBF16R32Two,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -43,8 +41,6 @@ enum DebugFlags : int {
   kDebugOtherL2Promotion = 64,  // the KV tensor map's other L2 promotion (launch.cuh: 128 bytes with one M tile, none
                                 // with more); the same results
   kDebugKmOtherOrder = 128,    // the keys-on-M tile's other step order (keys_on_m.h: kStepAhead); the same results
-  kDebugKmTwoConsumers = 256,  // bf16 q, 17..32 rows on the keys-on-M tile: two consumer warpgroups over alternate
-                               // blocks (not yet measured); the same results within the mode's error
 };
 // The accurate mode's tile for at most 32 query rows a KV head (s_q h_q / h_kv): whether the keys-on-M tile can serve
 // the shape, and whether it does by default (dispatch.cu says where the 64-row tile stays).

@@ -98,9 +98,7 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   if (sm90::decode_fp8::keys_on_m_applies(params) && (debug & sm90::decode_fp8::kDebugOtherAccurateTile)) km = !km;
   switch (params.dtype) {
     case DType::kBF16:
-      if (km && params.q_rows > 16 && (debug & sm90::decode_fp8::kDebugKmTwoConsumers)) {
-        run_decode_kernel<Variant::kAccurateKmBF16R32Two>(params, debug);
-      } else if (km) {
+      if (km) {
         run_keys_on_m<Variant::kAccurateKmBF16R16, Variant::kAccurateKmBF16R32>(params, debug);
       } else {
         run_decode_kernel<Variant::kAccurateBF16>(params, debug);

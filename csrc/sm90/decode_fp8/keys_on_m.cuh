@@ -21,7 +21,6 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
 
 #include <cstdint>
@@ -46,20 +45,8 @@ __device__ __forceinline__ constexpr int km_row(int q, int c) { return 8 * (q >>
 // The column slot of accumulator value i (S^T's first R / 2 values, or an O^T tile's values).
 __device__ __forceinline__ constexpr int km_slot(int i) { return 2 * (i >> 2) + (i & 1); }
 
-// A named barrier of consumer warpgroup wg (its own four ids), or of all consumer warpgroups. Two consumer
-// warpgroups run one copy of the request loop (wg a run-time value), so both reach each barrier at the same
-// instruction and the aligned bar.sync serves; the non-.aligned barrier.sync that the 64-row kernel needs
-// (kernel.cuh: consumers_sync) made ptxas spill 148-208 bytes here instead of 12-16.
-__device__ __forceinline__ void km_sync(KmBarriers id, int wg) {
-  cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, uint32_t(id) + 4u * uint32_t(wg));
-}
-template <class T>
-__device__ __forceinline__ void km_sync_consumers(int wg) {
-  if constexpr (T::kConsumers == 1) {
-    km_sync(KmBarriers::kWarpGroup, wg);
-  } else {
-    cutlass::arch::NamedBarrier::sync(T::kConsumers * kThreadsPerWarpGroup, uint32_t(KmBarriers::kConsumers));
-  }
+__device__ __forceinline__ void km_sync(KmBarriers id) {
+  cutlass::arch::NamedBarrier::sync(kThreadsPerWarpGroup, uint32_t(id));
 }
 
 // The Q copy of a request (one commit group): four threads a row, rows 0..R-1. An e4m3 q lands where S^T reads it;
@@ -111,15 +98,14 @@ __device__ __forceinline__ void km_qk_block(typename T::SharedStorage& ss, int t
 
 // O^T_part += V_part^T P^T of block g; one commit group.
 template <class T, class FragO>
-__device__ __forceinline__ void km_pv_part(typename T::SharedStorage& ss, int tid, int wg, int part, uint32_t g,
-                                           FragO& tOrO) {
+__device__ __forceinline__ void km_pv_part(typename T::SharedStorage& ss, int tid, int part, uint32_t g, FragO& tOrO) {
   using E = typename T::PvElement;
   typename T::TiledMmaO mma;
   auto thr = mma.get_slice(tid);
   const uint32_t z = opaque_zero();
   Tensor sV = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.vt.data() + T::vt_slot(part, g) * T::kVSlotBytes) + z),
                           typename T::SmemLayoutVPart{});  // (kPartCols, 64)
-  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.pt.data() + wg * T::kPtBytes) + z),
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.pt.data()) + z),
                           typename T::SmemLayoutPt{});  // (R, 64)
   Tensor tOrV = thr.partition_fragment_A(sV);  // (MMA, kPartCols / 64, k steps: 4 of k16 or 2 of k32)
   Tensor tOrP = thr.partition_fragment_B(sP);  // (MMA, 1, k steps)
@@ -154,8 +140,7 @@ template <class T, bool kAhead>
 constexpr int km_early_parts = kAhead ? T::kVParts / 2 : (T::kVParts == 4 ? 2 : 0);
 
 // The wait for all of the previous block's P V products, then the release of its parts that the previous step's end
-// did not release (km_early_parts).
-// g_prev: the previous block of this warpgroup (has_prev: there is one in this piece).
+// did not release (km_early_parts). g_prev: the previous block (has_prev: there is one in this piece).
 template <class T, bool kAhead>
 __device__ __forceinline__ void km_release_done_parts(typename T::SharedStorage& ss, uint32_t g_prev, bool has_prev,
                                                       int lane) {
@@ -168,17 +153,17 @@ __device__ __forceinline__ void km_release_done_parts(typename T::SharedStorage&
   }
 }
 
-// The end of the step of block g: with a next block (g_next, this warpgroup's), the wait for its S^T and this block's
-// early parts (their slots go back; the others stay in flight), then the next block's KV stage; without one, the
-// wait for everything and every part's release.
+// The end of the step of block g: with a next block, the wait for its S^T and this block's early parts (their slots
+// go back; the others stay in flight), then the next block's KV stage; without one, the wait for everything and
+// every part's release.
 template <class T, bool kAhead, bool kNext, class FragS, class FragO>
-__device__ __forceinline__ void km_step_end(typename T::SharedStorage& ss, uint32_t g, uint32_t g_next, int lane,
-                                            FragS& tSrS, FragO (&o)[T::kVParts]) {
+__device__ __forceinline__ void km_step_end(typename T::SharedStorage& ss, uint32_t g, int lane, FragS& tSrS,
+                                            FragO (&o)[T::kVParts]) {
   constexpr int kEarlyN = km_early_parts<T, kAhead>;
   if constexpr (kNext) {
     warpgroup_wait<T::kVParts - kEarlyN>();  // the next S^T and the early parts
     warpgroup_fence_operand(tSrS);
-    warp_arrive(ss.kv_empty[stage_of(g_next, T::kStages)], lane);
+    warp_arrive(ss.kv_empty[stage_of(g + 1, T::kStages)], lane);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kEarlyN; ++j) {
       warpgroup_fence_operand(o[km_part<T, kAhead>(j)]);
@@ -239,7 +224,7 @@ constexpr int km_pt_words = T::kQFp8 ? T::kRows / 8 : T::kRows / 4;
 template <class T>
 __device__ __forceinline__ void km_block_max(typename T::SharedStorage& ss, const decode::RequestPiece& w, int tok0,
                                              int key_base, const int (&row_end)[T::kRows / 4],
-                                             const float (&sl2)[T::kRows / 4], int lane, int warp, int wg,
+                                             const float (&sl2)[T::kRows / 4], int lane, int warp,
                                              float (&s)[T::kRows / 2], float (&m)[T::kRows / 4],
                                              float (&sc)[T::kRows / 4], float (&off)[T::kRows / 4]) {
   constexpr int kSlots = T::kRows / 4, kVals = T::kRows / 2;
@@ -264,14 +249,13 @@ __device__ __forceinline__ void km_block_max(typename T::SharedStorage& ss, cons
   }
   if (lane < 4) {
     CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < kSlots; ++q) ss.col_max[wg][warp][km_row(q, c)] = mx[q];
+    for (int q = 0; q < kSlots; ++q) ss.col_max[warp][km_row(q, c)] = mx[q];
   }
-  km_sync(KmBarriers::kColMax, wg);
+  km_sync(KmBarriers::kColMax);
   CUTLASS_PRAGMA_UNROLL
   for (int q = 0; q < kSlots; ++q) {
     const int n = km_row(q, c);
-    const auto& cm = ss.col_max[wg];
-    const float bm = fmaxf(fmaxf(cm[0][n], cm[1][n]), fmaxf(cm[2][n], cm[3][n]));
+    const float bm = fmaxf(fmaxf(ss.col_max[0][n], ss.col_max[1][n]), fmaxf(ss.col_max[2][n], ss.col_max[3][n]));
     float m_new, m_use;
     decode::update_max(m[q], bm, sl2[q], m_new, m_use, sc[q]);
     m[q] = m_new;
@@ -310,9 +294,9 @@ __device__ __forceinline__ void km_block_p(const float (&s)[T::kRows / 2], const
 // This thread's words of P^T (the caller has made sure no P V reads the buffer any more), fenced for wgmma.
 template <class T>
 __device__ __forceinline__ void km_store_pt(typename T::SharedStorage& ss, const uint32_t (&pw)[km_pt_words<T>],
-                                            int lane, int warp, int wg, int c, int key_base) {
+                                            int lane, int warp, int c, int key_base) {
   constexpr int R = T::kRows;
-  const uint32_t pt = cute::cast_smem_ptr_to_uint(ss.pt.data() + wg * T::kPtBytes);
+  const uint32_t pt = cute::cast_smem_ptr_to_uint(ss.pt.data());
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < km_pt_words<T>; ++k) {
     uint32_t addr;
@@ -329,15 +313,14 @@ __device__ __forceinline__ void km_store_pt(typename T::SharedStorage& ss, const
   cutlass::arch::fence_view_async_shared();  // P^T is read by wgmma
 }
 
-// One request piece: the blocks g_base .. g_base + padded_blocks - 1 (producer.cuh: for_each_block walks the same),
-// of which consumer warpgroup wg takes b = wg, wg + kC, ... (kC = T::kConsumers; a piece's block count is even).
+// One request piece: the blocks g_base .. g_base + padded_blocks - 1 (producer.cuh: for_each_block walks the same).
 // m, l: the thread's rows' running max (log2 domain, P's range included) and row sums (this thread's keys only).
 template <class T, bool kAhead, class FragO>
 __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const decode::RequestPiece& w,
                                             const int (&row_end)[T::kRows / 4], const float (&sl2)[T::kRows / 4],
-                                            int tid, int wg, uint32_t g_base, FragO (&o)[T::kVParts],
+                                            int tid, uint32_t g_base, FragO (&o)[T::kVParts],
                                             float (&m)[T::kRows / 4], float (&l)[T::kRows / 4]) {
-  constexpr int R = T::kRows, kSlots = R / 4, kVals = R / 2, kParts = T::kVParts, kC = T::kConsumers;
+  constexpr int R = T::kRows, kSlots = R / 4, kVals = R / 2, kParts = T::kVParts;
   // Quarters (first order): the first two parts' P V is committed before the next block's S^T, so that the wait for
   // that S^T also finds them done and their slots go back to the producer a block earlier than the rest (the slots
   // are rings of one). A wait for fewer groups in the middle of the softmax instead made ptxas serialize every wgmma
@@ -353,26 +336,26 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
   }
   typename T::TiledMmaS mma_s;
   Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockN>, Int<T::kQRows>>{});  // R floats
-  km_qk_block<T>(ss, tid, g_base + uint32_t(wg), tSrS);
+  km_qk_block<T>(ss, tid, g_base, tSrS);
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < kParts; ++k) clear(o[k]);  // here, not before the first S^T (mainloop.cuh: mainloop_wg0 says why)
-  warp_arrive(ss.kv_empty[stage_of(g_base + uint32_t(wg), T::kStages)], lane);
+  warp_arrive(ss.kv_empty[stage_of(g_base, T::kStages)], lane);
 
-  // A step (block b of this warpgroup). The first order: the block's P and P^T, the previous block's P V waited for,
-  // then this block's P V with the next S^T among its parts. The other (kAhead): the next block's S^T is issued as
-  // soon as this block's row maxima are known and the previous block's P V is done (O rescaled with nothing in
-  // flight), so that it runs during this block's P, its P^T store and barriers and its P V issue.
+  // A step (block b). The first order: the block's P and P^T, the previous block's P V waited for, then this block's
+  // P V with the next S^T among its parts. The other (kAhead): the next block's S^T is issued as soon as this block's
+  // row maxima are known and the previous block's P V is done (O rescaled with nothing in flight), so that it runs
+  // during this block's P, its P^T store and barriers and its P V issue.
   auto step = [&](auto next_c, int b) CUTLASS_LAMBDA_FUNC_INLINE {
-    constexpr bool kNext = decltype(next_c)::value;  // block b + kC exists
+    constexpr bool kNext = decltype(next_c)::value;  // block b + 1 exists
     const uint32_t g = g_base + uint32_t(b);
     const int tok0 = (w.first_page + b) * kBlockN;
     float s[kVals];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kVals; ++i) s[i] = T::kQTerms == 2 ? tSrS(i) + tSrS(i + kVals) : tSrS(i);
     float sc[kSlots], off[kSlots];
-    km_block_max<T>(ss, w, tok0, key_base, row_end, sl2, lane, warp, wg, s, m, sc, off);
+    km_block_max<T>(ss, w, tok0, key_base, row_end, sl2, lane, warp, s, m, sc, off);
     uint32_t pw[km_pt_words<T>];
 
     if constexpr (!kAhead) {
@@ -381,56 +364,56 @@ __device__ __forceinline__ void km_mainloop(typename T::SharedStorage& ss, const
       // No wgmma is in flight from here until the next S^T: ptxas serializes every wgmma where O is read while one
       // is (also one of another accumulator: the next S^T issued before the rescale did that), and the wait is not
       // in a branch (at b = 0 nothing is in flight and it returns at once).
-      km_release_done_parts<T, false>(ss, g - uint32_t(kC), b >= kC, lane);
+      km_release_done_parts<T, false>(ss, g - 1, b > 0, lane);
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
       // Each warp's share of a wgmma completes on its own (a warp's tensor core reads the whole P^T for its 16 rows
       // of M), so P^T is rewritten only once every warp has waited for the previous block's P V.
-      km_sync(KmBarriers::kPvDone, wg);
-      km_store_pt<T>(ss, pw, lane, warp, wg, c, key_base);
+      km_sync(KmBarriers::kPvDone);
+      km_store_pt<T>(ss, pw, lane, warp, c, key_base);
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
-      km_sync(KmBarriers::kPtReady, wg);
+      km_sync(KmBarriers::kPtReady);
 
       // ---- the next S^T; O^T += V^T P^T, part by part (with quarters the first two before the next S^T) ----
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kEarly; ++k) {
         km_wait_v<T>(ss, k, g);
-        km_pv_part<T>(ss, tid, wg, k, g, o[k]);
+        km_pv_part<T>(ss, tid, k, g, o[k]);
       }
-      if constexpr (kNext) km_qk_block<T>(ss, tid, g + uint32_t(kC), tSrS);
+      if constexpr (kNext) km_qk_block<T>(ss, tid, g + 1, tSrS);
       CUTLASS_PRAGMA_UNROLL
       for (int k = kEarly; k < kParts; ++k) {
         km_wait_v<T>(ss, k, g);
-        km_pv_part<T>(ss, tid, wg, k, g, o[k]);
+        km_pv_part<T>(ss, tid, k, g, o[k]);
       }
     } else {
       // ---- the previous block's P V done: its late V parts go back, O takes this block's max; the next S^T ----
-      km_release_done_parts<T, true>(ss, g - uint32_t(kC), b >= kC, lane);
+      km_release_done_parts<T, true>(ss, g - 1, b > 0, lane);
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kParts; ++k) km_rescale(o[k], sc);
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kParts; ++k) warpgroup_fence_operand(o[k]);
-      if constexpr (kNext) km_qk_block<T>(ss, tid, g + uint32_t(kC), tSrS);
+      if constexpr (kNext) km_qk_block<T>(ss, tid, g + 1, tSrS);
 
       // ---- P, P^T (every warp has waited for the previous block's P V: the kPvDone barrier), this block's P V ----
       km_block_p<T>(s, sl2, off, sc, lane, pw, l);
-      km_sync(KmBarriers::kPvDone, wg);
-      km_store_pt<T>(ss, pw, lane, warp, wg, c, key_base);
-      km_sync(KmBarriers::kPtReady, wg);
+      km_sync(KmBarriers::kPvDone);
+      km_store_pt<T>(ss, pw, lane, warp, c, key_base);
+      km_sync(KmBarriers::kPtReady);
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kParts; ++j) {
         km_wait_v<T>(ss, km_part<T, true>(j), g);
-        km_pv_part<T>(ss, tid, wg, km_part<T, true>(j), g, o[km_part<T, true>(j)]);
+        km_pv_part<T>(ss, tid, km_part<T, true>(j), g, o[km_part<T, true>(j)]);
       }
     }
-    km_step_end<T, kAhead, kNext>(ss, g, g + uint32_t(kC), lane, tSrS, o);
+    km_step_end<T, kAhead, kNext>(ss, g, lane, tSrS, o);
   };
-  int b = wg;
+  int b = 0;
   CUTLASS_PRAGMA_NO_UNROLL
-  for (; b + kC < nblk; b += kC) step(cute::true_type{}, b);
+  for (; b + 1 < nblk; ++b) step(cute::true_type{}, b);
   step(cute::false_type{}, b);
 }
 
@@ -530,73 +513,11 @@ __device__ __forceinline__ void km_store_output(const DecodeParams& p, const dec
   }
 }
 
-// Two consumer warpgroups at the end of a request piece: warpgroup 1's O, scaled to the common max, added to
-// warpgroup 0's in two halves through the Q tile (no wgmma reads it any more), in a fixed order (warpgroup 0's term
-// first, so the sum is the same in every run). m, l: on return the piece's max and row sums, in both warpgroups.
-template <class T, class FragO>
-__device__ __forceinline__ void km_merge_consumers(typename T::SharedStorage& ss, int tid, int wg,
-                                                   FragO (&o)[T::kVParts], float (&m)[T::kRows / 4],
-                                                   float (&l)[T::kRows / 4]) {
-  constexpr int kSlots = T::kRows / 4, kParts = T::kVParts, kHalf = kParts / 2;
-  const int c = tid & 3;
-  float f[kSlots];  // this warpgroup's factor
-  CUTLASS_PRAGMA_UNROLL
-  for (int q = 0; q < kSlots; ++q) {
-    const int n = km_row(q, c);
-    const float m0 = ss.col_max[0][0][n], m1 = ss.col_max[1][0][n];
-    const float mt = fmaxf(m0, m1);
-    // A warpgroup none of whose keys a row sees has max -inf, l = 0 and O = 0; a row without keys at all keeps -inf.
-    const float f0 = m0 == -INFINITY ? 0.f : exp2f(m0 - mt), f1 = m1 == -INFINITY ? 0.f : exp2f(m1 - mt);
-    const auto& r0 = ss.row_sum[0];
-    const auto& r1 = ss.row_sum[1];
-    const float l0 = (r0[0][n] + r0[1][n]) + (r0[2][n] + r0[3][n]), l1 = (r1[0][n] + r1[1][n]) + (r1[2][n] + r1[3][n]);
-    l[q] = l0 * f0 + l1 * f1;
-    m[q] = mt;
-    f[q] = wg == 0 ? f0 : f1;
-  }
-  float* scratch = reinterpret_cast<float*>(ss.q.data());
-  constexpr int kV0 = decltype(size<0>(o[0]))::value, kV1 = decltype(size<1>(o[0]))::value;
-  constexpr int kVals = kV0 * kV1;  // an O part's values a thread
-  CUTLASS_PRAGMA_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    if (wg == 1) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kHalf; ++k) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int t = 0; t < kV1; ++t) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int v = 0; v < kV0; ++v) {
-            const int i = k * kVals + t * kV0 + v;
-            scratch[i * kThreadsPerWarpGroup + tid] = o[h * kHalf + k](v, t, 0) * f[km_slot(v)];
-          }
-        }
-      }
-    }
-    km_sync_consumers<T>(wg);
-    if (wg == 0) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kHalf; ++k) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int t = 0; t < kV1; ++t) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int v = 0; v < kV0; ++v) {
-            const int i = k * kVals + t * kV0 + v;
-            auto& x = o[h * kHalf + k](v, t, 0);
-            x = x * f[km_slot(v)] + scratch[i * kThreadsPerWarpGroup + tid];
-          }
-        }
-      }
-    }
-    km_sync_consumers<T>(wg);
-  }
-}
-
-// The consumer warpgroups' request loop (tid: the thread in its warpgroup wg). With two, warpgroup 0 loads and splits
-// each request's Q and writes the output after the merge.
+// The consumer warpgroup's request loop.
 template <class T, bool kAhead>
 __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename T::SharedStorage& ss,
                                                  const SchedMetaRow& meta, int begin_req, int end_req, int hk,
-                                                 int tid, int wg) {
+                                                 int tid) {
   constexpr int R = T::kRows, kSlots = R / 4;
   const int lane = tid & 31, warp = tid >> 5, c = lane & 3;
   const uint32_t q_addr = cute::cast_smem_ptr_to_uint(ss.q.data());
@@ -604,7 +525,7 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
   using FragO = decltype(partition_fragment_C(mma_o, Shape<Int<T::kPartCols>, Int<R>>{}));
   FragO o[T::kVParts];  // 4 R floats in all
 
-  if (wg == 0) km_issue_q_copy<T>(p, begin_req, hk, q_addr, tid);
+  km_issue_q_copy<T>(p, begin_req, hk, q_addr, tid);
   uint32_t g_base = 0;
   CUTLASS_PRAGMA_NO_UNROLL
   for (int req = begin_req; req <= end_req; ++req) {
@@ -620,24 +541,22 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
       }
       row_end[q] = end;
     }
-    if (wg == 0) {
-      decode::cp_async_wait_all();
-      if constexpr (!T::kQFp8) {
-        if (tid < 4 * R) {
-          split_q16_row<typename T::QIn>(q_addr, km_q_lo_delta(R),
-                                         [](int r, int cc) { return km_q_chunk_offset(T::kQRows, r, cc); }, tid >> 2,
-                                         tid & 3, ss.q_scale);
-        }
+    decode::cp_async_wait_all();
+    if constexpr (!T::kQFp8) {
+      if (tid < 4 * R) {
+        split_q16_row<typename T::QIn>(q_addr, km_q_lo_delta(R),
+                                       [](int r, int cc) { return km_q_chunk_offset(T::kQRows, r, cc); }, tid >> 2,
+                                       tid & 3, ss.q_scale);
       }
-      cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
     }
-    km_sync_consumers<T>(wg);
-    if (wg == 0 && tid < R) {
+    cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
+    km_sync(KmBarriers::kWarpGroup);
+    if (tid < R) {
       const float dk = descale_k_at(p, w.req, hk);
       ss.row_scale_log2[tid] = p.scale_log2 * dk * (T::kQFp8 ? descale_q_at(p, w.req, hk) : ss.q_scale[tid]);
       if (tid == 0) ss.value_scale = dk;
     }
-    km_sync_consumers<T>(wg);
+    km_sync(KmBarriers::kWarpGroup);
     float sl2[kSlots], m[kSlots], l[kSlots];
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kSlots; ++q) {
@@ -645,10 +564,10 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
       m[q] = -INFINITY;
       l[q] = 0.f;
     }
-    km_mainloop<T, kAhead>(ss, w, row_end, sl2, tid, wg, g_base, o, m, l);
+    km_mainloop<T, kAhead>(ss, w, row_end, sl2, tid, g_base, o, m, l);
     g_base += uint32_t(padded_blocks(w.num_blocks));
 
-    // Row sums: the eight lanes of a column slot, then the four warps (and, with two warpgroups, the max).
+    // Row sums: the eight lanes of a column slot, then the four warps.
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < kSlots; ++q) {
       l[q] += __shfl_xor_sync(0xffffffffu, l[q], 4);
@@ -657,38 +576,23 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
     }
     if (lane < 4) {
       CUTLASS_PRAGMA_UNROLL
-      for (int q = 0; q < kSlots; ++q) {
-        ss.row_sum[wg][warp][km_row(q, c)] = l[q];
-        if (T::kConsumers > 1 && warp == 0) ss.col_max[wg][0][km_row(q, c)] = m[q];
-      }
+      for (int q = 0; q < kSlots; ++q) ss.row_sum[warp][km_row(q, c)] = l[q];
     }
     // Every warp is past its last wgmma: the Q tile may be overwritten.
-    km_sync_consumers<T>(wg);
-    if constexpr (T::kConsumers > 1) {
-      km_merge_consumers<T>(ss, tid, wg, o, m, l);
-      if (req == end_req) pdl_launch_dependents();
-      if (wg == 0) {
-        if (req < end_req) km_issue_q_copy<T>(p, req + 1, hk, q_addr, tid);
-        CUTLASS_PRAGMA_UNROLL
-        for (int q = 0; q < kSlots; ++q) m[q] -= kPScaleLog2;  // l carries P's 2^kPScaleLog2 (config.h): lse must not
-        km_store_output<T>(p, w, hk, tid, o, l, m, ss.value_scale);
-      }
+    km_sync(KmBarriers::kWarpGroup);
+    if (req < end_req) {
+      km_issue_q_copy<T>(p, req + 1, hk, q_addr, tid);
     } else {
-      if (req < end_req) {
-        km_issue_q_copy<T>(p, req + 1, hk, q_addr, tid);
-      } else {
-        pdl_launch_dependents();
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int q = 0; q < kSlots; ++q) {
-        const int n = km_row(q, c);
-        const auto& rs = ss.row_sum[0];
-        l[q] = (rs[0][n] + rs[1][n]) + (rs[2][n] + rs[3][n]);
-        m[q] -= kPScaleLog2;  // l carries P's 2^kPScaleLog2 (config.h): lse must not
-      }
-      km_store_output<T>(p, w, hk, tid, o, l, m, ss.value_scale);
+      pdl_launch_dependents();
     }
-    km_sync_consumers<T>(wg);  // row_sum, col_max, q_scale, row_scale_log2 reused
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < kSlots; ++q) {
+      const int n = km_row(q, c);
+      l[q] = (ss.row_sum[0][n] + ss.row_sum[1][n]) + (ss.row_sum[2][n] + ss.row_sum[3][n]);
+      m[q] -= kPScaleLog2;  // l carries P's 2^kPScaleLog2 (config.h): lse must not
+    }
+    km_store_output<T>(p, w, hk, tid, o, l, m, ss.value_scale);
+    km_sync(KmBarriers::kWarpGroup);  // row_sum, q_scale, row_scale_log2 reused
   }
 }
 
@@ -717,18 +621,11 @@ __global__ void __launch_bounds__(T::kNumThreads, 1)
   if (tid == 0) init_pipeline_barriers<T>(ss, &tmap_kv);
   __syncthreads();
 
-  if (wg == T::kConsumers) {
-    if constexpr (T::kConsumers > 1) cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    const int warp = (tid - T::kConsumers * kThreadsPerWarpGroup) / 32;
+  if (wg == 1) {
+    const int warp = (tid - kThreadsPerWarpGroup) / 32;
     producer_warp<T>(p, &tmap_kv, ss, meta, begin_req, end_req, 0, hk, warp, lane, debug);
   } else {
-    if constexpr (T::kConsumers > 1) cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    // (one consumer warpgroup: tid and wg = 0 as constants for ptxas, so that its barrier ids are)
-    if constexpr (T::kConsumers == 1) {
-      km_consumer_loop<T, kAhead>(p, ss, meta, begin_req, end_req, hk, tid, 0);
-    } else {
-      km_consumer_loop<T, kAhead>(p, ss, meta, begin_req, end_req, hk, tid - wg * kThreadsPerWarpGroup, wg);
-    }
+    km_consumer_loop<T, kAhead>(p, ss, meta, begin_req, end_req, hk, tid);
   }
 #else
   if (threadIdx.x == 0) printf("flashmla_backend: sm90 FP8 decode kernel was not compiled for sm_90a\n");

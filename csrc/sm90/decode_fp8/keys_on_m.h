@@ -25,15 +25,14 @@ namespace flashmla_backend::sm90::decode_fp8 {
 using namespace cute;
 
 // One consumer warpgroup (warpgroup 0) and the producer (warpgroup 1): 256 threads, without setmaxnreg (each
-// thread may hold 255 registers). Two consumer warpgroups (TraitsKM::kConsumers): 384 threads, the producer
-// warpgroup 2, setmaxnreg (kConsumerRegs / kProducerRegs).
+// thread may hold 255 registers).
 
 // QIn: bf16 or fp16 (the accurate mode). kRows: R, query rows of the tile (16 or 32; a tile serves up to R rows of
 // one KV head). kStages: KV blocks in flight. kVParts: the fp16 V of a block in 2 halves or 4 quarters of value
 // columns (each its own O^T accumulator, P V product and slot ring; the producer fills a half with two V piece pairs,
 // a quarter with one). kRingA / kRingB: the rings (blocks in flight) of the first and the second half of the parts
 // (traits.h: VRings). The one consumer reads a block's parts in order.
-template <class QIn_, int kRows_, int kStages_, int kVParts_, int kRingA_, int kRingB_, int kConsumers_ = 1>
+template <class QIn_, int kRows_, int kStages_, int kVParts_, int kRingA_, int kRingB_>
 struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   using Rings = VRings<kStages_, kVParts_, kRingA_, kRingB_>;
   using Rings::kVtEmptyCopies;
@@ -56,14 +55,7 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   static_assert(!kQFp8 || kVParts == 2, "the fast mode's V^T comes in halves");
   static constexpr int kPartCols = kHeadDimV / kVParts;  // 256 or 128
   static constexpr int kRingFirst = kRingA_, kRingSecond = kRingB_;
-  // Consumer warpgroups: one walks all of a request piece's blocks; two take alternate blocks (warpgroup c the blocks
-  // b = c mod 2), each with its own running max, row sums, O and P^T, and merge at the end of the piece through the
-  // Q tile (keys_on_m.cuh: km_merge_consumers). A block is still read by one warpgroup, so the producer's protocol
-  // and arrival counts are unchanged.
-  static constexpr int kConsumers = kConsumers_;
-  static_assert(kConsumers == 1 || (kConsumers == 2 && !kQFp8), "two consumer warpgroups: the accurate mode");
-  static constexpr int kNumThreads = (kConsumers + 1) * kThreadsPerWarpGroup;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 224 : 0;  // setmaxnreg (2 x 128 x 224 + 128 x 56 <= 64 K)
+  static constexpr int kNumThreads = 2 * kThreadsPerWarpGroup;  // the consumer warpgroup and the producer's
   // The step order (keys_on_m.cuh: km_mainloop; FLASHMLA_BACKEND_FP8_DEBUG bit 128 runs the other). Measured on an
   // H100 (docs/perf/journal.md, 2026-11-27 evening), the next S^T issued ahead, once the block's maxima are known, is
   // faster for the accurate mode at R = 16 (b128 h_q 16 229.1-229.5 against 232.9-233.1 us, varlen h_q 16 141.2-141.3
@@ -77,8 +69,8 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   static constexpr bool kPvF16 = !kQFp8;
   static constexpr bool kShareVt = false;
   static constexpr bool kKeysOnM = true;
-  // One consumer: no setmaxnreg, only units_in_flight reads it; two: the producer's setmaxnreg.
-  static constexpr int kProducerRegs = kQFp8 ? 88 : (kConsumers == 2 ? 56 : 0);
+  // No setmaxnreg: only units_in_flight reads it.
+  static constexpr int kProducerRegs = kQFp8 ? 88 : 0;
   static constexpr int kVSlotPairs = kNumVPairs / kVParts;
   static constexpr int kVSlotBytes = kPartCols * kBlockN * (kPvF16 ? 2 : 1);
 
@@ -129,12 +121,11 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVSlotBytes, kSmemAlign> vt;  // slot s: s * kVSlotBytes
     // P^T of the current block (written once the previous block's P V completed: keys_on_m.cuh).
-    // (consumer c's at c kPtBytes)
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, kConsumers * kPtBytes, kSmemAlign> pt;
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kPtBytes, kSmemAlign> pt;
     // Per-warp maxima of a block's rows (one buffer: a block's are read before the kPtReady barrier that the next
     // block's writes come after), and the row sums at the end of a request.
-    float col_max[kConsumers][4][kRows];  // [consumer]; at the end of a piece [c][0] holds its running max
-    float row_sum[kConsumers][4][kRows];
+    float col_max[4][kRows];
+    float row_sum[4][kRows];
     float q_scale[kRows];         // a 16-bit q row's split scale (q ~ q_scale (hi + lo))
     float row_scale_log2[kRows];  // scale_log2 * descale_k * (descale_q or q_scale) of the current request
     float value_scale;
@@ -146,7 +137,6 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
     cutlass::arch::ClusterBarrier vt_empty[kVtSlots][kVtEmptyCopies];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
-  static_assert(kConsumers == 1 || kQBytes >= kHeadDimV / 2 * kRows * 4, "the merge's half of O fits the Q tile");
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 };
 
@@ -156,8 +146,6 @@ enum class KmBarriers : uint32_t {
   kPtReady = 1, // P^T of a block is written (and fenced)
   kWarpGroup = 2,  // request boundaries, Q tile, row sums
   kPvDone = 3,  // every warp waited for the previous block's P V: P^T may be rewritten
-  // (consumer warpgroup c uses the four above as id + 4 c)
-  kConsumers = 8,  // two consumer warpgroups: the Q tile, a piece's end and the merge
 };
 
 }  // namespace flashmla_backend::sm90::decode_fp8

@@ -107,12 +107,6 @@ template <>
 struct VariantTraits<Variant::kAccurateKmFP16R32> {
   using type = TraitsKM<cutlass::half_t, 32, 3, 4, 1, 1>;
 };
-// Two consumer warpgroups over alternate blocks (keys_on_m.h: kConsumers; written after the profile of the R = 32 tile,
-// whose one warpgroup's chain a block leaves the tensor cores idle; not yet run on a GPU): the same plan, 220 KB.
-template <>
-struct VariantTraits<Variant::kAccurateKmBF16R32Two> {
-  using type = TraitsKM<cutlass::bfloat16_t, 32, 3, 4, 1, 1, 2>;
-};
 // The fast mode's keys-on-M tile (an e4m3 q: one term, P V on e4m3 tensor cores with the transposed V^T) for at most
 // 16 rows: its Q tile (9 KB) and V^T halves (16 KB) leave room for 4 KV stages with V^T rings of 2 + 2 (218 KB).
 // (An R = 32 plan, 4 stages with rings of 2 + 1 or 1 + 2, was slower than the 64-row tile at every batch measured:
