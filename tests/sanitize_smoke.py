@@ -29,7 +29,8 @@ CASES = [
 ]
 
 # FP8 cache (sm_90a only): empty requests, page edges, two KV heads with s_q 2, one request in many splits, and 32
-# query rows over 16 requests (the keys-on-M tile's R = 32 plan, chosen from 16 (request, KV head) pairs on).
+# query rows over 16 requests (the accurate mode's stacked Q tile with 3 KV stages, chosen from 8 (request, KV head)
+# pairs on; the 2-stage plan with FLASHMLA_BACKEND_FP8_DEBUG=256, every tile at every row count with 512 + 16).
 FP8_CASES = [
     Case(lengths=[0, 1, 65, 140], s_q=1, h_q=16),
     Case(lengths=[(37 * i) % 300 for i in range(16)], s_q=1, h_q=32),

@@ -5,8 +5,10 @@ in unused block-table entries, lengths 0 and non-multiples of 64, s_q up to 16 c
 query tokens, h_kv 1 and 2; bitwise repeatability; CUDA-graph replays that read a descale_k changed after capture.
 Descales per (request, KV head) ([b, h_kv], any strides): against fp64 and the reference, bitwise the per-tensor
 result of each request's own scale, expanded stride-0 tensors bitwise the per-tensor ones, graph replays with the
-tables changed. At most 32 query rows a KV head: both modes' two tiles (the 64-row one and the keys-on-M one), each
-against fp64, with per-request descales and graph replays. The removed kernel switch FLASHMLA_BACKEND_FP8_KERNEL is
+tables changed. At most 32 query rows a KV head: both modes' two tiles (the accurate mode: keys on M or the stacked Q
+tile up to 16 rows, the stacked or the 64-row tile at 17-32; the fast mode: keys on M or the 64-row tile up to 16),
+each against fp64, with per-request descales and graph replays; the stacked Q tile at every row count in both its
+plans. The removed kernel switch FLASHMLA_BACKEND_FP8_KERNEL is
 refused.
 """
 import pytest
@@ -197,9 +199,10 @@ def test_graph_replay_reads_the_current_descale_tables(mode):
     _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), mode, 7, 11)
 
 
-# ---- the accurate mode's two tiles for at most 32 query rows a KV head ---------------------------------------------
-# s_q h_q / h_kv <= 32 rows can run on the 64-row tile or on the keys-on-M tile (csrc/sm90/decode_fp8/keys_on_m.h);
-# FLASHMLA_BACKEND_FP8_DEBUG=16 runs the one that is not the default. Both are tested here, whichever is the default.
+# ---- the accurate mode's tiles for at most 32 query rows a KV head -------------------------------------------------
+# s_q h_q / h_kv <= 16 rows run on the keys-on-M tile (csrc/sm90/decode_fp8/keys_on_m.h) or the stacked Q tile,
+# 17..32 rows on the stacked Q tile or the two-term 64-row tile; FLASHMLA_BACKEND_FP8_DEBUG=16 runs the one that is not
+# the default. Both are tested here, whichever is the default.
 OTHER_ACCURATE_TILE = "16"
 FEW_ROW_CASES = [
     Case(lengths=[100, 300], h_q=16),                                    # 16 rows
@@ -224,6 +227,58 @@ def test_accurate_few_rows_both_tiles(monkeypatch, case, dtype, tile):
         monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", OTHER_ACCURATE_TILE)
     _matches_fp64(Case(**{**case.__dict__, "dtype": dtype}), "fp16q" if dtype == torch.float16 else "bf16q",
                   f", {tile} tile")
+
+
+# The accurate mode's stacked Q tile (both q terms in one tile of 32 query rows; csrc/sm90/decode_fp8/traits.h:
+# kStackedTerms): the default at 17..32 rows a KV head and at 33..64 with one (request, KV head) pair; at <= 16 rows
+# with FLASHMLA_BACKEND_FP8_DEBUG bit 16, at other shapes past 32 rows with bit 512 (several 32-row tiles); bit 256 runs
+# its other plan (3 KV stages, or 2 with two left fp16 V slots).
+STACKED_OTHER_PLAN, STACKED_MANY_ROWS = 256, 512
+
+
+def _stacked_debug(case, other_plan):
+    """The FLASHMLA_BACKEND_FP8_DEBUG value that runs the case on the stacked tile (csrc/sm90/decode_fp8/dispatch.cu)."""
+    rows = case.s_q * case.h_q // case.h_kv
+    one_pair = len(case.lengths) * case.h_kv == 1
+    if rows <= 16:
+        debug = int(OTHER_ACCURATE_TILE)
+    elif rows <= 32 or (rows <= 64 and one_pair):
+        debug = 0
+    else:
+        debug = STACKED_MANY_ROWS
+    return debug | (STACKED_OTHER_PLAN if other_plan else 0)
+
+
+def test_accurate_stacked_terms_by_default_at_b1_h64():
+    """One request with 64 rows: two stacked tiles by default."""
+    _matches_fp64(Case(lengths=[5000], h_q=64, seed=64), "bf16q", ", stacked terms by default")
+
+
+@pytest.mark.parametrize("plan", ["default", "other"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16q", "fp16q"])
+@pytest.mark.parametrize("case", FEW_ROW_CASES + [c for c in CASES if c.s_q <= 16], ids=str)
+def test_accurate_stacked_terms(monkeypatch, case, dtype, plan):
+    """Every row count through the stacked tile in both plans (FEW_ROW_CASES: 1-32 rows; CASES: up to 256 rows in
+    tiles of 32), against fp64."""
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, plan == "other")))
+    _matches_fp64(Case(**{**case.__dict__, "dtype": dtype}), "fp16q" if dtype == torch.float16 else "bf16q",
+                  f", stacked terms, {plan} plan")
+
+
+@pytest.mark.parametrize("plan", ["default", "other"])
+def test_accurate_stacked_terms_many_requests(monkeypatch, plan):
+    """32 rows over 24 requests: several requests a CTA, zero lengths, odd block counts (a virtual block), split
+    requests."""
+    case = Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=2, h_q=16, seed=7)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, plan == "other")))
+    _matches_fp64(case, "bf16q", f", stacked terms, {plan} plan")
+
+
+@pytest.mark.parametrize("rows", [32, 128])
+def test_accurate_stacked_terms_per_request_descales_and_graph_replay(monkeypatch, rows):
+    case = Case(lengths=[300, 0, 1500, 70], s_q=rows // 16, h_q=32, h_kv=2)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False)))
+    _graph_replay_follows_descale_tables(case, "bf16q", 9, 13)
 
 
 # The fast mode's two tiles for at most 16 query rows a KV head: the keys-on-M tile is its default with one (request,

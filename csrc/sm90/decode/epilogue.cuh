@@ -7,6 +7,7 @@
 #include <cutlass/cutlass.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/device.cuh"
 #include "params.h"
@@ -31,6 +32,14 @@ __device__ __forceinline__ void interleaved_quad(const FragO& tOrO, int a, int v
   for (int k = 0; k < 4; ++k) x[k] = tOrO(interleaved_value_index(a, v, k)) * inv;
 }
 
+// Output rows of a thread's two accumulator rows (g and g + 8): both, unless the Traits say kOutRowsPerThread = 1
+// (the FP8 accurate mode's stacked Q tile, whose two rows are one query row computed twice).
+template <class T, class = void>
+struct OutRowsPerThread : std::integral_constant<int, 2> {};
+template <class T>
+struct OutRowsPerThread<T, std::void_t<decltype(T::kOutRowsPerThread)>>
+    : std::integral_constant<int, T::kOutRowsPerThread> {};
+
 // l: final row sums, m: running max (log2 domain, scaled) of the thread's two rows (softmax.cuh).
 // v_scale: with T::KvFormat::kScaled (the e4m3 cache of the FP8 tensor-core kernel), the value scale of this request
 // and kv head (V = V_stored * v_scale), applied once here (the split accumulators carry it too, so the combine does
@@ -43,8 +52,8 @@ __device__ __forceinline__ void store_output(const DecodeParams& p, const Reques
   const int lane = tid & 31;
   const int col0 = wg * kHalfDimV + 2 * (lane & 3);
   CUTLASS_PRAGMA_UNROLL
-  for (int v = 0; v < 2; ++v) {
-    const int r = m_block * kBlockM + ri.row[v];
+  for (int v = 0; v < OutRowsPerThread<T>::value; ++v) {
+    const int r = m_block * TileRowsOf<T>::value + ri.row[v];
     if (r >= p.q_rows) continue;
     const int s = r / p.ngroups;
     const int h = hk * p.ngroups + (r - s * p.ngroups);

@@ -8,6 +8,8 @@
 
 #include <cutlass/cutlass.h>
 
+#include <type_traits>
+
 #include "common/device.cuh"  // pdl_launch_dependents
 #include "params.h"
 #include "sm90/decode/config.h"
@@ -33,6 +35,13 @@ __device__ __forceinline__ bool cta_requests(const DecodeParams& p, int part, Ct
   return true;
 }
 
+// Query rows of a kernel's M tile: kBlockM, unless its Traits say kTileRows (the FP8 accurate mode's stacked Q tile:
+// 32, sm90/decode_fp8/traits.h). Tile m_block holds rows [tile_rows m_block, tile_rows (m_block + 1)).
+template <class T, class = void>
+struct TileRowsOf : std::integral_constant<int, kBlockM> {};
+template <class T>
+struct TileRowsOf<T, std::void_t<decltype(T::kTileRows)>> : std::integral_constant<int, T::kTileRows> {};
+
 // One request piece as seen by this CTA. All values are CTA-uniform; token bounds are request-local.
 struct RequestPiece {
   int req;
@@ -47,8 +56,9 @@ struct RequestPiece {
   bool split;       // request has more than one split: write o_accum / lse_accum
 };
 
+// tile_rows: query rows of an M tile (kBlockM, or 32 for the FP8 accurate mode's stacked Q tile).
 __device__ __forceinline__ RequestPiece make_request_piece(const DecodeParams& p, const SchedMetaRow& meta,
-                                                           int req, int m_block) {
+                                                           int req, int m_block, int tile_rows = kBlockM) {
   RequestPiece w;
   w.req = req;
   const int max_len = kBlockN * p.max_pages_per_seq;
@@ -60,9 +70,10 @@ __device__ __forceinline__ RequestPiece make_request_piece(const DecodeParams& p
   w.len = len;
   w.start = start;
   w.stop = stop;
-  // Rows of this tile: r in [64 m_block, min(q_rows, 64 m_block + 64)); row r is query token r / ngroups.
-  const int row_first = m_block * kBlockM;
-  const int row_last = min(p.q_rows, row_first + kBlockM) - 1;
+  // Rows of this tile: r in [tile_rows m_block, min(q_rows, tile_rows (m_block + 1))); row r is query token
+  // r / ngroups.
+  const int row_first = m_block * tile_rows;
+  const int row_last = min(p.q_rows, row_first + tile_rows) - 1;
   if (p.causal) {
     // token s sees keys [0, len - s_q + s + 1)
     const int s_first = row_first / p.ngroups;
@@ -98,10 +109,11 @@ struct RowInfo {
 
 // One past the last key each of the thread's two rows may see in piece w (causal: query token s of s_q sees
 // keys [0, len - s_q + s + 1)).
-__device__ __forceinline__ void set_row_ends(const DecodeParams& p, const RequestPiece& w, int m_block, RowInfo& ri) {
+__device__ __forceinline__ void set_row_ends(const DecodeParams& p, const RequestPiece& w, int m_block, RowInfo& ri,
+                                             int tile_rows = kBlockM) {
   CUTLASS_PRAGMA_UNROLL
   for (int v = 0; v < 2; ++v) {
-    const int r = m_block * kBlockM + ri.row[v];
+    const int r = m_block * tile_rows + ri.row[v];
     int end = w.stop_eff;  // rows past q_rows: any bound that keeps them finite
     if (r < p.q_rows) {
       end = w.stop;

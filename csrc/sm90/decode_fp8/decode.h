@@ -17,13 +17,17 @@ enum class Variant {
   kFastE4m3QCluster, // kFastE4m3QStream as 2-CTA clusters over the two M tiles, sharing the V transposition
   kAccurateBF16, // bf16 q split in two e4m3 terms for Q K^T, P V in fp16 (traits.h: kPvF16), bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms for Q K^T, P V in fp16, fp16 out
-  // The accurate mode for at most 16 / 32 query rows a KV head (s_q h_q / h_kv): the keys-on-M tile (keys_on_m.h)
+  // The accurate mode for at most 16 query rows a KV head (s_q h_q / h_kv): the keys-on-M tile (keys_on_m.h)
   kAccurateKmBF16R16,
-  kAccurateKmBF16R32,
   kAccurateKmFP16R16,
-  kAccurateKmFP16R32,
   // The fast mode's keys-on-M tile for at most 16 query rows a KV head (dispatch.cu: where it is the default)
   kFastKmR16,
+  // 16-bit q with both e4m3 terms stacked in one Q tile of 32 query rows (traits.h: kStackedTerms): the default at
+  // 17..32 rows a KV head (dispatch.cu); 3 KV stages, or 2 with two slots of the left fp16 V half (launch.cuh)
+  kAccurateStackedBF16,
+  kAccurateStackedBF16Left2,
+  kAccurateStackedFP16,
+  kAccurateStackedFP16Left2,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -35,17 +39,25 @@ enum DebugFlags : int {
   kDebugOtherFastPlan = 4,     // the fast mode runs the other pipeline plan than the shape's (same results)
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
-                                 // (keys on M, or the 64-row tile); the same results within the mode's error
+                                 // (at <= 16 rows the stacked Q tile for keys on M, at 17..32 the two-term 64-row tile
+                                 // for the stacked one); the same results within the mode's error
   kDebugFastKeysOnM = 32,      // the fast mode at <= 16 query rows a KV head: the other tile than the default (keys on
                                // M, or the 64-row tile); the same results within the mode's error
   kDebugOtherL2Promotion = 64,  // the KV tensor map's other L2 promotion (launch.cuh: 128 bytes with one M tile, none
                                 // with more); the same results
   kDebugKmOtherOrder = 128,    // the keys-on-M tile's other step order (keys_on_m.h: kStepAhead); the same results
+  kDebugStackedOtherPlan = 256,  // the stacked Q tile's other plan than the shape's (3 KV stages, or 2 with two left
+                                 // fp16 V slots; dispatch.cu); the same results
+  kDebugStackedManyRows = 512,   // the accurate mode past 32 query rows a KV head: the other tile than the default
+                                 // (stacked Q tiles of 32 rows, or the two-term 64-row tile); the same results within
+                                 // the mode's error
 };
-// The accurate mode's tile for at most 32 query rows a KV head (s_q h_q / h_kv): whether the keys-on-M tile can serve
-// the shape, and whether it does by default (dispatch.cu says where the 64-row tile stays).
+// The accurate mode's tiles (dispatch.cu): the keys-on-M tile serves at most 16 query rows a KV head (s_q h_q / h_kv),
+// the stacked Q tile is the default at 17..32 rows (and at 33..64 with one (request, KV head) pair), and it runs 3 KV
+// stages from a batch's worth of pairs.
 bool keys_on_m_applies(const DecodeParams& params);
-bool keys_on_m_by_default(const DecodeParams& params);
+bool stacked_terms_by_default(const DecodeParams& params);
+bool stacked_three_stages(const DecodeParams& params);
 // The same for the fast mode, whose keys-on-M tile serves at most 16 rows.
 bool fast_keys_on_m_applies(const DecodeParams& params);
 bool fast_keys_on_m_by_default(const DecodeParams& params);

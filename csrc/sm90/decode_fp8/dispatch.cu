@@ -35,15 +35,26 @@ bool cluster_plan_applies(const DecodeParams& p) {
   // causal limit differs between their rows.
   return !p.causal || p.seqlen_q == 1 || p.ngroups % (2 * kBlockM) == 0;
 }
-bool keys_on_m_applies(const DecodeParams& p) { return p.q_rows <= 32; }
-// Measured on an H100 (docs/perf/journal.md, 2026-11-27): up to 16 rows the keys-on-M tile is faster at every batch
-// (b = 1 to 128: 22.5 against 31 us at b = 1, 237 against 330 at b = 128); with 17..32 rows at b64 h_q 32 and b128
-// s_q 2 h_q 16 (168 against 186 us, 294 against 336), but not at b = 1 (h_q 32: 42.5 against 34): one consumer
-// warpgroup walks a split's few blocks one after the other, where the 64-row tile's two take two at a time. With
-// 17..32 rows it is the default from kKeysOnM32MinRequests (request, KV head) pairs.
-constexpr int kKeysOnM32MinRequests = 16;
-bool keys_on_m_by_default(const DecodeParams& p) {
-  return keys_on_m_applies(p) && (p.q_rows <= 16 || p.batch * p.num_heads_kv >= kKeysOnM32MinRequests);
+// The accurate mode's tiles by query rows a KV head (s_q h_q / h_kv), measured on an H100 (docs/perf/journal.md,
+// 2026-11-27): up to 16 rows the keys-on-M tile (keys_on_m.h) is faster than the 64-row tile at every batch (b = 1 h_q
+// 16: 22.5 against 31 us, b128: 237 against 330) and than the stacked Q tile from 4 (request, KV head) pairs (b4 28.1
+// against 33.9, b128 229.7 against 256.4; at b1 / b2 the stacked tile was 3% faster: 18.9 / 19.5, 21.1 / 22.2). With
+// 17..32 rows the stacked Q tile (traits.h: kStackedTerms) is faster than both others at every batch measured (h_q
+// 32, b1 21.5 against the 64-row tile's 24.4, b4 36.1 / 41.7, b16 60.9 against keys-on-M's 70.9, b64 147-150 /
+// 160, b128 s_q 2 h_q 16 262 / 284). Past 32 rows the two-term 64-row tile, but for one (request, KV head) pair with
+// at most 64 rows, where two stacked tiles take a split's blocks with one Q K^T product each (b = 1 h_q 64: 23.7
+// against 29.3 us; from b2 on, and at b = 1 h_q 128, the stacked tiles were slower: b2 h_q 64 39.6 / 35.9, b128 490 /
+// 337, b = 1 h_q 128 38.6 / 35.2).
+bool keys_on_m_applies(const DecodeParams& p) { return p.q_rows <= 16; }
+bool stacked_terms_by_default(const DecodeParams& p) {
+  return (p.q_rows > 16 && p.q_rows <= 32) || (p.q_rows <= 64 && p.batch * p.num_heads_kv == 1 && p.q_rows > 32);
+}
+// The stacked tile's plans: 3 KV stages from kStackedThreeStagesMinPairs (request, KV head) pairs (h_q 32: b8 45.1
+// against 46.7 us, b64 147-150 / 157-160), 2 stages with two slots of the left fp16 V half below (b2 25.4 / 26.4, b4
+// 36.1 / 39.0).
+constexpr int kStackedThreeStagesMinPairs = 8;
+bool stacked_three_stages(const DecodeParams& p) {
+  return p.batch * p.num_heads_kv >= kStackedThreeStagesMinPairs;
 }
 // The fast mode's keys-on-M tile (one q term, P V on e4m3 tensor cores), measured on an H100 (docs/perf/journal.md,
 // 2026-11-27) against the fast 64-row tile, h_q 16: faster with one (request, KV head) pair (b = 1: 16.4 / 18.0 / 25.8
@@ -56,13 +67,26 @@ bool fast_keys_on_m_by_default(const DecodeParams& p) {
 }
 }  // namespace sm90::decode_fp8
 
-// The accurate mode's keys-on-M tile for the shape's rows: R = 16 up to 16 rows a KV head, else R = 32.
-template <sm90::decode_fp8::Variant kR16, sm90::decode_fp8::Variant kR32>
-static void run_keys_on_m(const DecodeParams& params, int debug) {
-  if (params.q_rows <= 16) {
-    sm90::decode_fp8::run_decode_kernel<kR16>(params, debug);
+// The accurate mode's tile for one q dtype: keys on M (R = 16), the stacked Q tile in its two plans, or the two-term
+// 64-row tile. FLASHMLA_BACKEND_FP8_DEBUG: bit 16 runs the other tile at <= 32 rows (keys on M <-> stacked up to 16
+// rows, stacked <-> the 64-row tile at 17..32), bit 512 past 32 rows (stacked <-> the 64-row tile), bit 256 the
+// stacked tile's other plan.
+template <sm90::decode_fp8::Variant kKeysOnM, sm90::decode_fp8::Variant kStacked,
+          sm90::decode_fp8::Variant kStackedLeft2, sm90::decode_fp8::Variant kTwoTerms>
+static void run_accurate(const DecodeParams& params, int debug) {
+  namespace d = sm90::decode_fp8;
+  const bool other = debug & (params.q_rows <= 32 ? d::kDebugOtherAccurateTile : d::kDebugStackedManyRows);
+  const bool stacked = d::stacked_terms_by_default(params) != other;
+  if (stacked) {
+    if (d::stacked_three_stages(params) != bool(debug & d::kDebugStackedOtherPlan)) {
+      d::run_decode_kernel<kStacked>(params, debug);
+    } else {
+      d::run_decode_kernel<kStackedLeft2>(params, debug);
+    }
+  } else if (d::keys_on_m_applies(params)) {
+    d::run_decode_kernel<kKeysOnM>(params, debug);
   } else {
-    sm90::decode_fp8::run_decode_kernel<kR32>(params, debug);
+    d::run_decode_kernel<kTwoTerms>(params, debug);
   }
 }
 
@@ -92,24 +116,14 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
     }
     return;
   }
-  // The accurate mode: at most 32 query rows a KV head may take the keys-on-M tile (keys_on_m_by_default; the debug
-  // bit runs the other tile).
-  bool km = sm90::decode_fp8::keys_on_m_by_default(params);
-  if (sm90::decode_fp8::keys_on_m_applies(params) && (debug & sm90::decode_fp8::kDebugOtherAccurateTile)) km = !km;
   switch (params.dtype) {
     case DType::kBF16:
-      if (km) {
-        run_keys_on_m<Variant::kAccurateKmBF16R16, Variant::kAccurateKmBF16R32>(params, debug);
-      } else {
-        run_decode_kernel<Variant::kAccurateBF16>(params, debug);
-      }
+      run_accurate<Variant::kAccurateKmBF16R16, Variant::kAccurateStackedBF16, Variant::kAccurateStackedBF16Left2,
+                   Variant::kAccurateBF16>(params, debug);
       return;
     case DType::kFP16:
-      if (km) {
-        run_keys_on_m<Variant::kAccurateKmFP16R16, Variant::kAccurateKmFP16R32>(params, debug);
-      } else {
-        run_decode_kernel<Variant::kAccurateFP16>(params, debug);
-      }
+      run_accurate<Variant::kAccurateKmFP16R16, Variant::kAccurateStackedFP16, Variant::kAccurateStackedFP16Left2,
+                   Variant::kAccurateFP16>(params, debug);
       return;
   }
   FMLA_HOST_CHECK(false, "sm90 FP8 decode: unsupported dtype " << int(params.dtype));

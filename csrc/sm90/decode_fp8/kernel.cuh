@@ -57,9 +57,16 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
   const int tid_in_wg = tid % kThreadsPerWarpGroup;
   const uint32_t q_addr = cute::cast_smem_ptr_to_uint(ss.q.data());
 
+  // The tile rows of the thread's accumulator rows g and g + 8 (Traits::kStackedTerms: both are query row
+  // 8 w + g, layout.h).
   decode::RowInfo ri;
-  ri.row[0] = 16 * (tid_in_wg / 32) + lane / 4;
-  ri.row[1] = ri.row[0] + 8;
+  if constexpr (T::kStackedTerms) {
+    ri.row[0] = 8 * (tid_in_wg / 32) + lane / 4;
+    ri.row[1] = ri.row[0];
+  } else {
+    ri.row[0] = 16 * (tid_in_wg / 32) + lane / 4;
+    ri.row[1] = ri.row[0] + 8;
+  }
 
   typename T::TiledMmaPV mma_pv;
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHalfDimV>>{});  // 128 fp32
@@ -69,16 +76,16 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
 
   CUTLASS_PRAGMA_NO_UNROLL
   for (int req = begin_req; req <= end_req; ++req) {
-    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    decode::set_row_ends(p, w, m_block, ri);
-    if (tid < kBlockM) ss.row_max[tid] = -INFINITY;
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block, T::kTileRows);
+    decode::set_row_ends(p, w, m_block, ri, T::kTileRows);
+    if (tid < T::kTileRows) ss.row_max[tid] = -INFINITY;
     decode::cp_async_wait_all();
     if constexpr (!T::kQFp8) split_q_tile<T>(q_addr, ss.q_scale, tid);
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
     consumers_sync();
 
     // Softmax scale of each row: scale_log2 * descale_k * (descale_q or the row's split scale).
-    if (tid < kBlockM) {
+    if (tid < T::kTileRows) {
       const float dk = descale_k_at(p, w.req, hk);
       const float qs = T::kQFp8 ? descale_q_at(p, w.req, hk) : ss.q_scale[tid];
       ss.row_scale_log2[tid] = p.scale_log2 * dk * qs;

@@ -86,26 +86,41 @@ struct VariantTraits<Variant::kAccurateFP16> {
   using type = Traits<cutlass::half_t, 2, 2, 1, 1, 224, 56, false, true>;
 };
 
-// The accurate mode's keys-on-M tile (keys_on_m.h) for at most 16 or 32 query rows a KV head. Plans measured on an
-// H100 (docs/perf/journal.md, 2026-11-27; KV stages, fp16 V in halves with left and right rings or in quarters of one
-// slot): at R = 16, 3 stages and halves in rings of 2 + 1 (226 KB; 236-238 us at b128 h_q 16 against 245-249 with
-// quarters, 252 for 2 stages with 2 + 2, 276 for 3 with 1 + 1); at R = 32 (a Q tile of 36 KB), 3 stages and quarters
-// (165.5-166.4 us at b64 h_q 32 against 168 for 2 stages with halves in 2 + 1, 187 for 3 stages with 1 + 1).
+// The accurate mode's tile with both q terms stacked in one Q tile (Traits::kStackedTerms), M tiles of 32 query rows:
+// one Q K^T product a block instead of two, and the Q tile's freed 36 KB for a third KV stage (fp16 V rings of 1 + 1,
+// 224 KB) or a second slot of the left fp16 V half (2 stages, 220 KB). Measured on an H100 (docs/perf/journal.md,
+// 2026-11-27, h_q 32, us): 3 stages faster from 8 (request, KV head) pairs (b8 45.1 against 46.7, b64 147-150 against
+// 157-160), the left ring of two below (b2 25.4 / 26.4, b4 36.1 / 39.0; dispatch.cu); right ring of two slower
+// everywhere (b64 164.8, b4 37.8), not kept.
+template <>
+struct VariantTraits<Variant::kAccurateStackedBF16> {
+  using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateStackedBF16Left2> {
+  using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 1, 224, 56, false, true, true>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateStackedFP16> {
+  using type = Traits<cutlass::half_t, 2, 3, 1, 1, 224, 56, false, true, true>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateStackedFP16Left2> {
+  using type = Traits<cutlass::half_t, 2, 2, 2, 1, 224, 56, false, true, true>;
+};
+
+// The accurate mode's keys-on-M tile (keys_on_m.h) for at most 16 query rows a KV head. Plans measured on an H100
+// (docs/perf/journal.md, 2026-11-27; KV stages, fp16 V in halves with left and right rings or in quarters of one
+// slot): 3 stages and halves in rings of 2 + 1 (226 KB; 236-238 us at b128 h_q 16 against 245-249 with quarters, 252
+// for 2 stages with 2 + 2, 276 for 3 with 1 + 1). (Its R = 32 plan, 3 stages and quarters, was slower than the stacked
+// Q tile at every batch measured and was removed: dispatch.cu.)
 template <>
 struct VariantTraits<Variant::kAccurateKmBF16R16> {
   using type = TraitsKM<cutlass::bfloat16_t, 16, 3, 2, 2, 1>;
 };
 template <>
-struct VariantTraits<Variant::kAccurateKmBF16R32> {
-  using type = TraitsKM<cutlass::bfloat16_t, 32, 3, 4, 1, 1>;
-};
-template <>
 struct VariantTraits<Variant::kAccurateKmFP16R16> {
   using type = TraitsKM<cutlass::half_t, 16, 3, 2, 2, 1>;
-};
-template <>
-struct VariantTraits<Variant::kAccurateKmFP16R32> {
-  using type = TraitsKM<cutlass::half_t, 32, 3, 4, 1, 1>;
 };
 // The fast mode's keys-on-M tile (an e4m3 q: one term, P V on e4m3 tensor cores with the transposed V^T) for at most
 // 16 rows: its Q tile (9 KB) and V^T halves (16 KB) leave room for 4 KV stages with V^T rings of 2 + 2 (218 KB).
@@ -129,6 +144,17 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
   req.o_accum = AccessRule{16, 1, false};
   check_decode_params(p, req);
 
+  if constexpr (!T::kKeysOnM) {
+    if constexpr (T::kStackedTerms) {
+      // M tiles of 32 query rows: the grid's x is the tile count (nothing on the device reads num_m_blocks; the
+      // scheduler's metadata names request pieces, whatever the tiles).
+      DecodeParams q = p;
+      q.num_m_blocks = (p.q_rows + T::kTileRows - 1) / T::kTileRows;
+      decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel",
+                                    q, q, make_kv_tensor_map(q, debug), debug);
+      return;
+    }
+  }
   const CUtensorMap tmap = make_kv_tensor_map(p, debug);
   if constexpr (T::kKeysOnM) {
     FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,

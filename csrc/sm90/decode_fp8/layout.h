@@ -35,6 +35,15 @@ FMLA_HD uint32_t v16_offset(int k, int n) {
 // Byte offset of 16-byte chunk c (0..35) of row r in a Q term tile or a KV block (nine 4 KB pieces of 64 columns).
 FMLA_HD uint32_t tile_chunk_offset(int r, int c) { return uint32_t((c >> 2) * kPieceBytes) + sw64_offset(r, c & 3); }
 
+// The accurate mode's stacked Q tile (Traits::kStackedTerms, at most 32 query rows a KV head): one (64 rows, 576)
+// tile holds both e4m3 terms of 32 query rows. Query row r = 8 w + g (w = 0..3, g = 0..7) has its hi term in tile
+// row 16 w + g and its lo term in row 16 w + 8 + g: the two rows that one thread of warp w holds together in a
+// 64 x N accumulator (rows g and g + 8 of the warp's 16), so a single product gives that thread both terms' scores
+// of its query row, which it adds in fp32. Rows m and m + 8 (m & 8 = 0) share the swizzle XOR (bits 1..2), so the
+// lo chunk of a row is its hi chunk + kStackedLoDelta bytes.
+FMLA_HD int stacked_term_row(int r, int term) { return 16 * (r >> 3) + 8 * term + (r & 7); }
+constexpr uint32_t kStackedLoDelta = 8 * kSwizzleRowBytes;
+
 // V^T rows within each group of 16 value columns: row 16 a + i holds column 16 a + 2 i for i < 8 and column
 // 16 a + 2 (i - 8) + 1 for i >= 8 (even columns first, then odd ones), so that each 8 x 16-byte matrix of a
 // stmatrix lands on eight consecutive 64-byte rows, which the 64B swizzle spreads over all 32 banks (with the

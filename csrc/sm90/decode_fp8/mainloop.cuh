@@ -195,8 +195,8 @@ __device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss,
   // fp8_accumulation_model.py); summed while the accumulator is small, the small term's products keep theirs, as
   // if accumulated apart and added in fp32 (modeled: 1.7e-3 against 2.1e-3 with the large term first, bf16 output).
   CUTLASS_PRAGMA_UNROLL
-  for (int tt = 0; tt < T::kQTerms; ++tt) {
-    const int t = T::kPvF16 ? T::kQTerms - 1 - tt : tt;
+  for (int tt = 0; tt < T::kQTiles; ++tt) {
+    const int t = T::kPvF16 ? T::kQTiles - 1 - tt : tt;
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E*>(ss.q.data() + t * kTileBytes) + z),
                             typename T::SmemLayoutTile{});
     Tensor tSrQ = thr.partition_fragment_A(sQ);  // (MMA, 1, 18)
@@ -208,6 +208,23 @@ __device__ __forceinline__ void qk_block(int tid, typename T::SharedStorage& ss,
   }
   warpgroup_commit_batch();
   warpgroup_fence_operand(tSrS);
+}
+
+// Traits::kStackedTerms: the thread's accumulator rows g and g + 8 hold the hi and the lo term's scores of one query
+// row (layout.h: stacked_term_row); their sum in fp32 (the terms accumulated apart, as the keys-on-M tile's) goes to
+// both, and the rest of the step treats them as two equal rows.
+template <class T, class Frag>
+__device__ __forceinline__ void fold_stacked_terms(Frag& s) {
+  if constexpr (T::kStackedTerms) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(s); ++i) {
+      if (((i >> 1) & 1) == 0) {
+        const float t = s(i) + s(i + 2);
+        s(i) = t;
+        s(i + 2) = t;
+      }
+    }
+  }
 }
 
 // O_half += P V_half of block g (its V^T half kHalf: value columns [256 kHalf, 256 kHalf + 256) in the order of
@@ -304,6 +321,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     const float sl2[2] = {ss.row_scale_log2[ri.row[0]], ss.row_scale_log2[ri.row[1]]};
 
     // ---- softmax of block 0: m0 = max(m, rowmax S0), P0 = exp2(S0 sl2 - m0) ----
+    fold_stacked_terms<T>(tSrS);
     if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) decode::mask_scores(tSrS, tok0, w.start, ri.row_end, lane);
     float mx[2], m_new[2], m_use[2], sc0[2], sum[2];
     decode::row_max_quad(tSrS, mx);

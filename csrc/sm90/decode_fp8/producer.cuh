@@ -91,13 +91,14 @@ __device__ __forceinline__ int padded_blocks(int num_blocks) { return num_blocks
 
 // The blocks of the CTA's metadata row in the consumers' order: fn(w, b, g) for block b of every request piece w
 // (its blocks padded to an even count), g counting blocks over the whole row. The copy lane and the transposer
-// warps walk the row with it (the consumers' loop is mainloop.cuh's run_steps, two blocks a step).
-template <class Fn>
+// warps walk the row with it (the consumers' loop is mainloop.cuh's run_steps, two blocks a step). T: the kernel's
+// Traits (its M tile's query rows, decode::TileRowsOf).
+template <class T, class Fn>
 __device__ __forceinline__ void for_each_block(const DecodeParams& p, const SchedMetaRow& meta, int begin_req,
                                                int end_req, int m_block, Fn&& fn) {
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
-    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const RequestPiece w = decode::make_request_piece(p, meta, req, m_block, decode::TileRowsOf<T>::value);
     const int nblk = padded_blocks(w.num_blocks);
     for (int b = 0; b < nblk; ++b, ++g) fn(w, b, g);
   }
@@ -109,7 +110,7 @@ __device__ __forceinline__ void for_each_block(const DecodeParams& p, const Sche
 template <class T>
 __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorMap* tmap, typename T::SharedStorage& ss,
                                           const SchedMetaRow& meta, int begin_req, int end_req, int m_block, int hk) {
-  for_each_block(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
+  for_each_block<T>(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
     const int stage = int(stage_of(g, T::kStages));
     if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
     if (b < w.num_blocks) {
@@ -377,7 +378,7 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
   const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   const TransposeLane tl = TransposeLane::of(lane);
   const int half = int(cluster_rank());
-  for_each_block(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
+  for_each_block<T>(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
     const int stage = int(stage_of(g, T::kStages));
     const uint32_t parity = (g / T::kStages) & 1u;
     const int valid = w.stop_eff - (w.first_page + b) * kBlockN;
@@ -414,7 +415,7 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
   const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
   const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   const TransposeLane tl = TransposeLane::of(lane);  // layout.h
-  for_each_block(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
+  for_each_block<T>(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
     const int stage = int(stage_of(g, T::kStages));
     const uint32_t parity = (g / T::kStages) & 1u;
     const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)

@@ -1,7 +1,8 @@
 // The Q tile of the sm90 FP8 tensor-core decode kernel, loaded by the 256 consumer threads once per request.
 //
 // Layout: kQTerms term tiles of (64 rows, 576) e4m3, each nine 64B-swizzled 4 KB pieces (traits.h). Row r of the
-// tile is query token r / ngroups, head hk * ngroups + r % ngroups; rows past q_rows are zero.
+// tile is query token r / ngroups, head hk * ngroups + r % ngroups; rows past q_rows are zero. With
+// Traits::kStackedTerms one tile holds both terms of 32 query rows (layout.h: stacked_term_row).
 //   e4m3 q (fast mode): copied as it is with cp.async (16-byte chunks), issued before the previous request's
 //   epilogue so that it lands while the epilogue runs.
 //   16-bit q (accurate mode): copied with cp.async into the tile's own bytes, issued at the same point, then split
@@ -30,11 +31,11 @@ namespace flashmla_backend::sm90::decode_fp8 {
 // 16-bit q: the 16-column groups of a row that each of its four consumer threads copies and splits.
 constexpr int kQGroupsPerThread = kHeadDimK / 16 / 4;  // 9
 
-// Source address of element column `col` (a multiple of 8 for 16-bit q, of 16 for e4m3) of tile row r, or null for
-// a row past q_rows. Columns 0..511 come from q, 512..575 from q_pe.
-template <class QIn>
+// Source address of element column `col` (a multiple of 8 for 16-bit q, of 16 for e4m3) of row r of M tile m_block
+// (kTileRows query rows a tile), or null for a row past q_rows. Columns 0..511 come from q, 512..575 from q_pe.
+template <class QIn, int kTileRows = kBlockM>
 __device__ __forceinline__ const QIn* q_row_src(const DecodeParams& p, int req, int m_block, int hk, int r, int col) {
-  const int row = m_block * kBlockM + r;
+  const int row = m_block * kTileRows + r;
   if (row >= p.q_rows) return nullptr;
   const int s = row / p.ngroups;
   const int h = hk * p.ngroups + (row - s * p.ngroups);
@@ -50,15 +51,15 @@ __device__ __forceinline__ const QIn* q_row_src(const DecodeParams& p, int req, 
 // group go where the split puts its hi and lo terms (chunk_offset(r, c) and that + lo_delta), so that the Q region
 // holds the 16-bit q exactly (two terms of e4m3 are as many bytes). The thread that copies a group splits it
 // (split_q16_row): it reads and overwrites only its own bytes, so the split needs no barrier before it. No commit.
-template <class QIn, class ChunkOffset>
+template <class QIn, int kTileRows = kBlockM, class ChunkOffset>
 __device__ __forceinline__ void issue_q16_row_copy(const DecodeParams& p, int req, int m_block, int hk, int r,
                                                    int part, uint32_t q_addr, uint32_t lo_delta,
                                                    ChunkOffset&& chunk_offset) {
   static_assert(kHeadDimV % 64 == 0 && kHeadDimK - kHeadDimV == 64, "groups 0..7 of a thread in q, 8 in q_pe");
   // The thread's row in q and in q_pe, found once (the loop stays small: at b = 1 a CTA runs this code once, and
   // instruction fetch is a third of the kernel's stalls there).
-  const QIn* q_src = q_row_src<QIn>(p, req, m_block, hk, r, 16 * part);
-  const QIn* pe_src = q_row_src<QIn>(p, req, m_block, hk, r, kHeadDimV + 16 * part);
+  const QIn* q_src = q_row_src<QIn, kTileRows>(p, req, m_block, hk, r, 16 * part);
+  const QIn* pe_src = q_row_src<QIn, kTileRows>(p, req, m_block, hk, r, kHeadDimV + 16 * part);
   const bool valid = q_src != nullptr;
 #pragma unroll 1
   for (int k = 0; k < kQGroupsPerThread; ++k) {
@@ -84,6 +85,13 @@ __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int
       const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
       const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
       decode::cp_async_16(q_addr + tile_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
+    }
+  } else if constexpr (T::kStackedTerms) {
+    // 32 query rows, four threads a row: warps 0..3.
+    if (tid < 4 * T::kTileRows) {
+      issue_q16_row_copy<typename T::QIn, T::kTileRows>(
+          p, req, m_block, hk, tid >> 2, tid & 3, q_addr, kStackedLoDelta,
+          [](int r, int c) { return tile_chunk_offset(stacked_term_row(r, 0), c); });
     }
   } else {
     static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two term tiles");
@@ -196,8 +204,16 @@ __device__ __forceinline__ void split_q16_row(uint32_t q_addr, uint32_t lo_delta
 template <class T>
 __device__ __forceinline__ void split_q_tile(uint32_t q_addr, float* q_scale, int tid) {
   static_assert(!T::kQFp8 && T::kQTerms == 2, "16-bit q in two terms only");
-  split_q16_row<typename T::QIn>(q_addr, kTileBytes, [](int r, int c) { return tile_chunk_offset(r, c); }, tid >> 2,
-                                 tid & 3, q_scale);
+  if constexpr (T::kStackedTerms) {
+    if (tid < 4 * T::kTileRows) {
+      split_q16_row<typename T::QIn>(q_addr, kStackedLoDelta,
+                                     [](int r, int c) { return tile_chunk_offset(stacked_term_row(r, 0), c); },
+                                     tid >> 2, tid & 3, q_scale);
+    }
+  } else {
+    split_q16_row<typename T::QIn>(q_addr, kTileBytes, [](int r, int c) { return tile_chunk_offset(r, c); },
+                                   tid >> 2, tid & 3, q_scale);
+  }
 }
 
 }  // namespace flashmla_backend::sm90::decode_fp8

@@ -77,11 +77,16 @@ struct VRings {
 // MN-major operand, 128B swizzle) instead of transposed, one 32 KB buffer a consumer warpgroup half (rings of 1,
 // read in block order: mainloop_f16pv.cuh), fp32 accumulation. Q K^T stays on e4m3 tensor
 // cores with the two q terms, the small one first (qk_block).
+// kStackedTerms (the accurate mode at most 32 query rows a KV head): both q terms in one 64-row tile (layout.h:
+// stacked_term_row), one Q K^T product instead of two; a consumer thread's two accumulator rows are then one query
+// row (the hi and lo scores, added in fp32 and kept in both), so P V computes each output row twice and the
+// epilogue writes one of them (kOutRowsPerThread). The Q tile is 36 KB instead of 72.
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
-          int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false>
+          int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false,
+          bool kStackedTerms_ = false>
 struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   using Rings = VRings<kStages_, 2, kVtLeft_, kVtRight_>;
   using Rings::kVtEmptyCopies;
@@ -106,6 +111,11 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static_assert(kPvF16 ? (kVtLeft_ >= 1 && kVtRight_ >= 1) : (kVtLeft_ >= 2 && kVtRight_ >= 2),
                 "V^T rings of two halves or more (one or more for the fp16 V of kPvF16)");
   static_assert(!kPvF16 || (!kQFp8 && kQTerms == 2), "fp16 P V is the accurate mode's: a 16-bit q in two terms");
+  static constexpr bool kStackedTerms = kStackedTerms_;
+  static_assert(!kStackedTerms || kPvF16, "the stacked Q tile holds the accurate mode's two terms");
+  static constexpr int kQTiles = kStackedTerms ? 1 : kQTerms;             // (64, 576) e4m3 tiles of Q
+  static constexpr int kTileRows = kStackedTerms ? kBlockM / 2 : kBlockM;  // query rows of an M tile
+  static constexpr int kOutRowsPerThread = kStackedTerms ? 1 : 2;         // output rows of a thread's accumulator
   static constexpr bool kShareVt = kShareVt_;
   static constexpr bool kKeysOnM = false;  // keys_on_m.h: TraitsKM
   static_assert(!kShareVt || kQFp8, "the shared transposition serves the fast mode");
@@ -159,22 +169,22 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static_assert(cosize_v<SmemLayoutV16Half> * 2 == kV16HalfBytes, "fp16 V half size");
 
   struct alignas(kSmemAlign) SharedStorage : ShareVtState<kShareVt, kVtSlots> {
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTerms * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTiles * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
     // slot s at s * kVSlotBytes
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVSlotBytes, kSmemAlign> vt;
     // P tiles handed between the consumer warpgroups in A-fragment order: p[0] = P0 * scale1 (warpgroup 0 ->
     // 1; kPvF16: P0, which warpgroup 1 scales), p[1] = P1 (warpgroup 1 -> 0).
     alignas(16) uint8_t p[2][kPBytes];
-    float row_max[kBlockM];   // running max m (log2 domain, scaled), shared by both consumer warpgroups
-    float scale0[kBlockM];    // exp2(m_prev - m0) of the current step (warpgroup 0)
-    float scale1[kBlockM];    // exp2(m0 - m1) of the current step (warpgroup 1)
-    float row_sum[kNumConsumerWarpGroups][kBlockM];
-    float q_scale[kBlockM];   // a 16-bit q's per-row split scale (q ~ q_scale (hi + lo)); unused for an e4m3 q
+    float row_max[kTileRows];   // running max m (log2 domain, scaled), shared by both consumer warpgroups
+    float scale0[kTileRows];    // exp2(m_prev - m0) of the current step (warpgroup 0)
+    float scale1[kTileRows];    // exp2(m0 - m1) of the current step (warpgroup 1)
+    float row_sum[kNumConsumerWarpGroups][kTileRows];
+    float q_scale[kTileRows];   // a 16-bit q's per-row split scale (q ~ q_scale (hi + lo)); unused for an e4m3 q
     // The current request's softmax scale per row (log2 domain, the scales folded: scale_log2 * descale_k *
     // (descale_q or q_scale)) and the value scale of the epilogue (descale_k). Kept here rather than in
     // registers across the main loop.
-    float row_scale_log2[kBlockM];
+    float row_scale_log2[kTileRows];
     float value_scale;
     // mbarriers. kv_full[s][j]: piece j of stage s landed (TMA, 4096 transaction bytes). kv_empty[s]: the owner
     // warpgroup's Q K^T (4 warps) and the four piece pairs of the transposition are done with stage s. vt_full[s]:

@@ -211,6 +211,33 @@ static void check_f16pv() {
   }
 }
 
+// The stacked Q tile (Traits::kStackedTerms): query row r's hi and lo terms in the tile rows that one thread's S
+// accumulator holds together (rows g and g + 8 of its warp, CuTe's fragment), the lo chunk at the hi chunk +
+// kStackedLoDelta, every tile row used once, and the kernel's row of the thread (kernel.cuh: 8 w + g).
+static void check_stacked_terms() {
+  std::vector<int> used(kBlockM, 0);
+  for (int r = 0; r < kBlockM / 2; ++r) {
+    for (int term = 0; term < 2; ++term) ++used[stacked_term_row(r, term)];
+    for (int c = 0; c < kHeadDimK / 16; ++c)
+      EXPECT_EQ(tile_chunk_offset(stacked_term_row(r, 1), c),
+                tile_chunk_offset(stacked_term_row(r, 0), c) + kStackedLoDelta, "stacked lo term chunk",
+                "row %d chunk %d", r, c);
+  }
+  for (int m = 0; m < kBlockM; ++m) EXPECT_EQ(used[m], 1, "stacked tile row use", "tile row %d", m);
+  typename T::TiledMmaQK mma_s;
+  Tensor cS = make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{});
+  for (int t = 0; t < 128; ++t) {
+    const int r = 8 * (t / 32) + (t % 32) / 4;  // kernel.cuh: the thread's query row
+    Tensor s = mma_s.get_slice(t).partition_C(cS);
+    for (int i = 0; i < size(s); ++i) {
+      if ((i >> 1) & 1) continue;
+      EXPECT_EQ(get<0>(s(i)), stacked_term_row(r, 0), "stacked hi row", "thread %d value %d", t, i);
+      EXPECT_EQ(get<0>(s(i + 2)), stacked_term_row(r, 1), "stacked lo row", "thread %d value %d", t, i);
+      EXPECT_EQ(get<1>(s(i + 2)), get<1>(s(i)), "stacked term key", "thread %d value %d", t, i);
+    }
+  }
+}
+
 // The keys-on-M tile (keys_on_m.h, keys_on_m.cuh): its Q tile and P^T offsets (layout.h) against CuTe's layouts, the
 // lo term of a row at its hi chunk + km_q_lo_delta, and the S^T and O^T accumulator coordinates keys_on_m.cuh assumes.
 template <int R, int kParts>
@@ -346,6 +373,7 @@ int main() {
   check_f16pv();
   check_transposition();
   check_output_columns();
+  check_stacked_terms();
   check_keys_on_m<16, 2>();
   check_keys_on_m<32, 2>();
   check_keys_on_m<16, 4>();
