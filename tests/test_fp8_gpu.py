@@ -237,7 +237,8 @@ STACKED_OTHER_PLAN, STACKED_MANY_ROWS = 256, 512
 
 
 def _stacked_debug(case, other_plan):
-    """The FLASHMLA_BACKEND_FP8_DEBUG value that runs the case on the stacked tile (csrc/sm90/decode_fp8/dispatch.cu)."""
+    """The FLASHMLA_BACKEND_FP8_DEBUG value that runs the case on the stacked tile (csrc/sm90/decode_fp8/
+    dispatch.cu)."""
     rows = case.s_q * case.h_q // case.h_kv
     one_pair = len(case.lengths) * case.h_kv == 1
     if rows <= 16:
