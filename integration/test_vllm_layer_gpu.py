@@ -178,6 +178,13 @@ class LayerUnderTest:
 
 # ---- batches ------------------------------------------------------------------------------------
 
+def common_attn_metadata(**kw):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    known = {f.name for f in fields(CommonAttentionMetadata)}
+    return CommonAttentionMetadata(**{k: v for k, v in kw.items() if k in known})
+
+
 def prefill_order_problems(case: Case, num_decodes: int) -> list[str]:
     """Where a batch breaks the order vLLM's MLA prefill path relies on: among the requests a backend treats as
     prefills (those after its num_decodes), the ones with cached context come before the ones without.
@@ -640,15 +647,23 @@ def test_fp8_forward_mqa_cuda_graph_follows_the_scales(query_len, mode, monkeypa
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             graph_out, _ = impl.forward_mqa(q_static, cache, md0, layer)
+    def matches_reference(out):
+        ref = reference().to(out.dtype)
+        if fast:  # the kernel rounds P to e4m3, as FLASHMLA-FP8 does: the layer test's relative-norm bound
+            rel = errors(out, ref)[1]
+            assert rel < harness.FAST_MODE_REL, f"fast mode: rel-norm {rel:.3e} against the e4m3-q reference"
+        else:
+            torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+        return ref
+
     graph.replay()
     torch.testing.assert_close(graph_out, eager0, atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(graph_out, reference().to(graph_out.dtype), atol=ATOL, rtol=RTOL)
+    matches_reference(graph_out)
     before = graph_out.clone()
 
     set_layer_scales(layer, 0.08, 0.02 if fast else 0.01)   # in place: the captured graph reads the same addresses
     graph.replay()
-    ref = reference().to(graph_out.dtype)
-    torch.testing.assert_close(graph_out, ref, atol=ATOL, rtol=RTOL)
+    ref = matches_reference(graph_out)
     torch.testing.assert_close(graph_out, eager(md0), atol=1e-3, rtol=1e-3)
     moved = errors(before, ref)[1]
     assert moved > 10 * RTOL, f"the new scales hardly change the output (rel-norm {moved:.2e}): the test proves nothing"
@@ -659,6 +674,6 @@ def test_fp8_forward_mqa_cuda_graph_follows_the_scales(query_len, mode, monkeypa
     load_q()
     graph.replay()
     torch.testing.assert_close(graph_out, eager(md1), atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(graph_out, reference().to(graph_out.dtype), atol=ATOL, rtol=RTOL)
+    matches_reference(graph_out)
     print(f"\n[fp8 graph s_q={query_len}, {mode}] replays follow the scales changed after capture (output moved by "
           f"rel-norm {moved:.2f}) and new lengths")
