@@ -129,14 +129,29 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
-    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16"}
+    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16",
+                             "kAccurateStackedBF16", "kAccurateStackedBF16Left2", "kAccurateStackedFP16",
+                             "kAccurateStackedFP16Left2"}
     assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False)
     assert variants["kAccurateBF16"] == (2, 2, 1, 1, True) == variants["kAccurateFP16"]
+    assert variants["kAccurateStackedBF16"] == (2, 3, 1, 1, True) == variants["kAccurateStackedFP16"]
+    assert variants["kAccurateStackedBF16Left2"] == (2, 2, 2, 1, True) == variants["kAccurateStackedFP16Left2"]
     assert all(stages >= 2 and left >= 1 and right >= 1 for _, stages, left, right, _ in variants.values())
     assert fp8_model.vt_empty_copies(3, 2, 2) == 2 and fp8_model.vt_empty_copies(2, 2, 4) == 1
     arrivals = fp8_model.read_arrivals()
     assert arrivals["kNumVPairs"] == 4 and arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumVPairs"]
     assert arrivals["kVtFullArrivals"] == 2 and arrivals["kVtEmptyArrivals"] == 4
+
+
+def test_fp8_protocol_model_refuses_a_variant_it_cannot_read(fp8_model, tmp_path):
+    """A VariantTraits whose Traits arguments the model's pattern does not take is an error, not a variant left out
+    of the check."""
+    launch = tmp_path / "launch.cuh"
+    launch.write_text(fp8_model.LAUNCH_CUH.read_text().replace(
+        "Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true>",
+        "Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, 7>"))
+    with pytest.raises(fp8_model.ProtocolError, match="kAccurateStackedBF16"):
+        fp8_model.read_variants(launch)
 
 
 @pytest.mark.parametrize("mutation", ["copy ignores kv_empty", "transposer ignores vt_empty",

@@ -36,12 +36,18 @@ class ProtocolError(AssertionError):
 
 def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, bool]]:
     """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in launch.cuh (the
-    last is Traits' kPvF16, after the registers and kShareVt)."""
+    last is Traits' kPvF16, after the registers and kShareVt; kStackedTerms, after it, changes where Q's rows live, not
+    the protocol)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
-                       r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?>", text)
+                       r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?"
+                       r"(?:,\s*(?:true|false))?>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
+    declared = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<", text)
+    if len(declared) != len(found):
+        missed = sorted(set(declared) - {f[0] for f in found})
+        raise ProtocolError(f"VariantTraits of {launch_cuh} the model cannot read (new Traits arguments?): {missed}")
     return {name: (int(a), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true")
             for name, a, c, d, e, _share, f16 in found}
 
