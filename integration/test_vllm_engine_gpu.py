@@ -19,7 +19,8 @@ integration/fp32_oracle.py: ours must be about as close to the fp32 model as the
 a token pair the fp32 model itself separates by less than twice the reference's own largest error). Two correct
 bf16 kernels that round differently can flip a greedy choice at a gap just above TIE_GAP on this random model;
 the pairwise comparison alone cannot say which run was wrong there, the fp32 model can.
-FLASHMLA vs TRITON_MLA is printed as the baseline spread between two correct backends. The broken run
+FLASHMLA vs TRITON_MLA is printed as the baseline spread between two correct backends; with the bf16 cache ours must
+also be no further from the fp32 model than FLASHMLA (the FP8 runs' criterion, below). The broken run
 (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1: our decode uses scale x 1.5) must fail the same comparison.
 
 FP8 KV caches (`python -m pytest integration/test_vllm_engine_gpu.py -v -s -k fp8` runs them all; they share engine
@@ -244,6 +245,24 @@ def agrees(ours: dict, ref: dict, checkpoint: Path, prompts_file: Path) -> bool:
     return ok
 
 
+_fp32_errors: dict[str, tuple[float, float, int]] = {}
+
+
+def fp32_error(run: dict, checkpoint: Path, prompts_file: Path) -> float:
+    """The run's mean |logprob - fp32| along its own tokens (computed once per run; the table of all so far printed)."""
+    if run["name"] not in _fp32_errors:
+        errs = _fp32_oracle(checkpoint, prompts_file).run_error(run)
+        _fp32_errors[run["name"]] = (mean_error(errs), max(errs), len(errs))
+        torch.cuda.empty_cache()  # the engine subprocesses that follow size their KV cache from free memory
+    return _fp32_errors[run["name"]][0]
+
+
+def print_fp32_errors() -> None:
+    print("\n[fp32 oracle] |logprob - fp32| of each run's chosen tokens (the runs judged so far):", flush=True)
+    for name, (mean, worst, n) in sorted(_fp32_errors.items(), key=lambda kv: kv[1][0]):
+        print(f"[fp32 oracle]   {name:<42} mean {mean:.4f}  max {worst:.4f}  ({n} tokens)", flush=True)
+
+
 def test_cuda_graphs_agree_with_triton_mla_and_flashmla(checkpoint, prompts_file):
     triton = generate(checkpoint, prompts_file, "TRITON_MLA")
     flashmla = generate(checkpoint, prompts_file, "FLASHMLA")
@@ -251,6 +270,20 @@ def test_cuda_graphs_agree_with_triton_mla_and_flashmla(checkpoint, prompts_file
     compare(flashmla, triton)  # baseline: two correct backends
     assert agrees(ours, triton, checkpoint, prompts_file)
     assert agrees(ours, flashmla, checkpoint, prompts_file)
+
+
+def test_bf16_distance_from_fp32_no_worse_than_flashmla(checkpoint, prompts_file):
+    """The bf16 cache, CUDA graphs: ours against FLASHMLA by each run's mean |logprob - fp32| along its own tokens, with
+    the FP8 runs' criterion (fp32_oracle.fp8_no_worse: the spread of two correct runs); TRITON_MLA printed beside.
+    Ours was once further from the fp32 model than FLASHMLA (0.0270 against 0.0248 on this model) although the two
+    kernels agree to three digits on the same inputs; the first tokens of the short prompts differed because vLLM
+    routed fresh prompts of up to 128 tokens through its prefill for ours and through the decode kernel for FLASHMLA.
+    The plugin's builder now declares FLASHMLA's decode threshold (128); this test says whether that was the whole
+    difference."""
+    runs = {b: generate(checkpoint, prompts_file, b) for b in ("FLASHMLA", "TRITON_MLA", "CUSTOM")}
+    m = {b: fp32_error(run, checkpoint, prompts_file) for b, run in runs.items()}
+    print_fp32_errors()
+    assert fp8_no_worse(runs["CUSTOM"]["name"], m["CUSTOM"], runs["FLASHMLA"]["name"], m["FLASHMLA"])
 
 
 def test_enforce_eager_agrees_with_triton_mla(checkpoint, prompts_file):
@@ -294,23 +327,6 @@ def test_tensor_parallel_2_agrees(checkpoint, prompts_file):
 
 
 # ---- FP8 KV cache (-k fp8) -----------------------------------------------------------------------
-
-_fp32_errors: dict[str, tuple[float, float, int]] = {}
-
-
-def fp32_error(run: dict, checkpoint: Path, prompts_file: Path) -> float:
-    """The run's mean |logprob - fp32| along its own tokens (computed once per run; the table of all so far printed)."""
-    if run["name"] not in _fp32_errors:
-        errs = _fp32_oracle(checkpoint, prompts_file).run_error(run)
-        _fp32_errors[run["name"]] = (mean_error(errs), max(errs), len(errs))
-        torch.cuda.empty_cache()  # the engine subprocesses that follow size their KV cache from free memory
-    return _fp32_errors[run["name"]][0]
-
-
-def print_fp32_errors() -> None:
-    print("\n[fp32 oracle] |logprob - fp32| of each run's chosen tokens (FP8 runs so far):", flush=True)
-    for name, (mean, worst, n) in sorted(_fp32_errors.items(), key=lambda kv: kv[1][0]):
-        print(f"[fp32 oracle]   {name:<42} mean {mean:.4f}  max {worst:.4f}  ({n} tokens)", flush=True)
 
 
 def fp8(checkpoint, prompts_file, backend, mode=None, **kw) -> dict:

@@ -169,7 +169,7 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static_assert(cosize_v<SmemLayoutV16Half> * 2 == kV16HalfBytes, "fp16 V half size");
 
   struct alignas(kSmemAlign) SharedStorage : ShareVtState<kShareVt, kVtSlots> {
-    alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTiles * kTileBytes, kSmemAlign> q;    // term t at t * 36 KB
+    alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTiles * kTileBytes, kSmemAlign> q;    // term tile t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
     // slot s at s * kVSlotBytes
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kVtSlots * kVSlotBytes, kSmemAlign> vt;
