@@ -213,7 +213,7 @@ FEW_ROW_CASES = [
     Case(lengths=[8192], h_q=32),                                        # b = 1: one request in many splits
     Case(lengths=[5000], h_q=16, seed=5),                                # b = 1, 16 rows (the fast mode's keys on M)
     Case(lengths=[1, 65, 700, 4000], h_q=32, h_kv=2),                    # 16 rows a KV head, two KV heads
-    Case(lengths=[300, 2000], h_q=20, seed=20),                          # 20 rows: the R = 32 tile, 12 padded
+    Case(lengths=[300, 2000], h_q=20, seed=20),                          # 20 rows: a 32-row tile, 12 rows padded
     Case(lengths=[70, 2500], h_q=1, seed=1),                             # 1 row
     Case(lengths=[16, 40, 1000], s_q=16, h_q=2, seed=16),                # s_q 16 causal
 ]
