@@ -51,7 +51,9 @@ __device__ __forceinline__ void warp_arrive(Barrier& bar, int lane) {
 // Softmax pieces with a per-row scale (the accurate mode's q rows have scales of their own)
 // ------------------------------------------------------------------------------------------------
 // P = exp2(s sl2 - m + kPScaleLog2) (config.h: the e4m3 range factor rides in the offset), and its row sums.
-template <class Frag>
+// kEqualRows (Traits::kStackedTerms, whose two rows a thread holds are one query row): the exponentials of row g,
+// copied to row g + 8 (the same values, half the work).
+template <bool kEqualRows = false, class Frag>
 __device__ __forceinline__ void exp2_rows_scaled(Frag& s, const float (&sl2)[2], const float (&m_use)[2],
                                                  float (&sum)[2]) {
   const float off[2] = {kPScaleLog2 - m_use[0], kPScaleLog2 - m_use[1]};
@@ -60,9 +62,14 @@ __device__ __forceinline__ void exp2_rows_scaled(Frag& s, const float (&sl2)[2],
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(s); ++i) {
     const int v = (i >> 1) & 1;
+    if (kEqualRows && v == 1) {
+      s(i) = s(i - 2);
+      continue;
+    }
     s(i) = fast_exp2(fmaf(s(i), sl2[v], off[v]));
     sum[v] += s(i);
   }
+  if (kEqualRows) sum[1] = sum[0];
 }
 
 // O *= sc per row, skipped by a warp whose rows all kept their running max (sc == 1, the common case once the
@@ -106,11 +113,15 @@ __device__ __forceinline__ void p_fragment(const Frag& s, uint32_t (&words)[8]) 
 
 // P as the fp16 A fragment: the A fragment of a 16-bit rs wgmma holds the S accumulator's values in the
 // accumulator's own register order (as in sm90/decode/mainloop.cuh), so word k is (s(2 k), s(2 k + 1)), row
-// g + 8 (k & 1) of the thread.
-template <class Frag>
+// g + 8 (k & 1) of the thread. kEqualRows: row g + 8's words are row g's (exp2_rows_scaled).
+template <bool kEqualRows = false, class Frag>
 __device__ __forceinline__ void p16_fragment(const Frag& s, uint32_t (&words)[16]) {
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < 16; ++k) {
+    if (kEqualRows && (k & 1)) {
+      words[k] = words[k - 1];
+      continue;
+    }
     const __half2 h = __floats2half2_rn(s(2 * k), s(2 * k + 1));
     words[k] = *reinterpret_cast<const uint32_t*>(&h);
   }
@@ -336,13 +347,13 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
       }
     }
     NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
-    exp2_rows_scaled(tSrS, sl2, m_use, sum);
+    exp2_rows_scaled<T::kStackedTerms>(tSrS, sl2, m_use, sum);
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc0[v] + sum[v];
     {
       uint32_t words[kPW];
       if constexpr (T::kPvF16) {
-        p16_fragment(tSrS, words);
+        p16_fragment<T::kStackedTerms>(tSrS, words);
       } else {
         p_fragment(tSrS, words);
       }
@@ -405,7 +416,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 // Warpgroup 1's softmax of block b0 + 1 (first key tok1) against warpgroup 0's m0, in both P V modes: mask and row
 // max, m1 = max(m0, rowmax S1) and sc1 = exp2(m0 - m1) published, P1 = exp2(S1 sl2 - m1) in S, then
 // store_p1() (P1 to p[1], in the mode's fragment), kScale1Ready, and the row sums taken to m1: sc01 = sc0 sc1.
-template <class SS, class FragS, class StoreP1>
+template <bool kEqualRows = false, class SS, class FragS, class StoreP1>
 __device__ __forceinline__ void softmax_block1(SS& ss, const RequestPiece& w, const RowInfo& ri, int lane, int tok1,
                                                const float (&sl2)[2], FragS& tSrS, float (&row_sum)[2],
                                                float (&sc1)[2], float (&sc01)[2], StoreP1&& store_p1) {
@@ -430,7 +441,7 @@ __device__ __forceinline__ void softmax_block1(SS& ss, const RequestPiece& w, co
       ss.scale1[ri.row[v]] = sc1[v];
     }
   }
-  exp2_rows_scaled(tSrS, sl2, m_use, sum);
+  exp2_rows_scaled<kEqualRows>(tSrS, sl2, m_use, sum);
   store_p1();
   NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale1Ready));
   CUTLASS_PRAGMA_UNROLL

@@ -66,11 +66,12 @@ __device__ __forceinline__ void mainloop_f16pv_wg1(typename T::SharedStorage& ss
     // ---- softmax of block 1 against m0: m1 = max(m0, rowmax S1); P1 -> p[1] ----
     float sc1[2], sc01[2];
     fold_stacked_terms<T>(tSrS);
-    softmax_block1(ss, w, ri, lane, tok1, sl2, tSrS, row_sum, sc1, sc01, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+    const auto store_p1 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       uint32_t words[16];
-      p16_fragment(tSrS, words);
+      p16_fragment<T::kStackedTerms>(tSrS, words);
       store_p(ss.p[1], tid, words);
-    });
+    };
+    softmax_block1<T::kStackedTerms>(ss, w, ri, lane, tok1, sl2, tSrS, row_sum, sc1, sc01, store_p1);
 
     // ---- O_R = O_R sc0 sc1 + (P0 sc1) V0R ----
     rescale_o(tOrO, sc01);
