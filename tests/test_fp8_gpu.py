@@ -8,8 +8,7 @@ result of each request's own scale, expanded stride-0 tensors bitwise the per-te
 tables changed. At most 32 query rows a KV head: both modes' two tiles (the accurate mode: keys on M or the stacked Q
 tile up to 16 rows, the stacked or the 64-row tile at 17-32; the fast mode: keys on M or the 64-row tile up to 16),
 each against fp64, with per-request descales and graph replays; the stacked Q tile at every row count in both its
-plans. The removed kernel switch FLASHMLA_BACKEND_FP8_KERNEL is
-refused.
+plans. The removed kernel switch FLASHMLA_BACKEND_FP8_KERNEL is refused.
 """
 import pytest
 import torch
