@@ -70,11 +70,29 @@ __device__ __forceinline__ void issue_q16_row_copy(const DecodeParams& p, int re
   }
 }
 
+// 16-bit q: where the split puts row r's terms, hi at q16_chunk_offset<T>(r, c) and lo kQ16LoDelta<T> bytes after
+// it: two term tiles, or both terms in the stacked tile's rows (Traits::kStackedTerms, layout.h). Four consumer
+// threads a row, rows 0 .. T::kTileRows - 1 (q16_row_thread).
+template <class T>
+__device__ __forceinline__ uint32_t q16_chunk_offset(int r, int c) {
+  if constexpr (T::kStackedTerms) {
+    return tile_chunk_offset(stacked_term_row(r, 0), c);
+  } else {
+    return tile_chunk_offset(r, c);
+  }
+}
+template <class T>
+constexpr uint32_t kQ16LoDelta = T::kStackedTerms ? kStackedLoDelta : uint32_t(kTileBytes);
+template <class T>
+__device__ __forceinline__ bool q16_row_thread(int tid) {
+  return 4 * T::kTileRows >= kNumConsumerThreads || tid < 4 * T::kTileRows;
+}
+
 // The copy of the tile's q, one commit group, issued when the tile is free (before the first request, and after the
 // previous request's last wgmma) so that it lands while the previous request's epilogue runs.
 //   e4m3 q: the tile's 2304 16-byte chunks, 9 per consumer thread, where the product reads them. The caller waits
 //   (cp_async_wait_all), fences the async proxy and synchronizes the consumers before the first wgmma.
-//   16-bit q: issue_q16_row_copy, thread tid into row tid / 4 (its term tiles 0 and 1 at tile_chunk_offset).
+//   16-bit q: issue_q16_row_copy, thread tid into row tid / 4 where the split puts its terms (q16_chunk_offset).
 template <class T>
 __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int m_block, int hk, uint32_t q_addr,
                                              int tid) {
@@ -86,17 +104,13 @@ __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int
       const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
       decode::cp_async_16(q_addr + tile_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
     }
-  } else if constexpr (T::kStackedTerms) {
-    // 32 query rows, four threads a row: warps 0..3.
-    if (tid < 4 * T::kTileRows) {
-      issue_q16_row_copy<typename T::QIn, T::kTileRows>(
-          p, req, m_block, hk, tid >> 2, tid & 3, q_addr, kStackedLoDelta,
-          [](int r, int c) { return tile_chunk_offset(stacked_term_row(r, 0), c); });
-    }
   } else {
-    static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two term tiles");
-    issue_q16_row_copy<typename T::QIn>(p, req, m_block, hk, tid >> 2, tid & 3, q_addr, kTileBytes,
-                                        [](int r, int c) { return tile_chunk_offset(r, c); });
+    static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two terms");
+    if (q16_row_thread<T>(tid)) {
+      issue_q16_row_copy<typename T::QIn, T::kTileRows>(p, req, m_block, hk, tid >> 2, tid & 3, q_addr,
+                                                        kQ16LoDelta<T>,
+                                                        [](int r, int c) { return q16_chunk_offset<T>(r, c); });
+    }
   }
   decode::cp_async_commit();
 }
@@ -204,14 +218,8 @@ __device__ __forceinline__ void split_q16_row(uint32_t q_addr, uint32_t lo_delta
 template <class T>
 __device__ __forceinline__ void split_q_tile(uint32_t q_addr, float* q_scale, int tid) {
   static_assert(!T::kQFp8 && T::kQTerms == 2, "16-bit q in two terms only");
-  if constexpr (T::kStackedTerms) {
-    if (tid < 4 * T::kTileRows) {
-      split_q16_row<typename T::QIn>(q_addr, kStackedLoDelta,
-                                     [](int r, int c) { return tile_chunk_offset(stacked_term_row(r, 0), c); },
-                                     tid >> 2, tid & 3, q_scale);
-    }
-  } else {
-    split_q16_row<typename T::QIn>(q_addr, kTileBytes, [](int r, int c) { return tile_chunk_offset(r, c); },
+  if (q16_row_thread<T>(tid)) {
+    split_q16_row<typename T::QIn>(q_addr, kQ16LoDelta<T>, [](int r, int c) { return q16_chunk_offset<T>(r, c); },
                                    tid >> 2, tid & 3, q_scale);
   }
 }
