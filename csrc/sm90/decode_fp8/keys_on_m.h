@@ -24,9 +24,6 @@ namespace flashmla_backend::sm90::decode_fp8 {
 
 using namespace cute;
 
-// One consumer warpgroup (warpgroup 0) and the producer (warpgroup 1): 256 threads, without setmaxnreg (each
-// thread may hold 255 registers).
-
 // QIn: bf16 or fp16 (the accurate mode). kRows: R, query rows of the tile (16 or 32; a tile serves up to R rows of
 // one KV head). kStages: KV blocks in flight. kVParts: the fp16 V of a block in 2 halves or 4 quarters of value
 // columns (each its own O^T accumulator, P V product and slot ring; the producer fills a half with two V piece pairs,
@@ -55,7 +52,9 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   static_assert(!kQFp8 || kVParts == 2, "the fast mode's V^T comes in halves");
   static constexpr int kPartCols = kHeadDimV / kVParts;  // 256 or 128
   static constexpr int kRingFirst = kRingA_, kRingSecond = kRingB_;
-  static constexpr int kNumThreads = 2 * kThreadsPerWarpGroup;  // the consumer warpgroup and the producer's
+  // One consumer warpgroup (warpgroup 0) and the producer (warpgroup 1), without setmaxnreg (each thread may hold 255
+  // registers).
+  static constexpr int kNumThreads = 2 * kThreadsPerWarpGroup;
   // The step order (keys_on_m.cuh: km_mainloop; FLASHMLA_BACKEND_FP8_DEBUG bit 128 runs the other). Measured on an
   // H100 (docs/perf/journal.md, 2026-11-27 evening), the next S^T issued ahead, once the block's maxima are known, is
   // faster for the accurate mode at R = 16 (b128 h_q 16 229.1-229.5 against 232.9-233.1 us, varlen h_q 16 141.2-141.3
