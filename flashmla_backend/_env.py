@@ -9,6 +9,12 @@ import os
 # tokens right and shows only in the draft acceptance.
 DEBUG_BREAK_SCALE_ENV = "FLASHMLA_BACKEND_DEBUG_BREAK_SCALE"
 
+# Ablation hook of the vLLM adapter: the plugin's decode calls vLLM's own FlashMLA kernel (16-bit cache, no decode
+# context parallelism) instead of flashmla_backend's; the builder, the routing of tokens and the rest of the plugin
+# stay as they are. The GPU engine test uses it to tell a difference made by the kernel from one made by the path
+# the engine takes with the plugin. Never set it otherwise.
+DEBUG_VLLM_DECODE_KERNEL_ENV = "FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL"
+
 # SGLang: run the decode of SGLang's DSA attention backend (--attention-backend dsa / nsa: DeepSeek-V3.2, GLM-5)
 # on flashmla_backend's sparse decode; SGLang's indexer, prefill and extend stay its own
 # (flashmla_backend.sglang.dsa).

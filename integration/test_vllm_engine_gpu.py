@@ -20,7 +20,9 @@ a token pair the fp32 model itself separates by less than twice the reference's 
 bf16 kernels that round differently can flip a greedy choice at a gap just above TIE_GAP on this random model;
 the pairwise comparison alone cannot say which run was wrong there, the fp32 model can.
 FLASHMLA vs TRITON_MLA is printed as the baseline spread between two correct backends; with the bf16 cache ours must
-also be no further from the fp32 model than FLASHMLA (the FP8 runs' criterion, below). The broken run
+also be no further from the fp32 model than FLASHMLA (the FP8 runs' criterion, below), and an ablation run (our
+plugin with vLLM's FlashMLA kernel in its decode, FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL=1) says whether a
+difference between the two distances is the kernel's or the engine path's. The broken run
 (FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1: our decode uses scale x 1.5) must fail the same comparison.
 
 FP8 KV caches (`python -m pytest integration/test_vllm_engine_gpu.py -v -s -k fp8` runs them all; they share engine
@@ -82,6 +84,8 @@ OUR_LOG_LINE = "MLA decode attention runs on flashmla_backend"
 FP8_LOG_TEXT = "FP8 KV cache"                                          # in OUR_LOG_LINE's line with an FP8 cache
 DEFAULT_SCALE_TEXT = "FP8 KV cache with the default scale 1.0"         # logged once when k_scale is the default
 FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
+VLLM_KERNEL_ENV = "FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL"        # the ablation hook (flashmla_backend/_env.py)
+VLLM_KERNEL_LOG_TEXT = "decode attention runs on vLLM's FlashMLA kernel"
 FP8_MODES = ("accurate", "fast")
 SCALES = {"default": None, "calculated": "--calculate-kv-scales", "prompts": "--kv-scales-from-prompts"}
 
@@ -101,8 +105,13 @@ def prompts_file() -> Path:
 _runs: dict = {}
 
 
-def run_name(backend: str, *, eager=False, tp=1, mtp=0, broken=False, kv="auto", mode=None, scales="default") -> str:
-    """The run's name (log and result files): backend[-fp8][-mode]-graphs|eager[-tpN][-mtpN][-scales][-BROKEN]."""
+def run_name(backend: str, *, eager=False, tp=1, mtp=0, broken=False, kv="auto", mode=None, scales="default",
+             vllm_kernel=False) -> str:
+    """The run's name (log and result files):
+    backend[-fp8][-mode]-graphs|eager[-tpN][-mtpN][-scales][-vllm-kernel][-BROKEN]."""
+    if vllm_kernel and not (backend == "CUSTOM" and kv == "auto"):
+        raise ValueError(f"the ablation hook (vLLM's decode kernel) belongs to CUSTOM with a 16-bit cache, not "
+                         f"{backend} with {kv}")
     if mode is not None and not (backend == "CUSTOM" and kv == "fp8"):
         raise ValueError(f"a query mode ({mode}) belongs to CUSTOM with an fp8 KV cache, not {backend} with {kv}")
     if backend == "CUSTOM" and kv == "fp8" and mode not in FP8_MODES:
@@ -112,12 +121,14 @@ def run_name(backend: str, *, eager=False, tp=1, mtp=0, broken=False, kv="auto",
     parts = [backend.lower()] + ([kv] if kv != "auto" else []) + ([mode] if mode else [])
     parts += ["eager" if eager else "graphs"] + ([f"tp{tp}"] if tp > 1 else []) + ([f"mtp{mtp}"] if mtp else [])
     parts += {"default": [], "calculated": ["calc-scales"], "prompts": ["prompt-scales"]}[scales]
+    parts += ["vllm-kernel"] if vllm_kernel else []
     return "-".join(parts) + ("-BROKEN" if broken else "")
 
 
-def run_log_problems(log: str, backend: str, *, kv="auto", mode=None, scales="default", broken=False) -> list[str]:
+def run_log_problems(log: str, backend: str, *, kv="auto", mode=None, scales="default", broken=False,
+                     vllm_kernel=False) -> list[str]:
     """What a run's log must show: for CUSTOM our decode line (with an fp8 cache saying FP8 and the mode), the
-    default-scale line when an fp8 run keeps scale 1.0, and the test hook's warning exactly when it is set."""
+    default-scale line when an fp8 run keeps scale 1.0, and each test hook's warning exactly when it is set."""
     if backend != "CUSTOM":
         return []
     problems = []
@@ -132,18 +143,22 @@ def run_log_problems(log: str, backend: str, *, kv="auto", mode=None, scales="de
         problems.append(f"an FP8 run with the default k scale, but the log lacks {DEFAULT_SCALE_TEXT!r}")
     if ("WRONG softmax scale" in log) != broken:
         problems.append("the scale-breaking test hook's warning is " + ("missing" if broken else "present unasked"))
+    if (VLLM_KERNEL_LOG_TEXT in log) != vllm_kernel:
+        problems.append("the ablation hook's warning is " + ("missing" if vllm_kernel else "present unasked"))
     return problems
 
 
 def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False, tp=1, mtp=0, broken=False,
-             kv="auto", mode=None, scales="default") -> dict:
+             kv="auto", mode=None, scales="default", vllm_kernel=False) -> dict:
     """One vllm_run.py process per configuration (cached for the session). kv: "auto" or "fp8"; mode: our FP8
     query mode (CUSTOM with fp8 only); scales: "default", "calculated" (vLLM's --calculate-kv-scales) or "prompts"
-    (vllm_run.py --kv-scales-from-prompts). FP8 runs report their KV scales back."""
-    key = (backend, eager, tp, mtp, broken, kv, mode, scales)
+    (vllm_run.py --kv-scales-from-prompts). FP8 runs report their KV scales back. vllm_kernel: the plugin with
+    vLLM's FlashMLA kernel in its decode (the ablation hook; CUSTOM with a 16-bit cache)."""
+    key = (backend, eager, tp, mtp, broken, kv, mode, scales, vllm_kernel)
     if key in _runs:
         return _runs[key]
-    name = run_name(backend, eager=eager, tp=tp, mtp=mtp, broken=broken, kv=kv, mode=mode, scales=scales)
+    name = run_name(backend, eager=eager, tp=tp, mtp=mtp, broken=broken, kv=kv, mode=mode, scales=scales,
+                    vllm_kernel=vllm_kernel)
     out = harness.RUN_DIR / f"{name}.json"
     # vLLM's own backends do not depend on this repository's code (vllm_run.py aside, hashed in): their results are
     # kept on disk (next to the checkpoint's stamp) and reused by later pytest runs on the same machine, e.g. the
@@ -171,8 +186,10 @@ def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False,
     env.pop(FP8_MODE_ENV, None)
     if mode:
         env[FP8_MODE_ENV] = mode
+    env[VLLM_KERNEL_ENV] = "1" if vllm_kernel else "0"
     log = harness.run_logged(name, cmd, env)
-    problems = run_log_problems(log, backend, kv=kv, mode=mode, scales=scales, broken=broken)
+    problems = run_log_problems(log, backend, kv=kv, mode=mode, scales=scales, broken=broken,
+                                vllm_kernel=vllm_kernel)
     assert not problems, f"{name}: " + "; ".join(problems)
     result = json.loads(out.read_text())
     result["name"] = name
@@ -284,6 +301,24 @@ def test_bf16_distance_from_fp32_no_worse_than_flashmla(checkpoint, prompts_file
     m = {b: fp32_error(run, checkpoint, prompts_file) for b, run in runs.items()}
     print_fp32_errors()
     assert fp8_no_worse(runs["CUSTOM"]["name"], m["CUSTOM"], runs["FLASHMLA"]["name"], m["FLASHMLA"])
+
+
+def test_bf16_distance_ablation_with_vllm_decode_kernel(checkpoint, prompts_file):
+    """Why ours lands further from the fp32 model than FLASHMLA (test above): the same plugin with vLLM's FlashMLA
+    kernel in its decode (FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL=1; builder, routing of tokens and the rest ours).
+    Where its distance lands says what makes the difference: at FLASHMLA's, the kernel; at ours, the path the engine
+    takes with the plugin. Both verdicts are printed; the ablation run, FLASHMLA's kernel on our plugin's path, must
+    agree with FLASHMLA's run by the engine test's criteria."""
+    runs = {"FLASHMLA": generate(checkpoint, prompts_file, "FLASHMLA"),
+            "CUSTOM": generate(checkpoint, prompts_file, "CUSTOM"),
+            "ablation": generate(checkpoint, prompts_file, "CUSTOM", vllm_kernel=True)}
+    m = {k: fp32_error(run, checkpoint, prompts_file) for k, run in runs.items()}
+    print_fp32_errors()
+    cause = ("the kernel" if abs(m["ablation"] - m["FLASHMLA"]) < abs(m["ablation"] - m["CUSTOM"])
+             else "the engine path with the plugin")
+    print(f"[ablation] mean |logprob - fp32|: ours {m['CUSTOM']:.4f}, FLASHMLA {m['FLASHMLA']:.4f}, our plugin with "
+          f"vLLM's FlashMLA kernel {m['ablation']:.4f} -> the difference is {cause}", flush=True)
+    assert agrees(runs["ablation"], runs["FLASHMLA"], checkpoint, prompts_file)
 
 
 def test_enforce_eager_agrees_with_triton_mla(checkpoint, prompts_file):

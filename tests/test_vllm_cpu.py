@@ -983,3 +983,66 @@ def test_builder_plans_for_the_head_count_vllm_gives_the_group():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+# ---- the ablation hook: vLLM's FlashMLA kernel in the plugin's decode ----------------------------
+
+VLLM_KERNEL_ENV = "FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL"
+
+
+def test_vllm_kernel_hook_refuses_an_fp8_cache(monkeypatch):
+    monkeypatch.setenv(VLLM_KERNEL_ENV, "1")
+    with pytest.raises(NotImplementedError, match=VLLM_KERNEL_ENV + ".*16-bit KV cache only"):
+        Plugin(vllm_config(64, kv_cache_dtype="fp8"))
+
+
+def test_vllm_kernel_hook_refuses_where_flashmla_cannot_run(monkeypatch):
+    """On this CPU machine vLLM's FlashMLA has no device to run on: the plugin says so at start-up, naming the hook,
+    instead of failing in the first decode."""
+    monkeypatch.setenv(VLLM_KERNEL_ENV, "1")
+    with pytest.raises(RuntimeError, match=VLLM_KERNEL_ENV):
+        Plugin(vllm_config(64))
+
+
+def test_vllm_kernel_hook_routes_decode_to_vllm_flashmla(monkeypatch, plugin_log):
+    """With the hook the decode goes to vLLM's flash_mla_with_kvcache (here a stand-in computing with ours) with q
+    and q_pe concatenated, the plugin's block table and lengths, a fresh metadata object, the decode scale and
+    causal for s_q > 1; the warning the engine test looks for is logged, and the result is the reference's."""
+    import types
+
+    from flashmla_backend.vllm import impl as impl_module
+
+    calls = []
+
+    def fake_kernel(q, k_cache, block_table, cache_seqlens, head_dim_v, sched, num_splits, softmax_scale, causal):
+        assert isinstance(sched, dict) and num_splits is None and head_dim_v == LATENT
+        calls.append(dict(q=q, causal=causal, scale=softmax_scale, block_table=block_table, seqlens=cache_seqlens))
+        meta, splits = flashmla_backend.get_mla_metadata(cache_seqlens, q.shape[1] * q.shape[2], 1)
+        return flashmla_backend.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta,
+                                                       splits, softmax_scale=softmax_scale, causal=causal)
+
+    fake = types.SimpleNamespace(get_mla_metadata=lambda *a, **k: ({}, None), flash_mla_with_kvcache=fake_kernel)
+    monkeypatch.setattr(impl_module, "vllm_flashmla_ops", lambda kv_fp8: fake)
+    monkeypatch.setenv(VLLM_KERNEL_ENV, "1")
+    for query_len in (1, 2):
+        plugin = Plugin(vllm_config(64, query_len=query_len))
+        batch = DecodeBatch(plugin, [50, 600, 1200], query_len, seed=31 + query_len)
+        md = plugin.build(batch.common)
+        out, lse = plugin.forward_mqa(batch.q(), batch.kv_cache, md)
+        assert lse is None
+        call = calls[-1]
+        assert call["causal"] == (query_len > 1) and call["scale"] == plugin.impl.decode_scale
+        assert call["q"].shape == (3, query_len, batch.num_heads, HEAD)
+        torch.testing.assert_close(call["q"].reshape(-1, batch.num_heads, HEAD),
+                                   torch.cat(batch.q(), dim=-1))
+        assert call["block_table"] is md.decode.block_table and call["seqlens"] is md.decode.seq_lens
+        torch.testing.assert_close(out, batch.expected(plugin.scale), atol=OUT_ATOL, rtol=OUT_RTOL)
+    assert len(calls) == 2
+    assert plugin_log.messages("decode attention runs on vLLM's FlashMLA kernel")
+
+
+def test_vllm_kernel_hook_is_off_by_default(monkeypatch):
+    monkeypatch.delenv(VLLM_KERNEL_ENV, raising=False)
+    assert Plugin(vllm_config(64)).impl.vllm_decode_ops is None
+    monkeypatch.setenv(VLLM_KERNEL_ENV, "0")
+    assert Plugin(vllm_config(64)).impl.vllm_decode_ops is None

@@ -168,9 +168,11 @@ def test_run_names():
     assert eng.run_name("FLASHMLA", kv="fp8", scales="calculated") == "flashmla-fp8-graphs-calc-scales"
     assert eng.run_name("CUSTOM", kv="fp8", mode="accurate", scales="prompts") == \
         "custom-fp8-accurate-graphs-prompt-scales"
+    assert eng.run_name("CUSTOM", vllm_kernel=True) == "custom-graphs-vllm-kernel"
     for bad in (dict(backend="FLASHMLA", kv="fp8", mode="fast"), dict(backend="CUSTOM", kv="fp8"),
                 dict(backend="CUSTOM", mode="fast"), dict(backend="FLASHMLA", scales="prompts"),
-                dict(backend="FLASHMLA", kv="fp8", scales="other")):
+                dict(backend="FLASHMLA", kv="fp8", scales="other"), dict(backend="FLASHMLA", vllm_kernel=True),
+                dict(backend="CUSTOM", kv="fp8", mode="accurate", vllm_kernel=True)):
         with pytest.raises(ValueError):
             eng.run_name(**bad)
 
@@ -193,6 +195,11 @@ def test_run_log_problems():
     assert "missing" in f(OURS, "CUSTOM", broken=True)[0]
     assert "present unasked" in f(OURS + "\nWARNING ... WRONG softmax scale (x1.5)", "CUSTOM")[0]
     assert f(OURS + "\nWARNING ... WRONG softmax scale (x1.5)", "CUSTOM", broken=True) == []
+    hook = OURS + "\nWARNING flashmla_backend: FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL is set: " \
+        "decode attention runs on vLLM's FlashMLA kernel, not on flashmla_backend's."
+    assert f(hook, "CUSTOM", vllm_kernel=True) == []
+    assert "ablation hook's warning is present unasked" in f(hook, "CUSTOM")[0]
+    assert "ablation hook's warning is missing" in f(OURS, "CUSTOM", vllm_kernel=True)[0]
 
 
 def test_all_default_scales():

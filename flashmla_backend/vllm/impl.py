@@ -38,7 +38,7 @@ from vllm.v1.attention.backend import AttentionLayer, AttentionType
 import flashmla_backend
 from flashmla_backend import engine_support
 
-from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
+from .._env import DEBUG_BREAK_SCALE_ENV, DEBUG_VLLM_DECODE_KERNEL_ENV, debug_break_scale_enabled, flag
 from .builder import FlashMLAPluginMetadata
 
 logger = logging.getLogger("vllm.flashmla_backend")
@@ -56,6 +56,26 @@ def lse_for_merge(lse: torch.Tensor) -> torch.Tensor:
     """
     batch, heads, s_q = lse.shape
     return lse.transpose(1, 2).reshape(batch * s_q, heads).contiguous()
+
+
+def vllm_flashmla_ops(kv_fp8: bool):
+    """vLLM's FlashMLA decode ops (the ablation hook DEBUG_VLLM_DECODE_KERNEL_ENV): the module with its
+    flash_mla_with_kvcache and get_mla_metadata, or an error naming the hook and why it cannot run here."""
+    if kv_fp8:
+        raise NotImplementedError(
+            f"flashmla_backend: {DEBUG_VLLM_DECODE_KERNEL_ENV} (the ablation hook) serves the 16-bit KV cache only; "
+            "unset it or run with --kv-cache-dtype auto")
+    try:
+        from vllm.v1.attention.ops import flashmla as ops
+        supported = ops.is_flashmla_dense_supported
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"flashmla_backend: {DEBUG_VLLM_DECODE_KERNEL_ENV} is set, but this vLLM has no "
+                           f"FlashMLA dense decode ops to call ({e})") from e
+    ok, reason = supported()
+    if not ok:
+        raise RuntimeError(f"flashmla_backend: {DEBUG_VLLM_DECODE_KERNEL_ENV} is set, but vLLM's FlashMLA cannot "
+                           f"run here: {reason}")
+    return ops
 
 
 class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
@@ -115,6 +135,13 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
                 "flashmla_backend: %s is set: decode attention uses a WRONG softmax scale (x1.5). "
                 "This is a test hook; outputs are deliberately incorrect.", DEBUG_BREAK_SCALE_ENV)
 
+        # The ablation hook (DEBUG_VLLM_DECODE_KERNEL_ENV): decode on vLLM's FlashMLA kernel instead of ours.
+        self.vllm_decode_ops = vllm_flashmla_ops(self.kv_fp8) if flag(DEBUG_VLLM_DECODE_KERNEL_ENV) else None
+        if self.vllm_decode_ops is not None:
+            logger.warning(
+                "flashmla_backend: %s is set: decode attention runs on vLLM's FlashMLA kernel, not on "
+                "flashmla_backend's. This is an ablation hook for the tests.", DEBUG_VLLM_DECODE_KERNEL_ENV)
+
         global _announced
         if not _announced:
             _announced = True
@@ -161,6 +188,8 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
                 f"flashmla_backend: forward_mqa got {num_heads} query heads, but the tile scheduler was planned for "
                 f"{decode.num_q_heads} (the rank's heads x the decode-context-parallel size: with DCP the queries "
                 "of the group must be gathered before forward_mqa)")
+        if self.vllm_decode_ops is not None:
+            return self._forward_mqa_vllm_kernel(q, q_pe, kv_c_and_k_pe_cache, decode, batch, s_q), None
         descale_q = descale_k = None
         cache = kv_c_and_k_pe_cache
         if self.kv_fp8:
@@ -186,6 +215,20 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
         )
         out = out.view(num_tokens, num_heads, self.kv_lora_rank)
         return out, (lse_for_merge(lse) if self.need_to_return_lse_for_decode else None)
+
+    def _forward_mqa_vllm_kernel(self, q, q_pe, cache, decode, batch: int, s_q: int) -> torch.Tensor:
+        """The ablation hook's decode: the same query, cache, block table and lengths through vLLM's FlashMLA
+        (its metadata made in the call, as its interface allows), output [T, N, 512]."""
+        if self.need_to_return_lse_for_decode:
+            raise NotImplementedError(f"flashmla_backend: {DEBUG_VLLM_DECODE_KERNEL_ENV} (the ablation hook) runs "
+                                      "without decode context parallelism; unset it or run without DCP")
+        num_tokens, num_heads, _ = q.shape
+        q_full = q if q_pe is None else torch.cat((q, q_pe), dim=-1)
+        sched, _ = self.vllm_decode_ops.get_mla_metadata()
+        out, _ = self.vllm_decode_ops.flash_mla_with_kvcache(
+            q_full.reshape(batch, s_q, num_heads, q_full.shape[-1]), cache.unsqueeze(-2), decode.block_table,
+            decode.seq_lens, self.kv_lora_rank, sched, None, softmax_scale=self.decode_scale, causal=s_q > 1)
+        return out.reshape(num_tokens, num_heads, self.kv_lora_rank)
 
     @staticmethod
     def _log_default_scale(layer) -> None:
