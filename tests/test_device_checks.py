@@ -14,7 +14,8 @@
   against the e4m3 and bf16 wgmma tile layouts, with a host replay of a gathered block (nvcc and CUTLASS, no GPU).
 - csrc/sm90/sparse_fp8/checks/block_probe.cu: the sparse kernel's two products of a gathered block against fp64
   (sparse_fp8/qk.cuh: group-scaled e4m3 Q K^T and the bf16 rope; sparse_fp8/pv.cuh: P s[t, g] on e4m3 P V over the
-  transposed latent tiles), with one and two e4m3 terms (compiled on the CPU; run on a GPU).
+  transposed latent tiles), with one and two e4m3 terms, and the two-term P V over a top-k of 32 blocks in one
+  accumulator and in one a block (compiled on the CPU; run on a GPU).
 - tests/device_checks/mbarrier_chain.cu: the mbarrier chain that orders the FP8 kernel's writes of a V buffer slot by
   different producer warps (through the consumers' full / empty barriers), for racecheck's verdict on it (GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
@@ -327,6 +328,11 @@ def test_sparse_block_probe_matches_fp64_on_the_gpu(tmp_path):
     errors = {(m.group(1), m.group(2), int(m.group(3))): float(m.group(4))
               for m in re.finditer(r"(qk|pv) case (\S+) terms (\d): rel-norm error (\S+)", res.stdout)}
     assert set(errors) == {(k, c, t) for k in ("qk", "pv") for c in ("one-scale", "spread-scales") for t in (1, 2)}, \
+        res.stdout + res.stderr
+    chain = {(m.group(1), m.group(2)): float(m.group(3))
+             for m in re.finditer(r"pv-chain case (\S+) terms 2 accumulator (piece|block): rel-norm error (\S+)",
+                                  res.stdout)}
+    assert set(chain) == {(c, a) for c in ("one-scale", "spread-scales") for a in ("piece", "block")}, \
         res.stdout + res.stderr
     assert res.returncode == 0 and "block probe: ok" in res.stdout, res.stdout + res.stderr
 
