@@ -16,6 +16,9 @@
   (sparse_fp8/qk.cuh: group-scaled e4m3 Q K^T and the bf16 rope; sparse_fp8/pv.cuh: P s[t, g] on e4m3 P V over the
   transposed latent tiles), with one and two e4m3 terms, and the two-term P V over a top-k of 32 blocks in one
   accumulator and in one a block (compiled on the CPU; run on a GPU).
+- csrc/sm90/sparse_fp8/checks/gather_probe.cu: the sparse kernel's gather (sparse_fp8/gather.cuh) as a two-stage
+  pipeline, every chunk of every block and its entry mask checked (skipped, out-of-cache and unused entries read as
+  zeros; compiled on the CPU; run on a GPU).
 - tests/device_checks/mbarrier_chain.cu: the mbarrier chain that orders the FP8 kernel's writes of a V buffer slot by
   different producer warps (through the consumers' full / empty barriers), for racecheck's verdict on it (GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
@@ -44,6 +47,7 @@ NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
 MBARRIER_CHAIN = ROOT / "tests" / "device_checks" / "mbarrier_chain.cu"
 ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
+SPARSE_GATHER_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_probe.cu"
 
 
 # ---- protocol model ---------------------------------------------------------------------------------------------
@@ -335,6 +339,35 @@ def test_sparse_block_probe_matches_fp64_on_the_gpu(tmp_path):
     assert set(chain) == {(c, a) for c in ("one-scale", "spread-scales") for a in ("piece", "block")}, \
         res.stdout + res.stderr
     assert res.returncode == 0 and "block probe: ok" in res.stdout, res.stdout + res.stderr
+
+
+def _build_sparse_gather_probe(tmp_path: Path) -> Path:
+    nvcc, cutlass = _nvcc(), _cutlass_include()
+    reason = _missing(nvcc, cutlass)
+    if reason:
+        pytest.skip(reason)
+    exe = tmp_path / "sparse_gather_probe"
+    _compile([nvcc, "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
+              str(SPARSE_GATHER_PROBE), "-o", str(exe)], "sparse_fp8/checks/gather_probe.cu")
+    return exe
+
+
+def test_sparse_gather_probe_compiles(tmp_path):
+    _build_sparse_gather_probe(tmp_path)
+
+
+@pytest.mark.gpu
+def test_sparse_gather_probe_reads_every_chunk_right_on_the_gpu(tmp_path):
+    exe = _build_sparse_gather_probe(tmp_path)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    print(res.stdout, end="")
+    if res.returncode == 2 and "needs an sm_90 GPU" in res.stdout:
+        pytest.skip(res.stdout.strip())
+    cases = re.findall(r"gather case (\S+): (\d+) blocks, (\d+) wrong chunks, (\d+) wrong masks", res.stdout)
+    assert {c[0] for c in cases} == {"all-used", "cut-mid-block", "cut-at-block", "none-used", "one-block"}, \
+        res.stdout + res.stderr
+    assert all(c[2] == "0" and c[3] == "0" for c in cases), res.stdout
+    assert res.returncode == 0 and "gather probe: ok" in res.stdout, res.stdout + res.stderr
 
 
 def test_layout_check_skip_reason_without_cutlass(monkeypatch, tmp_path):
