@@ -19,6 +19,9 @@
 - csrc/sm90/sparse_fp8/checks/gather_probe.cu: the sparse kernel's gather (sparse_fp8/gather.cuh) as a two-stage
   pipeline, every chunk of every block and its entry mask checked (skipped, out-of-cache and unused entries read as
   zeros; compiled on the CPU; run on a GPU).
+- csrc/sm90/sparse_fp8/checks/attention_probe.cu: the sparse kernel's arithmetic end to end in one warpgroup (gather,
+  group-scaled Q K^T, masks, online softmax, two-term P V under group factors that only go down, out and lse) against
+  fp64 attention on the dequantized tokens, rows with no token included (compiled on the CPU; run on a GPU).
 - tests/device_checks/mbarrier_chain.cu: the mbarrier chain that orders the FP8 kernel's writes of a V buffer slot by
   different producer warps (through the consumers' full / empty barriers), for racecheck's verdict on it (GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
@@ -48,6 +51,7 @@ MBARRIER_CHAIN = ROOT / "tests" / "device_checks" / "mbarrier_chain.cu"
 ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 SPARSE_GATHER_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_probe.cu"
+SPARSE_ATTENTION_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "attention_probe.cu"
 
 
 # ---- protocol model ---------------------------------------------------------------------------------------------
@@ -368,6 +372,34 @@ def test_sparse_gather_probe_reads_every_chunk_right_on_the_gpu(tmp_path):
         res.stdout + res.stderr
     assert all(c[2] == "0" and c[3] == "0" for c in cases), res.stdout
     assert res.returncode == 0 and "gather probe: ok" in res.stdout, res.stdout + res.stderr
+
+
+def _build_sparse_attention_probe(tmp_path: Path) -> Path:
+    nvcc, cutlass = _nvcc(), _cutlass_include()
+    reason = _missing(nvcc, cutlass)
+    if reason:
+        pytest.skip(reason)
+    exe = tmp_path / "sparse_attention_probe"
+    _compile([nvcc, "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
+              str(SPARSE_ATTENTION_PROBE), "-o", str(exe)], "sparse_fp8/checks/attention_probe.cu")
+    return exe
+
+
+def test_sparse_attention_probe_compiles(tmp_path):
+    _build_sparse_attention_probe(tmp_path)
+
+
+@pytest.mark.gpu
+def test_sparse_attention_probe_matches_fp64_on_the_gpu(tmp_path):
+    exe = _build_sparse_attention_probe(tmp_path)
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    print(res.stdout, end="")
+    if res.returncode == 2 and "needs an sm_90 GPU" in res.stdout:
+        pytest.skip(res.stdout.strip())
+    measured = set(re.findall(r"attention case (\S+): out rel-norm error", res.stdout))
+    assert measured == {"one-scale", "spread-scales", "spread-scales-cut", "short-row"}, res.stdout + res.stderr
+    assert "attention case no-token: out all 0, lse all +inf" in res.stdout, res.stdout
+    assert res.returncode == 0 and "attention probe: ok" in res.stdout, res.stdout + res.stderr
 
 
 def test_layout_check_skip_reason_without_cutlass(monkeypatch, tmp_path):

@@ -43,10 +43,10 @@
 #include "sm90/sparse_fp8/layout.h"
 #include "sm90/sparse_fp8/pv.cuh"
 #include "sm90/sparse_fp8/qk.cuh"
+#include "sm90/sparse_fp8/checks/probe_common.cuh"
 
 using namespace flashmla_backend::sm90::sparse_fp8;
-using F8 = cutlass::float_e4m3_t;
-using BF = cutlass::bfloat16_t;
+using namespace flashmla_backend::sm90::sparse_fp8::probe;
 
 constexpr int kRows = 64;
 constexpr int kChainBlocks = 32;      // the chain's blocks: a top-k of 2,048
@@ -54,52 +54,12 @@ constexpr int kPool = 4096;           // tokens in the pool the indices point in
 constexpr double kTwoTermBound = 4e-3;  // rel-norm of S or O; the precision model: ~1e-3 for two terms
 constexpr double kChainBound = 2e-2;    // the chain in one accumulator: a bound on the measurement, not a target
 
-#define CUDA_OK(x)                                                                          \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);       \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
-
 // Shared memory: the gathered stage, the Q tile's latent terms, its rope, the row scales.
 constexpr int kQLatentAt = kStageBytes;                    // 1024-aligned (kStageBytes = 41 KB)
 constexpr int kQRopeAt = kQLatentAt + 2 * kLatentBytes;
 constexpr int kRowScaleAt = kQRopeAt + kRopeBytes;
 constexpr int kSmemBytes = kRowScaleAt + kRows * 4;
 static_assert(kQLatentAt % 1024 == 0 && kQRopeAt % 1024 == 0, "swizzled tiles start on 1024 bytes");
-
-// Row r = tid / 2, channel half h = tid % 2 (256 latent and 32 rope channels a thread).
-template <int kQTerms>
-__device__ void build_q_tile(const BF* q, uint8_t* smem, int tid) {
-  const int r = tid >> 1, h = tid & 1;
-  const BF* qr = q + size_t(r) * 576;
-  float amax = 0.f;
-  for (int c = 256 * h; c < 256 * h + 256; ++c) amax = fmaxf(amax, fabsf(float(qr[c])));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  // s_r = 2^ceil(log2(amax / 448)): q / s_r fits e4m3 and s_r is exact in every format.
-  const float s = amax > 0.f ? exp2f(ceilf(log2f(amax / 448.f))) : 1.f;
-  const float inv = 1.f / s;
-  if (h == 0) reinterpret_cast<float*>(smem + kRowScaleAt)[r] = s;
-  for (int chunk = 16 * h; chunk < 16 * h + 16; ++chunk) {  // 16 latent channels a chunk
-    uint8_t hi[16], lo[16];
-    for (int j = 0; j < 16; ++j) {
-      const float x = float(qr[16 * chunk + j]) * inv;
-      const F8 a(x);
-      hi[j] = reinterpret_cast<const uint8_t&>(a);
-      const F8 b(x - float(a));
-      lo[j] = reinterpret_cast<const uint8_t&>(b);
-    }
-    std::memcpy(smem + kQLatentAt + gather_chunk_offset(r, chunk), hi, 16);
-    if (kQTerms == 2) std::memcpy(smem + kQLatentAt + kLatentBytes + gather_chunk_offset(r, chunk), lo, 16);
-  }
-  for (int chunk = 4 * h; chunk < 4 * h + 4; ++chunk) {  // 8 rope channels a chunk
-    BF v[8];
-    for (int j = 0; j < 8; ++j) v[j] = BF(float(qr[512 + 8 * chunk + j]) * inv);
-    std::memcpy(smem + kQRopeAt + sw128_offset(r, chunk), v, 16);
-  }
-}
 
 // The 64 tokens idx[0..63] of the pool into the stage at smem (layout.h), 16 bytes a thread at a time; returns the
 // stage's shared address once this thread's copies landed.
@@ -116,19 +76,13 @@ __device__ uint32_t gather_block(uint8_t* smem, const uint8_t* pool, const int* 
   return base;
 }
 
-// Row and column of element i of a 64 x N fp32 wgmma accumulator fragment (sm90/decode/softmax.cuh).
-__device__ __forceinline__ int acc_row(int tid, int i) {
-  return 16 * (tid >> 5) + ((tid & 31) >> 2) + 8 * ((i >> 1) & 1);
-}
-__device__ __forceinline__ int acc_col(int tid, int i) { return 8 * (i >> 2) + 2 * (tid & 3) + (i & 1); }
-
 template <int kQTerms>
 __global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, const int* idx, const BF* q,
                                                           float* out) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x;
   const uint32_t base = gather_block(smem, pool, idx, tid);
-  build_q_tile<kQTerms>(q, smem, tid);
+  build_q_tile<kQTerms>(q, smem + kQLatentAt, smem + kQRopeAt, reinterpret_cast<float*>(smem + kRowScaleAt), tid);
   __syncthreads();
   cutlass::arch::fence_view_async_shared();  // generic-proxy writes, read by wgmma
   __syncthreads();
@@ -250,12 +204,6 @@ static void run_chain(const uint8_t* pool, const int* idx, const float* p, const
   std::vector<float> h(ref.size());
   CUDA_OK(cudaMemcpy(h.data(), out, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
   compare(h, ref, res);
-}
-
-static float e4m3_value(uint8_t b) {
-  F8 f;
-  std::memcpy(&f, &b, 1);
-  return float(f);
 }
 
 struct Case {
