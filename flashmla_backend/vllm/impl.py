@@ -46,6 +46,7 @@ logger = logging.getLogger("vllm.flashmla_backend")
 _FP8 = engine_support.FP8_DTYPE
 _announced = False
 _default_scale_logged = False
+_ablation_logged = False  # the ablation hook's warning, once per process
 
 
 def lse_for_merge(lse: torch.Tensor) -> torch.Tensor:
@@ -137,7 +138,9 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
 
         # The ablation hook (DEBUG_VLLM_DECODE_KERNEL_ENV): decode on vLLM's FlashMLA kernel instead of ours.
         self.vllm_decode_ops = vllm_flashmla_ops(self.kv_fp8) if flag(DEBUG_VLLM_DECODE_KERNEL_ENV) else None
-        if self.vllm_decode_ops is not None:
+        global _ablation_logged
+        if self.vllm_decode_ops is not None and not _ablation_logged:
+            _ablation_logged = True
             logger.warning(
                 "flashmla_backend: %s is set: decode attention runs on vLLM's FlashMLA kernel, not on "
                 "flashmla_backend's. This is an ablation hook for the tests.", DEBUG_VLLM_DECODE_KERNEL_ENV)
