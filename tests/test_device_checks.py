@@ -311,28 +311,35 @@ def test_sparse_layout_check_rejects_a_changed_formula(tmp_path, edit):
     assert res.returncode != 0, res.stdout + res.stderr
 
 
-def _build_sparse_block_probe(tmp_path: Path) -> Path:
+def _build_sparse_probe(tmp_path: Path, source: Path) -> Path:
+    """A sparse-kernel probe (csrc/sm90/sparse_fp8/checks/) built against the CUTLASS headers; skipped without them."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:
         pytest.skip(reason)
-    exe = tmp_path / "sparse_block_probe"
+    exe = tmp_path / source.stem
     _compile([nvcc, "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
-              str(SPARSE_BLOCK_PROBE), "-o", str(exe)], "sparse_fp8/checks/block_probe.cu")
+              str(source), "-o", str(exe)], f"sparse_fp8/checks/{source.name}")
     return exe
 
 
+def _run_sparse_probe(tmp_path: Path, source: Path, timeout: int) -> subprocess.CompletedProcess:
+    """Builds and runs a sparse-kernel probe on the GPU, its output printed; skipped where the GPU is not sm_90."""
+    res = subprocess.run([str(_build_sparse_probe(tmp_path, source))], capture_output=True, text=True,
+                         timeout=timeout)
+    print(res.stdout, end="")
+    if res.returncode == 2 and "needs an sm_90 GPU" in res.stdout:
+        pytest.skip(res.stdout.strip())
+    return res
+
+
 def test_sparse_block_probe_compiles(tmp_path):
-    _build_sparse_block_probe(tmp_path)
+    _build_sparse_probe(tmp_path, SPARSE_BLOCK_PROBE)
 
 
 @pytest.mark.gpu
 def test_sparse_block_probe_matches_fp64_on_the_gpu(tmp_path):
-    exe = _build_sparse_block_probe(tmp_path)
-    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    print(res.stdout, end="")
-    if res.returncode == 2 and "needs an sm_90 GPU" in res.stdout:
-        pytest.skip(res.stdout.strip())
+    res = _run_sparse_probe(tmp_path, SPARSE_BLOCK_PROBE, timeout=120)
     errors = {(m.group(1), m.group(2), int(m.group(3))): float(m.group(4))
               for m in re.finditer(r"(qk|pv) case (\S+) terms (\d): rel-norm error (\S+)", res.stdout)}
     assert set(errors) == {(k, c, t) for k in ("qk", "pv") for c in ("one-scale", "spread-scales") for t in (1, 2)}, \
@@ -345,28 +352,13 @@ def test_sparse_block_probe_matches_fp64_on_the_gpu(tmp_path):
     assert res.returncode == 0 and "block probe: ok" in res.stdout, res.stdout + res.stderr
 
 
-def _build_sparse_gather_probe(tmp_path: Path) -> Path:
-    nvcc, cutlass = _nvcc(), _cutlass_include()
-    reason = _missing(nvcc, cutlass)
-    if reason:
-        pytest.skip(reason)
-    exe = tmp_path / "sparse_gather_probe"
-    _compile([nvcc, "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
-              str(SPARSE_GATHER_PROBE), "-o", str(exe)], "sparse_fp8/checks/gather_probe.cu")
-    return exe
-
-
 def test_sparse_gather_probe_compiles(tmp_path):
-    _build_sparse_gather_probe(tmp_path)
+    _build_sparse_probe(tmp_path, SPARSE_GATHER_PROBE)
 
 
 @pytest.mark.gpu
 def test_sparse_gather_probe_reads_every_chunk_right_on_the_gpu(tmp_path):
-    exe = _build_sparse_gather_probe(tmp_path)
-    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    print(res.stdout, end="")
-    if res.returncode == 2 and "needs an sm_90 GPU" in res.stdout:
-        pytest.skip(res.stdout.strip())
+    res = _run_sparse_probe(tmp_path, SPARSE_GATHER_PROBE, timeout=120)
     cases = re.findall(r"gather case (\S+): (\d+) blocks, (\d+) wrong chunks, (\d+) wrong masks", res.stdout)
     assert {c[0] for c in cases} == {"all-used", "cut-mid-block", "cut-at-block", "none-used", "one-block"}, \
         res.stdout + res.stderr
@@ -374,28 +366,13 @@ def test_sparse_gather_probe_reads_every_chunk_right_on_the_gpu(tmp_path):
     assert res.returncode == 0 and "gather probe: ok" in res.stdout, res.stdout + res.stderr
 
 
-def _build_sparse_attention_probe(tmp_path: Path) -> Path:
-    nvcc, cutlass = _nvcc(), _cutlass_include()
-    reason = _missing(nvcc, cutlass)
-    if reason:
-        pytest.skip(reason)
-    exe = tmp_path / "sparse_attention_probe"
-    _compile([nvcc, "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
-              str(SPARSE_ATTENTION_PROBE), "-o", str(exe)], "sparse_fp8/checks/attention_probe.cu")
-    return exe
-
-
 def test_sparse_attention_probe_compiles(tmp_path):
-    _build_sparse_attention_probe(tmp_path)
+    _build_sparse_probe(tmp_path, SPARSE_ATTENTION_PROBE)
 
 
 @pytest.mark.gpu
 def test_sparse_attention_probe_matches_fp64_on_the_gpu(tmp_path):
-    exe = _build_sparse_attention_probe(tmp_path)
-    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
-    print(res.stdout, end="")
-    if res.returncode == 2 and "needs an sm_90 GPU" in res.stdout:
-        pytest.skip(res.stdout.strip())
+    res = _run_sparse_probe(tmp_path, SPARSE_ATTENTION_PROBE, timeout=300)
     measured = set(re.findall(r"attention case (\S+): out rel-norm error", res.stdout))
     assert measured == {"one-scale", "spread-scales", "spread-scales-cut", "short-row"}, res.stdout + res.stderr
     assert "attention case no-token: out all 0, lse all +inf" in res.stdout, res.stdout

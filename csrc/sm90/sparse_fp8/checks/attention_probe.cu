@@ -185,17 +185,7 @@ struct Case {
 };
 
 int main() {
-  int dev_count = 0;
-  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
-    printf("attention probe: no CUDA device\n");
-    return 2;
-  }
-  cudaDeviceProp prop;
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9) {
-    printf("attention probe: needs an sm_90 GPU (this is sm_%d%d)\n", prop.major, prop.minor);
-    return 2;
-  }
+  if (!have_sm90("attention probe")) return 2;
   CUDA_OK(cudaFuncSetAttribute(attention_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const Case cases[] = {{"one-scale", 0.0, 2048, 2048, false},
                         {"spread-scales", 2.0, 2048, 2048, false},

@@ -280,17 +280,7 @@ static void run_pv(const DeviceInputs& d, const std::vector<double>& ref, double
 }
 
 int main() {
-  int dev_count = 0;
-  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
-    printf("block probe: no CUDA device\n");
-    return 2;
-  }
-  cudaDeviceProp prop;
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9) {
-    printf("block probe: needs an sm_90 GPU (this is sm_%d%d)\n", prop.major, prop.minor);
-    return 2;
-  }
+  if (!have_sm90("block probe")) return 2;
   const Case cases[] = {{"one-scale", 0.0}, {"spread-scales", 2.0}};
   bool ok = true;
   for (const Case& cs : cases) {

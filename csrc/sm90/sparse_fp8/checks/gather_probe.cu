@@ -25,19 +25,12 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
+#include "sm90/sparse_fp8/checks/probe_common.cuh"
 #include "sm90/sparse_fp8/gather.cuh"
 #include "sm90/sparse_fp8/layout.h"
 
 using namespace flashmla_backend::sm90::sparse_fp8;
-
-#define CUDA_OK(x)                                                                          \
-  do {                                                                                      \
-    cudaError_t e_ = (x);                                                                   \
-    if (e_ != cudaSuccess) {                                                                \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);       \
-      std::exit(2);                                                                         \
-    }                                                                                       \
-  } while (0)
+using flashmla_backend::sm90::sparse_fp8::probe::have_sm90;
 
 constexpr int kStages = 2;
 constexpr int kConsumerWarps = 4;
@@ -124,17 +117,7 @@ struct Case {
 };
 
 int main() {
-  int dev_count = 0;
-  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
-    printf("gather probe: no CUDA device\n");
-    return 2;
-  }
-  cudaDeviceProp prop;
-  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9) {
-    printf("gather probe: needs an sm_90 GPU (this is sm_%d%d)\n", prop.major, prop.minor);
-    return 2;
-  }
+  if (!have_sm90("gather probe")) return 2;
   const int64_t num_tokens = 3000;  // a cache of 3000 tokens (not a multiple of 64: its last page is partly unused)
   std::mt19937 rng(20261128);
   std::vector<uint8_t> cache(size_t(num_tokens) * kTokenBytes);

@@ -1,5 +1,6 @@
-// What the sparse kernel's GPU probes share (checks/block_probe.cu, checks/attention_probe.cu): the error macro, the
-// rows and columns of a wgmma accumulator fragment, and the Q tile built from a bf16 q. Not part of the extension.
+// What the sparse kernel's GPU probes share (checks/block_probe.cu, gather_probe.cu, attention_probe.cu): the error
+// macro, the check for an sm_90 GPU, the rows and columns of a wgmma accumulator fragment, and the Q tile built from a
+// bf16 q. Not part of the extension.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -67,6 +68,23 @@ __device__ void build_q_tile(const BF* q, uint8_t* q_latent, uint8_t* q_rope, fl
     for (int j = 0; j < 8; ++j) v[j] = BF(float(qr[512 + 8 * chunk + j]) * inv);
     std::memcpy(q_rope + sw128_offset(r, chunk), v, 16);
   }
+}
+
+// Whether device 0 is an sm_90 GPU (host); if not, prints "<probe>: no CUDA device" or "<probe>: needs an sm_90 GPU
+// (this is sm_XY)", the lines tests/test_device_checks.py reads, and the probe exits with code 2.
+inline bool have_sm90(const char* probe) {
+  int dev_count = 0;
+  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+    printf("%s: no CUDA device\n", probe);
+    return false;
+  }
+  cudaDeviceProp prop;
+  CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9) {
+    printf("%s: needs an sm_90 GPU (this is sm_%d%d)\n", probe, prop.major, prop.minor);
+    return false;
+  }
+  return true;
 }
 
 // The value of an e4m3 byte (host).
