@@ -151,7 +151,23 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
   ARG(const void*, q_pe)                                                                                      \
   ARG(int64_t, q_pe_stride_b)                                                                                 \
   ARG(int64_t, q_pe_stride_s)                                                                                 \
-  ARG(int64_t, q_pe_stride_h)
+  ARG(int64_t, q_pe_stride_h)                                                                                 \
+                                                                                                              \
+  /* Sparse decode (DeepSeek-V3.2's attention; the sm90 sparse kernel, csrc/sm90/sparse_fp8/): indices non-null \
+     selects it. The caller maps FlashMLA's sparse call onto these fields: a "request" is one query token of   \
+     one request (batch = b * s_q, seqlen_q 1, num_heads_kv 1, q_rows = h_q), its keys the entries of its       \
+     index row: indices [batch, >= max_pages_per_seq * kPageSize entries] int32 with row stride             \
+     indices_stride, entry v naming cache token v of num_kv_tokens (kv: fp8_ds_mla tokens of 656 bytes, one     \
+     after another); seqlens[r] is the row's length for the schedule (topk), topk_length (null: none) the      \
+     entries that count, read by the kernel for row r at request r / sparse_seqlen_q (clamped to [0, seqlens[r]]: \
+     the schedule does not depend on it, so a captured graph follows new values); the entries that name no     \
+     token (negative, or >= num_kv_tokens) are skipped and never read. block_table and the kv strides are       \
+     unused. */                                                                                                \
+  ARG(const int32_t*, indices)                                                                                \
+  ARG(int64_t, indices_stride)                                                                                \
+  ARG(int64_t, num_kv_tokens)                                                                                 \
+  ARG(const int32_t*, topk_length)                                                                            \
+  ARG(int, sparse_seqlen_q)
 
 #define FMLA_DECODE_PARAMS_MEMBER(type, name) type name;
 struct DecodeParams {
@@ -161,14 +177,15 @@ struct DecodeParams {
 
 // DecodeParams is passed by value as a kernel parameter: its layout is part of every kernel's binary.
 // These asserts pin it (x86-64 / aarch64 LP64 layout): reordering, retyping or inserting a field fails here.
-static_assert(sizeof(DecodeParams) == 336 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
+static_assert(sizeof(DecodeParams) == 376 && alignof(DecodeParams) == 8, "DecodeParams layout changed");
 static_assert(offsetof(DecodeParams, num_sm_parts) == 36 && offsetof(DecodeParams, causal) == 56 &&
                   offsetof(DecodeParams, q) == 64 && offsetof(DecodeParams, seqlens) == 144 &&
                   offsetof(DecodeParams, o_accum) == 232 && offsetof(DecodeParams, pdl) == 248 &&
                   offsetof(DecodeParams, kv_fp8) == 249 && offsetof(DecodeParams, descale_k) == 264 &&
                   offsetof(DecodeParams, descale_q_stride_b) == 272 &&
                   offsetof(DecodeParams, descale_k_stride_h) == 296 && offsetof(DecodeParams, q_pe) == 304 &&
-                  offsetof(DecodeParams, q_pe_stride_h) == 328,
+                  offsetof(DecodeParams, q_pe_stride_h) == 328 && offsetof(DecodeParams, indices) == 336 &&
+                  offsetof(DecodeParams, num_kv_tokens) == 352 && offsetof(DecodeParams, sparse_seqlen_q) == 368,
               "DecodeParams layout changed");
 
 // Fills the DERIVED fields from the ARG fields. The one place they are computed; safe on any input

@@ -17,6 +17,7 @@
 #include "../params.h"
 #ifdef FLASHMLA_BACKEND_WITH_SM90
 #include "../sm90/decode/decode.h"
+#include "../sm90/sparse_fp8/decode.h"
 #endif
 
 namespace py = pybind11;
@@ -117,7 +118,15 @@ void mla_decode(const DecodeArgs& args) {
   shared.fp8 = true;  // whether the chosen kernel reads FP8 is its launcher's check
   check_decode_params(p, shared);  // the launchers add their kernel's own requirements
   DeviceGuard guard(p.device);
-  if (args.kernel == "portable") {
+  if (p.indices != nullptr) {  // sparse decode (params.h: the sparse mapping)
+#ifdef FLASHMLA_BACKEND_WITH_SM90
+    FMLA_HOST_CHECK(args.kernel == "sm90", "sparse decode (indices) runs on the sm90 kernel only, got kernel '"
+                                               << args.kernel << "'");
+    run_sm90_sparse_decode(p);
+#else
+    FMLA_HOST_CHECK(false, "this build has no sm90 kernel (built without the sm_90a target), which sparse decode needs");
+#endif
+  } else if (args.kernel == "portable") {
     run_portable_decode(p);
   } else if (args.kernel == "sm90") {
 #ifdef FLASHMLA_BACKEND_WITH_SM90

@@ -14,9 +14,10 @@
 // three tokens are one instruction (lanes 0..26; lane l: token 3 i + l / 9, chunk 32 + l % 9), 22 of them. The lanes
 // get the tokens' indices by shuffles from the two entries each lane loaded (entries l and 32 + l).
 //
-// Completion is the caller's: the copies are the calling lane's cp.async operations, so a lane that issued a block
+// Completion is the caller's: the copies are the calling lane's cp.async operations. A lane that issued a block either
 // commits them as a group, waits for the group (cp.async.wait_group) and makes them visible to the tensor cores
-// (fence.proxy.async) before it signals the block, as checks/gather_probe.cu does.
+// (fence.proxy.async) before it signals the block, as checks/gather_probe.cu does, or hands their completion to an
+// mbarrier (cp_async_arrive_on below; the kernel, whose consumers fence after their wait: kernel.cuh).
 #pragma once
 
 #include <cstdint>
@@ -45,12 +46,17 @@ __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const
   }
   const uint64_t mask = uint64_t(__ballot_sync(0xffffffffu, v[0] >= 0)) |
                         (uint64_t(__ballot_sync(0xffffffffu, v[1] >= 0)) << 32);
-  // The latent part: one token an instruction, lane l its chunk l.
-#pragma unroll 4
-  for (int r = 0; r < kBlockTokens; ++r) {
-    const int t = __shfl_sync(0xffffffffu, v[r >> 5], r & 31);
-    const uint8_t* src = cache + int64_t(t < 0 ? 0 : t) * kTokenBytes + lane * kChunkBytes;
-    decode::cp_async_16(stage_addr + gather_chunk_offset(r, lane), src, t >= 0);
+  // The latent part: one token an instruction, lane l its chunk l. (Two loops, so that v[h] is a register: indexed
+  // by a loop variable, the array went to local memory.)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll 8
+    for (int i = 0; i < 32; ++i) {
+      const int r = 32 * h + i;
+      const int t = __shfl_sync(0xffffffffu, v[h], i);
+      const uint8_t* src = cache + int64_t(t < 0 ? 0 : t) * kTokenBytes + lane * kChunkBytes;
+      decode::cp_async_16(stage_addr + gather_chunk_offset(r, lane), src, t >= 0);
+    }
   }
   // Scales and rope: three tokens an instruction, lane l token r0 + l / 9, chunk 32 + l % 9 (lanes 27..31 idle).
   const int sub = lane / 9, c = kScaleChunk + lane % 9;
@@ -66,6 +72,12 @@ __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const
     }
   }
   return mask;
+}
+
+// An arrival on the mbarrier at bar_addr once every cp.async this lane issued so far has completed (.noinc: the
+// barrier's expected count includes it).
+__device__ __forceinline__ void cp_async_arrive_on(uint32_t bar_addr) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar_addr) : "memory");
 }
 
 }  // namespace flashmla_backend::sm90::sparse_fp8

@@ -40,9 +40,12 @@ struct PvTypes {
 // units of a block (eight pieces x (4 column chunks x 2 key halves)), `warps` warps of 32 lanes, warp w taking every
 // warps-th unit. All 64 keys are transposed: a token the block does not use must have been gathered as zeros
 // (cp.async with source size 0: value 0 and scale 0), since a zero P times a NaN value is NaN.
-__device__ __forceinline__ void transpose_latent(uint32_t stage_addr, uint32_t vt_addr, int warp, int warps, int lane) {
+// transpose_units: the units [first, end) only (units 32 h .. 32 h + 31 are V^T half h), the kernel's transposer warps
+// one half at a time.
+__device__ __forceinline__ void transpose_units(uint32_t stage_addr, uint32_t vt_addr, int first, int end, int warp,
+                                                int warps, int lane) {
   const decode_fp8::TransposeLane tl = decode_fp8::TransposeLane::of(lane);
-  for (int unit = warp; unit < decode_fp8::kNumVPieces * 8; unit += warps) {
+  for (int unit = first + warp; unit < end; unit += warps) {
     const int j = unit >> 3, cc = (unit >> 1) & 3, th = unit & 1;
     uint32_t d[4];
     decode_fp8::ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d);
@@ -51,6 +54,10 @@ __device__ __forceinline__ void transpose_latent(uint32_t stage_addr, uint32_t v
     const uint32_t half = uint32_t(j / decode_fp8::kVPiecesPerHalf) * decode_fp8::kVtHalfBytes;
     decode_fp8::stsm_x4(vt_addr + half + tl.dst(j, cc, th), o);
   }
+}
+constexpr int kUnitsPerHalf = decode_fp8::kVPiecesPerHalf * 8;
+__device__ __forceinline__ void transpose_latent(uint32_t stage_addr, uint32_t vt_addr, int warp, int warps, int lane) {
+  transpose_units(stage_addr, vt_addr, 0, 2 * kUnitsPerHalf, warp, warps, lane);
 }
 
 // The power of two that brings max_s * p_max into (224, 448] (max_s: the block's largest scale of the group, p_max:

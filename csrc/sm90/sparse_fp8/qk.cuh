@@ -48,19 +48,18 @@ struct QkTypes {
 // The group g of a 128-channel latent group is k32 steps 4 g .. 4 g + 3 of the latent tiles.
 constexpr int kKStepsPerGroup = 128 / 32;
 
-// S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the
-// row's split scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h),
-// whose scales are read here (a kernel keeps them until its P V, pv.cuh, has read them too). S_g is `tmp`'s
-// accumulator, one group at a time: its wgmma wait, then 32 FFMA with the token's scale of group g (16 distinct
-// tokens a thread: accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)). A second temporary would let
-// group g + 1's wgmma run under group g's FFMAs.
-template <int kQTerms, class FragS>
-__device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                FragS& tSrS, FragS& tmp) {
+// The part of the scores that groups [kG0, kG0 + kNG) and rope k16 steps [kR0, kR0 + kNR) of 4 contribute (the
+// kernel's two consumer warpgroups each take two groups and half the rope, and add their parts: kernel.cuh), in
+// the same order of operations as the whole block: the rope product into S first, then each group's product into
+// `tmp` and added into S times the tokens' group scale.
+template <int kQTerms, int kG0, int kNG, int kR0, int kNR, class FragS>
+__device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
+                                                 FragS& tSrS, FragS& tmp) {
   using F8 = QkTypes::F8;
   using BF = QkTypes::BF;
   static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
-  // The rope product first, straight into S.
+  static_assert(kG0 >= 0 && kNG >= 1 && kG0 + kNG <= kGroups, "groups of the latent part");
+  static_assert(kR0 >= 0 && kNR >= 1 && kR0 + kNR <= 4, "k16 steps of the rope part");
   typename QkTypes::TiledMmaRope mma_r;
   auto thr_r = mma_r.get_slice(tid);
   Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(q_rope)), typename QkTypes::RopeLayout{});
@@ -71,7 +70,7 @@ __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint
   warpgroup_fence_operand(tSrS);
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
-  for (int kb = 0; kb < size<2>(tQr); ++kb) {
+  for (int kb = kR0; kb < kR0 + kNR; ++kb) {
     cute::gemm(mma_r, tQr(_, _, kb), tKr(_, _, kb), tSrS);
     mma_r.accumulate_ = GMMA::ScaleOut::One;
   }
@@ -84,7 +83,7 @@ __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint
   const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
   const int lane = tid & 31;
   CUTLASS_PRAGMA_UNROLL
-  for (int g = 0; g < kGroups; ++g) {
+  for (int g = kG0; g < kG0 + kNG; ++g) {
     mma_l.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(tmp);
     warpgroup_arrive();
@@ -100,7 +99,7 @@ __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint
       }
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();  // S_g (and, at g = 0, the rope product)
+    warpgroup_wait<0>();  // tmp (and, at the first group, the rope product)
     warpgroup_fence_operand(tmp);
     warpgroup_fence_operand(tSrS);
     CUTLASS_PRAGMA_UNROLL
@@ -109,6 +108,18 @@ __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint
       tSrS(i) = fmaf(tmp(i), scales[token * kGroups + g], tSrS(i));
     }
   }
+}
+
+// S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the
+// row's split scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h),
+// whose scales are read here (a kernel keeps them until its P V, pv.cuh, has read them too). S_g is `tmp`'s
+// accumulator, one group at a time: its wgmma wait, then 32 FFMA with the token's scale of group g (16 distinct
+// tokens a thread: accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)). A second temporary would let
+// group g + 1's wgmma run under group g's FFMAs.
+template <int kQTerms, class FragS>
+__device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
+                                                FragS& tSrS, FragS& tmp) {
+  sparse_qk_groups<kQTerms, 0, kGroups, 0, 4>(tid, q_latent, q_rope, stage, tSrS, tmp);
 }
 
 }  // namespace flashmla_backend::sm90::sparse_fp8

@@ -1,0 +1,58 @@
+// The sm90 sparse (DeepSeek-V3.2) decode kernel's launcher: its argument checks and its launch on the decode grid.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "common/check.h"
+#include "common/check_params.h"
+#include "params.h"
+#include "sm90/sparse_fp8/decode.h"
+#include "sm90/sparse_fp8/kernel.cuh"
+
+namespace flashmla_backend {
+
+// FLASHMLA_BACKEND_SPARSE_DEBUG: measurement switches of the kernel (kernel.cuh: DebugFlags, bits); unset or 0 for
+// normal use. Read at every launch (a captured graph keeps the value of its capture).
+static int sparse_debug_flags() {
+  const char* v = std::getenv("FLASHMLA_BACKEND_SPARSE_DEBUG");
+  return v != nullptr ? std::atoi(v) : 0;
+}
+
+void run_sm90_sparse_decode(const DecodeParams& p) {
+  using namespace sm90::sparse_fp8;
+  DecodeRequirements r;
+  r.kernel = "sm90 sparse decode";
+  r.q = AccessRule{16, 8, true};   // 16-byte loads of bf16 q rows
+  r.out = AccessRule{8, 4, true};  // four bf16 a store
+  r.o_accum = AccessRule{16, 1, false};
+  check_decode_params(p, r);
+  FMLA_HOST_CHECK(p.indices != nullptr, r.kernel << ": indices must be set");
+  FMLA_HOST_CHECK(p.dtype == DType::kBF16 && !p.q_fp8 && !p.kv_fp8,
+                  r.kernel << ": reads a bf16 q against fp8_ds_mla tokens and writes bf16 (dtype 0, kv_fp8 and q_fp8 "
+                              "unset)");
+  FMLA_HOST_CHECK(p.num_heads_kv == 1 && p.seqlen_q == 1 && !p.causal,
+                  r.kernel << ": one query token a row, one KV head, not causal (params.h: the sparse mapping), got "
+                              "seqlen_q "
+                           << p.seqlen_q << ", num_heads_kv " << p.num_heads_kv << ", causal " << p.causal);
+  FMLA_HOST_CHECK(p.num_kv_tokens >= 0 && p.indices_stride >= 0,
+                  r.kernel << ": num_kv_tokens and indices_stride must be >= 0 (got " << p.num_kv_tokens << ", "
+                           << p.indices_stride << ")");
+  FMLA_HOST_CHECK(reinterpret_cast<std::uintptr_t>(p.kv) % 16 == 0 && reinterpret_cast<std::uintptr_t>(p.q_pe) % 16 == 0,
+                  r.kernel << ": kv and q_pe must be 16-byte aligned");
+  FMLA_CUDA_CHECK(cudaFuncSetAttribute(sm90_sparse_fp8_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kSmemBytes));
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = p.pdl ? 1 : 0;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.num_m_blocks, 1, p.num_sm_parts);
+  cfg.blockDim = dim3(kNumThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = static_cast<cudaStream_t>(p.stream);
+  cfg.attrs = attrs;
+  cfg.numAttrs = 1;
+  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm90_sparse_fp8_decode_kernel, p, sparse_debug_flags()));
+  FMLA_CHECK_LAUNCH("sm90_sparse_fp8_decode_kernel");
+}
+
+}  // namespace flashmla_backend
