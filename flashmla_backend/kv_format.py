@@ -10,12 +10,12 @@ takes, where its scales are, and which compiled kernels read it (flashmla_backen
     fp16        float16                        576   1152   none                              sm90, portable   -
     fp8_e4m3    float8_e4m3fn                  576    576   descale_k (per tensor or per      sm90             -
                                                             request and KV head)
-    fp8_ds_mla  uint8, int8 or float8_e4m3fn   656    656   four float32 in each token        -                -
+    fp8_ds_mla  uint8, int8 or float8_e4m3fn   656    656   four float32 in each token        -                sm90
 
 A 576-wide token is 512 latent channels (also V) then 64 rope channels (flashmla_backend.geometry). The
 fp8_ds_mla token (DeepSeek-V3.2's) has its own byte layout, written down with its codec in
-flashmla_backend.fp8_ds_mla. Sparse decode reads fp8_ds_mla and the 16-bit formats; no compiled kernel does
-yet, so on CUDA tensors it is refused (CPU tensors run the reference).
+flashmla_backend.fp8_ds_mla. Sparse decode reads fp8_ds_mla and the 16-bit formats: on CPU tensors the reference
+reads all three, on CUDA tensors the sm90 kernel reads fp8_ds_mla (the others are refused, naming it).
 
 E4M3 is the one definition of the FP8 element type in Python. The compiled module states what it reads in its
 own terms (the Variant enums of csrc/sm90/decode and csrc/sm90/decode_fp8); the kernel lists here must say the same.
@@ -78,7 +78,7 @@ FP8_E4M3 = KvFormat("fp8_e4m3", (E4M3,), HEAD_DIM_K, HEAD_DIM_K,
 # 512 e4m3 latent bytes, a float32 scale per 128 of them, 64 bf16 rope values (flashmla_backend.fp8_ds_mla).
 _DS_MLA_BYTES = HEAD_DIM_V + 4 * (HEAD_DIM_V // 128) + 2 * ROPE_DIM
 FP8_DS_MLA = KvFormat("fp8_ds_mla", (torch.uint8, torch.int8, E4M3), _DS_MLA_BYTES, _DS_MLA_BYTES,
-                      "four float32 in each token, one per 128 latent channels", (), ())
+                      "four float32 in each token, one per 128 latent channels", (), ("sm90",))
 
 FORMATS = (BF16, FP16, FP8_E4M3, FP8_DS_MLA)
 SIXTEEN_BIT = (BF16, FP16)

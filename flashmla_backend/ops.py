@@ -11,15 +11,17 @@
 
 Dense decode: CUDA tensors run the kernels; CPU tensors run the pure-PyTorch reference. Both functions are also
 registered as torch custom ops (torch.ops.flashmla_backend.get_mla_metadata / .mla_decode), which
-is what torch.compile sees; eager calls skip the dispatcher for lower launch overhead. Sparse decode: CPU tensors
-run the reference; no compiled kernel reads a sparse cache yet, so CUDA tensors are refused (NotImplementedError).
+is what torch.compile sees; eager calls skip the dispatcher for lower launch overhead. Sparse decode: CUDA tensors
+run the sm90 sparse kernel (fp8_ds_mla caches), CPU tensors the reference.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from . import _ext, device, kv_format, scheduler, validate
-from .geometry import HEAD_DIM_K, HEAD_DIM_V, META_INTS
+from .geometry import HEAD_DIM_K, HEAD_DIM_V, META_INTS, PAGE_SIZE
 from .reference import reference_decode, reference_sparse_decode
 from .sched_meta import FlashMLASchedMeta
 
@@ -185,6 +187,7 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     a.lse_stride_b, a.lse_stride_h = h_q * s_q, s_q
     a.lse_accum = lse_accum.data_ptr()
     a.o_accum = o_accum.data_ptr()
+    a.indices, a.indices_stride, a.num_kv_tokens, a.topk_length, a.sparse_seqlen_q = 0, 0, 0, 0, 0  # dense decode
     C.mla_decode(a)
     return out, lse
 
@@ -302,8 +305,12 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     extra_* arguments (a second cache) are refused. Value checks (topk_length within [0, topk], attn_sink not NaN)
     run on CPU tensors, and on CUDA tensors with FLASHMLA_BACKEND_CHECK=1. CPU tensors run the pure-PyTorch
     reference (flashmla_backend.reference.sparse_mla_decode_reference, which dequantizes fp8_ds_mla tokens exactly
-    in float32). No compiled kernel reads a sparse cache yet: CUDA tensors raise NotImplementedError saying so,
-    rather than running the reference on the GPU unannounced.
+    in float32). CUDA tensors run the sm90 sparse kernel, which reads fp8_ds_mla caches stored token after token
+    (a contiguous k_cache; a strided one raises ValueError) with a bf16 q; the 16-bit sparse caches and other GPUs
+    raise NotImplementedError, naming what reads them, rather than run the reference on the GPU unannounced. Its
+    schedule (the FlashMLASchedMeta's tensors, computed by the first call) takes every row at topk entries; the
+    kernel reads topk_length itself, so the replays of a captured graph follow new values. attn_sink is applied
+    after the kernel, in float32.
     """
     if indices is not None:
         return _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
@@ -352,28 +359,123 @@ def flash_mla_with_kvcache_fp8(q: torch.Tensor, k_cache: torch.Tensor, block_tab
 def _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal,
                    is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
                    extra_topk_length, descale_q, descale_k, q_pe):
-    """flash_mla_with_kvcache with indices: check, refuse CUDA tensors (no kernel yet), fill or check the
-    FlashMLASchedMeta, run the reference."""
+    """flash_mla_with_kvcache with indices: check, refuse what no kernel reads, fill or check the FlashMLASchedMeta,
+    run the kernel (CUDA tensors) or the reference (CPU tensors)."""
     validate.validate_sparse_args(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale,
                                   causal, is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
                                   topk_length, extra_topk_length, descale_q, descale_k, q_pe)
     if torch.compiler.is_compiling():
         raise RuntimeError("flashmla_backend: torch.compile does not trace sparse decode (indices) yet; call it "
                            "outside the compiled region")
-    if q.device.type == "cuda":
+    on_cuda = q.device.type == "cuda"
+    if on_cuda:
+        kernel = device.kernel_for(q.device)
         fmt = kv_format.of(k_cache)
-        raise NotImplementedError(
-            f"flashmla_backend: {fmt.kernel_problem(None, sparse=True)}, so sparse decode does not run on CUDA "
-            "tensors; the pure-PyTorch reference runs it on CPU tensors (flash_mla_with_kvcache with CPU tensors, or "
-            "flashmla_backend.reference.sparse_mla_decode_reference)")
+        problem = fmt.kernel_problem(kernel, sparse=True)
+        if problem:
+            raise NotImplementedError(
+                f"flashmla_backend: {problem}, so this sparse decode does not run on CUDA tensors; the pure-PyTorch "
+                "reference runs it on CPU tensors (flash_mla_with_kvcache with CPU tensors, or "
+                "flashmla_backend.reference.sparse_mla_decode_reference)")
     if validate.values_checked(q.device):
         validate.check_sparse_values(indices, topk_length, attn_sink)
     config = meta.config_of(q, k_cache, causal, bool(is_fp8_kvcache), indices.shape[-1])
     if meta.have_initialized:
         meta.check_matches(config)
-    else:  # the reference needs no schedule: the object records the configuration, its tensors stay None
+    if not on_cuda:  # the reference needs no schedule: the object records the configuration, its tensors stay None
         meta.config, meta.have_initialized = config, True
-    return reference_sparse_decode(q, k_cache, indices, softmax_scale, topk_length, attn_sink)
+        return reference_sparse_decode(q, k_cache, indices, softmax_scale, topk_length, attn_sink)
+    scale = float(softmax_scale) if softmax_scale is not None else HEAD_DIM_K ** -0.5
+    return _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, attn_sink)
+
+
+def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, attn_sink):
+    """The sm90 sparse kernel through the dense decode's arguments (csrc/params.h: the sparse mapping): each query
+    token is a row of its own (batch b * s_q, s_q 1, h_kv 1) whose keys are its index entries; the schedule is the
+    tile scheduler's for the rows' counted lengths, computed by the first call of the FlashMLASchedMeta."""
+    b, s_q, h_q, _ = q.shape
+    topk = indices.shape[-1]
+    rows = b * s_q
+    kst = k_cache.stride()
+    if kst[3] != 1 or kst[1] != k_cache.shape[3] or kst[0] != k_cache.shape[1] * k_cache.shape[3]:
+        raise ValueError(
+            "flashmla_backend: sparse decode on CUDA reads an fp8_ds_mla k_cache whose tokens lie one after another "
+            f"(contiguous pages of {k_cache.shape[-1]}-byte tokens), got k_cache of shape {tuple(k_cache.shape)} with "
+            f"strides {kst}; pass k_cache.contiguous() or the cache tensor itself")
+    if meta.sparse_lengths is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("flashmla_backend: a FlashMLASchedMeta is being filled during CUDA-graph capture; fill "
+                               "it with one call before capture (replays would otherwise read the capture-time "
+                               "metadata)")
+        # Every row is scheduled at topk entries; the kernel reads topk_length itself (csrc/params.h), so the schedule
+        # holds for any topk_length, also in the replays of a captured graph.
+        lengths = torch.full((rows,), topk, dtype=torch.int32, device=q.device)
+        parts = scheduler.num_sm_parts(device.sm_count(q.device), 1, h_q)
+        tile_md, splits = _metadata_impl(lengths, parts)
+        meta.tile_scheduler_metadata, meta.num_splits, meta.sparse_lengths = tile_md, splits, lengths
+        meta.config, meta.have_initialized = config, True
+    tile_md, splits = meta.tile_scheduler_metadata, meta.num_splits
+    parts = tile_md.shape[0]
+    # Rows one after another: q [rows, h_q, 576] and indices [rows, topk] with uniform row strides.
+    qst = q.stride()
+    if (s_q > 1 and qst[0] != s_q * qst[1]) or qst[3] != 1 or qst[2] % 8 or qst[1] % 8 or q.data_ptr() % 16:
+        q = q.contiguous()
+        qst = q.stride()
+    ist = indices.stride()
+    if (s_q > 1 and ist[0] != s_q * ist[1]) or ist[2] != 1:
+        indices = indices.contiguous()
+        ist = indices.stride()
+    out = torch.empty((b, s_q, h_q, HEAD_DIM_V), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((b, s_q, h_q), dtype=torch.float32, device=q.device)
+    n_rows = (rows + parts) * h_q
+    accum = torch.empty((n_rows * (HEAD_DIM_V + 1),), dtype=torch.float32, device=q.device)
+    o_accum, lse_accum = accum[: n_rows * HEAD_DIM_V], accum[n_rows * HEAD_DIM_V:]
+
+    C = _ext.ext()
+    a = C.DecodeArgs()
+    a.kernel = "sm90"
+    a.dtype = _DTYPE_CODE[torch.bfloat16]
+    a.kv_fp8 = a.q_fp8 = False  # the sparse kernel reads fp8_ds_mla tokens, which carry their scales
+    a.descale_q = a.descale_k = 0
+    a.descale_q_stride_b = a.descale_q_stride_h = a.descale_k_stride_b = a.descale_k_stride_h = 0
+    a.block_table, a.block_table_stride_b = 0, 0
+    a.device = q.device.index
+    a.stream = _raw_stream(q.device)
+    a.batch, a.seqlen_q, a.num_heads_q, a.num_heads_kv = rows, 1, h_q, 1
+    a.num_pages, a.max_pages_per_seq, a.num_sm_parts = k_cache.shape[0], -(-topk // PAGE_SIZE), parts
+    a.scale = scale
+    a.causal = False
+    a.pdl = True
+    a.q = q.data_ptr()
+    a.q_stride_b, a.q_stride_s, a.q_stride_h = qst[1], 0, qst[2]
+    a.q_pe = q.data_ptr() + HEAD_DIM_V * q.element_size()
+    a.q_pe_stride_b, a.q_pe_stride_s, a.q_pe_stride_h = qst[1], 0, qst[2]
+    a.kv = k_cache.data_ptr()
+    a.kv_stride_page, a.kv_stride_token, a.kv_stride_h = kst[0], kst[1], kst[2]
+    a.seqlens = meta.sparse_lengths.data_ptr()
+    a.sched_meta = tile_md.data_ptr()
+    a.num_splits = splits.data_ptr()
+    a.out = out.data_ptr()
+    a.out_stride_b, a.out_stride_s, a.out_stride_h = h_q * HEAD_DIM_V, 0, HEAD_DIM_V
+    a.lse = lse.data_ptr()
+    a.lse_stride_b, a.lse_stride_h = h_q, 1
+    a.lse_accum = lse_accum.data_ptr()
+    a.o_accum = o_accum.data_ptr()
+    a.indices = indices.data_ptr()
+    a.indices_stride = ist[1]
+    a.num_kv_tokens = k_cache.shape[0] * k_cache.shape[1]
+    if topk_length is not None and (topk_length.dtype != torch.int32 or not topk_length.is_contiguous()):
+        topk_length = topk_length.to(torch.int32).contiguous()
+    a.topk_length = topk_length.data_ptr() if topk_length is not None else 0
+    a.sparse_seqlen_q = s_q
+    C.mla_decode(a)
+    lse = lse.transpose(1, 2)
+    if s_q > 1:
+        lse = lse.contiguous()
+    if attn_sink is not None:  # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); rows with no key stay 0
+        factor = torch.where(lse == math.inf, 0.0, torch.sigmoid(lse - attn_sink.float()[None, :, None]))
+        out = (out.float() * factor.transpose(1, 2)[..., None]).to(torch.bfloat16)
+    return out, lse
 
 
 def _from_sched_meta(meta: FlashMLASchedMeta, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v,

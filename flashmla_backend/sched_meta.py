@@ -15,9 +15,10 @@ like FlashMLA's, an object serves the layers of one decode step; take a new one 
 
 Sparse decode (indices=) takes such an object too, as FlashMLA's sparse calling convention does. Its first call
 records the configuration (topk, the last dimension of indices, among it) and later calls are checked against it
-the same way; an object filled by dense calls refuses sparse ones and the reverse (topk differs). The tensors stay
-None for now: the reference, which runs sparse decode on CPU tensors, needs no schedule, and no compiled kernel
-reads a sparse cache yet (the one that does will compute its schedule on the first call, as FlashMLA's does).
+the same way; an object filled by dense calls refuses sparse ones and the reverse (topk differs). On CPU tensors the
+tensors stay None (the reference needs no schedule); the first call on CUDA tensors computes the sparse kernel's
+schedule, as FlashMLA's does: every query token of the batch a row of topk entries (sparse_lengths), whatever
+topk_length says (the kernel reads topk_length itself).
 
 CUDA graphs: fill the object before capture (one eager call); the captured calls then read its tensors.
 Filling it while a graph is being captured is refused: the metadata would be computed once, at capture, and
@@ -49,7 +50,9 @@ class FlashMLASchedMeta:
     have_initialized: bool = False
     config: Config | None = None
     tile_scheduler_metadata: torch.Tensor | None = None   # [num_sm_parts, META_INTS] int32 (dense decode)
-    num_splits: torch.Tensor | None = None                # [b + 1] int32 (dense decode)
+    num_splits: torch.Tensor | None = None                # [b + 1] int32 (dense decode; sparse: [b s_q + 1])
+    sparse_lengths: torch.Tensor | None = None            # sparse decode on CUDA: [b s_q] int32, the rows' lengths
+                                                          # of the schedule (topk each)
 
     def config_of(self, q: torch.Tensor, k_cache: torch.Tensor, causal: bool, is_fp8_kvcache: bool,
                   topk: int | None) -> Config:

@@ -1,5 +1,6 @@
 """Small-shape run of every GPU kernel (the 16-bit decode of each kernel; on sm_90a also the FP8-cache decode with
-bf16 q, fp16 q and e4m3 q), for compute-sanitizer (memcheck, racecheck, synccheck):
+bf16 q, fp16 q and e4m3 q, and the sparse decode on fp8_ds_mla caches), for compute-sanitizer (memcheck, racecheck,
+synccheck):
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 python tests/sanitize_smoke.py
 
@@ -17,6 +18,7 @@ from flashmla_backend import _ext, device, kv_format  # noqa: E402
 from flashmla_backend.reference import mla_decode_reference  # noqa: E402
 from fp8kit import ACCURATE_LSE, dequantized, fp8_inputs, out_tolerance, rel_norm, run_fp8_decode  # noqa: E402
 from kit import D_V, PAGE, Case, brute_force_fp64, compare, make_inputs  # noqa: E402
+from sparsekit import SparseCase, make_sparse_inputs, naive_sparse_fp64  # noqa: E402
 
 CASES = [
     Case(lengths=[1, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE, 2 * PAGE + 1, 3 * PAGE, 4 * PAGE, 4 * PAGE + 1], s_q=1,
@@ -36,6 +38,12 @@ FP8_CASES = [
     Case(lengths=[(37 * i) % 300 for i in range(16)], s_q=1, h_q=32),
     Case(lengths=[63, 200], s_q=2, h_q=128, h_kv=2),
     Case(lengths=[3000], s_q=1, h_q=16),
+]
+# Sparse decode (sm_90a only): skipped entries of every kind, a cut row and an empty one, heads padded to the M tile,
+# pages of one token; NaN in every slot no counted entry names.
+SPARSE_CASES = [
+    SparseCase(b=3, s_q=2, h_q=128, topk=200, num_pages=8, topk_length=[200, 77, 0], sink=True, seed=30),
+    SparseCase(b=2, s_q=1, h_q=16, topk=40, page_size=1, num_pages=150, skipped=0.5, seed=31),
 ]
 FP8_MODES = {"bf16 q": (torch.bfloat16, False), "fp16 q": (torch.float16, False), "e4m3 q": (torch.bfloat16, True)}
 
@@ -85,6 +93,24 @@ def main() -> int:
                     print(f"{fp8_kernel} fp8 {mode} {case}: FAIL {e}", flush=True)
                     continue
                 print(f"{fp8_kernel} fp8 {mode} {case}: ok {figures}", flush=True)
+    if "sm90" in kernels:
+        from test_sparse_gpu import LSE_ATOL, OUT_MAX_REL, OUT_REL_NORM
+        for case in SPARSE_CASES:
+            inp = make_sparse_inputs(case)
+            meta, _ = fb.get_mla_metadata()
+            out, lse = fb.flash_mla_with_kvcache(
+                inp.q.cuda(), inp.k_cache.cuda(), None, None, D_V, meta, None, softmax_scale=inp.scale,
+                is_fp8_kvcache=True, indices=inp.indices.cuda(),
+                topk_length=None if inp.topk_length is None else inp.topk_length.cuda(),
+                attn_sink=None if inp.attn_sink is None else inp.attn_sink.cuda())
+            try:
+                figures = compare(out, lse, *naive_sparse_fp64(inp), [], case.s_q, False, out_rel_norm=OUT_REL_NORM,
+                                  out_max_rel=OUT_MAX_REL, lse_atol=LSE_ATOL, lse_rtol=0.0)
+            except AssertionError as e:
+                failures += 1
+                print(f"sm90 sparse {case}: FAIL {e}", flush=True)
+                continue
+            print(f"sm90 sparse {case}: ok {figures}", flush=True)
     return 1 if failures else 0
 
 

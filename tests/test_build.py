@@ -265,6 +265,44 @@ def test_ops_sets_every_decode_field(monkeypatch):
     assert not set(derived) & set(set_names), "derived fields are computed by the module, not set by Python"
 
 
+def test_ops_sparse_path_sets_every_decode_field(monkeypatch):
+    """The sparse path (ops._sparse_decode_cuda, params.h's sparse mapping) sets every ARG field too, nothing else,
+    with the mapping's values: one row a query token, one KV head, the index rows and topk_length passed through."""
+    import torch
+    from flashmla_backend import FlashMLASchedMeta, geometry, ops
+
+    calls = []
+    fake = types.SimpleNamespace(DecodeArgs=_RecordingArgs, mla_decode=calls.append)
+    monkeypatch.setattr(ops._ext, "ext", lambda: fake)
+    monkeypatch.setattr(ops.device, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(ops, "_raw_stream", lambda dev: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ops, "_metadata_impl", lambda lengths, parts: (torch.zeros((parts, 8), dtype=torch.int32),
+                                                                       torch.zeros((lengths.shape[0] + 1,),
+                                                                                   dtype=torch.int32)))
+
+    b, s_q, h_q, topk = 2, 3, 128, 100
+    q = torch.zeros((b, s_q, h_q, geometry.HEAD_DIM_K), dtype=torch.bfloat16)
+    k_cache = torch.zeros((4, geometry.PAGE_SIZE, 1, 656), dtype=torch.uint8)
+    indices = torch.zeros((b, s_q, topk), dtype=torch.int32)
+    topk_length = torch.tensor([100, 7], dtype=torch.int32)
+    meta = FlashMLASchedMeta()
+    config = meta.config_of(q, k_cache, False, True, topk)
+    out, lse = ops._sparse_decode_cuda(q, k_cache, meta, config, 0.1, indices, topk_length, None)
+
+    assert len(calls) == 1
+    a = calls[0]
+    args, derived = _param_fields()
+    expected = {"kernel", *args}
+    assert not (expected - set(a.set_names)), f"the sparse path does not set {sorted(expected - set(a.set_names))}"
+    assert not (set(a.set_names) - expected), f"the sparse path sets unknown fields {sorted(set(a.set_names) - expected)}"
+    assert (a.batch, a.seqlen_q, a.num_heads_q, a.num_heads_kv, a.sparse_seqlen_q) == (b * s_q, 1, h_q, 1, s_q)
+    assert (a.indices, a.indices_stride, a.topk_length) == (indices.data_ptr(), topk, topk_length.data_ptr())
+    assert (a.num_kv_tokens, a.max_pages_per_seq, a.num_sm_parts) == (4 * geometry.PAGE_SIZE, 2, 66)
+    assert meta.sparse_lengths.tolist() == [topk] * (b * s_q)  # the schedule does not depend on topk_length
+    assert out.shape == (b, s_q, h_q, geometry.HEAD_DIM_V) and lse.shape == (b, h_q, s_q) and lse.is_contiguous()
+
+
 def test_module_exports_the_field_list():
     _module_path()
     C = _ext.ext()

@@ -32,7 +32,8 @@ def test_bytes_per_token_follow_from_dtype_and_width():
 def test_which_kernels_read_which_formats():
     assert kv_format.read_by("portable") == (BF16, FP16)
     assert kv_format.read_by("sm90") == (BF16, FP16, FP8_E4M3)
-    assert kv_format.read_by("sm90", sparse=True) == kv_format.read_by("portable", sparse=True) == ()
+    assert kv_format.read_by("sm90", sparse=True) == (FP8_DS_MLA,)
+    assert kv_format.read_by("portable", sparse=True) == ()
     assert set(kv_format.SPARSE) == {FP8_DS_MLA, BF16, FP16}
 
 
@@ -41,8 +42,11 @@ def test_kernel_problem_sentences():
     assert BF16.kernel_problem("portable", sparse=False) is None
     assert FP8_E4M3.kernel_problem("portable", sparse=False) == (
         "the fp8_e4m3 KV cache is read in dense decode by the sm90 kernel only, not by the portable kernel")
-    assert FP8_DS_MLA.kernel_problem(None, sparse=True) == (
-        "no compiled kernel reads the fp8_ds_mla KV cache in sparse decode (indices) yet")
+    assert FP8_DS_MLA.kernel_problem("sm90", sparse=True) is None
+    assert FP8_DS_MLA.kernel_problem("portable", sparse=True) == (
+        "the fp8_ds_mla KV cache is read in sparse decode (indices) by the sm90 kernel only, not by the portable kernel")
+    assert BF16.kernel_problem("sm90", sparse=True) == (
+        "no compiled kernel reads the bf16 KV cache in sparse decode (indices) yet")
     assert FP8_DS_MLA.kernel_problem("sm90", sparse=False) == (
         "no compiled kernel reads the fp8_ds_mla KV cache in dense decode yet")
 

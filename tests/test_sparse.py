@@ -289,12 +289,17 @@ def test_the_old_metadata_convention_is_refused_for_sparse_decode():
                                   indices=inp.indices)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (no compiled module needed)")
-def test_cuda_tensors_are_refused_naming_what_is_missing():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_without_the_sm90_kernel_are_refused_naming_it():
+    """The sparse kernel is the sm90 one (tests/test_sparse_gpu.py runs it); another GPU's kernel is refused."""
+    from flashmla_backend import device
+    kernel = device.kernel_for(torch.device("cuda"))
+    if kernel == "sm90":
+        pytest.skip("this GPU runs the sparse kernel (tests/test_sparse_gpu.py)")
     inp = make_sparse_inputs(SparseCase())
     meta, _ = fb.get_mla_metadata()
-    with pytest.raises(NotImplementedError, match=r"no compiled kernel reads the fp8_ds_mla KV cache in sparse "
-                                                  r"decode \(indices\) yet.*CPU tensors"):
+    with pytest.raises(NotImplementedError, match=rf"the fp8_ds_mla KV cache is read in sparse decode \(indices\) by "
+                                                  rf"the sm90 kernel only, not by the {kernel} kernel.*CPU tensors"):
         fb.flash_mla_with_kvcache(inp.q.cuda(), inp.k_cache.cuda(), None, None, D_V, meta, None, is_fp8_kvcache=True,
                                   indices=inp.indices.cuda())
     assert not meta.have_initialized
