@@ -310,9 +310,9 @@ def test_float16_cache_refused_naming_the_served_ones():
     assert "'float16'" in str(info.value) and all(n in str(info.value) for n in ("bfloat16", "fp8_e4m3"))
 
 
-def test_cuda_device_refused_until_the_kernel_exists():
+def test_cuda_device_refused_until_the_decode_runs_on_gpus():
     backend = make_backend(device="cuda:0")
-    with pytest.raises(RuntimeError, match="the sparse decode kernel is not built yet") as info:
+    with pytest.raises(RuntimeError, match="the DSA decode does not run on GPUs yet") as info:
         dsa.adopt(backend, runner())
     assert dsa.DSA_DECODE_ENV in str(info.value) and not hasattr(backend, dsa.ATTR)
 

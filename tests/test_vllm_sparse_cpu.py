@@ -402,13 +402,13 @@ def test_sinks_and_dense_layers_refused(model):
     assert "sparse MLA layers" in dense and "flashmla_backend.vllm.backend" in dense
 
 
-def test_a_cuda_device_is_refused_until_the_sparse_kernel_exists(model, monkeypatch):
-    """No silent fallback: with a CUDA device the selection fails saying the kernel is not built yet."""
+def test_a_cuda_device_is_refused_until_the_backend_runs_on_gpus(model, monkeypatch):
+    """No silent fallback: with a CUDA device the selection fails saying the backend does not run on GPUs yet."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     reasons = FlashMLASparsePluginBackend.validate_configuration(**selector_fields(model()))
-    assert SPARSE_KERNEL_MISSING in reasons and "not built yet" in SPARSE_KERNEL_MISSING
+    assert SPARSE_KERNEL_MISSING in reasons and "does not run on GPUs yet" in SPARSE_KERNEL_MISSING
     cfg = make_vllm_config(model())
-    with pytest.raises(RuntimeError, match="not built yet"):
+    with pytest.raises(RuntimeError, match="does not run on GPUs yet"):
         make_sparse_impl(cfg, "auto", torch.zeros((4, TOPK), dtype=torch.int32))
 
 

@@ -49,8 +49,8 @@ refused. SGLang's DSA pages are 64 tokens.
 Refused at start-up, each with what works: query heads other than 64 or 128 per rank, caches other than the two
 above, index_kpool > 1, decode context parallelism, HiSparse, speculative decoding (SGLang's target verification
 would go to its own kernel with the stand-in value), a model other than kv_lora_rank 512 / rope 64, and a CUDA
-device: the sparse decode kernel is not built yet, and flashmla_backend's sparse decode runs on CPU tensors only
-(its PyTorch reference). An adopted backend never runs SGLang's decode kernel instead. Where the hooks cannot be
+device: the DSA decode does not run on GPUs yet (flashmla_backend's Hopper sparse kernel reads the 656-byte cache
+through its API but has not been run inside SGLang, and is still slower than FlashMLA's). An adopted backend never runs SGLang's decode kernel instead. Where the hooks cannot be
 registered, flashmla_backend.sglang.register raises; SGLang's plugin loader logs that as an error (in every process)
 and goes on, so that server then decodes with SGLang's own kernel: read the log when the variable is set.
 
@@ -90,10 +90,10 @@ STAND_IN = "flashmla_sparse"
 ATTR = "_flashmla_backend_dsa_decode"
 
 KERNEL_MISSING = (
-    "flashmla_backend: the sparse decode kernel is not built yet: no compiled Hopper kernel reads SGLang's DSA "
-    "cache (fp8_e4m3 656-byte tokens or bfloat16) in sparse decode, and flashmla_backend's sparse decode runs on "
-    f"CPU tensors only (its PyTorch reference). Unset {DSA_DECODE_ENV} to serve this model with SGLang's own DSA "
-    "decode (--dsa-decode-backend flashmla_kv / flashmla_sparse / fa3) until the kernel exists")
+    "flashmla_backend: the DSA decode does not run on GPUs yet: flashmla_backend's Hopper sparse decode kernel reads "
+    "the fp8_e4m3 656-byte cache (not the bfloat16 one) through its API, has not yet been run inside SGLang, and is "
+    f"still slower than FlashMLA's. Unset {DSA_DECODE_ENV} to serve this model with SGLang's own DSA decode "
+    "(--dsa-decode-backend flashmla_kv / flashmla_sparse / fa3)")
 
 _announced = False
 

@@ -11,9 +11,10 @@ token; `--kv-cache-dtype fp8_ds_mla`, or `fp8` / `fp8_e4m3`, which vLLM stores a
 as for its own FLASHMLA_SPARSE), KV blocks of 64 tokens (larger multiples of 64 are split into 64-token kernel
 blocks), 64 or 128 query heads per rank (checked where vLLM knows the head count: the builder and the impl).
 Refused at start-up with a message naming what works: other cache dtypes and block sizes, attention sinks,
-and, on a machine with a CUDA device, everything: the Hopper sparse decode kernel is not built yet, so the
-plugin refuses rather than fall back (flash_mla_with_kvcache refuses CUDA tensors with indices for the same
-reason). CPU tensors run flashmla_backend's PyTorch reference, which is what the CPU conformance tests use.
+and, on a machine with a CUDA device, everything: the Hopper sparse decode kernel (fp8_ds_mla caches) runs through
+flashmla_backend's API but has not yet run inside vLLM and is still slower than FlashMLA's (benchmarks/RESULTS.md),
+so the plugin refuses rather than offer it or fall back. CPU tensors run flashmla_backend's PyTorch reference,
+which is what the CPU conformance tests use.
 """
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ from .sparse_builder import FlashMLASparsePluginMetadataBuilder
 from .sparse_impl import FlashMLASparsePluginImpl
 
 SPARSE_KERNEL_MISSING = (
-    "flashmla_backend: the Hopper sparse MLA decode kernel (DeepSeek-V3.2 indexer attention) is not built yet: "
-    "no compiled kernel reads the fp8_ds_mla or 16-bit KV cache in sparse decode, and flashmla_backend's sparse "
-    "decode runs on CPU tensors only (its PyTorch reference). Serve this model with vLLM's own sparse backends "
-    "(leave --attention-backend unset, or FLASHMLA_SPARSE) until the kernel exists")
+    "flashmla_backend: the plugin's sparse MLA backend (DeepSeek-V3.2 indexer attention) does not run on GPUs yet: "
+    "flashmla_backend's Hopper sparse decode kernel reads the fp8_ds_mla cache (not the 16-bit one) through its "
+    "API, has not yet been run inside vLLM, and is still slower than FlashMLA's. Serve this model with vLLM's own "
+    "sparse backends (leave --attention-backend unset, or FLASHMLA_SPARSE)")
 
 
 class FlashMLASparsePluginBackend(AttentionBackend):

@@ -19,7 +19,7 @@ SparseMLACommonImpl) never reach forward_mqa.
 
 What it refuses at start-up: query heads other than 64 or 128 per rank, cache dtypes other than the 16-bit
 ones and fp8_ds_mla (engine_support.sparse_kv_cache_dtype_problem), kv_lora_rank / rope widths other than
-512 / 64, and a CUDA device (the Hopper sparse kernel is not built yet: sparse_backend.SPARSE_KERNEL_MISSING).
+512 / 64, and a CUDA device (the backend does not run on GPUs yet: sparse_backend.SPARSE_KERNEL_MISSING).
 """
 from __future__ import annotations
 
