@@ -1,8 +1,9 @@
-"""Sparse decode (DeepSeek-V3.2) on the sm90 kernel, fp8_ds_mla caches, against the kit's fp64 oracle (sparsekit.py:
-its own e4m3 table and byte offsets): NaN in every slot no counted entry names, pages in no order, skipped entries of
-every kind (-1, past the cache, INT32_MAX, other negatives), duplicates, topk_length cutting rows (0 included), head
-counts that are not a multiple of 64, s_q up to 4, topk 40 to 2048, attn_sink; bitwise determinism; a CUDA graph
-replayed with new indices and a new topk_length; the 16-bit caches refused on CUDA, naming the format."""
+"""Sparse decode (DeepSeek-V3.2) on the sm90 kernel (both of its plans), fp8_ds_mla caches, against the kit's fp64
+oracle (sparsekit.py: its own e4m3 table and byte offsets): NaN in every slot no counted entry names, pages in no
+order, skipped entries of every kind (-1, past the cache, INT32_MAX, other negatives), duplicates, topk_length cutting
+rows (0 included), head counts that are not a multiple of 64, s_q up to 4, topk 40 to 2048, attn_sink; bitwise
+determinism; a CUDA graph replayed with new indices and a new topk_length; the 16-bit caches refused on CUDA, naming
+the format."""
 import pytest
 import torch
 
@@ -37,6 +38,20 @@ def _sm90():
         pytest.skip("the sparse kernel runs on sm_90 GPUs")
 
 
+# The kernel's two plans (csrc/sm90/sparse_fp8/kernel.cuh): the split one (the default) and the seesaw one, chosen by
+# bit 64 of FLASHMLA_BACKEND_SPARSE_DEBUG, which the launcher reads at every launch.
+PLANS = {"split": None, "seesaw": "64"}
+
+
+@pytest.fixture(params=sorted(PLANS))
+def plan(request, monkeypatch):
+    if PLANS[request.param] is None:
+        monkeypatch.delenv("FLASHMLA_BACKEND_SPARSE_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", PLANS[request.param])
+    return request.param
+
+
 def _run(inp, meta=None):
     meta = meta if meta is not None else fb.get_mla_metadata()[0]
     topk_length = inp.topk_length.cuda() if inp.topk_length is not None else None
@@ -56,20 +71,20 @@ def _check(out, lse, inp, record_errors=None):
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_sparse_kernel_matches_fp64(case, record_errors):
+def test_sparse_kernel_matches_fp64(case, plan, record_errors):
     _sm90()
     inp = make_sparse_inputs(case)
     out, lse = _run(inp)
     assert out.shape == (case.b, case.s_q, case.h_q, D_V) and out.dtype == torch.bfloat16 and out.is_cuda
     assert lse.shape == (case.b, case.h_q, case.s_q) and lse.dtype == torch.float32 and lse.is_contiguous()
     figures = _check(out, lse, inp, record_errors)
-    print(f"{case}: out rel-norm {figures['out_rel_norm']:.2e}, max rel {figures['out_max_rel']:.2e}, "
+    print(f"{case} {plan}: out rel-norm {figures['out_rel_norm']:.2e}, max rel {figures['out_max_rel']:.2e}, "
           f"lse {figures['lse_rel']:.2e}")
     out2, lse2 = _run(inp)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
 
 
-def test_one_filled_object_serves_several_calls():
+def test_one_filled_object_serves_several_calls(plan):
     """The layers of a step: the first call fills the FlashMLASchedMeta, the others reuse its schedule."""
     _sm90()
     inp = make_sparse_inputs(SparseCase(b=3, s_q=2, h_q=64, topk=192, num_pages=12, topk_length=[192, 70, 5],
@@ -82,7 +97,7 @@ def test_one_filled_object_serves_several_calls():
     _check(*again, inp)
 
 
-def test_graph_replay_reads_new_indices_and_topk_length():
+def test_graph_replay_reads_new_indices_and_topk_length(plan):
     _sm90()
     case = SparseCase(b=4, s_q=2, h_q=128, topk=256, num_pages=24, topk_length=[256, 256, 256, 256], seed=21)
     inp = make_sparse_inputs(case)

@@ -33,10 +33,12 @@ __host__ __device__ __forceinline__ bool index_valid(int v, int64_t num_tokens) 
 }
 
 // Block entries [first, first + 64) of a query token's index row `row` (n_used entries count) into the stage at
-// stage_addr (a shared address, 1024-byte aligned). Called by all 32 lanes of a warp; returns the mask of the block's
-// entries that name a token (bit e: entry first + e), the same in every lane.
-__device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,
-                                                      const int* row, int first, int n_used, int lane) {
+// stage_addr (a shared address, 1024-byte aligned), the tokens' scales to scale_addr (token r's four at
+// scale_addr + 16 r: the stage's own scale region, or a ring of their own). Called by all 32 lanes of a warp;
+// returns the mask of the block's entries that name a token (bit e: entry first + e), the same in every lane.
+__device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, uint32_t scale_addr, const uint8_t* cache,
+                                                      int64_t num_tokens, const int* row, int first, int n_used,
+                                                      int lane) {
   int v[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -68,10 +70,16 @@ __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const
     if (lane < 27 && r < kBlockTokens) {
       const int t = r < 32 ? t0 : t1;
       const uint8_t* src = cache + int64_t(t < 0 ? 0 : t) * kTokenBytes + c * kChunkBytes;
-      decode::cp_async_16(stage_addr + gather_chunk_offset(r, c), src, t >= 0);
+      const uint32_t dst = c == kScaleChunk ? scale_addr + uint32_t(r * kChunkBytes)
+                                            : stage_addr + gather_chunk_offset(r, c);
+      decode::cp_async_16(dst, src, t >= 0);
     }
   }
   return mask;
+}
+__device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,
+                                                      const int* row, int first, int n_used, int lane) {
+  return gather_block_warp(stage_addr, stage_addr + kScalesAt, cache, num_tokens, row, first, n_used, lane);
 }
 
 // An arrival on the mbarrier at bar_addr once every cp.async this lane issued so far has completed (.noinc: the

@@ -69,9 +69,11 @@ __device__ __forceinline__ float group_factor(float max_s, float p_max) {
 
 // The e4m3 A fragment (kTerms terms x 8 words, decode_fp8/mainloop.cuh's order) of P[:, t] s[t, g] f, from the
 // 64 x 64 accumulator fragment p (P of the thread's two rows), the stage's scales and the group factor f.
-template <int kTerms, class Frag>
-__device__ __forceinline__ void p_group_words(const Frag& p, const float* scales, int g, float f, int lane,
-                                              uint32_t (&words)[kTerms][8]) {
+// p_group_words_of: the same with P's accumulator value idx given by p_at(idx) (a fragment held in another form, e.g.
+// fp16 words handed over by the other warpgroup, times a row factor).
+template <int kTerms, class PAt>
+__device__ __forceinline__ void p_group_words_of(PAt&& p_at, const float* scales, int g, float f, int lane,
+                                                 uint32_t (&words)[kTerms][8]) {
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
     CUTLASS_PRAGMA_UNROLL
@@ -81,7 +83,7 @@ __device__ __forceinline__ void p_group_words(const Frag& p, const float* scales
       for (int i = 0; i < 4; ++i) {
         const int idx = decode_fp8::p_source_index(kk, q, i);
         const int token = 8 * (idx >> 2) + 2 * (lane & 3) + (idx & 1);
-        x[i] = p(idx) * (scales[token * kGroups + g] * f);
+        x[i] = p_at(idx) * (scales[token * kGroups + g] * f);
       }
       const uint32_t hi = decode_fp8::f32x4_to_e4m3x4(x[0], x[1], x[2], x[3]);
       words[0][4 * kk + q] = hi;
@@ -92,6 +94,11 @@ __device__ __forceinline__ void p_group_words(const Frag& p, const float* scales
       }
     }
   }
+}
+template <int kTerms, class Frag>
+__device__ __forceinline__ void p_group_words(const Frag& p, const float* scales, int g, float f, int lane,
+                                              uint32_t (&words)[kTerms][8]) {
+  p_group_words_of<kTerms>([&](int idx) { return p(idx); }, scales, g, f, lane, words);
 }
 
 // O_g (64 x 128 fp32 accumulator fragment) += P_g V_g; vt_group: group g's 128 V^T rows (V^T half g / 2, rows

@@ -52,9 +52,10 @@ constexpr int kKStepsPerGroup = 128 / 32;
 // kernel's two consumer warpgroups each take two groups and half the rope, and add their parts: kernel.cuh), in
 // the same order of operations as the whole block: the rope product into S first, then each group's product into
 // `tmp` and added into S times the tokens' group scale.
+// scales: the block's token scales (four floats a token), the stage's own region or a ring of their own.
 template <int kQTerms, int kG0, int kNG, int kR0, int kNR, class FragS>
 __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                 FragS& tSrS, FragS& tmp) {
+                                                 const float* scales, FragS& tSrS, FragS& tmp) {
   using F8 = QkTypes::F8;
   using BF = QkTypes::BF;
   static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
@@ -80,7 +81,6 @@ __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uin
   auto thr_l = mma_l.get_slice(tid);
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(stage)), typename QkTypes::LatentLayout{});
   Tensor tKl = thr_l.partition_fragment_B(sK);  // (MMA, 1, 16)
-  const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
   const int lane = tid & 31;
   CUTLASS_PRAGMA_UNROLL
   for (int g = kG0; g < kG0 + kNG; ++g) {
@@ -119,7 +119,8 @@ __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uin
 template <int kQTerms, class FragS>
 __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
                                                 FragS& tSrS, FragS& tmp) {
-  sparse_qk_groups<kQTerms, 0, kGroups, 0, 4>(tid, q_latent, q_rope, stage, tSrS, tmp);
+  sparse_qk_groups<kQTerms, 0, kGroups, 0, 4>(tid, q_latent, q_rope, stage,
+                                              reinterpret_cast<const float*>(stage + kScalesAt), tSrS, tmp);
 }
 
 }  // namespace flashmla_backend::sm90::sparse_fp8

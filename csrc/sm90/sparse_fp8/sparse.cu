@@ -37,21 +37,25 @@ void run_sm90_sparse_decode(const DecodeParams& p) {
   FMLA_HOST_CHECK(p.num_kv_tokens >= 0 && p.indices_stride >= 0,
                   r.kernel << ": num_kv_tokens and indices_stride must be >= 0 (got " << p.num_kv_tokens << ", "
                            << p.indices_stride << ")");
-  FMLA_HOST_CHECK(reinterpret_cast<std::uintptr_t>(p.kv) % 16 == 0 && reinterpret_cast<std::uintptr_t>(p.q_pe) % 16 == 0,
-                  r.kernel << ": kv and q_pe must be 16-byte aligned");
-  FMLA_CUDA_CHECK(cudaFuncSetAttribute(sm90_sparse_fp8_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       kSmemBytes));
+  FMLA_HOST_CHECK(
+      reinterpret_cast<std::uintptr_t>(p.kv) % 16 == 0 && reinterpret_cast<std::uintptr_t>(p.q_pe) % 16 == 0,
+      r.kernel << ": kv and q_pe must be 16-byte aligned");
+  const int debug = sparse_debug_flags();
+  const bool seesaw = (debug & kDebugSeesaw) != 0;
+  auto* kernel = seesaw ? &sm90_sparse_fp8_decode_kernel<true> : &sm90_sparse_fp8_decode_kernel<false>;
+  const int smem = seesaw ? kSmemBytes<true> : kSmemBytes<false>;
+  FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchAttribute attrs[1];
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = p.pdl ? 1 : 0;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(p.num_m_blocks, 1, p.num_sm_parts);
   cfg.blockDim = dim3(kNumThreads, 1, 1);
-  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(p.stream);
   cfg.attrs = attrs;
   cfg.numAttrs = 1;
-  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sm90_sparse_fp8_decode_kernel, p, sparse_debug_flags()));
+  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, debug));
   FMLA_CHECK_LAUNCH("sm90_sparse_fp8_decode_kernel");
 }
 

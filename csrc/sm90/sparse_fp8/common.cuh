@@ -1,0 +1,326 @@
+// What the sm90 sparse (DeepSeek-V3.2) decode kernel's two plans share (kernel.cuh: the kernel and its plans):
+// the geometry and register split, the measurement switches, the mbarrier waits, the Q tile of a row, the counted
+// blocks of a row piece, the transposer warps and the epilogue's stores.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/cutlass.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/device.cuh"
+#include "params.h"
+#include "sm90/decode/copies.cuh"
+#include "sm90/decode/epilogue.cuh"  // interleaved_value_index
+#include "sm90/decode/softmax.cuh"
+#include "sm90/decode/tile_work.cuh"
+#include "sm90/decode_fp8/config.h"
+#include "sm90/sparse_fp8/gather.cuh"
+#include "sm90/sparse_fp8/layout.h"
+#include "sm90/sparse_fp8/pv.cuh"
+#include "sm90/sparse_fp8/qk.cuh"
+
+#ifndef FMLA_SM90_WAIT_TIMEOUT_NS
+#define FMLA_SM90_WAIT_TIMEOUT_NS 4000000000ull
+#endif
+namespace flashmla_backend::sm90::sparse_fp8 {
+
+using namespace cute;
+using NamedBarrier = cutlass::arch::NamedBarrier;
+
+constexpr int kNumThreads = 384;
+constexpr int kNumConsumerThreads = 256;
+constexpr int kWgThreads = 128;
+constexpr int kTileRows = 64;           // heads of an M tile
+constexpr int kStages = 2;              // gathered blocks in flight
+constexpr int kQTerms = 2;              // e4m3 terms of q (the journal's precision model asks for two)
+constexpr int kPTerms = 2;              // e4m3 terms of P s[t, g]
+constexpr int kTransposeWarps = 3;      // producer warps 1..3
+constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 56;
+static_assert(2 * kWgThreads * kConsumerRegs + kWgThreads * kProducerRegs <= decode_fp8::kCtaRegisters,
+              "register split exceeds the CTA's allocation");
+
+// Measurement switches (FLASHMLA_BACKEND_SPARSE_DEBUG, bits; sparse.cu): each leaves a stage's work out, so the
+// results are wrong and only the time means something. None of them may skip a wgmma: a run-time branch around a
+// wgmma, or a non-wgmma definition of its accumulator on another path, makes ptxas serialize every wgmma of the kernel
+// (its C7515 info; tests/test_device_checks.py fails on it). Bits 8 (no P V) and 32 (no Q K^T) did, and are gone.
+enum DebugFlags : int {
+  kDebugNoGather = 1,     // the gather warp issues no copies (the stages keep what they held)
+  kDebugNoTranspose = 2,  // the transposer warps write no V^T
+  kDebugNoExchange = 4,   // the split plan's consumers do not hand their score parts over (each keeps its own)
+  kDebugNoWords = 16,     // the consumers build no P words (zeros)
+  kDebugSeesaw = 64,      // the seesaw plan instead of the split one (kernel.cuh; not a measurement switch)
+};
+
+// The named barrier of all 256 consumer threads (ID 0 of each plan's list).
+constexpr uint32_t kBarConsumers = 0;
+// Arrivals of the V^T barriers, both plans: vt_full (the transposer warps), vt_empty (the 4 warps of the consumer
+// warpgroup that reads the half).
+constexpr uint32_t kVtFullArrivals = kTransposeWarps;
+constexpr uint32_t kVtEmptyArrivals = 4;
+
+__device__ __forceinline__ void consumers_sync() {
+  NamedBarrier(kNumConsumerThreads, kBarConsumers).arrive_and_wait_unaligned();
+}
+
+// Waits for completion (parity) of an mbarrier; the producer's waits trap after FMLA_SM90_WAIT_TIMEOUT_NS, the
+// consumers' do not (decode_fp8/producer.cuh says why).
+template <class Barrier>
+__device__ __forceinline__ void producer_wait(Barrier& bar, uint32_t parity) {
+  mbarrier_wait<uint64_t(FMLA_SM90_WAIT_TIMEOUT_NS)>(cute::cast_smem_ptr_to_uint(&bar), parity);
+}
+template <class Barrier>
+__device__ __forceinline__ void consumer_wait(Barrier& bar, uint32_t parity) {
+  mbarrier_wait<0>(cute::cast_smem_ptr_to_uint(&bar), parity);
+}
+template <class Barrier>
+__device__ __forceinline__ void warp_arrive(Barrier& bar, int lane) {
+  __syncwarp();
+  if (lane == 0) bar.arrive();
+}
+// ------------------------------------------------------------------------------------------------
+// The Q tile of a row: the 256 consumer threads, thread t: head 64 m + t / 4, latent group t % 4 (128 channels) and
+// rope channels 16 (t % 4) .. + 15. q ~ s_r (hi + lo), s_r = 2^ceil(log2(amax / 448)) over the head's latent part
+// (qk.cuh's header); heads past h_q get zeros.
+// ------------------------------------------------------------------------------------------------
+template <class SS>
+__device__ __forceinline__ void load_q_tile(const DecodeParams& p, SS& ss, int req, int m_block, int tid) {
+  const int r = tid >> 2, qq = tid & 3;
+  const int h = m_block * kTileRows + r;
+  const bool valid = h < p.num_heads_q;
+  uint4 lat[16], rope[2];
+  if (valid) {
+    const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const cutlass::bfloat16_t*>(p.q) +
+                                                      int64_t(req) * p.q_stride_b + int64_t(h) * p.q_stride_h) +
+                       16 * qq;
+    const uint4* src_pe = reinterpret_cast<const uint4*>(
+                              reinterpret_cast<const cutlass::bfloat16_t*>(p.q_pe) + int64_t(req) * p.q_pe_stride_b +
+                              int64_t(h) * p.q_pe_stride_h) +
+                          2 * qq;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 16; ++i) lat[i] = __ldg(src + i);
+    rope[0] = __ldg(src_pe);
+    rope[1] = __ldg(src_pe + 1);
+  } else {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 16; ++i) lat[i] = make_uint4(0, 0, 0, 0);
+    rope[0] = rope[1] = make_uint4(0, 0, 0, 0);
+  }
+  float amax = 0.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < 16; ++i) {
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&lat[i]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(v[k]);
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const float s = amax > 0.f ? exp2f(ceilf(log2f(amax / decode_fp8::kE4m3Max))) : 1.f;
+  const float inv = 1.f / s;
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < 8; ++c) {  // chunk 8 qq + c: 16 latent channels
+    float x[16];
+    CUTLASS_PRAGMA_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&lat[2 * c + half]);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(v[k]);
+        x[8 * half + 2 * k] = f.x * inv;
+        x[8 * half + 2 * k + 1] = f.y * inv;
+      }
+    }
+    uint32_t hi[4], lo[4];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      hi[k] = decode_fp8::f32x4_to_e4m3x4(x[4 * k], x[4 * k + 1], x[4 * k + 2], x[4 * k + 3]);
+      float b[4];
+      decode_fp8::e4m3x4_to_f32x4(hi[k], b);
+      lo[k] = decode_fp8::f32x4_to_e4m3x4(x[4 * k] - b[0], x[4 * k + 1] - b[1], x[4 * k + 2] - b[2],
+                                          x[4 * k + 3] - b[3]);
+    }
+    const uint32_t off = gather_chunk_offset(r, 8 * qq + c);
+    *reinterpret_cast<uint4*>(ss.q_latent + off) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(ss.q_latent + kLatentBytes + off) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < 2; ++c) {  // rope chunk 2 qq + c: 8 channels, divided by s (a power of two: exact)
+    uint4 o;
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&rope[c]);
+    __nv_bfloat162* w = reinterpret_cast<__nv_bfloat162*>(&o);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __bfloat1622float2(v[k]);
+      w[k] = __floats2bfloat162_rn(f.x * inv, f.y * inv);
+    }
+    *reinterpret_cast<uint4*>(ss.q_rope + sw128_offset(r, 2 * qq + c)) = o;
+  }
+  if (qq == 0) ss.row_scale_log2[r] = p.scale_log2 * s;
+}
+
+// The blocks of request piece w that hold counted entries (topk_length cuts a row; params.h), and the end of the
+// counted entries (`stop`, request-local). The same in every role of the CTA.
+__device__ __forceinline__ int counted_blocks(const DecodeParams& p, const decode::RequestPiece& w, int& stop) {
+  int n = w.stop;
+  if (p.topk_length != nullptr) n = min(n, max(__ldg(p.topk_length + w.req / p.sparse_seqlen_q), 0));
+  stop = n;
+  return n > w.start ? (n + kBlockTokens - 1) / kBlockTokens - w.first_page : 0;
+}
+// An even count of blocks (kPadded: the seesaw's pairs; the added block is gathered past the counted entries, as
+// zeros with an empty mask).
+template <bool kPadded>
+__device__ __forceinline__ int padded(int nblk) {
+  return kPadded ? (nblk + 1) & ~1 : nblk;
+}
+
+// The factors of groups kG0 and kG0 + 1 for a block (pv.cuh: group_factor; F[gg] 0 until a block with a token sets
+// it): the block's largest scale of each group (0 for skipped entries, gathered as zeros), and the ratio by which O of
+// the group must be multiplied where the factor went down (a power of two; 1 where it did not).
+template <int kG0>
+__device__ __forceinline__ void update_group_factors(const float* scales, int lane, float (&F)[2], float (&ratio)[2]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int gg = 0; gg < 2; ++gg) {
+    float ms = 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int a = 0; a < 8; ++a) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 2; ++e) ms = fmaxf(ms, scales[(8 * a + 2 * (lane & 3) + e) * kGroups + kG0 + gg]);
+    }
+    ms = decode::quad_max(ms);
+    ratio[gg] = 1.f;
+    if (ms > 0.f) {
+      const float f = group_factor(ms, exp2f(decode_fp8::kPScaleLog2));
+      if (F[gg] == 0.f) {
+        F[gg] = f;
+      } else if (f < F[gg]) {
+        ratio[gg] = f / F[gg];
+        F[gg] = f;
+      }
+    }
+  }
+}
+
+// O of the thread's two groups times the row factors r[v] and the groups' ratios, skipped by a warp where all are 1.
+template <class FragO>
+__device__ __forceinline__ void rescale_groups(FragO& o0, FragO& o1, const float (&r)[2], const float (&ratio)[2]) {
+  if (__any_sync(0xffffffffu, r[0] != 1.f || r[1] != 1.f || ratio[0] != 1.f || ratio[1] != 1.f)) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(o0); ++i) {
+      const float x = r[(i >> 1) & 1];
+      o0(i) *= x * ratio[0];
+      o1(i) *= x * ratio[1];
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Producer warpgroup
+// ------------------------------------------------------------------------------------------------
+// The transposer warps (producer warps 1..3, twarp 0..2): V^T of every block, half 0 then half 1, each half into its
+// one slot once the previous block's P V of it completed. kPadded: blocks come in pairs (the seesaw plan: an odd
+// count gets a virtual block, gathered as zeros).
+template <bool kPadded, class SS>
+__device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta, int begin_req,
+                                               int end_req, int m_block, int twarp, int lane, int debug) {
+  const uint32_t vt_addr = cute::cast_smem_ptr_to_uint(ss.vt[0]);
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    int stop;
+    const int nblk = padded<kPadded>(counted_blocks(p, w, stop));
+    for (int blk = 0; blk < nblk; ++blk, ++g) {
+      const int s = int(g % kStages);
+      producer_wait(ss.full[s], (g / kStages) & 1u);
+      const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        if (g > 0) producer_wait(ss.vt_empty[h], (g - 1) & 1u);
+        if (!(debug & kDebugNoTranspose))
+          transpose_units(stage_addr, vt_addr, h * kUnitsPerHalf, (h + 1) * kUnitsPerHalf, twarp, kTransposeWarps,
+                          lane);
+        cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
+        warp_arrive(ss.vt_full[h], lane);
+      }
+      warp_arrive(ss.empty[s], lane);
+    }
+  }
+}
+// ------------------------------------------------------------------------------------------------
+// Consumer warpgroup kWG
+// ------------------------------------------------------------------------------------------------
+// Output columns [128 g, 128 g + 128) of the thread's rows from O_g (accumulator columns in V^T's row order,
+// decode_fp8/layout.h: vt_row_column), times inv[v].
+template <class FragO>
+__device__ __forceinline__ void store_group(const DecodeParams& p, const decode::RequestPiece& w, int g,
+                                            const int (&rows)[2], int lane, const FragO& o, const float (&inv)[2]) {
+  const int col0 = 128 * g + 4 * (lane & 3);
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) {
+    const int r = rows[v];
+    if (r >= p.q_rows) continue;
+    if (!w.split) {
+      cutlass::bfloat16_t* out = reinterpret_cast<cutlass::bfloat16_t*>(p.out) + int64_t(w.req) * p.out_stride_b +
+                                 int64_t(r) * p.out_stride_h + col0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int a = 0; a < size(o) / 8; ++a) {
+        float x[4];
+        decode::interleaved_quad(o, a, v, inv[v], x);
+        cutlass::bfloat16_t quad[4] = {cutlass::bfloat16_t(x[0]), cutlass::bfloat16_t(x[1]),
+                                       cutlass::bfloat16_t(x[2]), cutlass::bfloat16_t(x[3])};
+        *reinterpret_cast<uint2*>(out + 16 * a) = *reinterpret_cast<const uint2*>(quad);
+      }
+    } else {
+      float* oacc = p.o_accum + (int64_t(w.split_id) * p.q_rows + r) * kHeadDimV + col0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int a = 0; a < size(o) / 8; ++a) {
+        float x[4];
+        decode::interleaved_quad(o, a, v, inv[v], x);
+        *reinterpret_cast<float4*>(oacc + 16 * a) = make_float4(x[0], x[1], x[2], x[3]);
+      }
+    }
+  }
+}
+
+
+// The row piece's outputs of consumer warpgroup kWG (groups 2 kWG, 2 kWG + 1): out = O_g / (F_g l), or the split's
+// fp32 partials, and (warpgroup 0) lse; l: the rows' final sums of P (its 2^8 included), m: their running max (log2
+// domain). A row without a token gets out 0 and lse +inf (a split: -inf).
+template <int kWG, class FragO>
+__device__ __forceinline__ void store_rows(const DecodeParams& p, const decode::RequestPiece& w, const int (&rows)[2],
+                                           int lane, const FragO& o0, const FragO& o1, const float (&F)[2],
+                                           const float (&l)[2], const float (&m)[2]) {
+  float inv[2][2];
+  float lse[2];
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) {
+    const bool has_key = row_has_key(l[v]);
+    lse[v] = has_key ? row_lse(m[v] - decode_fp8::kPScaleLog2, l[v]) : (w.split ? kNoKeySplitLse : kNoKeyLse);
+    CUTLASS_PRAGMA_UNROLL
+    for (int gg = 0; gg < 2; ++gg) inv[gg][v] = has_key ? 1.f / ((F[gg] == 0.f ? 1.f : F[gg]) * l[v]) : 0.f;
+  }
+  store_group(p, w, 2 * kWG, rows, lane, o0, inv[0]);
+  store_group(p, w, 2 * kWG + 1, rows, lane, o1, inv[1]);
+  if (kWG == 0 && (lane & 3) == 0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) {
+      if (rows[v] >= p.q_rows) continue;
+      if (w.split) {
+        p.lse_accum[int64_t(w.split_id) * p.q_rows + rows[v]] = lse[v];
+      } else {
+        p.lse[int64_t(w.req) * p.lse_stride_b + int64_t(rows[v]) * p.lse_stride_h] = lse[v];
+      }
+    }
+  }
+}
+}  // namespace flashmla_backend::sm90::sparse_fp8

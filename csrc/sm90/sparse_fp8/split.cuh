@@ -1,0 +1,190 @@
+// The split plan of the sm90 sparse decode kernel (kernel.cuh): each consumer warpgroup owns two latent groups,
+// computes their part of every block's scores and hands it to the other warpgroup through shared memory; both then
+// hold the same scores and run the same softmax, and each multiplies P by V for its two groups.
+#pragma once
+
+#include "sm90/sparse_fp8/common.cuh"
+
+namespace flashmla_backend::sm90::sparse_fp8 {
+
+struct alignas(1024) SplitStorage {
+  alignas(1024) uint8_t q_latent[kQTerms * kLatentBytes];    // term t at t * kLatentBytes (qk.cuh's Q tile)
+  alignas(1024) uint8_t q_rope[kRopeBytes];
+  alignas(1024) uint8_t stage[kStages][kStageBytes];        // block g in stage g % kStages (layout.h)
+  alignas(1024) uint8_t vt[2][decode_fp8::kVtHalfBytes];    // V^T half h (groups 2 h, 2 h + 1), read by warpgroup h
+  alignas(16) float sx[2][kTileRows * kTileRows];           // warpgroup w's part of a block's scores
+  uint64_t mask[kStages];                                    // the block's entries that name a token (gather.cuh)
+  float row_scale_log2[kTileRows];                           // softmax scale (log2) x the row's q split scale
+  // full[s]: block landed in stage s (the gather warp's lanes, kSplitFullArrivals). empty[s]: the 8 consumer warps
+  // (scores and P built) and the 3 transposer warps are done with stage s. vt_full[h]: V^T half h written (3
+  // transposer warps). vt_empty[h]: warpgroup h's P V of the half completed (its 4 warps).
+  cutlass::arch::ClusterBarrier full[kStages];
+  cutlass::arch::ClusterBarrier empty[kStages];
+  cutlass::arch::ClusterBarrier vt_full[2];
+  cutlass::arch::ClusterBarrier vt_empty[2];
+};
+static_assert(int(sizeof(SplitStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
+
+constexpr uint32_t kSplitFullArrivals = 32 + 1;  // the gather warp's lanes (their copies landed) and lane 0 (the mask)
+constexpr uint32_t kSplitEmptyArrivals = 8 + kTransposeWarps;
+
+// Named barriers (IDs relative to CUTLASS's reserved ones), all used in their non-.aligned form: the two consumer
+// warpgroups run different instantiations of split_consumer_loop, so they reach each barrier at different instructions
+// (decode_fp8/kernel.cuh: consumers_sync says more). kScoresReady: both warpgroups wrote their part of the
+// block's scores. kScoresFree + w: warpgroup 1 - w read warpgroup w's part (it arrives), so warpgroup w may write
+// the next one (it waits): one arrival a block, one wait a block after the CTA's first and one at the end.
+enum class SplitBar : uint32_t { kConsumers = kBarConsumers, kScoresReady = 1, kScoresFree = 2 };
+
+__device__ __forceinline__ void split_gather_warp(const DecodeParams& p, SplitStorage& ss, const SchedMetaRow& meta,
+                                                  int begin_req, int end_req, int m_block, int lane, int debug) {
+  const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const int* row = p.indices + int64_t(req) * p.indices_stride;
+    int stop;
+    const int nblk = counted_blocks(p, w, stop);
+    for (int blk = 0; blk < nblk; ++blk, ++g) {
+      const int s = int(g % kStages);
+      if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u);
+      const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
+      const uint64_t mask = (debug & kDebugNoGather)
+                                ? ~uint64_t(0)
+                                : gather_block_warp(stage_addr, cache, p.num_kv_tokens, row,
+                                                    (w.first_page + blk) * kBlockTokens, stop, lane);
+      // full[s] completes when the 32 lanes' copies have landed (their cp.async arrivals) and lane 0 wrote the mask.
+      cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
+      if (lane == 0) {
+        ss.mask[s] = mask;
+        ss.full[s].arrive();
+      }
+    }
+  }
+  decode::cp_async_wait_all();  // no copy outlives the warp
+}
+template <int kWG>
+__device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, SplitStorage& ss, const SchedMetaRow& meta,
+                                                    int begin_req, int end_req, int m_block, int tid, int debug) {
+  const int tid_in_wg = tid % kWgThreads;
+  const int lane = tid & 31;
+  const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
+  const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
+  constexpr int kG0 = 2 * kWG;  // this warpgroup's groups: kG0, kG0 + 1
+  uint8_t* vt_half = ss.vt[kWG];
+
+  typename QkTypes::TiledMmaLatent mma_s;
+  typename PvTypes::TiledMma mma_o;
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    load_q_tile(p, ss, req, m_block, tid);
+    cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
+    consumers_sync();
+    const float sl2[2] = {ss.row_scale_log2[row_in_tile[0]], ss.row_scale_log2[row_in_tile[1]]};
+
+    Tensor o0 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group kG0
+    Tensor o1 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group kG0 + 1
+    clear(o0);
+    clear(o1);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float F[2] = {0.f, 0.f};  // the groups' factors; 0: none yet
+
+    int stop;
+    const int nblk = counted_blocks(p, w, stop);
+    for (int blk = 0; blk < nblk; ++blk, ++g) {
+      const int s = int(g % kStages);
+      consumer_wait(ss.full[s], (g / kStages) & 1u);
+      cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
+      uint8_t* stage = ss.stage[s];
+      Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
+      {
+        Tensor tmp = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
+        sparse_qk_groups<kQTerms, kG0, 2, 2 * kWG, 2>(tid_in_wg, ss.q_latent, ss.q_rope, stage,
+                                                      reinterpret_cast<const float*>(stage + kScalesAt), S, tmp);
+      }
+      // ---- the other warpgroup's part of the scores ----
+      if (g > 0) NamedBarrier(kNumConsumerThreads, uint32_t(SplitBar::kScoresFree) + kWG).arrive_and_wait_unaligned();
+      {
+        float4* mine = reinterpret_cast<float4*>(ss.sx[kWG]);
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size(S) / 4; ++c)
+          mine[c * kWgThreads + tid_in_wg] = make_float4(S(4 * c), S(4 * c + 1), S(4 * c + 2), S(4 * c + 3));
+      }
+      NamedBarrier(kNumConsumerThreads, uint32_t(SplitBar::kScoresReady)).arrive_and_wait_unaligned();
+      if (!(debug & kDebugNoExchange)) {
+        const float4* other = reinterpret_cast<const float4*>(ss.sx[1 - kWG]);
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size(S) / 4; ++c) {
+          const float4 x = other[c * kWgThreads + tid_in_wg];
+          S(4 * c) += x.x;
+          S(4 * c + 1) += x.y;
+          S(4 * c + 2) += x.z;
+          S(4 * c + 3) += x.w;
+        }
+      }
+      NamedBarrier(kNumConsumerThreads, uint32_t(SplitBar::kScoresFree) + (1 - kWG)).arrive_unaligned();
+
+      // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
+      const uint64_t mask = ss.mask[s];
+      float mx[2] = {-INFINITY, -INFINITY};
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(S); ++i) {
+        const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+        if (!((mask >> token) & 1u)) S(i) = -INFINITY;
+        mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], S(i));
+      }
+      float sc[2], m_use[2];
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < 2; ++v) {
+        float m_new;
+        decode::update_max(m[v], decode::quad_max(mx[v]), sl2[v], m_new, m_use[v], sc[v]);
+        m[v] = m_new;
+        l[v] *= sc[v];
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(S); ++i) {
+        const int v = (i >> 1) & 1;
+        S(i) = fast_exp2(fmaf(S(i), sl2[v], decode_fp8::kPScaleLog2 - m_use[v]));
+        l[v] += S(i);
+      }
+
+      // ---- the groups' factors (only ever lowered: O_g times the ratio, a power of two) and P's words ----
+      const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
+      float ratio[2];
+      update_group_factors<kG0>(scales, lane, F, ratio);
+      rescale_groups(o0, o1, sc, ratio);
+      uint32_t words0[kPTerms][8], words1[kPTerms][8];
+      if (debug & kDebugNoWords) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < kPTerms; ++t) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
+        }
+      } else {
+        p_group_words<kPTerms>(S, scales, kG0, F[0] == 0.f ? 1.f : F[0], lane, words0);
+        p_group_words<kPTerms>(S, scales, kG0 + 1, F[1] == 0.f ? 1.f : F[1], lane, words1);
+      }
+      warp_arrive(ss.empty[s], lane);  // scores, mask and scales read
+
+      // ---- O_g += P_g V_g ----
+      consumer_wait(ss.vt_full[kWG], g & 1u);
+      sparse_pv_group<kPTerms>(tid_in_wg, words0, vt_half, o0);
+      sparse_pv_group<kPTerms>(tid_in_wg, words1, vt_half + decode_fp8::kVtHalfBytes / 2, o1);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(o0);
+      warpgroup_fence_operand(o1);
+      warp_arrive(ss.vt_empty[kWG], lane);
+    }
+
+    // ---- epilogue ----
+    if (req == end_req) pdl_launch_dependents();
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) l[v] = decode::quad_sum(l[v]);
+    store_rows<kWG>(p, w, rows, lane, o0, o1, F, l, m);
+    consumers_sync();  // both warpgroups are past their last wgmma of the row: the Q tile may be rewritten
+  }
+  // Balance the score hand-off barrier: the other warpgroup arrived once more than this one waited.
+  if (g > 0) NamedBarrier(kNumConsumerThreads, uint32_t(SplitBar::kScoresFree) + kWG).arrive_and_wait_unaligned();
+}
+
+}  // namespace flashmla_backend::sm90::sparse_fp8
