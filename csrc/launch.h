@@ -8,6 +8,14 @@
 
 namespace flashmla_backend {
 
+// The KV formats each compiled kernel reads (params.h: KvFormat), in dense decode (block_table) and in sparse decode
+// (indices). flashmla_backend/kv_format.py states the same in Python (dense_kernels / sparse_kernels of each
+// format); the binding reports these (_C.kernel_kv_formats()) and tests/test_build.py compares the two.
+constexpr uint32_t kSixteenBitFormats = kv_format_bit(KvFormat::kBF16) | kv_format_bit(KvFormat::kFP16);
+constexpr uint32_t kPortableDenseFormats = kSixteenBitFormats;
+constexpr uint32_t kSm90DenseFormats = kSixteenBitFormats | kv_format_bit(KvFormat::kFP8E4M3);
+constexpr uint32_t kSm90SparseFormats = kv_format_bit(KvFormat::kFP8DsMla);
+
 // csrc/smxx/tile_scheduler.cu: fills metadata [num_sm_parts, 8] and num_splits [batch + 1].
 void run_tile_scheduler(const SchedParams& params);
 

@@ -54,6 +54,32 @@ struct SchedParams {
 // ---- Decode (split-KV) + combine ------------------------------------------------------------------
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 
+// The KV-cache formats, one identity from Python to the kernels: flashmla_backend/kv_format.py's formats with the same
+// names and codes (KvFormat.code), DecodeParams::kv_format, and the formats each kernel reads (launch.h, which the
+// binding reports as _C.kernel_kv_formats() and tests/test_build.py compares with kv_format.py; each launcher refuses
+// the others through DecodeRequirements::formats). How a token of each is stored: kv_format.py.
+enum class KvFormat : uint8_t {
+  kBF16 = 0,       // 576 bf16 a token (q's dtype)
+  kFP16 = 1,       // 576 fp16 a token (q's dtype)
+  kFP8E4M3 = 2,    // 576 e4m3 a token, scaled by descale_k
+  kFP8DsMla = 3,   // DeepSeek's 656-byte token: 512 e4m3 in four groups with a float32 scale each, 64 bf16 rope
+};
+constexpr int kNumKvFormats = 4;
+inline const char* kv_format_name(KvFormat f) {
+  switch (f) {
+    case KvFormat::kBF16: return "bf16";
+    case KvFormat::kFP16: return "fp16";
+    case KvFormat::kFP8E4M3: return "fp8_e4m3";
+    case KvFormat::kFP8DsMla: return "fp8_ds_mla";
+  }
+  return "unknown";
+}
+static_assert(static_cast<int>(KvFormat::kBF16) == static_cast<int>(DType::kBF16) &&
+                  static_cast<int>(KvFormat::kFP16) == static_cast<int>(DType::kFP16),
+              "a 16-bit format's code is its dtype's (check_decode_params compares them)");
+// A set of formats as bits (bit int(f)).
+constexpr uint32_t kv_format_bit(KvFormat f) { return 1u << static_cast<int>(f); }
+
 // The decode arguments, listed once. Each entry is ARG(type, name) -- set by the caller (Python sets it
 // on _C.DecodeArgs under the same name; pointers as integers, dtype as its int code) -- or
 // DERIVED(type, name) -- computed from the ARG fields by derive_decode_params() below, nowhere else.
@@ -65,7 +91,7 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
 // Tensors (strides in elements; the innermost dimension of each is contiguous):
 //   q           [b, s_q, h_q, 576]                   q's dtype; columns 512..575 are read through q_pe
 //   q_pe        [b, s_q, h_q, 64]                    q's dtype (q + 512 for a single q tensor)
-//   kv          [num_pages, kPageSize, h_kv, 576]    q's dtype, or float8_e4m3fn with kv_fp8 (V = columns
+//   kv          [num_pages, kPageSize, h_kv, 576]    q's dtype, or float8_e4m3fn with kv_format kFP8E4M3 (V = columns
 //                                                    0..511 of the same row)
 //   block_table [b, max_pages_per_seq] int32         page ids
 //   seqlens     [b] int32                            cache_seqlens. The kernels clamp each length to
@@ -127,14 +153,15 @@ enum class DType : int { kBF16 = 0, kFP16 = 1 };
   ARG(void*, stream)                    /* cudaStream_t */                                                     \
   ARG(bool, pdl)                        /* launch combine with programmatic dependent launch (sm_90+) */       \
                                                                                                               \
-  /* FP8 KV cache (sm90 kernel only). kv_fp8: kv is float8_e4m3fn; the cache row of request req and kv head   \
-     hk has true value = stored * descale_k[req * descale_k_stride_b + hk * descale_k_stride_h]. q_fp8 (needs  \
-     kv_fp8): q is float8_e4m3fn, true value = stored * descale_q[req * descale_q_stride_b + hk *             \
+  /* The KV cache's format (KvFormat above). The 16-bit ones are q's dtype. kFP8E4M3 (sm90 kernel only): kv is  \
+     float8_e4m3fn; the cache row of request req and kv head hk has true value = stored *                      \
+     descale_k[req * descale_k_stride_b + hk * descale_k_stride_h]. q_fp8 (needs kFP8E4M3): q is              \
+     float8_e4m3fn, true value = stored * descale_q[req * descale_q_stride_b + hk *                            \
      descale_q_stride_h] (hk: the kv head of the query head); out is then bf16. The descales are fp32 device   \
      tensors read by the kernel once per request (they may change between graph replays), [b, h_kv] with any \
      strides (element strides >= 0; a single per-tensor scale has strides 0, 0); null when unused. With FP8   \
      pieces, `dtype` is out's element type (q's when q is not FP8). */                                        \
-  ARG(bool, kv_fp8)                                                                                           \
+  ARG(KvFormat, kv_format)                                                                                    \
   ARG(bool, q_fp8)                                                                                            \
   ARG(const float*, descale_q)                                                                                \
   ARG(const float*, descale_k)                                                                                \
@@ -181,7 +208,7 @@ static_assert(sizeof(DecodeParams) == 376 && alignof(DecodeParams) == 8, "Decode
 static_assert(offsetof(DecodeParams, num_sm_parts) == 36 && offsetof(DecodeParams, causal) == 56 &&
                   offsetof(DecodeParams, q) == 64 && offsetof(DecodeParams, seqlens) == 144 &&
                   offsetof(DecodeParams, o_accum) == 232 && offsetof(DecodeParams, pdl) == 248 &&
-                  offsetof(DecodeParams, kv_fp8) == 249 && offsetof(DecodeParams, descale_k) == 264 &&
+                  offsetof(DecodeParams, kv_format) == 249 && offsetof(DecodeParams, descale_k) == 264 &&
                   offsetof(DecodeParams, descale_q_stride_b) == 272 &&
                   offsetof(DecodeParams, descale_k_stride_h) == 296 && offsetof(DecodeParams, q_pe) == 304 &&
                   offsetof(DecodeParams, q_pe_stride_h) == 328 && offsetof(DecodeParams, indices) == 336 &&

@@ -17,8 +17,10 @@ fp8_ds_mla token (DeepSeek-V3.2's) has its own byte layout, written down with it
 flashmla_backend.fp8_ds_mla. Sparse decode reads fp8_ds_mla and the 16-bit formats: on CPU tensors the reference
 reads all three, on CUDA tensors the sm90 kernel reads fp8_ds_mla (the others are refused, naming it).
 
-E4M3 is the one definition of the FP8 element type in Python. The compiled module states what it reads in its
-own terms (the Variant enums of csrc/sm90/decode and csrc/sm90/decode_fp8); the kernel lists here must say the same.
+E4M3 is the one definition of the FP8 element type in Python. A format is one identity from here to the kernels:
+the compiled module knows it by the same name and code (csrc/params.h: KvFormat; KvFormat.code below), receives
+it as DecodeParams' kv_format, and reports which of its kernels read which formats (csrc/launch.h; the module's
+kernel_kv_formats), which tests/test_build.py compares with the kernel lists here.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class KvFormat:
     scales: str                          # where the scales are, in words
     dense_kernels: tuple[str, ...]       # compiled kernels that read it in dense decode
     sparse_kernels: tuple[str, ...]      # ... in sparse decode (indices)
+    code: int                            # its code in the compiled module (csrc/params.h: KvFormat)
 
     def __str__(self) -> str:
         return self.name
@@ -71,14 +74,14 @@ class KvFormat:
 
 _WIDE = 2 * HEAD_DIM_K   # bytes of a 16-bit token
 
-BF16 = KvFormat("bf16", (torch.bfloat16,), HEAD_DIM_K, _WIDE, "none", ("sm90", "portable"), ())
-FP16 = KvFormat("fp16", (torch.float16,), HEAD_DIM_K, _WIDE, "none", ("sm90", "portable"), ())
+BF16 = KvFormat("bf16", (torch.bfloat16,), HEAD_DIM_K, _WIDE, "none", ("sm90", "portable"), (), 0)
+FP16 = KvFormat("fp16", (torch.float16,), HEAD_DIM_K, _WIDE, "none", ("sm90", "portable"), (), 1)
 FP8_E4M3 = KvFormat("fp8_e4m3", (E4M3,), HEAD_DIM_K, HEAD_DIM_K,
-                    "descale_k: one float32, or one per request and KV head", ("sm90",), ())
+                    "descale_k: one float32, or one per request and KV head", ("sm90",), (), 2)
 # 512 e4m3 latent bytes, a float32 scale per 128 of them, 64 bf16 rope values (flashmla_backend.fp8_ds_mla).
 _DS_MLA_BYTES = HEAD_DIM_V + 4 * (HEAD_DIM_V // 128) + 2 * ROPE_DIM
 FP8_DS_MLA = KvFormat("fp8_ds_mla", (torch.uint8, torch.int8, E4M3), _DS_MLA_BYTES, _DS_MLA_BYTES,
-                      "four float32 in each token, one per 128 latent channels", (), ("sm90",))
+                      "four float32 in each token, one per 128 latent channels", (), ("sm90",), 3)
 
 FORMATS = (BF16, FP16, FP8_E4M3, FP8_DS_MLA)
 SIXTEEN_BIT = (BF16, FP16)

@@ -125,7 +125,6 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
                  descale_k=None, q_pe=None):
     validate.check_kernel_layout(q, k_cache, q_pe)
     kernel = device.kernel_for(q.device)
-    kv_fp8 = k_cache.dtype == _FP8
     fmt = kv_format.of(k_cache)
     problem = fmt.kernel_problem(kernel, sparse=False)
     if problem:
@@ -152,7 +151,7 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     a = C.DecodeArgs()
     a.kernel = kernel
     a.dtype = _DTYPE_CODE[out_dtype]
-    a.kv_fp8 = kv_fp8
+    a.kv_format = fmt.code
     a.q_fp8 = q.dtype == _FP8
     a.descale_q = descale_q.data_ptr() if descale_q is not None else 0
     a.descale_k = descale_k.data_ptr() if descale_k is not None else 0
@@ -435,7 +434,8 @@ def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, a
     a = C.DecodeArgs()
     a.kernel = "sm90"
     a.dtype = _DTYPE_CODE[torch.bfloat16]
-    a.kv_fp8 = a.q_fp8 = False  # the sparse kernel reads fp8_ds_mla tokens, which carry their scales
+    a.kv_format = kv_format.FP8_DS_MLA.code  # tokens that carry their scales: no descale
+    a.q_fp8 = False
     a.descale_q = a.descale_k = 0
     a.descale_q_stride_b = a.descale_q_stride_h = a.descale_k_stride_b = a.descale_k_stride_h = 0
     a.block_table, a.block_table_stride_b = 0, 0

@@ -322,6 +322,8 @@ def test_every_decode_field_is_settable():
         old = getattr(a, name)
         if isinstance(old, str):
             value = "sm90"
+        elif name == "kv_format":  # a byte: the codes of csrc/params.h's KvFormat (test_kv_formats_match_python)
+            value = 3
         elif isinstance(old, bool):
             value = not old
         elif isinstance(old, float):
@@ -356,3 +358,30 @@ def test_mla_decode_refuses_bad_arguments_before_any_launch():
     a.batch = 70000
     with pytest.raises(RuntimeError, match=r"batch must be <= 65535"):
         C.mla_decode(a)
+    a.batch = 1
+    a.kv_format = 9
+    with pytest.raises(RuntimeError, match=r"kv_format must be a KvFormat code \(0 bf16, 1 fp16, 2 fp8_e4m3, 3 "
+                                           r"fp8_ds_mla\), got 9"):
+        C.mla_decode(a)
+    with pytest.raises(RuntimeError, match=r"kv_format must be a KvFormat code .*got 300"):
+        a.kv_format = 300
+    a.kv_format = 1
+    with pytest.raises(RuntimeError, match=r"a 16-bit KV cache is q's dtype: kv_format fp16 with dtype 0"):
+        C.mla_decode(a)
+    a.kv_format, a.q_fp8 = 0, True
+    with pytest.raises(RuntimeError, match=r"q_fp8 needs kv_format fp8_e4m3"):
+        C.mla_decode(a)
+
+
+def test_kv_formats_match_python():
+    """One identity of each KV format: the compiled module's names and codes (csrc/params.h: KvFormat) are
+    flashmla_backend.kv_format's, and the formats each kernel reads (csrc/launch.h) are the kernel lists there."""
+    _module_path()
+    from flashmla_backend import kv_format
+    C = _ext.ext()
+    assert dict(C.kv_formats) == {f.name: f.code for f in kv_format.FORMATS}
+    for kernel, reads in C.kernel_kv_formats.items():
+        assert tuple(reads["dense"]) == tuple(f.name for f in kv_format.read_by(kernel)), kernel
+        assert tuple(reads["sparse"]) == tuple(f.name for f in kv_format.read_by(kernel, sparse=True)), kernel
+    named = {k for f in kv_format.FORMATS for k in f.dense_kernels + f.sparse_kernels}
+    assert named <= set(C.kernel_kv_formats), "kv_format.py names a kernel the module does not report"

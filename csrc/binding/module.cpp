@@ -65,6 +65,18 @@ struct PyField<T*> {
   static T* set(type v) { return as_ptr<T>(v); }
 };
 template <>
+struct PyField<KvFormat> {
+  using type = int;
+  static type get(KvFormat v) { return static_cast<int>(v); }
+  // A byte in DecodeParams: a value that does not fit is refused here, an unknown code by check_decode_params().
+  static KvFormat set(type v) {
+    FMLA_HOST_CHECK(v >= 0 && v <= 255, "kv_format must be a KvFormat code (0 bf16, 1 fp16, 2 fp8_e4m3, 3 "
+                                        "fp8_ds_mla), got "
+                                            << v);
+    return static_cast<KvFormat>(v);
+  }
+};
+template <>
 struct PyField<DType> {
   using type = int;
   static type get(DType v) { return static_cast<int>(v); }
@@ -115,7 +127,7 @@ void mla_decode(const DecodeArgs& args) {
   DecodeParams p = args.params;
   derive_decode_params(p);
   DecodeRequirements shared;
-  shared.fp8 = true;  // whether the chosen kernel reads FP8 is its launcher's check
+  shared.formats = ~0u;  // which formats the chosen kernel reads is its launcher's check
   check_decode_params(p, shared);  // the launchers add their kernel's own requirements
   DeviceGuard guard(p.device);
   if (p.indices != nullptr) {  // sparse decode (params.h: the sparse mapping)
@@ -170,6 +182,15 @@ py::dict device_info(int device) {
   return d;
 }
 
+// The names of the formats in a set of format bits (launch.h), in code order.
+py::tuple format_names(uint32_t bits) {
+  std::vector<std::string> names;
+  for (int f = 0; f < kNumKvFormats; ++f) {
+    if (bits & (1u << f)) names.emplace_back(kv_format_name(static_cast<KvFormat>(f)));
+  }
+  return py::tuple(py::cast(names));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -191,6 +212,17 @@ PYBIND11_MODULE(_C, m) {
 #ifndef FLASHMLA_BACKEND_ARCH_LIST
 #error "CMakeLists.txt passes -DFLASHMLA_BACKEND_ARCH_LIST=\"80;90a\" (the targets this build compiled)"
 #endif
+  // params.h: KvFormat (name -> code) and launch.h: the formats each kernel reads; flashmla_backend/kv_format.py states
+  // the same (tests/test_build.py compares them).
+  py::dict kv_formats;
+  for (int f = 0; f < kNumKvFormats; ++f) kv_formats[kv_format_name(static_cast<KvFormat>(f))] = f;
+  m.attr("kv_formats") = kv_formats;
+  py::dict kernel_formats;
+  kernel_formats["portable"] = py::dict(py::arg("dense") = format_names(kPortableDenseFormats),
+                                        py::arg("sparse") = format_names(0));
+  kernel_formats["sm90"] = py::dict(py::arg("dense") = format_names(kSm90DenseFormats),
+                                    py::arg("sparse") = format_names(kSm90SparseFormats));
+  m.attr("kernel_kv_formats") = kernel_formats;
   m.attr("cuda_archs") = std::string(FLASHMLA_BACKEND_ARCH_LIST);
   m.attr("cuda_runtime_version") = CUDART_VERSION;
   m.attr("schedule_constants") = py::dict(py::arg("page_size") = kPageSize, py::arg("block_m") = kBlockM,

@@ -27,7 +27,7 @@ struct DecodeRequirements {
   const char* kernel = "decode";  // names the kernel in messages
   bool pointers_set = false;      // every tensor pointer is non-null
   int min_num_pages = 0;
-  bool fp8 = false;               // the kernel reads FP8 caches (kv_fp8 / q_fp8)
+  uint32_t formats = 0;           // the KV formats the kernel reads (params.h: kv_format_bit); q_fp8 needs kFP8E4M3
   AccessRule q, kv, out, o_accum;  // o_accum: only its alignment is used (it is contiguous)
 };
 
@@ -53,8 +53,9 @@ inline void check_address(const DecodeRequirements& req, const AccessRule& rule,
 }  // namespace detail
 
 // Rules of every caller:
-//  * dtype is a known code; q_fp8 only with kv_fp8 and a bf16 output; the descales that the FP8 flags need are
-//    set, their strides >= 0; FP8 only for a kernel whose requirements say so (req.fp8); batch, s_q, h_kv, num_sm_parts, max_pages_per_seq >= 1; h_q a multiple of h_kv;
+//  * dtype is a known code; kv_format a known code, one the kernel reads (req.formats), and a 16-bit one equal to
+//    dtype; q_fp8 only with kFP8E4M3 and a bf16 output; the descales that FP8 needs are set, their strides >= 0;
+//    batch, s_q, h_kv, num_sm_parts, max_pages_per_seq >= 1; h_q a multiple of h_kv;
 //    num_pages >= req.min_num_pages (and >= 0);
 //  * the DERIVED fields are what derive_decode_params() computes from the ARG fields;
 //  * the launch grids fit: decode (num_m_blocks, h_kv, num_sm_parts), combine (.., h_kv, batch), so
@@ -76,17 +77,30 @@ inline void check_decode_params(const DecodeParams& p, const DecodeRequirements&
                   k << ": num_pages must be >= " << (req.min_num_pages > 0 ? req.min_num_pages : 0) << ", got "
                     << p.num_pages);
 
-  FMLA_HOST_CHECK(!p.q_fp8 || p.kv_fp8, k << ": q_fp8 needs kv_fp8 (an FP8 q is only read against an FP8 KV cache)");
+  const int fmt = static_cast<int>(p.kv_format);
+  FMLA_HOST_CHECK(fmt >= 0 && fmt < kNumKvFormats, k << ": kv_format must be a KvFormat code (0 bf16, 1 fp16, 2 "
+                                                        "fp8_e4m3, 3 fp8_ds_mla), got "
+                                                     << fmt);
+  FMLA_HOST_CHECK((req.formats & kv_format_bit(p.kv_format)) != 0,
+                  k << ": this kernel does not read the " << kv_format_name(p.kv_format) << " KV cache");
+  FMLA_HOST_CHECK(
+      !(p.kv_format == KvFormat::kBF16 || p.kv_format == KvFormat::kFP16) ||
+          static_cast<int>(p.kv_format) == static_cast<int>(p.dtype),
+      k << ": a 16-bit KV cache is q's dtype: kv_format " << kv_format_name(p.kv_format) << " with dtype "
+        << static_cast<int>(p.dtype));
+  const bool kv_e4m3 = p.kv_format == KvFormat::kFP8E4M3;
+  FMLA_HOST_CHECK(!p.q_fp8 || kv_e4m3,
+                  k << ": q_fp8 needs kv_format fp8_e4m3 (an FP8 q is only read against an FP8 KV cache)");
   FMLA_HOST_CHECK(!p.q_fp8 || p.dtype == DType::kBF16,
                   k << ": with q_fp8 the output dtype must be 0 (bf16), got " << static_cast<int>(p.dtype));
-  FMLA_HOST_CHECK(!p.kv_fp8 || p.descale_k != nullptr, k << ": kv_fp8 needs descale_k (an fp32 tensor, [1] or [b, h_kv])");
+  FMLA_HOST_CHECK(!kv_e4m3 || p.descale_k != nullptr,
+                  k << ": kv_format fp8_e4m3 needs descale_k (an fp32 tensor, [1] or [b, h_kv])");
   FMLA_HOST_CHECK(!p.q_fp8 || p.descale_q != nullptr, k << ": q_fp8 needs descale_q (an fp32 tensor, [1] or [b, h_kv])");
   FMLA_HOST_CHECK(p.descale_q_stride_b >= 0 && p.descale_q_stride_h >= 0 && p.descale_k_stride_b >= 0 &&
                       p.descale_k_stride_h >= 0,
                   k << ": descale strides must be >= 0 (0, 0 for a per-tensor scale), got descale_q ("
                     << p.descale_q_stride_b << ", " << p.descale_q_stride_h << "), descale_k (" << p.descale_k_stride_b
                     << ", " << p.descale_k_stride_h << ")");
-  FMLA_HOST_CHECK(req.fp8 || !p.kv_fp8, k << ": this kernel has no FP8 KV cache support (kv_fp8 needs the sm90 kernel)");
 
   DecodeParams derived = p;
   derive_decode_params(derived);

@@ -6,6 +6,7 @@
 
 #include "common/check.h"
 #include "common/check_params.h"
+#include "launch.h"
 #include "params.h"
 #include "portable/config.h"
 #include "portable/decode.h"
@@ -18,6 +19,7 @@ namespace flashmla_backend::portable {
 inline DecodeRequirements decode_requirements() {
   DecodeRequirements r;
   r.kernel = "portable decode";
+  r.formats = kPortableDenseFormats;
   r.pointers_set = true;
   // cp.async moves 16 bytes: Q and KV rows start on 16-byte boundaries (every stride is checked).
   r.q = AccessRule{kCopyBytes, kElemsPerCopy, false};

@@ -332,7 +332,7 @@ void launch_combine(const DecodeParams& p) {
 void run_combine(const DecodeParams& params) {
   DecodeRequirements requirements;
   requirements.kernel = "combine";
-  requirements.fp8 = true;  // reads only the fp32 split accumulators
+  requirements.formats = ~0u;  // any cache: it reads only the fp32 split accumulators
   check_decode_params(params, requirements);  // includes the grid limit batch <= 65535
   switch (params.dtype) {
     case DType::kBF16: launch_combine<__nv_bfloat16>(params); break;

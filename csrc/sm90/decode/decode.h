@@ -10,7 +10,7 @@ namespace flashmla_backend {
 // (num_m_blocks, num_heads_kv, num_sm_parts), writes out/lse for unsplit requests and
 // o_accum/lse_accum for split ones; run_combine must follow on the same stream.
 // Requires a device of compute capability 9.0 (the binary holds sm_90a code only). A 16-bit cache runs the
-// kernel of this folder, an e4m3 cache (kv_fp8) the FP8 tensor-core kernel (sm90/decode_fp8/decode.h).
+// kernel of this folder, an e4m3 cache (kv_format fp8_e4m3) the FP8 tensor-core kernel (sm90/decode_fp8/decode.h).
 void run_sm90_decode(const DecodeParams& params);
 
 // Dynamic shared memory one CTA of the sm90 16-bit decode kernel requests (bytes).

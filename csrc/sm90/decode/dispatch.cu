@@ -10,7 +10,7 @@ namespace flashmla_backend {
 void run_sm90_decode(const DecodeParams& params) {
   using sm90::decode::Variant;
   using sm90::decode::run_decode_kernel;
-  if (params.kv_fp8) {  // an e4m3 cache, with an e4m3 (fast mode) or a 16-bit q (accurate mode)
+  if (params.kv_format == KvFormat::kFP8E4M3) {  // with an e4m3 (fast mode) or a 16-bit q (accurate mode)
     run_sm90_fp8_decode(params);
     return;
   }

@@ -11,6 +11,7 @@
 
 #include "common/check.h"
 #include "common/check_params.h"
+#include "launch.h"
 #include "params.h"
 #include "sm90/decode/decode.h"
 #include "sm90/decode/kernel.cuh"
@@ -73,6 +74,7 @@ CUtensorMap make_kv_tensor_map(const DecodeParams& p) {
 inline DecodeRequirements decode_requirements(int q_elem_bytes, int kv_elem_bytes) {
   DecodeRequirements r;
   r.kernel = "sm90 decode";
+  r.formats = kSixteenBitFormats;  // the FP8 tensor-core kernel sets its own
   r.min_num_pages = 1;  // the KV tensor map needs a non-empty cache
   // cp.async of Q needs 16-byte aligned rows; TMA needs a 16-byte aligned base and strides.
   r.q = AccessRule{16, 16 / q_elem_bytes, true};
@@ -123,7 +125,7 @@ void launch_on_decode_grid(void (*kernel)(KernelArgs...), int threads, int smem,
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p) {
   using T = typename VariantTraits<V>::type;
-  check_decode_params(p, decode_requirements(kElemBytes, kElemBytes));  // refuses kv_fp8 / q_fp8
+  check_decode_params(p, decode_requirements(kElemBytes, kElemBytes));  // refuses FP8 caches and q_fp8
 
   const CUtensorMap tmap = make_kv_tensor_map<T>(p);
 

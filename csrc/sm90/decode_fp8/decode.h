@@ -6,7 +6,7 @@
 
 namespace flashmla_backend {
 
-// Same contract as run_sm90_decode for a kv_fp8 cache: an e4m3 q runs the fast mode (bf16 out), a bf16 / fp16 q
+// Same contract as run_sm90_decode for a kv_format fp8_e4m3 cache: an e4m3 q runs the fast mode (bf16 out), a bf16 / fp16 q
 // the accurate mode (out in q's dtype).
 void run_sm90_fp8_decode(const DecodeParams& params);
 

@@ -134,10 +134,10 @@ struct VariantTraits<Variant::kFastKmR16> {
 template <Variant V>
 void run_decode_kernel(const DecodeParams& p, int debug) {
   using T = typename VariantTraits<V>::type;
-  FMLA_HOST_CHECK(p.kv_fp8 && p.q_fp8 == T::kQFp8,
-                  "sm90 FP8 decode: kv_fp8 / q_fp8 do not match the kernel variant " << int(V));
+  FMLA_HOST_CHECK(p.kv_format == KvFormat::kFP8E4M3 && p.q_fp8 == T::kQFp8,
+                  "sm90 FP8 decode: kv_format / q_fp8 do not match the kernel variant " << int(V));
   DecodeRequirements req = decode::decode_requirements(int(sizeof(typename T::QIn)), 1);
-  req.fp8 = true;  // kv_fp8 (and q_fp8) are what this kernel reads
+  req.formats = kv_format_bit(KvFormat::kFP8E4M3);
   // The epilogue writes four consecutive output columns (8 bytes) and four o_accum floats (16 bytes) at a time
   // (T::kOutColumnsInterleaved).
   req.out = AccessRule{8, 4, true};

@@ -211,6 +211,26 @@ __device__ __forceinline__ void update_group_factors(const float* scales, int la
   }
 }
 
+// Scores of the entries that name no token to -inf (a block whose 64 entries all count skips the loop).
+template <class FragS>
+__device__ __forceinline__ void mask_block(FragS& S, uint64_t mask, int lane) {
+  if (mask == ~uint64_t(0)) return;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(S); ++i) {
+    const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    if (!((mask >> token) & 1u)) S(i) = -INFINITY;
+  }
+}
+
+template <class FragS>
+__device__ __forceinline__ void block_row_max(const FragS& S, float (&mx)[2]) {
+  mx[0] = mx[1] = -INFINITY;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(S); ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], S(i));
+  mx[0] = decode::quad_max(mx[0]);
+  mx[1] = decode::quad_max(mx[1]);
+}
+
 // O of the thread's two groups times the row factors r[v] and the groups' ratios, skipped by a warp where all are 1.
 template <class FragO>
 __device__ __forceinline__ void rescale_groups(FragO& o0, FragO& o1, const float (&r)[2], const float (&ratio)[2]) {

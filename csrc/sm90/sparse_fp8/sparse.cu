@@ -5,6 +5,7 @@
 
 #include "common/check.h"
 #include "common/check_params.h"
+#include "launch.h"
 #include "params.h"
 #include "sm90/sparse_fp8/decode.h"
 #include "sm90/sparse_fp8/kernel.cuh"
@@ -22,14 +23,14 @@ void run_sm90_sparse_decode(const DecodeParams& p) {
   using namespace sm90::sparse_fp8;
   DecodeRequirements r;
   r.kernel = "sm90 sparse decode";
+  r.formats = kSm90SparseFormats;
   r.q = AccessRule{16, 8, true};   // 16-byte loads of bf16 q rows
   r.out = AccessRule{8, 4, true};  // four bf16 a store
   r.o_accum = AccessRule{16, 1, false};
   check_decode_params(p, r);
   FMLA_HOST_CHECK(p.indices != nullptr, r.kernel << ": indices must be set");
-  FMLA_HOST_CHECK(p.dtype == DType::kBF16 && !p.q_fp8 && !p.kv_fp8,
-                  r.kernel << ": reads a bf16 q against fp8_ds_mla tokens and writes bf16 (dtype 0, kv_fp8 and q_fp8 "
-                              "unset)");
+  FMLA_HOST_CHECK(p.dtype == DType::kBF16 && !p.q_fp8,
+                  r.kernel << ": reads a bf16 q and writes bf16 (dtype 0, q_fp8 unset)");
   FMLA_HOST_CHECK(p.num_heads_kv == 1 && p.seqlen_q == 1 && !p.causal,
                   r.kernel << ": one query token a row, one KV head, not causal (params.h: the sparse mapping), got "
                               "seqlen_q "

@@ -125,19 +125,14 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
       NamedBarrier(kNumConsumerThreads, uint32_t(SplitBar::kScoresFree) + (1 - kWG)).arrive_unaligned();
 
       // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
-      const uint64_t mask = ss.mask[s];
-      float mx[2] = {-INFINITY, -INFINITY};
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(S); ++i) {
-        const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-        if (!((mask >> token) & 1u)) S(i) = -INFINITY;
-        mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], S(i));
-      }
+      mask_block(S, ss.mask[s], lane);
+      float mx[2];
+      block_row_max(S, mx);
       float sc[2], m_use[2];
       CUTLASS_PRAGMA_UNROLL
       for (int v = 0; v < 2; ++v) {
         float m_new;
-        decode::update_max(m[v], decode::quad_max(mx[v]), sl2[v], m_new, m_use[v], sc[v]);
+        decode::update_max(m[v], mx[v], sl2[v], m_new, m_use[v], sc[v]);
         m[v] = m_new;
         l[v] *= sc[v];
       }
