@@ -391,7 +391,7 @@ def _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num
 def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, attn_sink):
     """The sm90 sparse kernel through the dense decode's arguments (csrc/params.h: the sparse mapping): each query
     token is a row of its own (batch b * s_q, s_q 1, h_kv 1) whose keys are its index entries; the schedule is the
-    tile scheduler's for the rows' counted lengths, computed by the first call of the FlashMLASchedMeta."""
+    tile scheduler's for rows of topk entries, computed by the first call of the FlashMLASchedMeta."""
     b, s_q, h_q, _ = q.shape
     topk = indices.shape[-1]
     rows = b * s_q
@@ -415,9 +415,14 @@ def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, a
         meta.config, meta.have_initialized = config, True
     tile_md, splits = meta.tile_scheduler_metadata, meta.num_splits
     parts = tile_md.shape[0]
-    # Rows one after another: q [rows, h_q, 576] and indices [rows, topk] with uniform row strides.
+    # Rows one after another: q [rows, h_q, 576] and indices [rows, topk] with one row stride each (that of s_q, or
+    # of b where s_q is 1: a size-1 dimension's stride can be anything).
+    def row_stride(st):
+        return st[1] if s_q > 1 else st[0]
+
     qst = q.stride()
-    if (s_q > 1 and qst[0] != s_q * qst[1]) or qst[3] != 1 or qst[2] % 8 or qst[1] % 8 or q.data_ptr() % 16:
+    if ((s_q > 1 and qst[0] != s_q * qst[1]) or qst[3] != 1 or qst[2] % 8 or row_stride(qst) % 8
+            or q.data_ptr() % 16):
         q = q.contiguous()
         qst = q.stride()
     ist = indices.stride()
@@ -447,9 +452,9 @@ def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, a
     a.causal = False
     a.pdl = True
     a.q = q.data_ptr()
-    a.q_stride_b, a.q_stride_s, a.q_stride_h = qst[1], 0, qst[2]
+    a.q_stride_b, a.q_stride_s, a.q_stride_h = row_stride(qst), 0, qst[2]
     a.q_pe = q.data_ptr() + HEAD_DIM_V * q.element_size()
-    a.q_pe_stride_b, a.q_pe_stride_s, a.q_pe_stride_h = qst[1], 0, qst[2]
+    a.q_pe_stride_b, a.q_pe_stride_s, a.q_pe_stride_h = row_stride(qst), 0, qst[2]
     a.kv = k_cache.data_ptr()
     a.kv_stride_page, a.kv_stride_token, a.kv_stride_h = kst[0], kst[1], kst[2]
     a.seqlens = meta.sparse_lengths.data_ptr()
@@ -462,7 +467,7 @@ def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, a
     a.lse_accum = lse_accum.data_ptr()
     a.o_accum = o_accum.data_ptr()
     a.indices = indices.data_ptr()
-    a.indices_stride = ist[1]
+    a.indices_stride = row_stride(ist)
     a.num_kv_tokens = k_cache.shape[0] * k_cache.shape[1]
     if topk_length is not None and (topk_length.dtype != torch.int32 or not topk_length.is_contiguous()):
         topk_length = topk_length.to(torch.int32).contiguous()

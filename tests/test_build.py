@@ -302,6 +302,17 @@ def test_ops_sparse_path_sets_every_decode_field(monkeypatch):
     assert meta.sparse_lengths.tolist() == [topk] * (b * s_q)  # the schedule does not depend on topk_length
     assert out.shape == (b, s_q, h_q, geometry.HEAD_DIM_V) and lse.shape == (b, h_q, s_q) and lse.is_contiguous()
 
+    # s_q 1: the rows are the requests, a step of q's and indices' first strides (a size-1 dimension's stride can be
+    # anything: here that of the tensors they were sliced from).
+    q1, indices1 = q[:, :1], indices[:, :1]
+    assert q1.stride(1) != q1.stride(0) and indices1.stride(1) != indices1.stride(0)
+    meta1 = FlashMLASchedMeta()
+    ops._sparse_decode_cuda(q1, k_cache, meta1, meta1.config_of(q1, k_cache, False, True, topk), 0.1, indices1, None,
+                            None)
+    a = calls[1]
+    assert (a.batch, a.q_stride_b, a.q_pe_stride_b, a.indices_stride) == (b, q.stride(0), q.stride(0), indices.stride(0))
+    assert (a.q, a.indices, a.topk_length) == (q.data_ptr(), indices.data_ptr(), 0)
+
 
 def test_module_exports_the_field_list():
     _module_path()
