@@ -62,6 +62,7 @@ __device__ __forceinline__ void split_gather_warp(const DecodeParams& p, SplitSt
   }
   decode::cp_async_wait_all();  // no copy outlives the warp
 }
+
 template <int kWG>
 __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, SplitStorage& ss, const SchedMetaRow& meta,
                                                     int begin_req, int end_req, int m_block, int tid, int debug) {
