@@ -52,6 +52,7 @@ ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 SPARSE_GATHER_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_probe.cu"
 SPARSE_ATTENTION_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "attention_probe.cu"
+SPARSE_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "protocol_model.py"
 
 
 # ---- protocol model ---------------------------------------------------------------------------------------------
@@ -187,6 +188,37 @@ def test_fp8_protocol_model_catches_a_parity_wait_two_phases_ahead(fp8_model, mo
         with pytest.raises(fp8_model.ProtocolError, match="parity wait would pass"):
             for seed in range(200):
                 fp8_model.run([9, 4, 7, 5], stages, rings, seed=seed, f16pv=f16pv)
+
+
+# ---- the sparse kernel's protocol model (both plans) -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sparse_model():
+    return _load_script(SPARSE_PROTOCOL_MODEL, "sparse_protocol_model")
+
+
+def test_sparse_protocol_model_accepts_both_plans():
+    _assert_script_says_consistent(SPARSE_PROTOCOL_MODEL)
+
+
+@pytest.mark.parametrize("mutation, seesaw", [("transposer ignores vt_empty", False),
+                                              ("transposer ignores vt_empty", True), ("p0 rewritten early", True),
+                                              ("score part rewritten early", False),
+                                              ("scale slot never released", True)])
+def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation, seesaw):
+    with pytest.raises(sparse_model.ProtocolError):
+        for seed in range(60):
+            sparse_model.run([5, 2, 7], seesaw, seed=seed, mutation=mutation,
+                             starve=[None, "gather", "wg0", "wg1"][seed % 4])
+
+
+def test_sparse_protocol_model_rejects_wrong_arrival_counts(sparse_model):
+    for seesaw, name, count in ((False, "split_empty", 8), (True, "seesaw_empty", 11), (True, "sc_empty", 4),
+                                (False, "vt_full", 1)):
+        counts = dict(sparse_model.read_counts())
+        counts[name] = count
+        with pytest.raises(sparse_model.ProtocolError):
+            for seed in range(60):
+                sparse_model.run([5, 2, 7], seesaw, counts, seed=seed)
 
 
 @pytest.mark.parametrize("name, count", [
