@@ -30,6 +30,7 @@
 #ifndef FMLA_SM90_WAIT_TIMEOUT_NS
 #define FMLA_SM90_WAIT_TIMEOUT_NS 4000000000ull
 #endif
+
 namespace flashmla_backend::sm90::sparse_fp8 {
 
 using namespace cute;
@@ -86,6 +87,7 @@ __device__ __forceinline__ void warp_arrive(Barrier& bar, int lane) {
   __syncwarp();
   if (lane == 0) bar.arrive();
 }
+
 // ------------------------------------------------------------------------------------------------
 // The Q tile of a row: the 256 consumer threads, thread t: head 64 m + t / 4, latent group t % 4 (128 channels) and
 // rope channels 16 (t % 4) .. + 15. q ~ s_r (hi + lo), s_r = 2^ceil(log2(amax / 448)) over the head's latent part

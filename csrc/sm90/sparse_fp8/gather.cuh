@@ -17,7 +17,8 @@
 // Completion is the caller's: the copies are the calling lane's cp.async operations. A lane that issued a block either
 // commits them as a group, waits for the group (cp.async.wait_group) and makes them visible to the tensor cores
 // (fence.proxy.async) before it signals the block, as checks/gather_probe.cu does, or hands their completion to an
-// mbarrier (cp_async_arrive_on below; the kernel, whose consumers fence after their wait: kernel.cuh).
+// mbarrier (cp_async_arrive_on below: the kernel's gather warps, whose consumers fence after their wait: split.cuh,
+// seesaw.cuh).
 #pragma once
 
 #include <cstdint>
@@ -77,6 +78,7 @@ __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, uint3
   }
   return mask;
 }
+// The scales into the stage's own region (layout.h).
 __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,
                                                       const int* row, int first, int n_used, int lane) {
   return gather_block_warp(stage_addr, stage_addr + kScalesAt, cache, num_tokens, row, first, n_used, lane);
