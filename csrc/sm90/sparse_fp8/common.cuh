@@ -22,14 +22,12 @@
 #include "sm90/decode/softmax.cuh"
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
+#include "sm90/decode_fp8/mainloop.cuh"  // warp_arrive, p16_fragment, store_p, load_p
+#include "sm90/decode_fp8/producer.cuh"  // wait_barrier, consumer_wait
 #include "sm90/sparse_fp8/gather.cuh"
 #include "sm90/sparse_fp8/layout.h"
 #include "sm90/sparse_fp8/pv.cuh"
 #include "sm90/sparse_fp8/qk.cuh"
-
-#ifndef FMLA_SM90_WAIT_TIMEOUT_NS
-#define FMLA_SM90_WAIT_TIMEOUT_NS 4000000000ull
-#endif
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
@@ -72,20 +70,13 @@ __device__ __forceinline__ void consumers_sync() {
   NamedBarrier(kNumConsumerThreads, kBarConsumers).arrive_and_wait_unaligned();
 }
 
-// Waits for completion (parity) of an mbarrier; the producer's waits trap after FMLA_SM90_WAIT_TIMEOUT_NS, the
-// consumers' do not (decode_fp8/producer.cuh says why).
+// The dense FP8 kernel's mbarrier waits (the producer's trap after FMLA_SM90_WAIT_TIMEOUT_NS, the consumers' do not:
+// decode_fp8/producer.cuh says why) and its one-arrival-a-warp.
+using decode_fp8::consumer_wait;
+using decode_fp8::warp_arrive;
 template <class Barrier>
 __device__ __forceinline__ void producer_wait(Barrier& bar, uint32_t parity) {
-  mbarrier_wait<uint64_t(FMLA_SM90_WAIT_TIMEOUT_NS)>(cute::cast_smem_ptr_to_uint(&bar), parity);
-}
-template <class Barrier>
-__device__ __forceinline__ void consumer_wait(Barrier& bar, uint32_t parity) {
-  mbarrier_wait<0>(cute::cast_smem_ptr_to_uint(&bar), parity);
-}
-template <class Barrier>
-__device__ __forceinline__ void warp_arrive(Barrier& bar, int lane) {
-  __syncwarp();
-  if (lane == 0) bar.arrive();
+  decode_fp8::wait_barrier(bar, parity);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -244,6 +235,37 @@ __device__ __forceinline__ void rescale_groups(FragO& o0, FragO& o1, const float
       o1(i) *= x * ratio[1];
     }
   }
+}
+
+// The two-term e4m3 words of P[:, t] s[t, g] F_g for groups kG0 and kG0 + 1 (pv.cuh: p_group_words_of; P's value idx
+// is p_at(idx)), zeros under the kDebugNoWords switch.
+template <int kG0, class PAt>
+__device__ __forceinline__ void build_group_words(PAt&& p_at, const float* scales, const float (&F)[2], int lane,
+                                                  int debug, uint32_t (&words0)[kPTerms][8],
+                                                  uint32_t (&words1)[kPTerms][8]) {
+  if (debug & kDebugNoWords) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < kPTerms; ++t) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
+    }
+  } else {
+    p_group_words_of<kPTerms>(p_at, scales, kG0, F[0] == 0.f ? 1.f : F[0], lane, words0);
+    p_group_words_of<kPTerms>(p_at, scales, kG0 + 1, F[1] == 0.f ? 1.f : F[1], lane, words1);
+  }
+}
+
+// O_g += P_g V_g for the two groups of a V^T half (vt_half: its first group's 128 rows, the second's after them),
+// waited for. The caller waits for the half before and releases it after.
+template <class FragO>
+__device__ __forceinline__ void pv_two_groups(int tid_in_wg, uint32_t (&words0)[kPTerms][8],
+                                              uint32_t (&words1)[kPTerms][8], uint8_t* vt_half, FragO& o0,
+                                              FragO& o1) {
+  sparse_pv_group<kPTerms>(tid_in_wg, words0, vt_half, o0);
+  sparse_pv_group<kPTerms>(tid_in_wg, words1, vt_half + decode_fp8::kVtHalfBytes / 2, o1);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(o0);
+  warpgroup_fence_operand(o1);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -132,32 +132,29 @@ __device__ __forceinline__ void exp_block(FragS& S, const float (&sl2)[2], const
   }
 }
 
-// P's fp16 words to the other warpgroup's buffer (16-byte chunks at (chunk, thread)), and back.
+// P's fp16 words go to the other warpgroup's buffer as the dense accurate mode hands them over
+// (decode_fp8/mainloop.cuh: p16_fragment, store_p, load_p: word k = (P(2 k), P(2 k + 1)), 16-byte chunks at
+// (chunk, thread)).
 template <class FragS>
 __device__ __forceinline__ void store_p16(uint8_t* buf, int tid, const FragS& S) {
-  const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
-  CUTLASS_PRAGMA_UNROLL
-  for (int c = 0; c < kP16Words / 4; ++c) {
-    uint32_t w[4];
+  uint32_t w[kP16Words];
+  decode_fp8::p16_fragment(S, w);
+  decode_fp8::store_p(buf, tid, w);
+}
+// The rows' new running max and this warpgroup's factor of the step (scale: ss.scale0 or ss.scale1), written by the
+// first lane of each quad once the warp's lanes have read the old max.
+__device__ __forceinline__ void publish_max(SeesawStorage& ss, float* scale, const int (&rows)[2], int lane,
+                                            const float (&m_new)[2], const float (&sc)[2]) {
+  __syncwarp();
+  if ((lane & 3) == 0) {
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < 4; ++j) {
-      const int k = 4 * c + j;
-      const __half2 h = __floats2half2_rn(S(2 * k), S(2 * k + 1));
-      w[j] = *reinterpret_cast<const uint32_t*>(&h);
+    for (int v = 0; v < 2; ++v) {
+      ss.row_max[rows[v]] = m_new[v];
+      scale[rows[v]] = sc[v];
     }
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + c * 2048 + tid * 16), "r"(w[0]), "r"(w[1]),
-                 "r"(w[2]), "r"(w[3]));
   }
 }
-__device__ __forceinline__ void load_p16(const uint8_t* buf, int tid, uint32_t (&w)[kP16Words]) {
-  const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
-  CUTLASS_PRAGMA_UNROLL
-  for (int c = 0; c < kP16Words / 4; ++c) {
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(w[4 * c]), "=r"(w[4 * c + 1]), "=r"(w[4 * c + 2]), "=r"(w[4 * c + 3])
-                 : "r"(base + c * 2048 + tid * 16));
-  }
-}
+
 // Value idx of a fp16 P fragment (the accumulator's order), as float.
 __device__ __forceinline__ float p16_at(const uint32_t (&w)[kP16Words], int idx) {
   const __half2 h = *reinterpret_cast<const __half2*>(&w[idx >> 1]);
@@ -176,23 +173,10 @@ __device__ __forceinline__ void seesaw_pv(SeesawStorage& ss, uint32_t g, int tid
   update_group_factors<kG0>(scales, lane, F, ratio);
   rescale_groups(o0, o1, r, ratio);
   uint32_t words0[kPTerms][8], words1[kPTerms][8];
-  if (debug & kDebugNoWords) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < kPTerms; ++t) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
-    }
-  } else {
-    p_group_words_of<kPTerms>(p_at, scales, kG0, F[0] == 0.f ? 1.f : F[0], lane, words0);
-    p_group_words_of<kPTerms>(p_at, scales, kG0 + 1, F[1] == 0.f ? 1.f : F[1], lane, words1);
-  }
+  build_group_words<kG0>(p_at, scales, F, lane, debug, words0, words1);
   warp_arrive(ss.sc_empty[g % kScaleSlots], lane);
   consumer_wait(ss.vt_full[kWG], g & 1u);
-  sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[kWG], o0);
-  sparse_pv_group<kPTerms>(tid_in_wg, words1, ss.vt[kWG] + decode_fp8::kVtHalfBytes / 2, o1);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(o0);
-  warpgroup_fence_operand(o1);
+  pv_two_groups(tid_in_wg, words0, words1, ss.vt[kWG], o0, o1);
   warp_arrive(ss.vt_empty[kWG], lane);
 }
 
@@ -241,14 +225,7 @@ __device__ __forceinline__ void seesaw_consumer_loop(const DecodeParams& p, Sees
         CUTLASS_PRAGMA_UNROLL
         for (int v = 0; v < 2; ++v)
           decode::update_max(ss.row_max[row_in_tile[v]], mx[v], sl2[v], m_new[v], m_use[v], sc0[v]);
-        __syncwarp();
-        if ((lane & 3) == 0) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int v = 0; v < 2; ++v) {
-            ss.row_max[row_in_tile[v]] = m_new[v];
-            ss.scale0[row_in_tile[v]] = sc0[v];
-          }
-        }
+        publish_max(ss, ss.scale0, row_in_tile, lane, m_new, sc0);
         bar_arrive(SeesawBar::kScale0Ready);
         exp_block(S, sl2, m_use, sum);
         CUTLASS_PRAGMA_UNROLL
@@ -270,7 +247,7 @@ __device__ __forceinline__ void seesaw_consumer_loop(const DecodeParams& p, Sees
         }
         {
           uint32_t p1[kP16Words];
-          load_p16(ss.p16[1], tid_in_wg, p1);
+          decode_fp8::load_p(ss.p16[1], tid_in_wg, p1);
           seesaw_pv<0>(ss, g0 + 1, tid_in_wg, lane, debug, sc1, F, o0, o1,
                        [&](int idx) { return p16_at(p1, idx); });
         }
@@ -287,14 +264,7 @@ __device__ __forceinline__ void seesaw_consumer_loop(const DecodeParams& p, Sees
           sc0[v] = ss.scale0[row_in_tile[v]];
           decode::update_max(ss.row_max[row_in_tile[v]], mx[v], sl2[v], m_new[v], m_use[v], sc1[v]);
         }
-        __syncwarp();
-        if ((lane & 3) == 0) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int v = 0; v < 2; ++v) {
-            ss.row_max[row_in_tile[v]] = m_new[v];
-            ss.scale1[row_in_tile[v]] = sc1[v];
-          }
-        }
+        publish_max(ss, ss.scale1, row_in_tile, lane, m_new, sc1);
         exp_block(S, sl2, m_use, sum);
         store_p16(ss.p16[1], tid_in_wg, S);
         bar_arrive(SeesawBar::kScale1Ready);
@@ -309,7 +279,7 @@ __device__ __forceinline__ void seesaw_consumer_loop(const DecodeParams& p, Sees
         bar_sync(SeesawBar::kP0Ready);
         {
           uint32_t p0[kP16Words];
-          load_p16(ss.p16[0], tid_in_wg, p0);
+          decode_fp8::load_p(ss.p16[0], tid_in_wg, p0);
           if (next) bar_arrive(SeesawBar::kP0Free);
           seesaw_pv<1>(ss, g0, tid_in_wg, lane, debug, sc01, F, o0, o1,
                        [&](int idx) { return p16_at(p0, idx) * sc1[(idx >> 1) & 1]; });

@@ -150,25 +150,12 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
       update_group_factors<kG0>(scales, lane, F, ratio);
       rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      if (debug & kDebugNoWords) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int t = 0; t < kPTerms; ++t) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
-        }
-      } else {
-        p_group_words<kPTerms>(S, scales, kG0, F[0] == 0.f ? 1.f : F[0], lane, words0);
-        p_group_words<kPTerms>(S, scales, kG0 + 1, F[1] == 0.f ? 1.f : F[1], lane, words1);
-      }
+      build_group_words<kG0>([&](int idx) { return S(idx); }, scales, F, lane, debug, words0, words1);
       warp_arrive(ss.empty[s], lane);  // scores, mask and scales read
 
       // ---- O_g += P_g V_g ----
       consumer_wait(ss.vt_full[kWG], g & 1u);
-      sparse_pv_group<kPTerms>(tid_in_wg, words0, vt_half, o0);
-      sparse_pv_group<kPTerms>(tid_in_wg, words1, vt_half + decode_fp8::kVtHalfBytes / 2, o1);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(o0);
-      warpgroup_fence_operand(o1);
+      pv_two_groups(tid_in_wg, words0, words1, vt_half, o0, o1);
       warp_arrive(ss.vt_empty[kWG], lane);
     }
 
