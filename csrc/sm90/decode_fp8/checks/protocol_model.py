@@ -156,6 +156,40 @@ class Sim:
         self.readers.setdefault(res, {})
         self.readers[res][block] = self.readers[res].get(block, 0) + 1
 
+    def apply(self, op, readers: dict, who: str) -> bool:
+        """Carries out an mbarrier arrival or a data operation (readers: a write's expected readers by kind);
+        False for the other kinds, which are the caller's (named barriers)."""
+        kind = op[0]
+        if kind == "arrive":
+            self.arrive(op[1], op[2])
+        elif kind == "write":
+            self.write(op[1], op[2], readers[op[3]], who)
+        elif kind == "read_begin":
+            self.read_begin(op[1], op[2], who)
+        elif kind == "read_end":
+            self.read_end(op[1], op[2])
+        else:
+            return False
+        return True
+
+
+def interleave(agents: dict, ready, execute, seed: int, starve: str | None, what: str) -> None:
+    """Runs the agents (generators of operations) to the end in one random order: at each step one agent whose next
+    operation is ready(name, op) executes it; `starve` moves only when no other can. Raises ProtocolError naming
+    `what` when none can move."""
+    pending = {name: next(agent, None) for name, agent in agents.items()}
+    rng = random.Random(seed)
+    while any(op is not None for op in pending.values()):
+        runnable = [n for n, op in pending.items() if op is not None and ready(n, op)]
+        if not runnable:
+            stuck = {n: op for n, op in pending.items() if op is not None}
+            raise ProtocolError(f"deadlock over {what}: {stuck}")
+        if starve in runnable and len(runnable) > 1:
+            runnable.remove(starve)
+        name = rng.choice(runnable)
+        execute(name, pending[name])
+        pending[name] = next(agents[name], None)
+
 
 # Operations an agent yields: ("wait", bar, i, n) blocks until completion n of bar[i]; ("arrive", bar, i);
 # ("named_arrive", id) / ("named_sync", id): the consumers' named barriers (one arrive and one sync per generation,
@@ -320,9 +354,7 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
     # warpgroups sync (a generation completes when both arrived).
     named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0]}
     consumer_gen = {"wg0": 0, "wg1": 0}
-    pending = {name: next(agent, None) for name, agent in agents.items()}
     readers = {"kv": 1 + arrivals["kNumVPairs"], "vt": 1, "p0": 1, "p1": 2}  # p[1]: warpgroup 0, and 1 reloads it
-    rng = random.Random(seed)
 
     def ready(name, op) -> bool:
         kind = op[0]
@@ -336,33 +368,18 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         return True
 
     def execute(name, op) -> None:
-        kind = op[0]
-        if kind == "arrive":
-            sim.arrive(op[1], op[2])
-        elif kind == "named_arrive":
+        if sim.apply(op, readers, name):
+            return
+        if op[0] == "named_arrive":
             named[op[1]][0] += 1
-        elif kind == "named_sync":
+        elif op[0] == "named_sync":
             if op[1] == "consumers":
                 consumer_gen[name] += 1
             else:
                 named[op[1]][1] += 1
-        elif kind == "write":
-            sim.write(op[1], op[2], readers[op[3]], name)
-        elif kind == "read_begin":
-            sim.read_begin(op[1], op[2], name)
-        elif kind == "read_end":
-            sim.read_end(op[1], op[2])
 
-    while any(op is not None for op in pending.values()):
-        runnable = [n for n, op in pending.items() if op is not None and ready(n, op)]
-        if not runnable:
-            stuck = {n: op for n, op in pending.items() if op is not None}
-            raise ProtocolError(f"deadlock over requests {requests} (stages {stages}, V^T rings {vt_rings}): {stuck}")
-        if starve in runnable and len(runnable) > 1:
-            runnable.remove(starve)
-        name = rng.choice(runnable)
-        execute(name, pending[name])
-        pending[name] = next(agents[name], None)
+    interleave(agents, ready, execute, seed, starve,
+               f"requests {requests} (stages {stages}, V^T rings {vt_rings})")
 
 
 def check_all(seeds: int = 30) -> int:

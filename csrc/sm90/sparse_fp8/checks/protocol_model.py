@@ -248,8 +248,6 @@ def run(rows: list[int], seesaw: bool, counts: dict[str, int] | None = None, see
     both = {"consumers", "ready"}   # named barriers both warpgroups sync on (rendezvous above)
     named = {name: [0, 0] for name in ("free0", "free1", "scale0", "scale1", "p0", "p0free")}
     gen = {(b, w): 0 for b in both for w in ("wg0", "wg1")}
-    pending = {name: next(agent, None) for name, agent in agents.items()}
-    rng = random.Random(seed)
 
     def ready(name, op) -> bool:
         kind = op[0]
@@ -263,33 +261,17 @@ def run(rows: list[int], seesaw: bool, counts: dict[str, int] | None = None, see
         return True
 
     def execute(name, op) -> None:
-        kind = op[0]
-        if kind == "arrive":
-            sim.arrive(op[1], op[2])
-        elif kind == "named_arrive":
+        if sim.apply(op, readers, name):
+            return
+        if op[0] == "named_arrive":
             named[op[1]][0] += 1
-        elif kind == "both_arrive":
+        elif op[0] == "both_arrive":
             gen[(op[1], name)] += 1
-        elif kind == "named_sync":
+        elif op[0] == "named_sync":
             named[op[1]][1] += 1
-        elif kind == "write":
-            sim.write(op[1], op[2], readers[op[3]], name)
-        elif kind == "read_begin":
-            sim.read_begin(op[1], op[2], name)
-        elif kind == "read_end":
-            sim.read_end(op[1], op[2])
 
     sim.holder["rowmax"] = ("init", 0)
-    while any(op is not None for op in pending.values()):
-        runnable = [n for n, op in pending.items() if op is not None and ready(n, op)]
-        if not runnable:
-            stuck = {n: op for n, op in pending.items() if op is not None}
-            raise ProtocolError(f"deadlock over rows {rows} ({'seesaw' if seesaw else 'split'}): {stuck}")
-        if starve in runnable and len(runnable) > 1:
-            runnable.remove(starve)
-        name = rng.choice(runnable)
-        execute(name, pending[name])
-        pending[name] = next(agents[name], None)
+    _dense.interleave(agents, ready, execute, seed, starve, f"rows {rows} ({'seesaw' if seesaw else 'split'})")
     unbalanced = {b: v for b, v in named.items() if v[0] != v[1]}
     if unbalanced:
         raise ProtocolError(f"named barriers left with arrivals and waits unequal over rows {rows}: {unbalanced}")
