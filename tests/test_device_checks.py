@@ -200,25 +200,26 @@ def test_sparse_protocol_model_accepts_both_plans():
     _assert_script_says_consistent(SPARSE_PROTOCOL_MODEL)
 
 
-@pytest.mark.parametrize("mutation, seesaw", [("transposer ignores vt_empty", False),
-                                              ("transposer ignores vt_empty", True), ("p0 rewritten early", True),
-                                              ("score part rewritten early", False),
-                                              ("scale slot never released", True)])
-def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation, seesaw):
+@pytest.mark.parametrize("mutation, plan", [("transposer ignores vt_empty", "lead"),
+                                            ("transposer ignores vt_empty", "split"),
+                                            ("follower releases the stage early", "lead"),
+                                            ("row sums read early", "lead"),
+                                            ("score part rewritten early", "split")])
+def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation, plan):
     with pytest.raises(sparse_model.ProtocolError):
         for seed in range(60):
-            sparse_model.run([5, 2, 7], seesaw, seed=seed, mutation=mutation,
+            sparse_model.run([5, 2, 7], plan, seed=seed, mutation=mutation,
                              starve=[None, "gather", "wg0", "wg1"][seed % 4])
 
 
 def test_sparse_protocol_model_rejects_wrong_arrival_counts(sparse_model):
-    for seesaw, name, count in ((False, "split_empty", 8), (True, "seesaw_empty", 11), (True, "sc_empty", 4),
-                                (False, "vt_full", 1)):
+    for plan, name, count in (("split", "split_empty", 8), ("lead", "lead_empty", 10), ("lead", "p_slot", 3),
+                              ("lead", "p_slot", 5), ("split", "vt_full", 1)):
         counts = dict(sparse_model.read_counts())
         counts[name] = count
         with pytest.raises(sparse_model.ProtocolError):
             for seed in range(60):
-                sparse_model.run([5, 2, 7], seesaw, counts, seed=seed)
+                sparse_model.run([5, 2, 7], plan, counts, seed=seed)
 
 
 @pytest.mark.parametrize("name, count", [
@@ -381,7 +382,7 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert res.returncode == 0, f"sparse.cu does not compile:\n{res.stderr[-4000:]}"
     notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
     assert not notes, "ptxas serializes wgmma in the sparse kernel:\n" + "\n".join(notes)
-    assert res.stderr.count("Compiling entry function") == 2, "both plans (split, seesaw) are instantiated"
+    assert res.stderr.count("Compiling entry function") == 2, "both plans (lead, split) are instantiated"
 
 
 def test_sparse_block_probe_compiles(tmp_path):

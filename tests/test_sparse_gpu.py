@@ -38,9 +38,9 @@ def _sm90():
         pytest.skip("the sparse kernel runs on sm_90 GPUs")
 
 
-# The kernel's two plans (csrc/sm90/sparse_fp8/kernel.cuh): the split one (the default) and the seesaw one, chosen by
+# The kernel's two plans (csrc/sm90/sparse_fp8/kernel.cuh): the lead one (the default) and the split one, chosen by
 # bit 64 of FLASHMLA_BACKEND_SPARSE_DEBUG, which the launcher reads at every launch.
-PLANS = {"split": None, "seesaw": "64"}
+PLANS = {"lead": None, "split": "64"}
 
 
 @pytest.fixture(params=sorted(PLANS))

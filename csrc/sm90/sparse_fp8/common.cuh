@@ -56,7 +56,7 @@ enum DebugFlags : int {
   kDebugNoTranspose = 2,  // the transposer warps write no V^T
   kDebugNoExchange = 4,   // the split plan's consumers do not hand their score parts over (each keeps its own)
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
-  kDebugSeesaw = 64,      // the seesaw plan instead of the split one (kernel.cuh; not a measurement switch)
+  kDebugSplit = 64,       // the split plan instead of the lead one (kernel.cuh; not a measurement switch)
 };
 
 // The named barrier of all 256 consumer threads (ID 0 of each plan's list).
@@ -170,18 +170,29 @@ __device__ __forceinline__ int counted_blocks(const DecodeParams& p, const decod
   stop = n;
   return n > w.start ? (n + kBlockTokens - 1) / kBlockTokens - w.first_page : 0;
 }
-// An even count of blocks (kPadded: the seesaw's pairs; the added block is gathered past the counted entries, as
-// zeros with an empty mask).
-template <bool kPadded>
-__device__ __forceinline__ int padded(int nblk) {
-  return kPadded ? (nblk + 1) & ~1 : nblk;
-}
-
 // The factors of groups kG0 and kG0 + 1 for a block (pv.cuh: group_factor; F[gg] 0 until a block with a token sets
-// it): the block's largest scale of each group (0 for skipped entries, gathered as zeros), and the ratio by which O of
-// the group must be multiplied where the factor went down (a power of two; 1 where it did not).
+// it): from the block's largest scale of each group (0 for skipped entries, gathered as zeros), the quad maximum of
+// the thread's own (thread_max[gg]: over its 16 tokens, qk.cuh's fold or thread_group_max), and the ratio by which O
+// of the group must be multiplied where the factor went down (a power of two; 1 where it did not).
+__device__ __forceinline__ void update_group_factors(const float (&thread_max)[2], float (&F)[2], float (&ratio)[2]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int gg = 0; gg < 2; ++gg) {
+    const float ms = decode::quad_max(thread_max[gg]);
+    ratio[gg] = 1.f;
+    if (ms > 0.f) {
+      const float f = group_factor(ms, exp2f(decode_fp8::kPScaleLog2));
+      if (F[gg] == 0.f) {
+        F[gg] = f;
+      } else if (f < F[gg]) {
+        ratio[gg] = power_of_two_ratio(f, F[gg]);
+        F[gg] = f;
+      }
+    }
+  }
+}
+// The thread's largest scale of groups kG0, kG0 + 1 over its 16 tokens, read from the block's scales.
 template <int kG0>
-__device__ __forceinline__ void update_group_factors(const float* scales, int lane, float (&F)[2], float (&ratio)[2]) {
+__device__ __forceinline__ void thread_group_max(const float* scales, int lane, float (&thread_max)[2]) {
   CUTLASS_PRAGMA_UNROLL
   for (int gg = 0; gg < 2; ++gg) {
     float ms = 0.f;
@@ -190,17 +201,7 @@ __device__ __forceinline__ void update_group_factors(const float* scales, int la
       CUTLASS_PRAGMA_UNROLL
       for (int e = 0; e < 2; ++e) ms = fmaxf(ms, scales[(8 * a + 2 * (lane & 3) + e) * kGroups + kG0 + gg]);
     }
-    ms = decode::quad_max(ms);
-    ratio[gg] = 1.f;
-    if (ms > 0.f) {
-      const float f = group_factor(ms, exp2f(decode_fp8::kPScaleLog2));
-      if (F[gg] == 0.f) {
-        F[gg] = f;
-      } else if (f < F[gg]) {
-        ratio[gg] = f / F[gg];
-        F[gg] = f;
-      }
-    }
+    thread_max[gg] = ms;
   }
 }
 
@@ -271,10 +272,41 @@ __device__ __forceinline__ void pv_two_groups(int tid_in_wg, uint32_t (&words0)[
 // ------------------------------------------------------------------------------------------------
 // Producer warpgroup
 // ------------------------------------------------------------------------------------------------
+// The gather warp (producer warp 0): block g into stage g % kStages (gather.cuh), once the stage's previous block was
+// released (empty), full[s] completing when the copies have landed and lane 0 wrote the block's mask.
+constexpr uint32_t kFullArrivals = 32 + 1;  // the gather warp's lanes (their copies landed) and lane 0 (the mask)
+template <class SS>
+__device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
+                                            int begin_req, int end_req, int m_block, int lane, int debug) {
+  const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const int* row = p.indices + int64_t(req) * p.indices_stride;
+    int stop;
+    const int nblk = counted_blocks(p, w, stop);
+    for (int blk = 0; blk < nblk; ++blk, ++g) {
+      const int s = int(g % kStages);
+      if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u);
+      const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
+      const uint64_t mask = (debug & kDebugNoGather)
+                                ? ~uint64_t(0)
+                                : gather_block_warp(stage_addr, cache, p.num_kv_tokens, row,
+                                                    (w.first_page + blk) * kBlockTokens, stop, lane);
+      // full[s] completes when the 32 lanes' copies have landed (their cp.async arrivals) and lane 0 wrote the mask.
+      cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
+      if (lane == 0) {
+        ss.mask[s] = mask;
+        ss.full[s].arrive();
+      }
+    }
+  }
+  decode::cp_async_wait_all();  // no copy outlives the warp
+}
+
 // The transposer warps (producer warps 1..3, twarp 0..2): V^T of every block, half 0 then half 1, each half into its
-// one slot once the previous block's P V of it completed. kPadded: blocks come in pairs (the seesaw plan: an odd
-// count gets a virtual block, gathered as zeros).
-template <bool kPadded, class SS>
+// one slot once the previous block's P V of it completed.
+template <class SS>
 __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta, int begin_req,
                                                int end_req, int m_block, int twarp, int lane, int debug) {
   const uint32_t vt_addr = cute::cast_smem_ptr_to_uint(ss.vt[0]);
@@ -282,7 +314,7 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
     int stop;
-    const int nblk = padded<kPadded>(counted_blocks(p, w, stop));
+    const int nblk = counted_blocks(p, w, stop);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       producer_wait(ss.full[s], (g / kStages) & 1u);

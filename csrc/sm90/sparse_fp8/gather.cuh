@@ -17,8 +17,8 @@
 // Completion is the caller's: the copies are the calling lane's cp.async operations. A lane that issued a block either
 // commits them as a group, waits for the group (cp.async.wait_group) and makes them visible to the tensor cores
 // (fence.proxy.async) before it signals the block, as checks/gather_probe.cu does, or hands their completion to an
-// mbarrier (cp_async_arrive_on below: the kernel's gather warps, whose consumers fence after their wait: split.cuh,
-// seesaw.cuh).
+// mbarrier (cp_async_arrive_on below: the kernel's gather warp, whose consumers fence after their wait: split.cuh,
+// lead.cuh).
 #pragma once
 
 #include <cstdint>

@@ -12,30 +12,33 @@
 //   warpgroups 0 and 1 (consumers): warpgroup w owns latent groups 2 w and 2 w + 1, its V^T half and its 256 output
 //     columns, and multiplies P by V for them with two e4m3 terms of P s[t, g] under a group factor that only goes
 //     down (pv.cuh). How the scores are computed is the plan's:
-//       split (split.cuh, the default): each warpgroup computes its groups' part of every block's scores and half of
-//         the rope product; the parts are exchanged through shared memory and added, and both warpgroups run the same
-//         softmax;
-//       seesaw (seesaw.cuh, FLASHMLA_BACKEND_SPARSE_DEBUG bit 64; not yet run on a GPU): the dense FP8 kernel's
-//         schedule, each warpgroup computing every other block's whole scores and softmax and handing its P over.
+//       lead (lead.cuh, the default): warpgroup 0 computes every block's whole scores and the softmax and hands P to
+//         warpgroup 1 in fp16, which only multiplies it by its half of V;
+//       split (split.cuh, FLASHMLA_BACKEND_SPARSE_DEBUG bit 64): each warpgroup computes its groups' part of every
+//         block's scores and half of the rope product; the parts are exchanged through shared memory and added, and
+//         both warpgroups run the same softmax (measured 8% slower at b128 h_q 128: docs/perf/journal.md).
 // The epilogue (common.cuh: store_rows) writes out = O_g / (F_g l) and lse, or a split's fp32 partials for the combine.
 #pragma once
 
 #include "sm90/sparse_fp8/common.cuh"
-#include "sm90/sparse_fp8/seesaw.cuh"
+#include "sm90/sparse_fp8/lead.cuh"
 #include "sm90/sparse_fp8/split.cuh"
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
-template <bool kSeesaw>
-using StorageOf = std::conditional_t<kSeesaw, SeesawStorage, SplitStorage>;
-template <bool kSeesaw>
-constexpr int kSmemBytes = int(sizeof(StorageOf<kSeesaw>)) + 1024;
+// The plans (the lead one; FLASHMLA_BACKEND_SPARSE_DEBUG bit 64: the split one).
+enum Plan : int { kPlanLead = 0, kPlanSplit = 1 };
+template <int kPlan>
+using StorageOf = std::conditional_t<kPlan == kPlanLead, LeadStorage, SplitStorage>;
+template <int kPlan>
+constexpr int kSmemBytes = int(sizeof(StorageOf<kPlan>)) + 1024;
 
-template <bool kSeesaw>
+template <int kPlan>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using SS = StorageOf<kSeesaw>;
+  constexpr bool kLead = kPlan == kPlanLead;
+  using SS = StorageOf<kPlan>;
   const DecodeParams& p = params;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = cute::cast_smem_ptr_to_uint(smem_raw);
@@ -53,11 +56,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      ss.full[s].init(kSeesaw ? kSeesawFullArrivals : kSplitFullArrivals);
-      ss.empty[s].init(kSeesaw ? kSeesawEmptyArrivals : kSplitEmptyArrivals);
+      ss.full[s].init(kFullArrivals);
+      ss.empty[s].init(kLead ? kLeadEmptyArrivals : kSplitEmptyArrivals);
     }
-    if constexpr (kSeesaw) {
-      for (int c = 0; c < kScaleSlots; ++c) ss.sc_empty[c].init(kScaleEmptyArrivals);
+    if constexpr (kLead) {
+      for (int c = 0; c < kPSlots; ++c) {
+        ss.p_full[c].init(kPSlotArrivals);
+        ss.p_empty[c].init(kPSlotArrivals);
+      }
     }
     for (int h = 0; h < 2; ++h) {
       ss.vt_full[h].init(kVtFullArrivals);
@@ -71,26 +77,24 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     const int warp = (tid - kNumConsumerThreads) / 32;
     if (warp == 0) {
-      if constexpr (kSeesaw) {
-        seesaw_gather_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, lane, debug);
-      } else {
-        split_gather_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, lane, debug);
-      }
+      gather_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, lane, debug);
     } else {
-      transpose_warp<kSeesaw>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - 1, lane, debug);
+      transpose_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - 1, lane, debug);
     }
   } else if (wg == 0) {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    if constexpr (kSeesaw) {
-      seesaw_consumer_loop<0>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
+    if constexpr (kLead) {
+      cutlass::arch::warpgroup_reg_alloc<kLeadRegs>();
+      lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
     } else {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       split_consumer_loop<0>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
     }
   } else {
-    cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-    if constexpr (kSeesaw) {
-      seesaw_consumer_loop<1>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
+    if constexpr (kLead) {
+      cutlass::arch::warpgroup_reg_alloc<kFollowRegs>();
+      follow_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
     } else {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       split_consumer_loop<1>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
     }
   }

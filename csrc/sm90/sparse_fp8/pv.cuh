@@ -10,6 +10,8 @@
 // rescales O_g when a block needs a smaller one, as it rescales O for a new running max.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 #include <cutlass/float8.h>
@@ -61,10 +63,42 @@ __device__ __forceinline__ void transpose_latent(uint32_t stage_addr, uint32_t v
 }
 
 // The power of two that brings max_s * p_max into (224, 448] (max_s: the block's largest scale of the group, p_max:
-// the largest P value, 2^8 in the kernel's P scaling).
+// the largest P value, 2^8 in the kernel's P scaling). From the bits of m = max_s p_max = 1.f x 2^e: 448 = 1.75 x 2^8,
+// so 2^(8 - e) puts m in [256, 448] when 1.f <= 1.75 and 2^(7 - e) in (224, 256) otherwise; exact, a dozen integer
+// instructions (exp2f(floorf(log2f(448 / m))) took two MUFU, a division and their range fixes, per group and block).
+// Subnormal or infinite m take that slow form.
 __device__ __forceinline__ float group_factor(float max_s, float p_max) {
+  static_assert(decode_fp8::kE4m3Max == 448.f, "448 = 1.75 x 2^8");
   const float m = max_s * p_max;
-  return m > 0.f ? exp2f(floorf(log2f(decode_fp8::kE4m3Max / m))) : 1.f;
+  if (!(m > 0.f)) return 1.f;
+  const uint32_t b = __float_as_uint(m);
+  const int biased = int(b >> 23);
+  const int k = 135 - biased - ((b & 0x7fffffu) > 0x600000u ? 1 : 0);  // 8 - (biased - 127) - [1.f > 1.75]
+  if (biased == 0 || biased == 255 || k < -126 || k > 127) return exp2f(floorf(log2f(decode_fp8::kE4m3Max / m)));
+  return __uint_as_float(uint32_t(k + 127) << 23);
+}
+// f / F for two powers of two f <= F of normal range (group factors): exact, by the exponents.
+__device__ __forceinline__ float power_of_two_ratio(float f, float F) {
+  return __uint_as_float(__float_as_uint(f) - __float_as_uint(F) + (127u << 23));
+}
+
+// The second e4m3 term of four values x whose first term is `hi` (their e4m3 bytes, x[0] lowest): e4m3(x - hi), with
+// the difference taken in fp16x2. x rounded to fp16 (2^-11 relative) minus hi is exact in fp16 (hi is x to 3
+// significant bits, so the difference needs at most 8), and the second term's own rounding is 2^-8 of x, so the
+// fp16 detour changes nothing that the two terms keep; it takes five instructions a pair of values instead of seven
+// (the fp32 form widens each hi byte twice and subtracts one value at a time).
+__device__ __forceinline__ uint32_t lo_term_e4m3x4(const float (&x)[4], uint32_t hi) {
+  uint32_t lo2[2];
+  CUTLASS_PRAGMA_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const __half2 x16 = __floats2half2_rn(x[2 * h], x[2 * h + 1]);  // x[2 h] low
+    const uint32_t b = decode::e4m3x2_to_f16x2(uint16_t(hi >> (16 * h)));
+    const __half2 r = __hsub2(x16, *reinterpret_cast<const __half2*>(&b));
+    uint16_t d;
+    asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(d) : "r"(*reinterpret_cast<const uint32_t*>(&r)));
+    lo2[h] = d;
+  }
+  return lo2[0] | (lo2[1] << 16);
 }
 
 // The e4m3 A fragment (kTerms terms x 8 words, decode_fp8/mainloop.cuh's order) of P[:, t] s[t, g] f, from the
@@ -87,11 +121,7 @@ __device__ __forceinline__ void p_group_words_of(PAt&& p_at, const float* scales
       }
       const uint32_t hi = decode_fp8::f32x4_to_e4m3x4(x[0], x[1], x[2], x[3]);
       words[0][4 * kk + q] = hi;
-      if constexpr (kTerms == 2) {
-        float b[4];
-        decode_fp8::e4m3x4_to_f32x4(hi, b);
-        words[1][4 * kk + q] = decode_fp8::f32x4_to_e4m3x4(x[0] - b[0], x[1] - b[1], x[2] - b[2], x[3] - b[3]);
-      }
+      if constexpr (kTerms == 2) words[1][4 * kk + q] = lo_term_e4m3x4(x, hi);
     }
   }
 }

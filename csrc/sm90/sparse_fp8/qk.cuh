@@ -53,9 +53,11 @@ constexpr int kKStepsPerGroup = 128 / 32;
 // the same order of operations as the whole block: the rope product into S first, then each group's product into
 // `tmp` and added into S times the tokens' group scale.
 // scales: the block's token scales (four floats a token), the stage's own region or a ring of their own.
+// smax[gg]: the largest scale of group kG0 + gg over the thread's 16 tokens (read for the fold anyway; the quad's
+// maximum of it is the block's, which the P V factors need: common.cuh, update_group_factors).
 template <int kQTerms, int kG0, int kNG, int kR0, int kNR, class FragS>
 __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                 const float* scales, FragS& tSrS, FragS& tmp) {
+                                                 const float* scales, FragS& tSrS, FragS& tmp, float (&smax)[kNG]) {
   using F8 = QkTypes::F8;
   using BF = QkTypes::BF;
   static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
@@ -102,12 +104,22 @@ __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uin
     warpgroup_wait<0>();  // tmp (and, at the first group, the rope product)
     warpgroup_fence_operand(tmp);
     warpgroup_fence_operand(tSrS);
+    float mx = 0.f;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tSrS); ++i) {
       const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      tSrS(i) = fmaf(tmp(i), scales[token * kGroups + g], tSrS(i));
+      const float sc = scales[token * kGroups + g];
+      if (((i >> 1) & 1) == 0) mx = fmaxf(mx, sc);  // each token once (values i and i + 2: the thread's two rows)
+      tSrS(i) = fmaf(tmp(i), sc, tSrS(i));
     }
+    smax[g - kG0] = mx;
   }
+}
+template <int kQTerms, int kG0, int kNG, int kR0, int kNR, class FragS>
+__device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
+                                                 const float* scales, FragS& tSrS, FragS& tmp) {
+  float unused[kNG];
+  sparse_qk_groups<kQTerms, kG0, kNG, kR0, kNR>(tid, q_latent, q_rope, stage, scales, tSrS, tmp, unused);
 }
 
 // S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the

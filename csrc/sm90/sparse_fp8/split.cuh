@@ -15,7 +15,7 @@ struct alignas(1024) SplitStorage {
   alignas(16) float sx[2][kTileRows * kTileRows];           // warpgroup w's part of a block's scores
   uint64_t mask[kStages];                                    // the block's entries that name a token (gather.cuh)
   float row_scale_log2[kTileRows];                           // softmax scale (log2) x the row's q split scale
-  // full[s]: block landed in stage s (the gather warp's lanes, kSplitFullArrivals). empty[s]: the 8 consumer warps
+  // full[s]: block landed in stage s (common.cuh: gather_warp, kFullArrivals). empty[s]: the 8 consumer warps
   // (scores and P built) and the 3 transposer warps are done with stage s. vt_full[h]: V^T half h written (3
   // transposer warps). vt_empty[h]: warpgroup h's P V of the half completed (its 4 warps).
   cutlass::arch::ClusterBarrier full[kStages];
@@ -25,7 +25,6 @@ struct alignas(1024) SplitStorage {
 };
 static_assert(int(sizeof(SplitStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 
-constexpr uint32_t kSplitFullArrivals = 32 + 1;  // the gather warp's lanes (their copies landed) and lane 0 (the mask)
 constexpr uint32_t kSplitEmptyArrivals = 8 + kTransposeWarps;
 
 // Named barriers (IDs relative to CUTLASS's reserved ones), all used in their non-.aligned form: the two consumer
@@ -34,34 +33,6 @@ constexpr uint32_t kSplitEmptyArrivals = 8 + kTransposeWarps;
 // block's scores. kScoresFree + w: warpgroup 1 - w read warpgroup w's part (it arrives), so warpgroup w may write
 // the next one (it waits): one arrival a block, one wait a block after the CTA's first and one at the end.
 enum class SplitBar : uint32_t { kConsumers = kBarConsumers, kScoresReady = 1, kScoresFree = 2 };
-
-__device__ __forceinline__ void split_gather_warp(const DecodeParams& p, SplitStorage& ss, const SchedMetaRow& meta,
-                                                  int begin_req, int end_req, int m_block, int lane, int debug) {
-  const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
-  uint32_t g = 0;
-  for (int req = begin_req; req <= end_req; ++req) {
-    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    const int* row = p.indices + int64_t(req) * p.indices_stride;
-    int stop;
-    const int nblk = counted_blocks(p, w, stop);
-    for (int blk = 0; blk < nblk; ++blk, ++g) {
-      const int s = int(g % kStages);
-      if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u);
-      const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-      const uint64_t mask = (debug & kDebugNoGather)
-                                ? ~uint64_t(0)
-                                : gather_block_warp(stage_addr, cache, p.num_kv_tokens, row,
-                                                    (w.first_page + blk) * kBlockTokens, stop, lane);
-      // full[s] completes when the 32 lanes' copies have landed (their cp.async arrivals) and lane 0 wrote the mask.
-      cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
-      if (lane == 0) {
-        ss.mask[s] = mask;
-        ss.full[s].arrive();
-      }
-    }
-  }
-  decode::cp_async_wait_all();  // no copy outlives the warp
-}
 
 template <int kWG>
 __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, SplitStorage& ss, const SchedMetaRow& meta,
@@ -98,10 +69,12 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
       cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
       uint8_t* stage = ss.stage[s];
       Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
+      float thread_max[2];  // the thread's largest scale of each of the two groups (for the factors below)
       {
         Tensor tmp = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
         sparse_qk_groups<kQTerms, kG0, 2, 2 * kWG, 2>(tid_in_wg, ss.q_latent, ss.q_rope, stage,
-                                                      reinterpret_cast<const float*>(stage + kScalesAt), S, tmp);
+                                                      reinterpret_cast<const float*>(stage + kScalesAt), S, tmp,
+                                                      thread_max);
       }
       // ---- the other warpgroup's part of the scores ----
       if (g > 0) NamedBarrier(kNumConsumerThreads, uint32_t(SplitBar::kScoresFree) + kWG).arrive_and_wait_unaligned();
@@ -147,7 +120,7 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
       // ---- the groups' factors (only ever lowered: O_g times the ratio, a power of two) and P's words ----
       const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
       float ratio[2];
-      update_group_factors<kG0>(scales, lane, F, ratio);
+      update_group_factors(thread_max, F, ratio);
       rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
       build_group_words<kG0>([&](int idx) { return S(idx); }, scales, F, lane, debug, words0, words1);

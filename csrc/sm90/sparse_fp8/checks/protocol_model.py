@@ -1,23 +1,21 @@
 #!/usr/bin/env python3
-"""Python model of the sm90 sparse decode kernel's barrier protocol, both plans (split.cuh, seesaw.cuh).
+"""Python model of the sm90 sparse decode kernel's barrier protocol, both plans (lead.cuh, split.cuh).
 
-A mirror of the order of waits, arrivals, reads and writes of the gather warp (split_gather_warp /
-seesaw_gather_warp), the three transposer warps (common.cuh: transpose_warp) and the two consumer warpgroups
-(split_consumer_loop / seesaw_consumer_loop); the arrival counts are those of split.cuh, seesaw.cuh and common.cuh
-(read from the files), so a change there is checked as it is. It is not a test of the compiled code: keep the agents
-below in step with those files when the schedule changes. Run by tests/test_device_checks.py; `python3
-protocol_model.py` prints the verdict.
+A mirror of the order of waits, arrivals, reads and writes of the gather warp (common.cuh: gather_warp), the three
+transposer warps (common.cuh: transpose_warp) and the two consumer warpgroups (lead_loop / follow_loop,
+split_consumer_loop); the arrival counts are those of lead.cuh, split.cuh and common.cuh (read from the files), so a
+change there is checked as it is. It is not a test of the compiled code: keep the agents below in step with those
+files when the schedule changes. Run by tests/test_device_checks.py; `python3 protocol_model.py` prints the verdict.
 
 The simulator (mbarrier phases with the hardware's parity rule, named barriers, and the data checks: a buffer is
 rewritten only after every reader of its previous contents finished, a reader reads the block it expects) is the
 dense FP8 kernel's model (decode_fp8/checks/protocol_model.py), imported from there. Checked over random
 interleavings of row pieces of 0..9 blocks, one role starved in turn: no deadlock, no parity wait two phases ahead or
-a phase missed, no stale read or early rewrite of a stage, a scale slot, a V^T half, a score part (split) or a P
-hand-off and the row statistics (seesaw), and the named barriers' arrivals and waits equal at the end.
-What the model showed about the seesaw plan: its scale slots' sc_empty barrier is implied by the V^T chain (the
-gather of block g needs stage g - 2 released, which needs the transposition of g - 2, which waits for warpgroup 1's
-P V of g - 3, after it built its words of g - 4 from the slot), so removing that wait breaks nothing with one V^T
-slot a half and two stages; it stays, for other ring and stage counts.
+a phase missed, no stale read or early rewrite of a stage, a V^T half, a score part (split), a P slot or the rows'
+sums (lead), and the named barriers' arrivals and waits equal at the end.
+What the model showed about the lead plan: warpgroup 0's wait for a free P slot (p_empty) is implied by the stage
+ring with two P slots and two stages (its Q K^T of block g needs stage g, gathered once warpgroup 1 released stage
+g - 2, which it does after reading P of g - 2), so the model cannot catch its removal; it stays, for other counts.
 """
 from __future__ import annotations
 
@@ -37,7 +35,6 @@ ProtocolError = _dense.ProtocolError
 Sim = _dense.Sim
 
 STAGES = 2
-SCALE_SLOTS = 4
 CONSUMER_WARPS = 4
 
 
@@ -52,32 +49,24 @@ def read_counts() -> dict[str, int]:
     """The arrival counts of the kernel's mbarriers, from its headers (kTransposeWarps substituted)."""
     common = (SPARSE / "common.cuh").read_text()
     split = (SPARSE / "split.cuh").read_text()
-    seesaw = (SPARSE / "seesaw.cuh").read_text()
+    lead = (SPARSE / "lead.cuh").read_text()
     env = {"kTransposeWarps": int(_constant(common, "kTransposeWarps"))}
     ev = lambda expr: int(eval(expr, {}, dict(env)))  # noqa: E731, S307 (constant expressions of the headers)
     return {"warps": env["kTransposeWarps"],
             "vt_full": ev(_constant(common, "kVtFullArrivals")), "vt_empty": ev(_constant(common, "kVtEmptyArrivals")),
             "split_empty": ev(_constant(split, "kSplitEmptyArrivals")),
-            "seesaw_empty": ev(_constant(seesaw, "kSeesawEmptyArrivals")),
-            "sc_empty": ev(_constant(seesaw, "kScaleEmptyArrivals")),
-            "stages": int(_constant(common, "kStages")), "slots": int(_constant(seesaw, "kScaleSlots"))}
-
-
-def padded(n: int, seesaw: bool) -> int:
-    return (n + 1) & ~1 if seesaw else n
+            "lead_empty": ev(_constant(lead, "kLeadEmptyArrivals")),
+            "p_slot": ev(_constant(lead, "kPSlotArrivals")),
+            "stages": int(_constant(common, "kStages")), "p_slots": int(_constant(lead, "kPSlots"))}
 
 
 # ---- producer agents ---------------------------------------------------------------------------------------------
-def gather_agent(blocks: int, seesaw: bool, slots: int, mutation=None):
+def gather_agent(blocks: int):
     for g in range(blocks):
         s = g % STAGES
         if g >= STAGES:
             yield ("wait", "empty", s, g // STAGES - 1)
-        if seesaw and g >= slots and mutation != "gather ignores sc_empty":
-            yield ("wait", "sc_empty", g % slots, g // slots - 1)
         yield ("write", ("stage", s), g, "stage")
-        if seesaw:
-            yield ("write", ("scales", g % slots), g, "scales")
         yield ("arrive", "full", s)   # the 33 arrivals of full[s] as one: they all follow the copies
 
 
@@ -139,114 +128,89 @@ def split_consumer(wg: int, rows: list[int], mutation=None):
         yield ("named_sync", f"free{wg}")          # the last arrival of the other warpgroup
 
 
-# ---- the seesaw plan (seesaw.cuh: seesaw_consumer_loop) ----------------------------------------------------------
-def seesaw_qk(g: int, slots: int):
+# ---- the lead plan (lead.cuh: lead_loop, follow_loop) -------------------------------------------------------------
+def lead_qk(g: int):
     s = g % STAGES
     yield ("wait", "full", s, g // STAGES)
-    yield ("read_begin", ("stage", s), g)
-    yield ("read_begin", ("scales", g % slots), g)   # the fold of the group scales
-    yield ("read_end", ("scales", g % slots), g)
-    yield ("read_end", ("stage", s), g)
-    yield from warps_arrive("empty", s)
+    yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
-def seesaw_words_pv(wg: int, g: int, slots: int, mutation=None):
-    yield ("read_begin", ("scales", g % slots), g)   # the factors and the words
-    yield ("read_end", ("scales", g % slots), g)
-    if mutation != "scale slot never released":
-        yield from warps_arrive("sc_empty", g % slots)
-    yield from pv(wg, g)
+def lead_consumer(rows: list[int], p_slots: int, mutation=None):
+    g = 0
+    for row, n in enumerate(rows):
+        yield from rendezvous("consumers")          # the Q tile written
+        if n:
+            yield from lead_qk(g)
+        for blk in range(n):
+            s, c = g % STAGES, g % p_slots
+            if g >= p_slots and mutation != "p slot rewritten early":
+                yield ("wait", "p_empty", c, g // p_slots - 1)
+            yield ("write", ("p16", c), g, "one")   # P and the rows' factor
+            yield from warps_arrive("p_full", c)
+            yield ("read_end", ("stage", s), g)
+            yield from warps_arrive("empty", s)
+            yield from pv(0, g)
+            if blk + 1 < n:
+                yield from lead_qk(g + 1)
+            g += 1
+        yield ("write", "rowsum", row, "one")
+        yield from rendezvous("consumers")          # the rows' sums written
+        yield from rendezvous("consumers")          # past the epilogue
 
 
-def seesaw_consumer(wg: int, rows: list[int], slots: int, mutation=None):
-    g_base = 0
-    for n in rows:
-        nblk = padded(n, True)
+def follow_consumer(rows: list[int], p_slots: int, mutation=None):
+    g = 0
+    for row, n in enumerate(rows):
         yield from rendezvous("consumers")
-        if nblk:
-            yield from seesaw_qk(g_base + wg, slots)
-        for b0 in range(0, nblk, 2):
-            nxt = b0 + 2 < nblk
-            g0 = g_base + b0
-            if wg == 0:
-                # softmax of b0: reads m1 of the last step (or the row's -inf), writes m0 and scale0
-                last_m1 = 2 * (g0 - 2) + 1 if b0 else ("init", g_base)   # m1 of the previous step
-                yield ("read_begin", "rowmax", last_m1)
-                yield ("read_end", "rowmax", last_m1)
-                yield ("write", "rowmax", 2 * g0, "rowmax")
-                yield ("write", "scale0", g0, "one")
-                yield ("named_arrive", "scale0")
-                if b0 > 0 and mutation != "p0 rewritten early":
-                    yield ("named_sync", "p0free")
-                yield ("write", ("p16", 0), g0, "one")
-                yield ("named_arrive", "p0")
-                yield from seesaw_words_pv(0, g0, slots, mutation)
-                yield ("named_sync", "scale1")
-                yield ("read_begin", "scale1", g0)
-                yield ("read_end", "scale1", g0)
-                yield ("read_begin", ("p16", 1), g0 + 1)
-                yield ("read_end", ("p16", 1), g0 + 1)
-                yield from seesaw_words_pv(0, g0 + 1, slots, mutation)
-                if nxt:
-                    yield from seesaw_qk(g0 + 2, slots)
-            else:
-                yield ("named_sync", "scale0")
-                yield ("read_begin", "scale0", g0)
-                yield ("read_end", "scale0", g0)
-                yield ("read_begin", "rowmax", 2 * g0)
-                yield ("read_end", "rowmax", 2 * g0)
-                yield ("write", "rowmax", 2 * g0 + 1, "rowmax")
-                yield ("write", "scale1", g0, "one")
-                yield ("write", ("p16", 1), g0 + 1, "one")
-                yield ("named_arrive", "scale1")
-                yield ("named_sync", "p0")
-                yield ("read_begin", ("p16", 0), g0)
-                yield ("read_end", ("p16", 0), g0)
-                if nxt and mutation != "p0 rewritten early":
-                    yield ("named_arrive", "p0free")
-                yield from seesaw_words_pv(1, g0, slots, mutation)
-                yield from seesaw_words_pv(1, g0 + 1, slots, mutation)
-                if nxt:
-                    yield from seesaw_qk(g0 + 3, slots)
-        g_base += nblk
-        # epilogue: both write their row sums, sync, read the final max, store, sync; the next row piece resets the
-        # max (warpgroup 0 before the first sync of the next piece)
+        for _ in range(n):
+            s, c = g % STAGES, g % p_slots
+            yield ("wait", "p_full", c, g // p_slots)
+            yield ("read_begin", ("p16", c), g)
+            yield ("read_end", ("p16", c), g)
+            yield from warps_arrive("p_empty", c)
+            if mutation == "follower releases the stage early":
+                yield from warps_arrive("empty", s)
+            yield ("read_begin", ("stage", s), g)   # the block's scales, for the factors and the words
+            yield ("read_end", ("stage", s), g)
+            if mutation != "follower releases the stage early":
+                yield from warps_arrive("empty", s)
+            yield from pv(1, g)
+            g += 1
+        if mutation != "row sums read early":
+            yield from rendezvous("consumers")
+        yield ("read_begin", "rowsum", row)
+        yield ("read_end", "rowsum", row)
         yield from rendezvous("consumers")
-        if nblk:
-            yield ("read_begin", "rowmax", 2 * (g_base - 2) + 1)
-            yield ("read_end", "rowmax", 2 * (g_base - 2) + 1)
-        else:
-            yield ("read_begin", "rowmax", ("init", g_base))
-            yield ("read_end", "rowmax", ("init", g_base))
-        yield from rendezvous("consumers")
-        if wg == 0:
-            yield ("write", "rowmax", ("init", g_base), "rowmax_init")
+        if mutation == "row sums read early":
+            yield from rendezvous("consumers")
 
 
-def run(rows: list[int], seesaw: bool, counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
+PLANS = ("lead", "split")
+
+
+def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
         starve: str | None = None) -> None:
     """One random interleaving of the CTA's agents over row pieces with these block counts."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
-    sim.count = {"full": 1, "empty": counts["seesaw_empty" if seesaw else "split_empty"], "vt_full": counts["vt_full"],
-                 "vt_empty": counts["vt_empty"], "sc_empty": counts["sc_empty"]}
-    slots = counts["slots"]
-    blocks = sum(padded(n, seesaw) for n in rows)
-    agents = {"gather": gather_agent(blocks, seesaw, slots, mutation)}
+    sim.count = {"full": 1, "empty": counts[f"{plan}_empty"], "vt_full": counts["vt_full"],
+                 "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"]}
+    blocks = sum(rows)
+    agents = {"gather": gather_agent(blocks)}
     for w in range(counts["warps"]):
         agents[f"transposer{w}"] = transposer_agent(blocks, mutation)
-    for wg in (0, 1):
-        agents[f"wg{wg}"] = (seesaw_consumer(wg, rows, slots, mutation) if seesaw
-                             else split_consumer(wg, rows, mutation))
+    if plan == "lead":
+        agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation)
+        agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
+    else:
+        for wg in (0, 1):
+            agents[f"wg{wg}"] = split_consumer(wg, rows, mutation)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps arrive on the stage's
-    # empty barrier once each, so each is a reader; split: both consumer warpgroups read a stage; seesaw: its owner.
-    # (Each transposer warp reads a stage twice, once for each V^T half.) The running max: m0 of a step is read by
-    # warpgroup 1, m1 by warpgroup 0 in the next step, the last m1 of a row piece by both in the epilogue, before
-    # warpgroup 0 resets it for the next piece ("rowmax_init").
-    readers = {"stage": counts["warps"] * 2 + (1 if seesaw else 2), "scales": 3, "vt": 1, "sx": 1, "one": 1,
-               "rowmax": 1, "rowmax_init": 2}
+    # empty barrier once each, so each is a reader (twice: once for each V^T half), and both consumer warpgroups read
+    # a stage in either plan.
+    readers = {"stage": counts["warps"] * 2 + 2, "vt": 1, "sx": 1, "one": 1}
     both = {"consumers", "ready"}   # named barriers both warpgroups sync on (rendezvous above)
-    named = {name: [0, 0] for name in ("free0", "free1", "scale0", "scale1", "p0", "p0free")}
+    named = {name: [0, 0] for name in ("free0", "free1")}
     gen = {(b, w): 0 for b in both for w in ("wg0", "wg1")}
 
     def ready(name, op) -> bool:
@@ -270,8 +234,7 @@ def run(rows: list[int], seesaw: bool, counts: dict[str, int] | None = None, see
         elif op[0] == "named_sync":
             named[op[1]][1] += 1
 
-    sim.holder["rowmax"] = ("init", 0)
-    _dense.interleave(agents, ready, execute, seed, starve, f"rows {rows} ({'seesaw' if seesaw else 'split'})")
+    _dense.interleave(agents, ready, execute, seed, starve, f"rows {rows} ({plan})")
     unbalanced = {b: v for b, v in named.items() if v[0] != v[1]}
     if unbalanced:
         raise ProtocolError(f"named barriers left with arrivals and waits unequal over rows {rows}: {unbalanced}")
@@ -285,10 +248,10 @@ def check_all(seeds: int = 20) -> int:
     sequences += [[gen.randrange(0, 10) for _ in range(gen.randrange(1, 5))] for _ in range(15)]
     starved = [None, "gather", "wg0", "wg1"] + [f"transposer{w}" for w in range(counts["warps"])]
     runs = 0
-    for seesaw in (False, True):
+    for plan in PLANS:
         for rows in sequences:
             for seed in range(seeds):
-                run(rows, seesaw, counts, seed=seed, starve=starved[seed % len(starved)])
+                run(rows, plan, counts, seed=seed, starve=starved[seed % len(starved)])
                 runs += 1
     return runs
 
@@ -299,4 +262,4 @@ if __name__ == "__main__":
     except ProtocolError as e:
         print(f"sparse protocol model: INCONSISTENT: {e}")
         sys.exit(1)
-    print(f"sparse protocol model: consistent ({n} interleavings of the split and the seesaw plan)")
+    print(f"sparse protocol model: consistent ({n} interleavings of the lead and the split plan)")

@@ -1,0 +1,246 @@
+// The lead plan of the sm90 sparse decode kernel (kernel.cuh; the default: FLASHMLA_BACKEND_SPARSE_DEBUG bit 64 runs
+// the split plan instead): warpgroup 0 leads, warpgroup 1 follows, the division of work of FlashMLA's Hopper sparse
+// kernel. Warpgroup 0 computes every block's whole scores (four groups, two e4m3 terms of q, the group scales folded;
+// the rope), the softmax, and P V of groups 0 and 1; it hands P to warpgroup 1 in fp16 with the rows' factor of the
+// block, through a ring of two slots, and warpgroup 1 only builds the words of groups 2 and 3 from it and multiplies
+// them by its V^T half. Nothing is computed twice (the split plan runs the softmax in both warpgroups and exchanges
+// 16 KB of scores a block and direction), and the two warpgroups are not locked into one phase: warpgroup 1's words
+// and P V of a block run while warpgroup 0 computes the next block's scores. (Warpgroup 0 issuing the next Q K^T right
+// behind its own P V, before waiting for it, made ptxas serialize the kernel's wgmma for want of registers, C7512,
+// even at 248 a thread: the P V's words, O, S and the product's temporary live at once.)
+//   warpgroup 0: S = Q K^T (all groups), P = 2^(S sl2 - m + 8), O_01 = O_01 sc + P_g V_g (g = 0, 1)
+//   warpgroup 1: O_23 = O_23 sc + P_g V_g (g = 2, 3), P and sc from warpgroup 0
+// The gather and transposer warps are common.cuh's. Registers: warpgroup 0 holds O (128), S and the product's
+// temporary (64) or S and the words of its two groups (64); warpgroup 1 holds O, P in fp16 (16) and its words (32);
+// the setmaxnreg split gives warpgroup 0 a little more.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include "sm90/sparse_fp8/common.cuh"
+
+namespace flashmla_backend::sm90::sparse_fp8 {
+
+constexpr int kPSlots = 2;                             // blocks of P in flight from warpgroup 0 to warpgroup 1
+constexpr int kP16Words = 16;                          // a thread's 64 x 64 P in fp16: word k = (P(2 k), P(2 k + 1))
+constexpr int kP16Bytes = kP16Words * 4 * kWgThreads;  // 8 KB
+constexpr int kLeadRegs = 232;
+constexpr int kFollowRegs = 216;
+static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
+              "register split exceeds the CTA's allocation");
+
+struct alignas(1024) LeadStorage {
+  alignas(1024) uint8_t q_latent[kQTerms * kLatentBytes];
+  alignas(1024) uint8_t q_rope[kRopeBytes];
+  alignas(1024) uint8_t stage[kStages][kStageBytes];        // block g in stage g % kStages (layout.h)
+  alignas(1024) uint8_t vt[2][decode_fp8::kVtHalfBytes];    // V^T half h (groups 2 h, 2 h + 1), read by warpgroup h
+  alignas(16) uint8_t p16[kPSlots][kP16Bytes];              // P of block g in slot g % kPSlots, by thread
+  float sc[kPSlots][kTileRows];                             // the rows' factor of block g: exp2(m_before - m_after)
+  uint64_t mask[kStages];
+  float row_scale_log2[kTileRows];
+  float row_sum[kTileRows];                                 // the rows' final sums (warpgroup 0 -> 1)
+  // full / empty: the split plan's (empty: warpgroup 0's 4 warps after its scores and words, warpgroup 1's after its
+  // words read the block's scales, the transposer warps). p_full[c]: warpgroup 0 wrote slot c (4 warps). p_empty[c]:
+  // warpgroup 1 read it (4 warps). vt_full / vt_empty: as in the split plan.
+  cutlass::arch::ClusterBarrier full[kStages];
+  cutlass::arch::ClusterBarrier empty[kStages];
+  cutlass::arch::ClusterBarrier p_full[kPSlots];
+  cutlass::arch::ClusterBarrier p_empty[kPSlots];
+  cutlass::arch::ClusterBarrier vt_full[2];
+  cutlass::arch::ClusterBarrier vt_empty[2];
+};
+static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
+
+constexpr uint32_t kLeadEmptyArrivals = 8 + kTransposeWarps;
+constexpr uint32_t kPSlotArrivals = 4;
+
+// Value idx of a fp16 P fragment (the accumulator's order: decode_fp8/mainloop.cuh, p16_fragment), as float.
+__device__ __forceinline__ float p16_at(const uint32_t (&w)[kP16Words], int idx) {
+  const __half2 h = *reinterpret_cast<const __half2*>(&w[idx >> 1]);
+  return (idx & 1) ? __high2float(h) : __low2float(h);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Warpgroup 0
+// ------------------------------------------------------------------------------------------------
+// S = Q K^T of block g (all four groups, the rope), after its stage landed; thread_max: the thread's largest scale of
+// groups 0 and 1.
+template <class FragS>
+__device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, FragS& S, float (&thread_max)[2]) {
+  const int s = int(g % kStages);
+  consumer_wait(ss.full[s], (g / kStages) & 1u);
+  cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
+  typename QkTypes::TiledMmaLatent mma_s;
+  Tensor tmp = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
+  float smax[kGroups];
+  sparse_qk_groups<kQTerms, 0, kGroups, 0, 4>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s],
+                                              reinterpret_cast<const float*>(ss.stage[s] + kScalesAt), S, tmp, smax);
+  thread_max[0] = smax[0];
+  thread_max[1] = smax[1];
+}
+
+__device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
+                                          int begin_req, int end_req, int m_block, int tid, int debug) {
+  const int tid_in_wg = tid % kWgThreads;
+  const int lane = tid & 31;
+  const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
+  const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
+
+  typename QkTypes::TiledMmaLatent mma_s;
+  typename PvTypes::TiledMma mma_o;
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    load_q_tile(p, ss, req, m_block, tid);
+    cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
+    consumers_sync();
+    const float sl2[2] = {ss.row_scale_log2[row_in_tile[0]], ss.row_scale_log2[row_in_tile[1]]};
+
+    Tensor o0 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 0
+    Tensor o1 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 1
+    clear(o0);
+    clear(o1);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float F[2] = {0.f, 0.f};
+
+    int stop;
+    const int nblk = counted_blocks(p, w, stop);
+    Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
+    float thread_max[2];
+    if (nblk > 0) lead_qk(ss, g, tid_in_wg, S, thread_max);
+    for (int blk = 0; blk < nblk; ++blk, ++g) {
+      const int s = int(g % kStages);
+      const int c = int(g % kPSlots);
+
+      // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
+      mask_block(S, ss.mask[s], lane);
+      float mx[2];
+      block_row_max(S, mx);
+      float sc[2], m_use[2];
+      CUTLASS_PRAGMA_UNROLL
+      for (int v = 0; v < 2; ++v) {
+        float m_new;
+        decode::update_max(m[v], mx[v], sl2[v], m_new, m_use[v], sc[v]);
+        m[v] = m_new;
+        l[v] *= sc[v];
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(S); ++i) {
+        const int v = (i >> 1) & 1;
+        S(i) = fast_exp2(fmaf(S(i), sl2[v], decode_fp8::kPScaleLog2 - m_use[v]));
+        l[v] += S(i);
+      }
+
+      // ---- P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1 read block g - 2) ----
+      if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u);
+      {
+        uint32_t p16[kP16Words];
+        decode_fp8::p16_fragment(S, p16);
+        decode_fp8::store_p(ss.p16[c], tid_in_wg, p16);
+      }
+      if ((lane & 3) == 0) {
+        ss.sc[c][row_in_tile[0]] = sc[0];
+        ss.sc[c][row_in_tile[1]] = sc[1];
+      }
+      warp_arrive(ss.p_full[c], lane);
+
+      // ---- the groups' factors, P's words of groups 0 and 1; the stage is done with here ----
+      const float* scales = reinterpret_cast<const float*>(ss.stage[s] + kScalesAt);
+      float ratio[2];
+      update_group_factors(thread_max, F, ratio);
+      rescale_groups(o0, o1, sc, ratio);
+      uint32_t words0[kPTerms][8], words1[kPTerms][8];
+      build_group_words<0>([&](int idx) { return S(idx); }, scales, F, lane, debug, words0, words1);
+      warp_arrive(ss.empty[s], lane);
+
+      // ---- O_g += P_g V_g; the next block's Q K^T ----
+      consumer_wait(ss.vt_full[0], g & 1u);
+      sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[0], o0);
+      sparse_pv_group<kPTerms>(tid_in_wg, words1, ss.vt[0] + decode_fp8::kVtHalfBytes / 2, o1);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(o0);
+      warpgroup_fence_operand(o1);
+      warp_arrive(ss.vt_empty[0], lane);
+      if (blk + 1 < nblk) lead_qk(ss, g + 1, tid_in_wg, S, thread_max);
+    }
+
+    // ---- epilogue: the rows' sums for warpgroup 1 ----
+    if (req == end_req) pdl_launch_dependents();
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) l[v] = decode::quad_sum(l[v]);
+    if ((lane & 3) == 0) {
+      ss.row_sum[row_in_tile[0]] = l[0];
+      ss.row_sum[row_in_tile[1]] = l[1];
+    }
+    consumers_sync();  // row sums written; both warpgroups past their last wgmma of the row
+    store_rows<0>(p, w, rows, lane, o0, o1, F, l, m);
+    consumers_sync();  // the Q tile and row_sum are rewritten by the next row piece
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Warpgroup 1
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
+                                            int begin_req, int end_req, int m_block, int tid, int debug) {
+  const int tid_in_wg = tid % kWgThreads;
+  const int lane = tid & 31;
+  const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
+  const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
+
+  typename PvTypes::TiledMma mma_o;
+  uint32_t g = 0;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    load_q_tile(p, ss, req, m_block, tid);
+    cutlass::arch::fence_view_async_shared();
+    consumers_sync();
+
+    Tensor o0 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 2
+    Tensor o1 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 3
+    clear(o0);
+    clear(o1);
+    float F[2] = {0.f, 0.f};
+
+    int stop;
+    const int nblk = counted_blocks(p, w, stop);
+    for (int blk = 0; blk < nblk; ++blk, ++g) {
+      const int s = int(g % kStages);
+      const int c = int(g % kPSlots);
+      // ---- P of block g and the rows' factor from warpgroup 0 ----
+      consumer_wait(ss.p_full[c], (g / kPSlots) & 1u);
+      uint32_t p16[kP16Words];
+      decode_fp8::load_p(ss.p16[c], tid_in_wg, p16);
+      const float sc[2] = {ss.sc[c][row_in_tile[0]], ss.sc[c][row_in_tile[1]]};
+      warp_arrive(ss.p_empty[c], lane);
+
+      // ---- the groups' factors and the words of groups 2 and 3 (the block's scales: its stage is held until
+      // this warpgroup releases it; the wait is complete already, it orders the gather's writes for this thread) ----
+      consumer_wait(ss.full[s], (g / kStages) & 1u);
+      const float* scales = reinterpret_cast<const float*>(ss.stage[s] + kScalesAt);
+      float ratio[2], thread_max[2];
+      thread_group_max<2>(scales, lane, thread_max);
+      update_group_factors(thread_max, F, ratio);
+      rescale_groups(o0, o1, sc, ratio);
+      uint32_t words0[kPTerms][8], words1[kPTerms][8];
+      build_group_words<2>([&](int idx) { return p16_at(p16, idx); }, scales, F, lane, debug, words0, words1);
+      warp_arrive(ss.empty[s], lane);
+
+      // ---- O_g += P_g V_g ----
+      consumer_wait(ss.vt_full[1], g & 1u);
+      pv_two_groups(tid_in_wg, words0, words1, ss.vt[1], o0, o1);
+      warp_arrive(ss.vt_empty[1], lane);
+    }
+
+    // ---- epilogue ----
+    if (req == end_req) pdl_launch_dependents();
+    consumers_sync();  // warpgroup 0 wrote the rows' sums
+    float l[2], m_unused[2] = {0.f, 0.f};
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) l[v] = ss.row_sum[row_in_tile[v]];
+    store_rows<1>(p, w, rows, lane, o0, o1, F, l, m_unused);
+    consumers_sync();
+  }
+}
+
+}  // namespace flashmla_backend::sm90::sparse_fp8
