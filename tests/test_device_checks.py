@@ -202,8 +202,11 @@ def test_sparse_protocol_model_accepts_both_plans():
 
 @pytest.mark.parametrize("mutation, plan", [("transposer ignores vt_empty", "lead"),
                                             ("transposer ignores vt_empty", "split"),
+                                            ("transposer ignores vt_empty", "lead_ring"),
                                             ("follower releases the stage early", "lead"),
                                             ("row sums read early", "lead"),
+                                            ("row sums read early", "lead_ring"),
+                                            ("p slot rewritten early", "lead_ring"),
                                             ("score part rewritten early", "split")])
 def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation, plan):
     with pytest.raises(sparse_model.ProtocolError):
@@ -214,7 +217,8 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation,
 
 def test_sparse_protocol_model_rejects_wrong_arrival_counts(sparse_model):
     for plan, name, count in (("split", "split_empty", 8), ("lead", "lead_empty", 10), ("lead", "p_slot", 3),
-                              ("lead", "p_slot", 5), ("split", "vt_full", 1)):
+                              ("lead", "p_slot", 5), ("split", "vt_full", 1), ("lead_ring", "lead_ring_empty", 6),
+                              ("lead_ring", "sc_empty", 9)):
         counts = dict(sparse_model.read_counts())
         counts[name] = count
         with pytest.raises(sparse_model.ProtocolError):
@@ -382,7 +386,7 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert res.returncode == 0, f"sparse.cu does not compile:\n{res.stderr[-4000:]}"
     notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
     assert not notes, "ptxas serializes wgmma in the sparse kernel:\n" + "\n".join(notes)
-    assert res.stderr.count("Compiling entry function") == 2, "both plans (lead, split) are instantiated"
+    assert res.stderr.count("Compiling entry function") == 3, "the plans (lead, split, lead with its ring) are instantiated"
 
 
 def test_sparse_block_probe_compiles(tmp_path):

@@ -1,4 +1,4 @@
-"""Sparse decode (DeepSeek-V3.2) on the sm90 kernel (both of its plans), fp8_ds_mla caches, against the kit's fp64
+"""Sparse decode (DeepSeek-V3.2) on the sm90 kernel (each of its plans), fp8_ds_mla caches, against the kit's fp64
 oracle (sparsekit.py: its own e4m3 table and byte offsets): NaN in every slot no counted entry names, pages in no
 order, skipped entries of every kind (-1, past the cache, INT32_MAX, other negatives), duplicates, topk_length cutting
 rows (0 included), head counts that are not a multiple of 64, s_q up to 4, topk 40 to 2048, attn_sink; bitwise
@@ -38,9 +38,10 @@ def _sm90():
         pytest.skip("the sparse kernel runs on sm_90 GPUs")
 
 
-# The kernel's two plans (csrc/sm90/sparse_fp8/kernel.cuh): the lead one (the default) and the split one, chosen by
-# bit 64 of FLASHMLA_BACKEND_SPARSE_DEBUG, which the launcher reads at every launch.
-PLANS = {"lead": None, "split": "64"}
+# The kernel's plans (csrc/sm90/sparse_fp8/kernel.cuh): the lead one (the default), the split one (bit 64 of
+# FLASHMLA_BACKEND_SPARSE_DEBUG) and the lead one with its scale ring (bit 128), which the launcher reads at every
+# launch.
+PLANS = {"lead": None, "split": "64", "lead_ring": "128"}
 
 
 @pytest.fixture(params=sorted(PLANS))

@@ -57,6 +57,7 @@ enum DebugFlags : int {
   kDebugNoExchange = 4,   // the split plan's consumers do not hand their score parts over (each keeps its own)
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
   kDebugSplit = 64,       // the split plan instead of the lead one (kernel.cuh; not a measurement switch)
+  kDebugLeadRing = 128,   // the lead plan with its scale ring (lead.cuh: kRing; not yet run on a GPU)
 };
 
 // The named barrier of all 256 consumer threads (ID 0 of each plan's list).
@@ -273,8 +274,11 @@ __device__ __forceinline__ void pv_two_groups(int tid_in_wg, uint32_t (&words0)[
 // Producer warpgroup
 // ------------------------------------------------------------------------------------------------
 // The gather warp (producer warp 0): block g into stage g % kStages (gather.cuh), once the stage's previous block was
-// released (empty), full[s] completing when the copies have landed and lane 0 wrote the block's mask.
+// released (empty), full[s] completing when the copies have landed and lane 0 wrote the block's mask. With a scale
+// ring (SS::kScaleRing: lead.cuh) the block's scales go to slot g % kScaleSlots of their own ring instead of the
+// stage, once the slot's previous block was released (sc_empty); the mask goes to ss.mask[SS::mask_slot(g)].
 constexpr uint32_t kFullArrivals = 32 + 1;  // the gather warp's lanes (their copies landed) and lane 0 (the mask)
+constexpr int kScaleSlots = 4;              // blocks in a scale ring
 template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int lane, int debug) {
@@ -289,14 +293,20 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
       const int s = int(g % kStages);
       if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
+      uint32_t scale_addr = stage_addr + kScalesAt;
+      if constexpr (SS::kScaleRing) {
+        const int c = int(g % kScaleSlots);
+        if (g >= uint32_t(kScaleSlots)) producer_wait(ss.sc_empty[c], ((g / kScaleSlots) - 1) & 1u);
+        scale_addr = cute::cast_smem_ptr_to_uint(ss.scales[c]);
+      }
       const uint64_t mask = (debug & kDebugNoGather)
                                 ? ~uint64_t(0)
-                                : gather_block_warp(stage_addr, cache, p.num_kv_tokens, row,
+                                : gather_block_warp(stage_addr, scale_addr, cache, p.num_kv_tokens, row,
                                                     (w.first_page + blk) * kBlockTokens, stop, lane);
       // full[s] completes when the 32 lanes' copies have landed (their cp.async arrivals) and lane 0 wrote the mask.
       cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
       if (lane == 0) {
-        ss.mask[s] = mask;
+        ss.mask[SS::mask_slot(g)] = mask;
         ss.full[s].arrive();
       }
     }
@@ -304,12 +314,13 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
   decode::cp_async_wait_all();  // no copy outlives the warp
 }
 
-// The transposer warps (producer warps 1..3, twarp 0..2): V^T of every block, half 0 then half 1, each half into its
-// one slot once the previous block's P V of it completed.
+// The transposer warps (producer warps 1..3, twarp 0..2): V^T of every block, half 0 then half 1, half h of block g
+// into slot SS::vt_slot(h, g) once that slot's previous use (SS::vt_use) was released by its P V. Each warp takes
+// every block in order, so its wait for use u of a slot follows its wait for use u - 1: the parity wait cannot
+// pass on a phase two behind.
 template <class SS>
 __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta, int begin_req,
                                                int end_req, int m_block, int twarp, int lane, int debug) {
-  const uint32_t vt_addr = cute::cast_smem_ptr_to_uint(ss.vt[0]);
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -321,12 +332,14 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
       CUTLASS_PRAGMA_UNROLL
       for (int h = 0; h < 2; ++h) {
-        if (g > 0) producer_wait(ss.vt_empty[h], (g - 1) & 1u);
+        const uint32_t slot = SS::vt_slot(h, g), use = SS::vt_use(h, g);
+        if (use > 0) producer_wait(ss.vt_empty[slot], (use - 1) & 1u);
+        // transpose_units places the units of half h at its base + h * kVtHalfBytes.
+        const uint32_t base = cute::cast_smem_ptr_to_uint(ss.vt[slot]) - uint32_t(h * decode_fp8::kVtHalfBytes);
         if (!(debug & kDebugNoTranspose))
-          transpose_units(stage_addr, vt_addr, h * kUnitsPerHalf, (h + 1) * kUnitsPerHalf, twarp, kTransposeWarps,
-                          lane);
+          transpose_units(stage_addr, base, h * kUnitsPerHalf, (h + 1) * kUnitsPerHalf, twarp, kTransposeWarps, lane);
         cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
-        warp_arrive(ss.vt_full[h], lane);
+        warp_arrive(ss.vt_full[slot], lane);
       }
       warp_arrive(ss.empty[s], lane);
     }
