@@ -83,10 +83,10 @@ __device__ __forceinline__ float power_of_two_ratio(float f, float F) {
 }
 
 // The second e4m3 term of four values x whose first term is `hi` (their e4m3 bytes, x[0] lowest): e4m3(x - hi), with
-// the difference taken in fp16x2. x rounded to fp16 (2^-11 relative) minus hi is exact in fp16 (hi is x to 3
-// significant bits, so the difference needs at most 8), and the second term's own rounding is 2^-8 of x, so the
-// fp16 detour changes nothing that the two terms keep; it takes five instructions a pair of values instead of seven
-// (the fp32 form widens each hi byte twice and subtracts one value at a time).
+// the difference taken in fp16x2. x rounded to fp16 (2^-11 relative) minus hi is exact in fp16 (hi is x to four
+// significant bits, so the difference needs at most eight of fp16's eleven), and the second term's own rounding is
+// 2^-8 of x, so the fp16 detour changes nothing that the two terms keep; it takes five instructions a pair of values
+// instead of seven (the fp32 form widens each hi byte twice and subtracts one value at a time).
 __device__ __forceinline__ uint32_t lo_term_e4m3x4(const float (&x)[4], uint32_t hi) {
   uint32_t lo2[2];
   CUTLASS_PRAGMA_UNROLL
