@@ -14,6 +14,10 @@ measured at the start (bytes read plus written per second, as benchmarks/bench.p
 output's relative error against an fp64 reference of the first --check-requests requests (flashmla_backend's sparse
 reference on the exactly dequantized tokens, on the CPU); then one JSON line per shape.
 
+`--debug 0,64,128` times ours once per value of FLASHMLA_BACKEND_SPARSE_DEBUG (the kernel's plans and measurement
+switches, read by its launcher at every launch: README's environment table), in the same process, on the same inputs
+and beside the same FlashMLA time: the lines and JSON keys are then ours[<value>] and ours_d<value>_*.
+
 FlashMLA is vllm.third_party.flashmla.flash_mla_interface: an importable vLLM 0.26, or a package of vLLM's
 FlashMLA alone (a vllm/ folder with _flashmla_C and third_party/flashmla, e.g. .peers/flashmla) on PYTHONPATH.
 Its call: sched_meta, _ = get_mla_metadata(), then flash_mla_with_kvcache(q, k_cache, None, None, 512, sched_meta,
@@ -36,6 +40,7 @@ PROG = "python benchmarks/sparse_bench.py"
 IMPLS = ("flashmla", "ours")
 PEER_MODULE = "vllm.third_party.flashmla.flash_mla_interface"
 NO_KERNEL = "no sparse kernel yet"
+DEBUG_ENV = "FLASHMLA_BACKEND_SPARSE_DEBUG"
 
 
 def _positive_int(text):
@@ -78,6 +83,24 @@ def _impls(text):
     return [i for i in IMPLS if i in names]
 
 
+def _debug_values(text):
+    out = []
+    for t in re.split(r"[,\s]+", text.strip()):
+        if not t:
+            continue
+        try:
+            v = int(t)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{t!r} is not an integer") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{t!r} must be >= 0")
+        if v not in out:
+            out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError("empty list of FLASHMLA_BACKEND_SPARSE_DEBUG values")
+    return out
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=DEFAULT_SPARSE_SHAPES,
@@ -95,6 +118,9 @@ def build_parser():
     p.add_argument("--seed", type=_arg_seed, default=0, help="random seed of the inputs (default 0)")
     p.add_argument("--warmup", type=_arg_positive_float, default=10.0, help="do_bench warm-up in ms (default 10)")
     p.add_argument("--rep", type=_arg_positive_float, default=50.0, help="do_bench rep in ms (default 50)")
+    p.add_argument("--debug", type=_debug_values, default=None,
+                   help="comma-separated values of FLASHMLA_BACKEND_SPARSE_DEBUG: ours is timed once per value "
+                        "(default: once, with the environment as it is)")
     return p
 
 
@@ -167,7 +193,6 @@ def run_impl(name, module, inp, ref, args, work, timer=None, sync=None):
 def run_shape(shape, device, modules, reasons, args, copy_gbs, timer=None, sync=None):
     """Inputs, reference and every implementation of --impls for one shape; prints a line per implementation and
     returns the shape's JSON object. modules: name -> API module, or None with reasons[name] saying why."""
-    from mla_bench.check import OUT_ROW_REL_TOL
     from mla_bench.sparse import gathered_bytes, make_sparse_inputs, sparse_flops, sparse_reference
 
     inp = make_sparse_inputs(shape, device, args.seed, args.spread)
@@ -181,30 +206,55 @@ def run_shape(shape, device, modules, reasons, args, copy_gbs, timer=None, sync=
             "pool": shape.pool, "spread": args.spread, "flops": work["flops"],
             "gathered_bytes": work["gathered_bytes"], "copy_gbs": round(copy_gbs, 1),
             "gather_floor_us": round(floor_us, 2), "check_requests": ref[0].shape[0]}
-    results = {}
+    # The runs: (implementation, its label in the output, its JSON key prefix, the debug value to set or None).
+    runs = []
     for name in args.impls:
-        if modules.get(name) is None:
-            res = {"status": "unavailable", "reason": reasons[name]}
+        if name == "ours" and args.debug:
+            runs += [(name, f"ours[{d}]", f"ours_d{d}", d) for d in args.debug]
         else:
-            res = run_impl(name, modules[name], inp, ref, args, work, timer, sync)
-        results[name] = res
-        if res["status"] == "ok":
-            flag = "" if res["err"] <= OUT_ROW_REL_TOL else f" (WRONG: above {OUT_ROW_REL_TOL:g})"
-            print(f"  {name}: {res['us']:.1f} us, {res['tflops']:.1f} TFLOP/s, gather {res['gather_gbs']:.0f} GB/s "
-                  f"({floor_us / res['us']:.0%} of the copy rate), error {res['err']:.1e} vs fp64{flag}, max lse "
-                  f"error {res['lse_err']:.1e}", flush=True)
-            line.update({f"{name}_us": round(res["us"], 2), f"{name}_tflops": round(res["tflops"], 2),
-                         f"{name}_err": float(f"{res['err']:.2e}"), f"{name}_lse_err": float(f"{res['lse_err']:.2e}")})
+            runs.append((name, name, name, None))
+    results = {}
+    saved = os.environ.get(DEBUG_ENV)
+    try:
+        for name, label, key, debug in runs:
+            if debug is not None:
+                os.environ[DEBUG_ENV] = str(debug)
+            if modules.get(name) is None:
+                res = {"status": "unavailable", "reason": reasons[name]}
+            else:
+                res = run_impl(name, modules[name], inp, ref, args, work, timer, sync)
+            results[key] = res
+            _report(label, key, res, floor_us, line)
+    finally:
+        if saved is None:
+            os.environ.pop(DEBUG_ENV, None)
         else:
-            note = "" if res["status"] == NO_KERNEL else f": {res['reason']}"
-            print(f"  {name}: {res['status']}{note}", flush=True)
-            line[f"{name}_status"] = res["status"]
-            line[f"{name}_reason"] = res["reason"]
-    if all(results.get(n, {}).get("status") == "ok" for n in IMPLS):
-        speedup = results["flashmla"]["us"] / results["ours"]["us"]
-        print(f"  ours vs FlashMLA: {speedup:.2f}x (above 1: ours faster)", flush=True)
-        line["speedup_vs_flashmla"] = round(speedup, 3)
+            os.environ[DEBUG_ENV] = saved
+    peer = results.get("flashmla", {})
+    for name, label, key, _ in runs:
+        if name == "ours" and peer.get("status") == "ok" and results[key]["status"] == "ok":
+            speedup = peer["us"] / results[key]["us"]
+            print(f"  {label} vs FlashMLA: {speedup:.2f}x (above 1: ours faster)", flush=True)
+            line["speedup_vs_flashmla" + key[len("ours"):]] = round(speedup, 3)
     return line
+
+
+def _report(label, key, res, floor_us, line):
+    """One implementation's line of output, and its fields of the shape's JSON object."""
+    from mla_bench.check import OUT_ROW_REL_TOL
+
+    if res["status"] == "ok":
+        flag = "" if res["err"] <= OUT_ROW_REL_TOL else f" (WRONG: above {OUT_ROW_REL_TOL:g})"
+        print(f"  {label}: {res['us']:.1f} us, {res['tflops']:.1f} TFLOP/s, gather {res['gather_gbs']:.0f} GB/s "
+              f"({floor_us / res['us']:.0%} of the copy rate), error {res['err']:.1e} vs fp64{flag}, max lse "
+              f"error {res['lse_err']:.1e}", flush=True)
+        line.update({f"{key}_us": round(res["us"], 2), f"{key}_tflops": round(res["tflops"], 2),
+                     f"{key}_err": float(f"{res['err']:.2e}"), f"{key}_lse_err": float(f"{res['lse_err']:.2e}")})
+    else:
+        note = "" if res["status"] == NO_KERNEL else f": {res['reason']}"
+        print(f"  {label}: {res['status']}{note}", flush=True)
+        line[f"{key}_status"] = res["status"]
+        line[f"{key}_reason"] = res["reason"]
 
 
 def main(argv=None):

@@ -221,6 +221,8 @@ def test_options_parse():
     assert b.impls == ["flashmla", "ours"] and b.spread == 2.0 and b.check_requests == 1 and b.seed == 9
     assert (b.warmup, b.rep) == (1.0, 5.0)
     assert sparse_bench.parse_args(["--impls", "ours"]).impls == ["ours"]
+    assert a.debug is None
+    assert sparse_bench.parse_args(["--debug", "0, 64,64 128"]).debug == [0, 64, 128]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -239,6 +241,9 @@ def test_options_parse():
     (["--seed", "-1"], "argument --seed: '-1' must be >= 0"),
     (["--warmup", "0"], "argument --warmup: '0' must be > 0"),
     (["--rep", "inf"], "argument --rep: 'inf' must be > 0"),
+    (["--debug", "x"], "argument --debug: 'x' is not an integer"),
+    (["--debug", "0,-1"], "argument --debug: '-1' must be >= 0"),
+    (["--debug", " , "], "argument --debug: empty list of FLASHMLA_BACKEND_SPARSE_DEBUG values"),
 ])
 def test_bad_options_name_the_option(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -322,8 +327,8 @@ class _Api:
         return out * self.out_factor, lse
 
 
-def _run_shape(modules, reasons=None, impls=("flashmla", "ours"), us=None):
-    args = sparse_bench.parse_args(["--shapes", "b3-sq1-h16-topk64-pool128", "--impls", ",".join(impls)])
+def _run_shape(modules, reasons=None, impls=("flashmla", "ours"), us=None, extra=()):
+    args = sparse_bench.parse_args(["--shapes", "b3-sq1-h16-topk64-pool128", "--impls", ",".join(impls), *extra])
     times = dict(us or {})
     calls = []
 
@@ -381,3 +386,34 @@ def test_load_flashmla_says_what_to_put_on_the_path(monkeypatch):
     assert module is None
     assert "cannot import flashmla_backend_no_such_module.interface (ModuleNotFoundError" in reason
     assert ".peers/flashmla, on PYTHONPATH" in reason
+
+
+class _EnvRecordingApi(_Api):
+    """_Api that records FLASHMLA_BACKEND_SPARSE_DEBUG at each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def flash_mla_with_kvcache(self, *args, **kwargs):
+        self.seen.append(os.environ.get("FLASHMLA_BACKEND_SPARSE_DEBUG"))
+        return super().flash_mla_with_kvcache(*args, **kwargs)
+
+
+@pytest.mark.parametrize("before", [None, "16"])
+def test_run_shape_times_ours_once_per_debug_value(before, monkeypatch, capsys):
+    if before is None:
+        monkeypatch.delenv("FLASHMLA_BACKEND_SPARSE_DEBUG", raising=False)
+    else:
+        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", before)
+    ours, peer = _EnvRecordingApi(), _EnvRecordingApi()
+    line, calls = _run_shape({"flashmla": peer, "ours": ours}, us={"flashmla": 90.0, "a": 60.0, "b": 45.0},
+                             extra=["--debug", "0,64"])
+    printed = capsys.readouterr().out
+    assert len(calls) == 3                                        # FlashMLA once, ours twice
+    assert set(peer.seen) == {before}                             # FlashMLA under the environment as it was
+    assert ours.seen[0] == "0" and ours.seen[-1] == "64" and set(ours.seen) == {"0", "64"}
+    assert os.environ.get("FLASHMLA_BACKEND_SPARSE_DEBUG") == before   # restored
+    assert (line["ours_d0_us"], line["ours_d64_us"]) == (60.0, 45.0) and "ours_us" not in line
+    assert (line["speedup_vs_flashmla_d0"], line["speedup_vs_flashmla_d64"]) == (1.5, 2.0)
+    assert "  ours[0]: 60.0 us" in printed and "  ours[64] vs FlashMLA: 2.00x" in printed
