@@ -107,6 +107,22 @@ __device__ __forceinline__ bool mbarrier_try_wait(uint32_t bar_addr, uint32_t pa
   return done != 0;
 }
 
+// One try that may suspend the thread for up to hint_ns nanoseconds while the phase is incomplete (the PTX operand
+// suspendTimeHint), instead of the system's default limit, after which a waiting thread returns and retries: a warp
+// that waits long then issues a few instructions per hint instead of a retry every ~100 cycles (docs/perf/journal.md,
+// 2026-11-29: the sparse kernel's retries were a third of its issued instructions).
+__device__ __forceinline__ bool mbarrier_try_wait_suspend(uint32_t bar_addr, uint32_t parity, uint32_t hint_ns) {
+  uint32_t done;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n\t"
+      "selp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done)
+      : "r"(bar_addr), "r"(parity), "r"(hint_ns)
+      : "memory");
+  return done != 0;
+}
+
 // Struct for "no timeout action" in mbarrier_wait.
 struct NoTimeoutAction {
   __device__ __forceinline__ void operator()() const {}
@@ -115,19 +131,24 @@ struct NoTimeoutAction {
 // Waits until phase `parity` of the mbarrier at bar_addr completed. kTimeoutNs > 0: a wait longer
 // than that runs on_timeout() (e.g. a debug printf) and traps, so that a lost arrival is a launch
 // error instead of a hung GPU; the clock is read only after the first try failed.
+// hint_ns > 0: the retries after the first try suspend for up to that long (mbarrier_try_wait_suspend).
 template <uint64_t kTimeoutNs, class OnTimeout = NoTimeoutAction>
-__device__ __forceinline__ void mbarrier_wait(uint32_t bar_addr, uint32_t parity, OnTimeout on_timeout = {}) {
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar_addr, uint32_t parity, OnTimeout on_timeout = {},
+                                              uint32_t hint_ns = 0) {
   if (mbarrier_try_wait(bar_addr, parity)) return;
+  const auto retry = [&]() {
+    return hint_ns > 0 ? mbarrier_try_wait_suspend(bar_addr, parity, hint_ns) : mbarrier_try_wait(bar_addr, parity);
+  };
   if constexpr (kTimeoutNs > 0) {
     const uint64_t t0 = global_timer_ns();
-    while (!mbarrier_try_wait(bar_addr, parity)) {
+    while (!retry()) {
       if (global_timer_ns() - t0 > kTimeoutNs) {
         on_timeout();
         __trap();
       }
     }
   } else {
-    while (!mbarrier_try_wait(bar_addr, parity)) {
+    while (!retry()) {
     }
   }
 }

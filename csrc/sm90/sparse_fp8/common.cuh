@@ -23,7 +23,7 @@
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
 #include "sm90/decode_fp8/mainloop.cuh"  // warp_arrive, p16_fragment, store_p, load_p
-#include "sm90/decode_fp8/producer.cuh"  // wait_barrier, consumer_wait
+#include "sm90/decode_fp8/producer.cuh"  // FMLA_SM90_WAIT_TIMEOUT_NS
 #include "sm90/sparse_fp8/gather.cuh"
 #include "sm90/sparse_fp8/layout.h"
 #include "sm90/sparse_fp8/pv.cuh"
@@ -58,6 +58,7 @@ enum DebugFlags : int {
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
   kDebugSplit = 64,       // the split plan instead of the lead one (kernel.cuh; not a measurement switch)
   kDebugLeadRing = 128,   // the lead plan with its scale ring (lead.cuh: kRing; not yet run on a GPU)
+  kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; not yet run on a GPU)
 };
 
 // The named barrier of all 256 consumer threads (ID 0 of each plan's list).
@@ -71,13 +72,20 @@ __device__ __forceinline__ void consumers_sync() {
   NamedBarrier(kNumConsumerThreads, kBarConsumers).arrive_and_wait_unaligned();
 }
 
-// The dense FP8 kernel's mbarrier waits (the producer's trap after FMLA_SM90_WAIT_TIMEOUT_NS, the consumers' do not:
-// decode_fp8/producer.cuh says why) and its one-arrival-a-warp.
-using decode_fp8::consumer_wait;
+// The mbarrier waits of the dense FP8 kernel (the producer's trap after FMLA_SM90_WAIT_TIMEOUT_NS, the consumers' do
+// not: decode_fp8/producer.cuh says why), with the retries' suspend-time hint of the launch (suspend_hint: 0, the
+// system's default, unless kDebugSuspend), and its one-arrival-a-warp.
 using decode_fp8::warp_arrive;
+constexpr uint32_t kSuspendHintNs = 10000000;  // 10 ms: a waiting warp sleeps until the phase completes
+__device__ __forceinline__ uint32_t suspend_hint(int debug) { return (debug & kDebugSuspend) ? kSuspendHintNs : 0u; }
 template <class Barrier>
-__device__ __forceinline__ void producer_wait(Barrier& bar, uint32_t parity) {
-  decode_fp8::wait_barrier(bar, parity);
+__device__ __forceinline__ void consumer_wait(Barrier& bar, uint32_t parity, uint32_t hint) {
+  mbarrier_wait<0>(cute::cast_smem_ptr_to_uint(&bar), parity, NoTimeoutAction{}, hint);
+}
+template <class Barrier>
+__device__ __forceinline__ void producer_wait(Barrier& bar, uint32_t parity, uint32_t hint) {
+  mbarrier_wait<uint64_t(FMLA_SM90_WAIT_TIMEOUT_NS)>(cute::cast_smem_ptr_to_uint(&bar), parity, NoTimeoutAction{},
+                                                     hint);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -283,6 +291,7 @@ template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int lane, int debug) {
   const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
+  const uint32_t hint = suspend_hint(debug);
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -291,12 +300,12 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
     const int nblk = counted_blocks(p, w, stop);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
-      if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u);
+      if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
       uint32_t scale_addr = stage_addr + kScalesAt;
       if constexpr (SS::kScaleRing) {
         const int c = int(g % kScaleSlots);
-        if (g >= uint32_t(kScaleSlots)) producer_wait(ss.sc_empty[c], ((g / kScaleSlots) - 1) & 1u);
+        if (g >= uint32_t(kScaleSlots)) producer_wait(ss.sc_empty[c], ((g / kScaleSlots) - 1) & 1u, hint);
         scale_addr = cute::cast_smem_ptr_to_uint(ss.scales[c]);
       }
       const uint64_t mask = (debug & kDebugNoGather)
@@ -321,6 +330,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
 template <class SS>
 __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta, int begin_req,
                                                int end_req, int m_block, int twarp, int lane, int debug) {
+  const uint32_t hint = suspend_hint(debug);
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -328,12 +338,12 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
     const int nblk = counted_blocks(p, w, stop);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
-      producer_wait(ss.full[s], (g / kStages) & 1u);
+      producer_wait(ss.full[s], (g / kStages) & 1u, hint);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
       CUTLASS_PRAGMA_UNROLL
       for (int h = 0; h < 2; ++h) {
         const uint32_t slot = SS::vt_slot(h, g), use = SS::vt_use(h, g);
-        if (use > 0) producer_wait(ss.vt_empty[slot], (use - 1) & 1u);
+        if (use > 0) producer_wait(ss.vt_empty[slot], (use - 1) & 1u, hint);
         // transpose_units places the units of half h at its base + h * kVtHalfBytes.
         const uint32_t base = cute::cast_smem_ptr_to_uint(ss.vt[slot]) - uint32_t(h * decode_fp8::kVtHalfBytes);
         if (!(debug & kDebugNoTranspose))

@@ -97,10 +97,10 @@ __device__ __forceinline__ float p16_at(const uint32_t (&w)[kP16Words], int idx)
 // S = Q K^T of block g (all four groups, the rope), after its stage landed; thread_max: the thread's largest scale of
 // groups 0 and 1. With the scale ring warpgroup 0 is done with the stage here.
 template <bool kRing, class FragS>
-__device__ __forceinline__ void lead_qk(LeadStorageT<kRing>& ss, uint32_t g, int tid_in_wg, int lane, FragS& S,
-                                        float (&thread_max)[2]) {
+__device__ __forceinline__ void lead_qk(LeadStorageT<kRing>& ss, uint32_t g, int tid_in_wg, int lane, uint32_t hint,
+                                        FragS& S, float (&thread_max)[2]) {
   const int s = int(g % kStages);
-  consumer_wait(ss.full[s], (g / kStages) & 1u);
+  consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
   cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
   typename QkTypes::TiledMmaLatent mma_s;
   Tensor tmp = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
@@ -117,6 +117,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kR
                                           int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
+  const uint32_t hint = suspend_hint(debug);
   const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
   const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
 
@@ -141,7 +142,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kR
     const int nblk = counted_blocks(p, w, stop);
     Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     float thread_max[2];
-    if (nblk > 0) lead_qk(ss, g, tid_in_wg, lane, S, thread_max);
+    if (nblk > 0) lead_qk(ss, g, tid_in_wg, lane, hint, S, thread_max);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       [[maybe_unused]] const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -166,7 +167,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kR
       }
 
       // ---- P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1 read block g - 2) ----
-      if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u);
+      if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u, hint);
       {
         uint32_t p16[kP16Words];
         decode_fp8::p16_fragment(S, p16);
@@ -193,14 +194,14 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kR
 
       // ---- O_g += P_g V_g; the next block's Q K^T ----
       const uint32_t vs = ss.vt_slot(0, g);
-      consumer_wait(ss.vt_full[vs], ss.vt_use(0, g) & 1u);
+      consumer_wait(ss.vt_full[vs], ss.vt_use(0, g) & 1u, hint);
       sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[vs], o0);
       sparse_pv_group<kPTerms>(tid_in_wg, words1, ss.vt[vs] + decode_fp8::kVtHalfBytes / 2, o1);
       warpgroup_wait<0>();
       warpgroup_fence_operand(o0);
       warpgroup_fence_operand(o1);
       warp_arrive(ss.vt_empty[vs], lane);
-      if (blk + 1 < nblk) lead_qk(ss, g + 1, tid_in_wg, lane, S, thread_max);
+      if (blk + 1 < nblk) lead_qk(ss, g + 1, tid_in_wg, lane, hint, S, thread_max);
     }
 
     // ---- epilogue: the rows' sums for warpgroup 1 ----
@@ -225,6 +226,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<
                                             int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
+  const uint32_t hint = suspend_hint(debug);
   const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
   const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
 
@@ -248,7 +250,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<
       [[maybe_unused]] const int s = int(g % kStages);
       const int c = int(g % kPSlots);
       // ---- P of block g and the rows' factor from warpgroup 0 ----
-      consumer_wait(ss.p_full[c], (g / kPSlots) & 1u);
+      consumer_wait(ss.p_full[c], (g / kPSlots) & 1u, hint);
       uint32_t p16[kP16Words];
       decode_fp8::load_p(ss.p16[c], tid_in_wg, p16);
       const float sc[2] = {ss.sc[c][row_in_tile[0]], ss.sc[c][row_in_tile[1]]};
@@ -259,7 +261,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<
       // the gather's writes for this thread. With the ring the stage may have been refilled already (a parity wait on
       // it could pass or block on the wrong phase): the ring slot's contents are ordered by warpgroup 0's p_full
       // arrival, which followed its own wait for full. ----
-      if constexpr (!kRing) consumer_wait(ss.full[s], (g / kStages) & 1u);
+      if constexpr (!kRing) consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
       const float* scales = ss.scales_of(g);
       float ratio[2], thread_max[2];
       thread_group_max<2>(scales, lane, thread_max);
@@ -275,7 +277,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<
 
       // ---- O_g += P_g V_g ----
       const uint32_t vs = ss.vt_slot(1, g);
-      consumer_wait(ss.vt_full[vs], ss.vt_use(1, g) & 1u);
+      consumer_wait(ss.vt_full[vs], ss.vt_use(1, g) & 1u, hint);
       pv_two_groups(tid_in_wg, words0, words1, ss.vt[vs], o0, o1);
       warp_arrive(ss.vt_empty[vs], lane);
     }

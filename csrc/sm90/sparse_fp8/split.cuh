@@ -45,6 +45,7 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
                                                     int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
+  const uint32_t hint = suspend_hint(debug);
   const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
   const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
   constexpr int kG0 = 2 * kWG;  // this warpgroup's groups: kG0, kG0 + 1
@@ -71,7 +72,7 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
     const int nblk = counted_blocks(p, w, stop);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
-      consumer_wait(ss.full[s], (g / kStages) & 1u);
+      consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
       cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
       uint8_t* stage = ss.stage[s];
       Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
@@ -133,7 +134,7 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
       warp_arrive(ss.empty[s], lane);  // scores, mask and scales read
 
       // ---- O_g += P_g V_g ----
-      consumer_wait(ss.vt_full[kWG], g & 1u);
+      consumer_wait(ss.vt_full[kWG], g & 1u, hint);
       pv_two_groups(tid_in_wg, words0, words1, vt_half, o0, o1);
       warp_arrive(ss.vt_empty[kWG], lane);
     }
