@@ -29,7 +29,7 @@ constexpr int kFollowRegs = 216;
 static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
               "register split exceeds the CTA's allocation");
 
-// kRing (FLASHMLA_BACKEND_SPARSE_DEBUG bit 128; written after the session's GPU time, not yet run on a GPU): the
+// kRing (FLASHMLA_BACKEND_SPARSE_DEBUG bit 128; not yet run on a GPU): the
 // blocks' scales and masks in a ring of kScaleSlots blocks of their own (common.cuh: gather_warp), so that a stage is
 // released by warpgroup 0's Q K^T and the transposition alone, and V^T half 1 (warpgroup 1's) in two slots, so that
 // the transposer warps can run a block ahead of warpgroup 1. Without it the follower, about a block behind, holds the
