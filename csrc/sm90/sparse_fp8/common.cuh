@@ -171,6 +171,25 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& p, SS& ss, int r
   if (qq == 0) ss.row_scale_log2[r] = p.scale_log2 * s;
 }
 
+// A consumer thread's two accumulator rows (a 64-row accumulator's rows g and g + 8 of its warp's 16): their place in
+// the M tile (row_in_tile: the Q tile's and the shared row arrays' index) and among the query rows (rows).
+__device__ __forceinline__ void thread_rows(int tid_in_wg, int m_block, int (&row_in_tile)[2], int (&rows)[2]) {
+  const int lane = tid_in_wg & 31;
+  row_in_tile[0] = 16 * (tid_in_wg / 32) + lane / 4;
+  row_in_tile[1] = row_in_tile[0] + 8;
+  rows[0] = m_block * kTileRows + row_in_tile[0];
+  rows[1] = m_block * kTileRows + row_in_tile[1];
+}
+
+// The start of a row piece in the consumer warpgroups (all 256 threads): the Q tile of row `req`, made visible to the
+// tensor cores, and a barrier before the first wgmma reads it.
+template <class SS>
+__device__ __forceinline__ void begin_row_piece(const DecodeParams& p, SS& ss, int req, int m_block, int tid) {
+  load_q_tile(p, ss, req, m_block, tid);
+  cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
+  consumers_sync();
+}
+
 // The blocks of request piece w that hold counted entries (topk_length cuts a row; params.h), and the end of the
 // counted entries (`stop`, request-local). The same in every role of the CTA.
 __device__ __forceinline__ int counted_blocks(const DecodeParams& p, const decode::RequestPiece& w, int& stop) {
@@ -232,6 +251,30 @@ __device__ __forceinline__ void block_row_max(const FragS& S, float (&mx)[2]) {
   for (int i = 0; i < size(S); ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], S(i));
   mx[0] = decode::quad_max(mx[0]);
   mx[1] = decode::quad_max(mx[1]);
+}
+
+// The online softmax of a block's scores S (the thread's two rows), in place: the entries its mask leaves out to
+// -inf, the running max m (log2 domain, sl2 the rows' scale) and the rows' factor sc = exp2(m_before - m_after), the
+// sums l taken to the new max and added to, and S = P = 2^(S sl2 - m + 8) (config.h: kPScaleLog2).
+template <class FragS>
+__device__ __forceinline__ void online_softmax(FragS& S, uint64_t mask, int lane, const float (&sl2)[2], float (&m)[2],
+                                               float (&l)[2], float (&sc)[2]) {
+  mask_block(S, mask, lane);
+  float mx[2], m_use[2];
+  block_row_max(S, mx);
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) {
+    float m_new;
+    decode::update_max(m[v], mx[v], sl2[v], m_new, m_use[v], sc[v]);
+    m[v] = m_new;
+    l[v] *= sc[v];
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(S); ++i) {
+    const int v = (i >> 1) & 1;
+    S(i) = fast_exp2(fmaf(S(i), sl2[v], decode_fp8::kPScaleLog2 - m_use[v]));
+    l[v] += S(i);
+  }
 }
 
 // O of the thread's two groups times the row factors r[v] and the groups' ratios, skipped by a warp where all are 1.

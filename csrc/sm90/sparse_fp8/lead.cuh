@@ -118,17 +118,15 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kR
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
   const uint32_t hint = suspend_hint(debug);
-  const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
-  const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
+  int row_in_tile[2], rows[2];
+  thread_rows(tid_in_wg, m_block, row_in_tile, rows);
 
   typename QkTypes::TiledMmaLatent mma_s;
   typename PvTypes::TiledMma mma_o;
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    load_q_tile(p, ss, req, m_block, tid);
-    cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
-    consumers_sync();
+    begin_row_piece(p, ss, req, m_block, tid);
     const float sl2[2] = {ss.row_scale_log2[row_in_tile[0]], ss.row_scale_log2[row_in_tile[1]]};
 
     Tensor o0 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 0
@@ -148,23 +146,8 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kR
       const int c = int(g % kPSlots);
 
       // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
-      mask_block(S, ss.mask[ss.mask_slot(g)], lane);
-      float mx[2];
-      block_row_max(S, mx);
-      float sc[2], m_use[2];
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) {
-        float m_new;
-        decode::update_max(m[v], mx[v], sl2[v], m_new, m_use[v], sc[v]);
-        m[v] = m_new;
-        l[v] *= sc[v];
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(S); ++i) {
-        const int v = (i >> 1) & 1;
-        S(i) = fast_exp2(fmaf(S(i), sl2[v], decode_fp8::kPScaleLog2 - m_use[v]));
-        l[v] += S(i);
-      }
+      float sc[2];
+      online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc);
 
       // ---- P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1 read block g - 2) ----
       if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u, hint);
@@ -227,16 +210,14 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
   const uint32_t hint = suspend_hint(debug);
-  const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
-  const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
+  int row_in_tile[2], rows[2];
+  thread_rows(tid_in_wg, m_block, row_in_tile, rows);
 
   typename PvTypes::TiledMma mma_o;
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    load_q_tile(p, ss, req, m_block, tid);
-    cutlass::arch::fence_view_async_shared();
-    consumers_sync();
+    begin_row_piece(p, ss, req, m_block, tid);
 
     Tensor o0 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 2
     Tensor o1 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 3

@@ -46,8 +46,8 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
   const uint32_t hint = suspend_hint(debug);
-  const int row_in_tile[2] = {16 * (tid_in_wg / 32) + lane / 4, 16 * (tid_in_wg / 32) + lane / 4 + 8};
-  const int rows[2] = {m_block * kTileRows + row_in_tile[0], m_block * kTileRows + row_in_tile[1]};
+  int row_in_tile[2], rows[2];
+  thread_rows(tid_in_wg, m_block, row_in_tile, rows);
   constexpr int kG0 = 2 * kWG;  // this warpgroup's groups: kG0, kG0 + 1
   uint8_t* vt_half = ss.vt[kWG];
 
@@ -56,9 +56,7 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    load_q_tile(p, ss, req, m_block, tid);
-    cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
-    consumers_sync();
+    begin_row_piece(p, ss, req, m_block, tid);
     const float sl2[2] = {ss.row_scale_log2[row_in_tile[0]], ss.row_scale_log2[row_in_tile[1]]};
 
     Tensor o0 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group kG0
@@ -106,23 +104,8 @@ __device__ __forceinline__ void split_consumer_loop(const DecodeParams& p, Split
       NamedBarrier(kNumConsumerThreads, uint32_t(SplitBar::kScoresFree) + (1 - kWG)).arrive_unaligned();
 
       // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
-      mask_block(S, ss.mask[s], lane);
-      float mx[2];
-      block_row_max(S, mx);
-      float sc[2], m_use[2];
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) {
-        float m_new;
-        decode::update_max(m[v], mx[v], sl2[v], m_new, m_use[v], sc[v]);
-        m[v] = m_new;
-        l[v] *= sc[v];
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(S); ++i) {
-        const int v = (i >> 1) & 1;
-        S(i) = fast_exp2(fmaf(S(i), sl2[v], decode_fp8::kPScaleLog2 - m_use[v]));
-        l[v] += S(i);
-      }
+      float sc[2];
+      online_softmax(S, ss.mask[s], lane, sl2, m, l, sc);
 
       // ---- the groups' factors (only ever lowered: O_g times the ratio, a power of two) and P's words ----
       const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
