@@ -88,12 +88,7 @@ def _debug_values(text):
     for t in re.split(r"[,\s]+", text.strip()):
         if not t:
             continue
-        try:
-            v = int(t)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{t!r} is not an integer") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{t!r} must be >= 0")
+        v = _arg_seed(t)   # the main benchmark's non-negative integer
         if v not in out:
             out.append(v)
     if not out:
