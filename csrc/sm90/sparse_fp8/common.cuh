@@ -41,7 +41,9 @@ constexpr int kTileRows = 64;           // heads of an M tile
 constexpr int kStages = 2;              // gathered blocks in flight
 constexpr int kQTerms = 2;              // e4m3 terms of q (the journal's precision model asks for two)
 constexpr int kPTerms = 2;              // e4m3 terms of P s[t, g]
-constexpr int kTransposeWarps = 3;      // producer warps 1..3
+constexpr int kGatherWarps = 2;         // producer warps 0..1: gather warp w copies tokens 32 w .. 32 w + 31 of a block
+constexpr int kTransposeWarps = 2;      // producer warps 2..3: transposer warp t writes part t of each V^T half
+static_assert(kGatherWarps == 2 && kTransposeWarps == 2, "the producer's four warps: a half block or a part each");
 constexpr int kConsumerRegs = 224;
 constexpr int kProducerRegs = 56;
 static_assert(2 * kWgThreads * kConsumerRegs + kWgThreads * kProducerRegs <= decode_fp8::kCtaRegisters,
@@ -52,7 +54,7 @@ static_assert(2 * kWgThreads * kConsumerRegs + kWgThreads * kProducerRegs <= dec
 // wgmma, or a non-wgmma definition of its accumulator on another path, makes ptxas serialize every wgmma of the kernel
 // (its C7515 info; tests/test_device_checks.py fails on it). Bits 8 (no P V) and 32 (no Q K^T) did, and are gone.
 enum DebugFlags : int {
-  kDebugNoGather = 1,     // the gather warp issues no copies (the stages keep what they held)
+  kDebugNoGather = 1,     // the gather warps issue no copies (the stages keep what they held)
   kDebugNoTranspose = 2,  // the transposer warps write no V^T
   kDebugNoExchange = 4,   // the split plan's consumers do not hand their score parts over (each keeps its own)
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
@@ -324,15 +326,16 @@ __device__ __forceinline__ void pv_two_groups(int tid_in_wg, uint32_t (&words0)[
 // ------------------------------------------------------------------------------------------------
 // Producer warpgroup
 // ------------------------------------------------------------------------------------------------
-// The gather warp (producer warp 0): block g into stage g % kStages (gather.cuh), once the stage's previous block was
-// released (empty), full[s] completing when the copies have landed and lane 0 wrote the block's mask. With a scale
-// ring (SS::kScaleRing: lead.cuh) the block's scales go to slot g % kScaleSlots of their own ring instead of the
-// stage, once the slot's previous block was released (sc_empty); the mask goes to ss.mask[SS::mask_slot(g)].
-constexpr uint32_t kFullArrivals = 32 + 1;  // the gather warp's lanes (their copies landed) and lane 0 (the mask)
-constexpr int kScaleSlots = 4;              // blocks in a scale ring
+// The gather warps (producer warps 0..1, gwarp 0..1): half gwarp of block g into stage g % kStages (gather.cuh), once
+// the stage's previous block was released (empty), full[s] completing when both warps' copies have landed and their
+// lane 0 wrote their half of the block's mask. With a scale ring (SS::kScaleRing: lead.cuh) the block's scales go to
+// slot g % kScaleSlots of their own ring instead of the stage, once the slot's previous block was released
+// (sc_empty); the mask goes to ss.mask[SS::mask_slot(g)] (its 32-bit half gwarp).
+constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
+constexpr int kScaleSlots = 4;                               // blocks in a scale ring
 template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
-                                            int begin_req, int end_req, int m_block, int lane, int debug) {
+                                            int begin_req, int end_req, int m_block, int gwarp, int lane, int debug) {
   const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
   const uint32_t hint = suspend_hint(debug);
   uint32_t g = 0;
@@ -351,14 +354,15 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
         if (g >= uint32_t(kScaleSlots)) producer_wait(ss.sc_empty[c], ((g / kScaleSlots) - 1) & 1u, hint);
         scale_addr = cute::cast_smem_ptr_to_uint(ss.scales[c]);
       }
-      const uint64_t mask = (debug & kDebugNoGather)
-                                ? ~uint64_t(0)
-                                : gather_block_warp(stage_addr, scale_addr, cache, p.num_kv_tokens, row,
-                                                    (w.first_page + blk) * kBlockTokens, stop, lane);
-      // full[s] completes when the 32 lanes' copies have landed (their cp.async arrivals) and lane 0 wrote the mask.
+      const uint32_t mask = (debug & kDebugNoGather)
+                                ? ~0u
+                                : gather_half_warp(stage_addr, scale_addr, cache, p.num_kv_tokens, row,
+                                                   (w.first_page + blk) * kBlockTokens, stop, gwarp, lane);
+      // full[s] completes when both warps' lanes' copies have landed (their cp.async arrivals) and their lane 0
+      // wrote its half of the mask.
       cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
       if (lane == 0) {
-        ss.mask[SS::mask_slot(g)] = mask;
+        reinterpret_cast<uint32_t*>(&ss.mask[SS::mask_slot(g)])[gwarp] = mask;
         ss.full[s].arrive();
       }
     }
@@ -366,10 +370,10 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
   decode::cp_async_wait_all();  // no copy outlives the warp
 }
 
-// The transposer warps (producer warps 1..3, twarp 0..2): V^T of every block, half 0 then half 1, half h of block g
-// into slot SS::vt_slot(h, g) once that slot's previous use (SS::vt_use) was released by its P V. Each warp takes
-// every block in order, so its wait for use u of a slot follows its wait for use u - 1: the parity wait cannot
-// pass on a phase two behind.
+// The transposer warps (producer warps 2..3, twarp 0..1): part twarp of V^T of every block (pv.cuh: transpose_part),
+// half 0 then half 1, half h of block g into slot SS::vt_slot(h, g) once that slot's previous use (SS::vt_use) was
+// released by its P V. Each warp takes every block in order, so its wait for use u of a slot follows its wait for
+// use u - 1: the parity wait cannot pass on a phase two behind.
 template <class SS>
 __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta, int begin_req,
                                                int end_req, int m_block, int twarp, int lane, int debug) {
@@ -383,14 +387,12 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
       const int s = int(g % kStages);
       producer_wait(ss.full[s], (g / kStages) & 1u, hint);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-      CUTLASS_PRAGMA_UNROLL
+#pragma unroll 1
       for (int h = 0; h < 2; ++h) {
         const uint32_t slot = SS::vt_slot(h, g), use = SS::vt_use(h, g);
         if (use > 0) producer_wait(ss.vt_empty[slot], (use - 1) & 1u, hint);
-        // transpose_units places the units of half h at its base + h * kVtHalfBytes.
-        const uint32_t base = cute::cast_smem_ptr_to_uint(ss.vt[slot]) - uint32_t(h * decode_fp8::kVtHalfBytes);
         if (!(debug & kDebugNoTranspose))
-          transpose_units(stage_addr, base, h * kUnitsPerHalf, (h + 1) * kUnitsPerHalf, twarp, kTransposeWarps, lane);
+          transpose_part(stage_addr, cute::cast_smem_ptr_to_uint(ss.vt[slot]), h, twarp, lane);
         cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
         warp_arrive(ss.vt_full[slot], lane);
       }

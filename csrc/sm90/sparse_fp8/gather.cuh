@@ -1,29 +1,28 @@
-// The gather of the sm90 sparse (DeepSeek-V3.2) decode kernel: one warp copies a block of 64 fp8_ds_mla tokens,
+// The gather of the sm90 sparse (DeepSeek-V3.2) decode kernel: a warp copies half a block of 64 fp8_ds_mla tokens,
 // named by a query token's index row, into a stage of layout.h (cp.async, 16 bytes a lane), and returns which of the
-// block's 64 entries name a token.
+// half's 32 entries name a token; the kernel's two gather warps take a half each.
 //
 // Indices are FlashMLA's: entry v of a query token's row is page * page_size + offset, i.e. a token of the whole
 // cache viewed as [num_tokens, 656] bytes. An entry counts when it lies before the row's n_used (topk_length, or the
 // row's length) and names a token: v >= 0 (FlashMLA's -1 skips) and v < num_tokens (FlashMLA's kernel would read such
 // an index out of bounds; here it is never read). A skipped entry's 41 chunks are written as zeros (cp.async with
-// source size 0 reads nothing): its values and scales are 0, so its P V term is 0 even where a NaN would have been,
+// the source ignored reads nothing): its values and scales are 0, so its P V term is 0 even where a NaN would have been,
 // and the consumers mask its scores with the returned bits.
 //
-// How a warp covers the 64 x 41 chunks of a block with coalesced reads: the 32 latent chunks of a token are one
-// instruction of the warp (lane l: chunk l, 512 contiguous bytes), 64 of them; the 9 chunks of scales and rope of
-// three tokens are one instruction (lanes 0..26; lane l: token 3 i + l / 9, chunk 32 + l % 9), 22 of them. The lanes
-// get the tokens' indices by shuffles from the two entries each lane loaded (entries l and 32 + l).
+// How a warp covers the 32 x 41 chunks of half a block with coalesced reads: the 32 latent chunks of a token are one
+// instruction of the warp (lane l: chunk l, 512 contiguous bytes), 32 of them; the scale chunks of the 32 tokens are
+// one instruction (lane l: the entry whose index it loaded itself); the 8 rope chunks of four tokens are one
+// instruction (128 contiguous bytes a token), 8 of them. The lanes get the other tokens' indices by shuffles.
 //
 // Completion is the caller's: the copies are the calling lane's cp.async operations. A lane that issued a block either
 // commits them as a group, waits for the group (cp.async.wait_group) and makes them visible to the tensor cores
 // (fence.proxy.async) before it signals the block, as checks/gather_probe.cu does, or hands their completion to an
-// mbarrier (cp_async_arrive_on below: the kernel's gather warp, whose consumers fence after their wait: split.cuh,
+// mbarrier (cp_async_arrive_on below: the kernel's gather warps, whose consumers fence after their wait: split.cuh,
 // lead.cuh).
 #pragma once
 
 #include <cstdint>
 
-#include "sm90/decode/copies.cuh"  // cp_async_16
 #include "sm90/sparse_fp8/layout.h"
 
 namespace flashmla_backend::sm90::sparse_fp8 {
@@ -33,50 +32,85 @@ __host__ __device__ __forceinline__ bool index_valid(int v, int64_t num_tokens) 
   return v >= 0 && int64_t(v) < num_tokens;
 }
 
-// Block entries [first, first + 64) of a query token's index row `row` (n_used entries count) into the stage at
-// stage_addr (a shared address, 1024-byte aligned), the tokens' scales to scale_addr (token r's four at
-// scale_addr + 16 r: the stage's own scale region, or a ring of their own). Called by all 32 lanes of a warp;
-// returns the mask of the block's entries that name a token (bit e: entry first + e), the same in every lane.
+// A 16-byte cp.async that writes zeros instead of reading when `skip` (PTX's ignore-src operand: gmem is not read).
+__device__ __forceinline__ void cp_async_16_or_zeros(uint32_t smem_addr, const void* gmem, bool skip) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, p;\n}\n" ::"r"(smem_addr),
+      "l"(gmem), "r"(int(skip))
+      : "memory");
+}
+
+// base + t * 656 in one wide multiply-add (written as C++, the compiler formed t * 656 + the lane's offset first and
+// added the cache's address in two more instructions).
+__device__ __forceinline__ const void* token_address(uint64_t base, uint32_t t) {
+  uint64_t a;
+  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(a) : "r"(t), "r"(uint32_t(kTokenBytes)), "l"(base));
+  return reinterpret_cast<const void*>(a);
+}
+
+// Half h of a block, entries first + 32 h .. first + 32 h + 31 of a query token's index row `row` (n_used entries
+// count), into the stage at stage_addr (a shared address, 1024-byte aligned), the tokens' scales to scale_addr (token
+// r's four at scale_addr + 16 r, r = 0..63 in the block: the stage's own scale region, or a ring of their own). Called
+// by all 32 lanes of a warp; returns the mask of the half's entries that name a token (bit e: entry first + 32 h + e),
+// the same in every lane. Lane l loads entry l of the half; every copy's row within the half is a compile-time
+// constant and every lane-dependent part of its address is computed once, so a latent copy is a shuffle, a wide
+// multiply-add, a predicate and the cp.async (with run-time rows and the swizzle computed per copy, one warp issued
+// about 1,400 instructions a block and was the kernel's bottleneck: docs/perf/journal.md, the lead plan's profile).
+// A skipped entry's token index is 0 for its address, which the copy then does not read.
+__device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, uint32_t scale_addr, const uint8_t* cache,
+                                                     int64_t num_tokens, const int* row, int first, int n_used, int h,
+                                                     int lane) {
+  const int e = first + 32 * h + lane;
+  const int t_lane = e < n_used ? __ldg(row + e) : -1;
+  const bool ok = index_valid(t_lane, num_tokens);
+  const uint32_t bits = __ballot_sync(0xffffffffu, ok);
+  const int v = ok ? t_lane : 0;
+  // The latent part: one token an instruction, lane l its chunk l (piece l / 4, chunk l % 4 of the piece's 64-byte
+  // row, XORed with bits 1..2 of the row: decode_fp8::sw64_offset; row 32 h + i has the bits of i).
+  {
+    const uint64_t src_lane = reinterpret_cast<uint64_t>(cache) + uint32_t(lane * kChunkBytes);
+    const uint32_t base = stage_addr + uint32_t(32 * h * decode_fp8::kSwizzleRowBytes) +
+                          uint32_t((lane >> 2) * decode_fp8::kPieceBytes);
+    uint32_t dst[4];
+#pragma unroll
+    for (int x = 0; x < 4; ++x) dst[x] = base + uint32_t(((lane & 3) ^ x) << 4);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const uint32_t t = uint32_t(__shfl_sync(0xffffffffu, v, i));
+      cp_async_16_or_zeros(dst[(i >> 1) & 3] + uint32_t(i * decode_fp8::kSwizzleRowBytes), token_address(src_lane, t),
+                           ((bits >> i) & 1u) == 0);
+    }
+  }
+  // The scales: lane l copies those of its own entry.
+  cp_async_16_or_zeros(scale_addr + uint32_t((32 * h + lane) * kChunkBytes),
+                       token_address(reinterpret_cast<uint64_t>(cache) + kScaleChunk * kChunkBytes, uint32_t(v)), !ok);
+  // The rope: four tokens an instruction, lane l chunk c = l % 8 of the half's token 4 i + q, q = l / 8, into the
+  // 128B-swizzled rope tile (layout.h: sw128_offset; the row's bits 0..2 are 4 (i % 2) + q).
+  {
+    const int q = lane >> 3, c = lane & 7;
+    const uint64_t src_lane = reinterpret_cast<uint64_t>(cache) + uint32_t((kRopeChunk0 + c) * kChunkBytes);
+    const uint32_t base = stage_addr + uint32_t(kRopeAt + (32 * h + q) * kRopeRowBytes);
+    uint32_t dst[2];
+#pragma unroll
+    for (int x = 0; x < 2; ++x) dst[x] = base + uint32_t((c ^ (4 * x + q)) << 4);
+    const uint32_t lane_bits = bits >> q;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t t = uint32_t(__shfl_sync(0xffffffffu, v, 4 * i + q));
+      cp_async_16_or_zeros(dst[i % 2] + uint32_t(4 * i * kRopeRowBytes), token_address(src_lane, t),
+                           ((lane_bits >> (4 * i)) & 1u) == 0);
+    }
+  }
+  return bits;
+}
+
+// The whole block by one warp (the probes): both halves; bit e of the mask is entry first + e.
 __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, uint32_t scale_addr, const uint8_t* cache,
                                                       int64_t num_tokens, const int* row, int first, int n_used,
                                                       int lane) {
-  int v[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int e = first + 32 * h + lane;
-    v[h] = e < n_used ? __ldg(row + e) : -1;
-    if (!index_valid(v[h], num_tokens)) v[h] = -1;
-  }
-  const uint64_t mask = uint64_t(__ballot_sync(0xffffffffu, v[0] >= 0)) |
-                        (uint64_t(__ballot_sync(0xffffffffu, v[1] >= 0)) << 32);
-  // The latent part: one token an instruction, lane l its chunk l. (Two loops, so that v[h] is a register: indexed
-  // by a loop variable, the array went to local memory.)
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll 8
-    for (int i = 0; i < 32; ++i) {
-      const int r = 32 * h + i;
-      const int t = __shfl_sync(0xffffffffu, v[h], i);
-      const uint8_t* src = cache + int64_t(t < 0 ? 0 : t) * kTokenBytes + lane * kChunkBytes;
-      decode::cp_async_16(stage_addr + gather_chunk_offset(r, lane), src, t >= 0);
-    }
-  }
-  // Scales and rope: three tokens an instruction, lane l token r0 + l / 9, chunk 32 + l % 9 (lanes 27..31 idle).
-  const int sub = lane / 9, c = kScaleChunk + lane % 9;
-#pragma unroll 1
-  for (int r0 = 0; r0 < kBlockTokens; r0 += 3) {
-    const int r = r0 + sub;
-    const int src_lane = r & 31;
-    const int t0 = __shfl_sync(0xffffffffu, v[0], src_lane), t1 = __shfl_sync(0xffffffffu, v[1], src_lane);
-    if (lane < 27 && r < kBlockTokens) {
-      const int t = r < 32 ? t0 : t1;
-      const uint8_t* src = cache + int64_t(t < 0 ? 0 : t) * kTokenBytes + c * kChunkBytes;
-      const uint32_t dst = c == kScaleChunk ? scale_addr + uint32_t(r * kChunkBytes)
-                                            : stage_addr + gather_chunk_offset(r, c);
-      decode::cp_async_16(dst, src, t >= 0);
-    }
-  }
-  return mask;
+  const uint32_t lo = gather_half_warp(stage_addr, scale_addr, cache, num_tokens, row, first, n_used, 0, lane);
+  const uint32_t hi = gather_half_warp(stage_addr, scale_addr, cache, num_tokens, row, first, n_used, 1, lane);
+  return uint64_t(lo) | (uint64_t(hi) << 32);
 }
 // The scales into the stage's own region (layout.h).
 __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,

@@ -6,9 +6,10 @@
 // row at top-k entries) gives each CTA column `part` a run of rows, the first and last possibly in pieces of 64-entry
 // blocks, and the combine kernel merges the pieces. grid = (ceil(h_q / 64), 1, num_sm_parts): CTA (m, 0, part)
 // computes heads [64 m, 64 m + 64) of its rows. One CTA per SM, 384 threads:
-//   warpgroup 2 (producer): warp 0 gathers each block of 64 indexed tokens into a stage (gather.cuh: cp.async, the
-//     entries that name no token zero-filled and left out of the block's mask); warps 1..3 transpose the stage's
-//     latent part into V^T, half 0 (groups 0, 1) then half 1 (groups 2, 3) (pv.cuh), one slot a half.
+//   warpgroup 2 (producer): warps 0 and 1 gather each block of 64 indexed tokens into a stage, 32 tokens each
+//     (gather.cuh: cp.async, the entries that name no token zero-filled and left out of the block's mask); warps 2
+//     and 3 transpose the stage's latent part into V^T, half 0 (groups 0, 1) then half 1 (groups 2, 3), each warp
+//     half of each half (pv.cuh), one slot a half.
 //   warpgroups 0 and 1 (consumers): warpgroup w owns latent groups 2 w and 2 w + 1, its V^T half and its 256 output
 //     columns, and multiplies P by V for them with two e4m3 terms of P s[t, g] under a group factor that only goes
 //     down (pv.cuh). How the scores are computed is the plan's:
@@ -82,10 +83,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (wg == 2) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     const int warp = (tid - kNumConsumerThreads) / 32;
-    if (warp == 0) {
-      gather_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, lane, debug);
+    if (warp < kGatherWarps) {
+      gather_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp, lane, debug);
     } else {
-      transpose_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - 1, lane, debug);
+      transpose_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - kGatherWarps, lane, debug);
     }
   } else if (wg == 0) {
     if constexpr (kLead) {

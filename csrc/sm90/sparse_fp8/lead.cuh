@@ -60,7 +60,7 @@ struct alignas(1024) LeadStorageT {
   // full: the gather's. empty: warpgroup 0's 4 warps (without kRing after its words, with it after its Q K^T),
   // without kRing warpgroup 1's 4 warps after its words read the block's scales, and the transposer warps.
   // sc_empty[c] (kRing): both warpgroups built their words from scale slot c (8 warps). p_full[c]: warpgroup 0 wrote P
-  // slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full / vt_empty: a V^T slot written (3 transposer
+  // slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full / vt_empty: a V^T slot written (the transposer
   // warps) / read by its warpgroup's P V (4 warps).
   cutlass::arch::ClusterBarrier full[kStages];
   cutlass::arch::ClusterBarrier empty[kStages];

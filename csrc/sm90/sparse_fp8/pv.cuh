@@ -38,28 +38,51 @@ struct PvTypes {
   static_assert(cosize_v<VtGroupLayout> == decode_fp8::kVtHalfBytes / 2, "a group is half a V^T half");
 };
 
-// V^T of the stage's latent region into two halves at vt (half h at vt + h * kVtHalfBytes): the 64 transposition
-// units of a block (eight pieces x (4 column chunks x 2 key halves)), `warps` warps of 32 lanes, warp w taking every
-// warps-th unit. All 64 keys are transposed: a token the block does not use must have been gathered as zeros
-// (cp.async with source size 0: value 0 and scale 0), since a zero P times a NaN value is NaN.
-// transpose_units: the units [first, end) only (units 32 h .. 32 h + 31 are V^T half h), the kernel's transposer warps
-// one half at a time.
-__device__ __forceinline__ void transpose_units(uint32_t stage_addr, uint32_t vt_addr, int first, int end, int warp,
-                                                int warps, int lane) {
+// V^T of the stage's latent region: the 64 transposition units of a block (eight pieces x (4 column chunks x 2 key
+// halves)), pieces 4 h .. 4 h + 3 being V^T half h. All 64 keys are transposed: a token the block does not use must
+// have been gathered as zeros (cp.async with the source ignored: value 0 and scale 0), since a zero P times a NaN value
+// is NaN.
+// transpose_part: the 16 units of pieces 4 h + 2 part and 4 h + 2 part + 1 (part 0 or 1: half of V^T half h), written
+// to vt_half (the half's own buffer). Each unit's piece, column chunk and key half within the part are compile-time
+// constants and the lane's offsets are computed once, so a unit is one ldmatrix, four byte permutes and one stmatrix
+// (the form with the unit as a run-time loop variable spent about 32 instructions a unit on its offsets and had one
+// ldmatrix in flight); kBatch ldmatrix are in flight before their permutes. h and part are run-time values that only
+// move the two base addresses, so the kernel has one copy of this code (the size of the kernel's code is a cost:
+// docs/perf/journal.md, instruction-fetch stalls).
+constexpr int kUnitsPerPart = 16;
+template <int kBatch = 4>
+__device__ __forceinline__ void transpose_part(uint32_t stage_addr, uint32_t vt_half, int h, int part, int lane) {
   const decode_fp8::TransposeLane tl = decode_fp8::TransposeLane::of(lane);
-  for (int unit = first + warp; unit < end; unit += warps) {
-    const int j = unit >> 3, cc = (unit >> 1) & 3, th = unit & 1;
-    uint32_t d[4];
-    decode_fp8::ldsm_x4_trans(stage_addr + tl.src(j, cc, th), d);
-    uint32_t o[4];
-    decode_fp8::unit_words(d, o);
-    const uint32_t half = uint32_t(j / decode_fp8::kVPiecesPerHalf) * decode_fp8::kVtHalfBytes;
-    decode_fp8::stsm_x4(vt_addr + half + tl.dst(j, cc, th), o);
+  const uint32_t src0 = stage_addr + uint32_t((4 * h + 2 * part) * decode_fp8::kPieceBytes);
+  const uint32_t dst0 = vt_half + uint32_t(2 * part * 64 * decode_fp8::kSwizzleRowBytes);
+  uint32_t sx[4], dx[2];  // tl.src / tl.dst of the part's first piece, without their compile-time parts
+  CUTLASS_PRAGMA_UNROLL
+  for (int cc = 0; cc < 4; ++cc) sx[cc] = src0 + tl.src(0, cc, 0);
+  CUTLASS_PRAGMA_UNROLL
+  for (int th = 0; th < 2; ++th) dx[th] = dst0 + tl.dst(0, 0, th);
+  CUTLASS_PRAGMA_UNROLL
+  for (int k0 = 0; k0 < kUnitsPerPart; k0 += kBatch) {
+    uint32_t d[kBatch][4];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kBatch; ++k) {
+      const int u = k0 + k, jj = u >> 3, cc = (u >> 1) & 3, th = u & 1;
+      decode_fp8::ldsm_x4_trans(sx[cc] + uint32_t(jj * decode_fp8::kPieceBytes + th * 32 * decode_fp8::kSwizzleRowBytes),
+                                d[k]);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kBatch; ++k) {
+      const int u = k0 + k, jj = u >> 3, cc = (u >> 1) & 3, th = u & 1;
+      uint32_t o[4];
+      decode_fp8::unit_words(d[k], o);
+      decode_fp8::stsm_x4(dx[th] + uint32_t((64 * jj + 16 * cc) * decode_fp8::kSwizzleRowBytes), o);
+    }
   }
 }
-constexpr int kUnitsPerHalf = decode_fp8::kVPiecesPerHalf * 8;
-__device__ __forceinline__ void transpose_latent(uint32_t stage_addr, uint32_t vt_addr, int warp, int warps, int lane) {
-  transpose_units(stage_addr, vt_addr, 0, 2 * kUnitsPerHalf, warp, warps, lane);
+// Both halves of a block by four warps (warp 0..3; the probes): warp w the part w % 2 of half w / 2, half h at
+// vt_addr + h * kVtHalfBytes.
+__device__ __forceinline__ void transpose_latent(uint32_t stage_addr, uint32_t vt_addr, int warp, int lane) {
+  const int h = warp >> 1;
+  transpose_part(stage_addr, vt_addr + uint32_t(h * decode_fp8::kVtHalfBytes), h, warp & 1, lane);
 }
 
 // The power of two that brings max_s * p_max into (224, 448] (max_s: the block's largest scale of the group, p_max:

@@ -22,7 +22,7 @@ struct alignas(1024) SplitStorage {
   uint64_t mask[kStages];                                    // the block's entries that name a token (gather.cuh)
   float row_scale_log2[kTileRows];                           // softmax scale (log2) x the row's q split scale
   // full[s]: block landed in stage s (common.cuh: gather_warp, kFullArrivals). empty[s]: the 8 consumer warps
-  // (scores and P built) and the 3 transposer warps are done with stage s. vt_full[h]: V^T half h written (3
+  // (scores and P built) and the transposer warps are done with stage s. vt_full[h]: V^T half h written (the
   // transposer warps). vt_empty[h]: warpgroup h's P V of the half completed (its 4 warps).
   cutlass::arch::ClusterBarrier full[kStages];
   cutlass::arch::ClusterBarrier empty[kStages];

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(128, 1) attention_probe_kernel(const uint8_t* 
         o1(i) *= sc[(i >> 1) & 1];
       }
 
-      transpose_latent(base, base + kVtAt, warp, 4, lane);
+      transpose_latent(base, base + kVtAt, warp, lane);
       cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
       __syncthreads();
       for (int gg = 0; gg < 2; ++gg) {

@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(128, 1) pv_probe_kernel(const uint8_t* pool, c
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t base = gather_block(smem, pool, idx, tid);
   __syncthreads();
-  transpose_latent(base, base + kVtAt, warp, 4, lane);
+  transpose_latent(base, base + kVtAt, warp, lane);
   cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
   __syncthreads();
 
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(128, 1) pv_chain_kernel(const uint8_t* pool, c
       __syncthreads();  // the last block's stage and V^T are read (its transposition and its wgmma waited)
       const uint32_t base = gather_block(smem, pool, idx + b * kBlockTokens, tid);
       __syncthreads();
-      transpose_latent(base, base + kVtAt, warp, 4, lane);
+      transpose_latent(base, base + kVtAt, warp, lane);
       cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
       __syncthreads();
       const float* pb = p_in + size_t(b) * kRows * kBlockTokens;

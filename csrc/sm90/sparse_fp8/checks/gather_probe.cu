@@ -25,6 +25,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 
+#include "sm90/decode/copies.cuh"  // cp_async_commit, cp_async_wait_all
 #include "sm90/sparse_fp8/checks/probe_common.cuh"
 #include "sm90/sparse_fp8/gather.cuh"
 #include "sm90/sparse_fp8/layout.h"

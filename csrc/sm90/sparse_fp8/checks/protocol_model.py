@@ -2,7 +2,7 @@
 """Python model of the sm90 sparse decode kernel's barrier protocol: its plans (lead.cuh, with and without its scale
 ring, and split.cuh).
 
-A mirror of the order of waits, arrivals, reads and writes of the gather warp (common.cuh: gather_warp), the three
+A mirror of the order of waits, arrivals, reads and writes of the gather warps (common.cuh: gather_warp), the
 transposer warps (common.cuh: transpose_warp) and the two consumer warpgroups (lead_loop / follow_loop,
 split_consumer_loop); the arrival counts are those of lead.cuh, split.cuh and common.cuh (read from the files), so a
 change there is checked as it is. It is not a test of the compiled code: keep the agents below in step with those
@@ -54,9 +54,10 @@ def read_counts() -> dict[str, int]:
     common = (SPARSE / "common.cuh").read_text()
     split = (SPARSE / "split.cuh").read_text()
     lead = (SPARSE / "lead.cuh").read_text()
-    env = {"kTransposeWarps": int(_constant(common, "kTransposeWarps"))}
+    env = {"kTransposeWarps": int(_constant(common, "kTransposeWarps")),
+           "kGatherWarps": int(_constant(common, "kGatherWarps"))}
     ev = lambda expr: int(eval(expr, {}, dict(env)))  # noqa: E731, S307 (constant expressions of the headers)
-    return {"warps": env["kTransposeWarps"],
+    return {"warps": env["kTransposeWarps"], "gather_warps": env["kGatherWarps"],
             "vt_full": ev(_constant(common, "kVtFullArrivals")), "vt_empty": ev(_constant(common, "kVtEmptyArrivals")),
             "split_empty": ev(_constant(split, "kSplitEmptyArrivals")),
             "lead_empty": ev(_constant(lead, "kLeadEmptyArrivals")),
@@ -86,7 +87,7 @@ def gather_agent(blocks: int, plan: str, scale_slots: int, mutation=None):
         yield ("write", ("stage", s), g, "stage")
         if plan == "lead_ring":
             yield ("write", ("scales", g % scale_slots), g, "scales")   # the scales and the mask
-        yield ("arrive", "full", s)   # the 33 arrivals of full[s] as one: they all follow the copies
+        yield ("arrive", "full", s)   # the warp's 33 arrivals on full[s] as one: they all follow its copies
 
 
 def transposer_agent(blocks: int, plan: str, mutation=None):
@@ -226,12 +227,12 @@ def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: 
     """One random interleaving of the CTA's agents over row pieces with these block counts."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
-    sim.count = {"full": 1, "empty": counts[f"{plan}_empty"], "vt_full": counts["vt_full"],
+    sim.count = {"full": counts["gather_warps"], "empty": counts[f"{plan}_empty"], "vt_full": counts["vt_full"],
                  "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"],
                  "sc_empty": counts["sc_empty"]}
     blocks = sum(rows)
     slots = counts["scale_slots"]
-    agents = {"gather": gather_agent(blocks, plan, slots, mutation)}
+    agents = {f"gather{w}": gather_agent(blocks, plan, slots, mutation) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
         agents[f"transposer{w}"] = transposer_agent(blocks, plan, mutation)
     if plan in ("lead", "lead_ring"):
@@ -282,7 +283,8 @@ def check_all(seeds: int = 20) -> int:
     gen = random.Random(3)
     sequences = [[n] for n in range(10)] + [[a, b] for a in range(5) for b in range(5)]
     sequences += [[gen.randrange(0, 10) for _ in range(gen.randrange(1, 5))] for _ in range(15)]
-    starved = [None, "gather", "wg0", "wg1"] + [f"transposer{w}" for w in range(counts["warps"])]
+    starved = [None, "wg0", "wg1"] + [f"gather{w}" for w in range(counts["gather_warps"])]
+    starved += [f"transposer{w}" for w in range(counts["warps"])]
     runs = 0
     for plan in PLANS:
         for rows in sequences:
