@@ -58,6 +58,7 @@ def read_counts() -> dict[str, int]:
            "kGatherWarps": int(_constant(common, "kGatherWarps"))}
     ev = lambda expr: int(eval(expr, {}, dict(env)))  # noqa: E731, S307 (constant expressions of the headers)
     return {"warps": env["kTransposeWarps"], "gather_warps": env["kGatherWarps"],
+            "full": ev(_constant(common, "kFullArrivals")) // 33,   # a warp's 33 arrivals counted as one
             "vt_full": ev(_constant(common, "kVtFullArrivals")), "vt_empty": ev(_constant(common, "kVtEmptyArrivals")),
             "split_empty": ev(_constant(split, "kSplitEmptyArrivals")),
             "lead_empty": ev(_constant(lead, "kLeadEmptyArrivals")),
@@ -77,14 +78,15 @@ def vt_slot(plan: str, h: int, g: int) -> tuple[int, int]:
 
 
 # ---- producer agents ---------------------------------------------------------------------------------------------
-def gather_agent(blocks: int, plan: str, scale_slots: int, mutation=None):
+def gather_agent(w: int, blocks: int, plan: str, scale_slots: int, mutation=None):
+    """Gather warp w: half w of every block, ("stage", s, w); a reader of ("stage", s) reads every half (run)."""
     for g in range(blocks):
         s = g % STAGES
         if g >= STAGES:
             yield ("wait", "empty", s, g // STAGES - 1)
         if plan == "lead_ring" and g >= scale_slots and mutation != "gather ignores sc_empty":
             yield ("wait", "sc_empty", g % scale_slots, g // scale_slots - 1)
-        yield ("write", ("stage", s), g, "stage")
+        yield ("write", ("stage", s, w), g, "stage")
         if plan == "lead_ring":
             yield ("write", ("scales", g % scale_slots), g, "scales")   # the scales and the mask
         yield ("arrive", "full", s)   # the warp's 33 arrivals on full[s] as one: they all follow its copies
@@ -227,12 +229,12 @@ def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: 
     """One random interleaving of the CTA's agents over row pieces with these block counts."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
-    sim.count = {"full": counts["gather_warps"], "empty": counts[f"{plan}_empty"], "vt_full": counts["vt_full"],
+    sim.count = {"full": counts["full"], "empty": counts[f"{plan}_empty"], "vt_full": counts["vt_full"],
                  "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"],
                  "sc_empty": counts["sc_empty"]}
     blocks = sum(rows)
     slots = counts["scale_slots"]
-    agents = {f"gather{w}": gather_agent(blocks, plan, slots, mutation) for w in range(counts["gather_warps"])}
+    agents = {f"gather{w}": gather_agent(w, blocks, plan, slots, mutation) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
         agents[f"transposer{w}"] = transposer_agent(blocks, plan, mutation)
     if plan in ("lead", "lead_ring"):
@@ -262,6 +264,10 @@ def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: 
         return True
 
     def execute(name, op) -> None:
+        if op[0] in ("read_begin", "read_end") and op[1][0] == "stage":   # a stage's reader reads both halves
+            for w in range(counts["gather_warps"]):
+                sim.apply((op[0], ("stage", op[1][1], w), op[2]), readers, name)
+            return
         if sim.apply(op, readers, name):
             return
         if op[0] == "named_arrive":
