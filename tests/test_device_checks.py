@@ -202,11 +202,8 @@ def test_sparse_protocol_model_accepts_both_plans():
 
 @pytest.mark.parametrize("mutation, plan", [("transposer ignores vt_empty", "lead"),
                                             ("transposer ignores vt_empty", "split"),
-                                            ("transposer ignores vt_empty", "lead_ring"),
                                             ("follower releases the stage early", "lead"),
                                             ("row sums read early", "lead"),
-                                            ("row sums read early", "lead_ring"),
-                                            ("p slot rewritten early", "lead_ring"),
                                             ("score part rewritten early", "split")])
 def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation, plan):
     with pytest.raises(sparse_model.ProtocolError):
@@ -218,8 +215,7 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation,
 def test_sparse_protocol_model_rejects_wrong_arrival_counts(sparse_model):
     real = sparse_model.read_counts()
     for plan, name, delta in (("split", "split_empty", -1), ("lead", "lead_empty", -1), ("lead", "p_slot", -1),
-                              ("lead", "p_slot", 1), ("split", "vt_full", -1), ("lead_ring", "lead_ring_empty", -1),
-                              ("lead_ring", "sc_empty", 1), ("lead", "full", -1)):
+                              ("lead", "p_slot", 1), ("split", "vt_full", -1), ("lead", "full", -1)):
         counts = dict(real)
         counts[name] = real[name] + delta
         with pytest.raises(sparse_model.ProtocolError):
@@ -387,7 +383,7 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert res.returncode == 0, f"sparse.cu does not compile:\n{res.stderr[-4000:]}"
     notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
     assert not notes, "ptxas serializes wgmma in the sparse kernel:\n" + "\n".join(notes)
-    assert res.stderr.count("Compiling entry function") == 3, "the plans (lead, split, lead with its ring) are instantiated"
+    assert res.stderr.count("Compiling entry function") == 2, "the plans (lead, split) are instantiated"
 
 
 def test_sparse_block_probe_compiles(tmp_path):

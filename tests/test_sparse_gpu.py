@@ -39,9 +39,9 @@ def _sm90():
 
 
 # The kernel's plans (csrc/sm90/sparse_fp8/kernel.cuh): the lead one (the default), the split one (bit 64 of
-# FLASHMLA_BACKEND_SPARSE_DEBUG) and the lead one with its scale ring (bit 128), which the launcher reads at every
-# launch; and the lead one whose mbarrier waits retry with a suspend-time hint (bit 256).
-PLANS = {"lead": None, "split": "64", "lead_ring": "128", "lead_suspend": "256"}
+# FLASHMLA_BACKEND_SPARSE_DEBUG), which the launcher reads at every launch; and the lead one whose mbarrier waits
+# retry with a suspend-time hint (bit 256).
+PLANS = {"lead": None, "split": "64", "lead_suspend": "256"}
 
 
 @pytest.fixture(params=sorted(PLANS))

@@ -59,8 +59,7 @@ enum DebugFlags : int {
   kDebugNoExchange = 4,   // the split plan's consumers do not hand their score parts over (each keeps its own)
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
   kDebugSplit = 64,       // the split plan instead of the lead one (kernel.cuh; not a measurement switch)
-  kDebugLeadRing = 128,   // the lead plan with its scale ring (lead.cuh: kRing; not yet run on a GPU)
-  kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; not yet run on a GPU)
+  kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; measured: no change)
 };
 
 // The named barrier of all 256 consumer threads (ID 0 of each plan's list).
@@ -328,11 +327,8 @@ __device__ __forceinline__ void pv_two_groups(int tid_in_wg, uint32_t (&words0)[
 // ------------------------------------------------------------------------------------------------
 // The gather warps (producer warps 0..1, gwarp 0..1): half gwarp of block g into stage g % kStages (gather.cuh), once
 // the stage's previous block was released (empty), full[s] completing when both warps' copies have landed and their
-// lane 0 wrote their half of the block's mask. With a scale ring (SS::kScaleRing: lead.cuh) the block's scales go to
-// slot g % kScaleSlots of their own ring instead of the stage, once the slot's previous block was released
-// (sc_empty); the mask goes to ss.mask[SS::mask_slot(g)] (its 32-bit half gwarp).
+// lane 0 wrote their half of the block's mask (ss.mask[SS::mask_slot(g)], its 32-bit half gwarp).
 constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
-constexpr int kScaleSlots = 4;                               // blocks in a scale ring
 template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int gwarp, int lane, int debug) {
@@ -348,12 +344,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
       const int s = int(g % kStages);
       if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-      uint32_t scale_addr = stage_addr + kScalesAt;
-      if constexpr (SS::kScaleRing) {
-        const int c = int(g % kScaleSlots);
-        if (g >= uint32_t(kScaleSlots)) producer_wait(ss.sc_empty[c], ((g / kScaleSlots) - 1) & 1u, hint);
-        scale_addr = cute::cast_smem_ptr_to_uint(ss.scales[c]);
-      }
+      const uint32_t scale_addr = stage_addr + kScalesAt;
       const uint32_t mask = (debug & kDebugNoGather)
                                 ? ~0u
                                 : gather_half_warp(stage_addr, scale_addr, cache, p.num_kv_tokens, row,

@@ -27,12 +27,10 @@
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
-// The plans (the lead one; FLASHMLA_BACKEND_SPARSE_DEBUG bit 64: the split one, bit 128: the lead one with its scale
-// ring and two V^T slots for warpgroup 1, lead.cuh: kRing).
-enum Plan : int { kPlanLead = 0, kPlanSplit = 1, kPlanLeadRing = 2 };
+// The plans (the lead one; FLASHMLA_BACKEND_SPARSE_DEBUG bit 64: the split one).
+enum Plan : int { kPlanLead = 0, kPlanSplit = 1 };
 template <int kPlan>
-using StorageOf = std::conditional_t<kPlan == kPlanLead, LeadStorage,
-                                     std::conditional_t<kPlan == kPlanLeadRing, LeadRingStorage, SplitStorage>>;
+using StorageOf = std::conditional_t<kPlan == kPlanLead, LeadStorage, SplitStorage>;
 template <int kPlan>
 constexpr int kSmemBytes = int(sizeof(StorageOf<kPlan>)) + 1024;
 
@@ -40,8 +38,7 @@ template <int kPlan>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kRing = kPlan == kPlanLeadRing;
-  constexpr bool kLead = kPlan == kPlanLead || kRing;
+  constexpr bool kLead = kPlan == kPlanLead;
   using SS = StorageOf<kPlan>;
   const DecodeParams& p = params;
   extern __shared__ uint8_t smem_raw[];
@@ -61,10 +58,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       ss.full[s].init(kFullArrivals);
-      ss.empty[s].init(kRing ? kLeadRingEmptyArrivals : kLead ? kLeadEmptyArrivals : kSplitEmptyArrivals);
-    }
-    if constexpr (kRing) {
-      for (int c = 0; c < kScaleSlots; ++c) ss.sc_empty[c].init(kScaleEmptyArrivals);
+      ss.empty[s].init(kLead ? kLeadEmptyArrivals : kSplitEmptyArrivals);
     }
     if constexpr (kLead) {
       for (int c = 0; c < kPSlots; ++c) {

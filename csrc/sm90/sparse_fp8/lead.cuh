@@ -11,8 +11,9 @@
 //   warpgroup 0: S = Q K^T (all groups), P = 2^(S sl2 - m + 8), O_01 = O_01 sc + P_g V_g (g = 0, 1)
 //   warpgroup 1: O_23 = O_23 sc + P_g V_g (g = 2, 3), P and sc from warpgroup 0
 // The gather and transposer warps are common.cuh's. Registers: warpgroup 0 holds O (128), S and the product's
-// temporary (64) or S and the words of its two groups (64); warpgroup 1 holds O, P in fp16 (16) and its words (32);
-// the setmaxnreg split gives warpgroup 0 a little more.
+// temporary (64) or S and the words of its two groups (64); warpgroup 1 holds O, P in fp16 (16) and words (32);
+// the setmaxnreg split gives warpgroup 0 a little more. (Two temporaries taking turns in Q K^T, so that a group's
+// product runs under the previous group's fold, made ptxas serialize the wgmma, C7512, at 232, 240 and 248.)
 #pragma once
 
 #include <cuda_fp16.h>
@@ -29,60 +30,40 @@ constexpr int kFollowRegs = 216;
 static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
               "register split exceeds the CTA's allocation");
 
-// kRing (FLASHMLA_BACKEND_SPARSE_DEBUG bit 128; not yet run on a GPU): the
-// blocks' scales and masks in a ring of kScaleSlots blocks of their own (common.cuh: gather_warp), so that a stage is
-// released by warpgroup 0's Q K^T and the transposition alone, and V^T half 1 (warpgroup 1's) in two slots, so that
-// the transposer warps can run a block ahead of warpgroup 1. Without it the follower, about a block behind, holds the
-// stage until its words are built and the transposers wait for its P V, and the leader waits for its next block
-// (docs/perf/journal.md, the profile of the lead plan). Shared memory 205 KB, with kRing 224 KB.
-template <bool kRing>
-struct alignas(1024) LeadStorageT {
-  static constexpr bool kScaleRing = kRing;
-  static constexpr int kVtSlots = kRing ? 3 : 2;                 // half 0: slot 0; half 1: slot 1, or 1 + g % 2
-  static constexpr int kRingSlots = kRing ? kScaleSlots : 1;
-  static constexpr int kMaskSlots = kRing ? kScaleSlots : kStages;
-  static __device__ __forceinline__ uint32_t mask_slot(uint32_t g) { return g % uint32_t(kMaskSlots); }
-  static __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t g) {
-    return h == 0 ? 0u : (kRing ? 1u + g % 2u : 1u);
-  }
-  static __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g) { return kRing && h == 1 ? g / 2u : g; }
+// Shared memory 205 KB.
+struct alignas(1024) LeadStorage {
+  // What the gather and transposer warps (common.cuh) ask of a plan's storage: mask and scales of block g in stage
+  // g % kStages, V^T half h of every block in slot h.
+  static __device__ __forceinline__ uint32_t mask_slot(uint32_t g) { return g % uint32_t(kStages); }
+  static __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t) { return uint32_t(h); }
+  static __device__ __forceinline__ uint32_t vt_use(int, uint32_t g) { return g; }
 
   alignas(1024) uint8_t q_latent[kQTerms * kLatentBytes];
   alignas(1024) uint8_t q_rope[kRopeBytes];
   alignas(1024) uint8_t stage[kStages][kStageBytes];        // block g in stage g % kStages (layout.h)
-  alignas(1024) uint8_t vt[kVtSlots][decode_fp8::kVtHalfBytes];  // V^T half h of block g in slot vt_slot(h, g)
+  alignas(1024) uint8_t vt[2][decode_fp8::kVtHalfBytes];    // V^T half h of every block
   alignas(16) uint8_t p16[kPSlots][kP16Bytes];              // P of block g in slot g % kPSlots, by thread
   float sc[kPSlots][kTileRows];                             // the rows' factor of block g: exp2(m_before - m_after)
-  alignas(16) float scales[kRingSlots][kBlockTokens * kGroups];  // kRing: block g's scales in slot g % kScaleSlots
-  uint64_t mask[kMaskSlots];                                // block g's mask in slot mask_slot(g)
+  uint64_t mask[kStages];                                   // block g's mask in slot mask_slot(g)
   float row_scale_log2[kTileRows];
   float row_sum[kTileRows];                                 // the rows' final sums (warpgroup 0 -> 1)
-  // full: the gather's. empty: warpgroup 0's 4 warps (without kRing after its words, with it after its Q K^T),
-  // without kRing warpgroup 1's 4 warps after its words read the block's scales, and the transposer warps.
-  // sc_empty[c] (kRing): both warpgroups built their words from scale slot c (8 warps). p_full[c]: warpgroup 0 wrote P
-  // slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full / vt_empty: a V^T slot written (the transposer
-  // warps) / read by its warpgroup's P V (4 warps).
+  // full: the gather's. empty: each warpgroup's 4 warps after its words read the block's scales, and the transposer
+  // warps. p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full /
+  // vt_empty: a V^T half written (the transposer warps) / read by its warpgroup's P V (4 warps).
   cutlass::arch::ClusterBarrier full[kStages];
   cutlass::arch::ClusterBarrier empty[kStages];
-  cutlass::arch::ClusterBarrier sc_empty[kRingSlots];
   cutlass::arch::ClusterBarrier p_full[kPSlots];
   cutlass::arch::ClusterBarrier p_empty[kPSlots];
-  cutlass::arch::ClusterBarrier vt_full[kVtSlots];
-  cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
+  cutlass::arch::ClusterBarrier vt_full[2];
+  cutlass::arch::ClusterBarrier vt_empty[2];
 
   __device__ __forceinline__ const float* scales_of(uint32_t g) {
-    if constexpr (kRing) return scales[g % uint32_t(kScaleSlots)];
     return reinterpret_cast<const float*>(stage[g % uint32_t(kStages)] + kScalesAt);
   }
 };
-using LeadStorage = LeadStorageT<false>;
-using LeadRingStorage = LeadStorageT<true>;
 static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
-static_assert(int(sizeof(LeadRingStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 
 constexpr uint32_t kLeadEmptyArrivals = 8 + kTransposeWarps;
-constexpr uint32_t kLeadRingEmptyArrivals = 4 + kTransposeWarps;
-constexpr uint32_t kScaleEmptyArrivals = 8;
 constexpr uint32_t kPSlotArrivals = 4;
 
 // Value idx of a fp16 P fragment (the accumulator's order: decode_fp8/mainloop.cuh, p16_fragment), as float.
@@ -95,9 +76,9 @@ __device__ __forceinline__ float p16_at(const uint32_t (&w)[kP16Words], int idx)
 // Warpgroup 0
 // ------------------------------------------------------------------------------------------------
 // S = Q K^T of block g (all four groups, the rope), after its stage landed; thread_max: the thread's largest scale of
-// groups 0 and 1. With the scale ring warpgroup 0 is done with the stage here.
-template <bool kRing, class FragS>
-__device__ __forceinline__ void lead_qk(LeadStorageT<kRing>& ss, uint32_t g, int tid_in_wg, int lane, uint32_t hint,
+// groups 0 and 1.
+template <class FragS>
+__device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, int lane, uint32_t hint,
                                         FragS& S, float (&thread_max)[2]) {
   const int s = int(g % kStages);
   consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
@@ -109,11 +90,9 @@ __device__ __forceinline__ void lead_qk(LeadStorageT<kRing>& ss, uint32_t g, int
                                               smax);
   thread_max[0] = smax[0];
   thread_max[1] = smax[1];
-  if constexpr (kRing) warp_arrive(ss.empty[s], lane);
 }
 
-template <bool kRing>
-__device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kRing>& ss, const SchedMetaRow& meta,
+__device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
                                           int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
@@ -162,28 +141,22 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kR
       }
       warp_arrive(ss.p_full[c], lane);
 
-      // ---- the groups' factors, P's words of groups 0 and 1; the block's scales are done with here ----
-      const float* scales = ss.scales_of(g);
+      // ---- the groups' factors, O rescaled, P's words of groups 0 and 1; the block's scales are done with here ----
       float ratio[2];
       update_group_factors(thread_max, F, ratio);
       rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      build_group_words<0>([&](int idx) { return S(idx); }, scales, F, lane, debug, words0, words1);
-      if constexpr (kRing) {
-        warp_arrive(ss.sc_empty[g % kScaleSlots], lane);
-      } else {
-        warp_arrive(ss.empty[s], lane);
-      }
+      build_group_words<0>([&](int idx) { return S(idx); }, ss.scales_of(g), F, lane, debug, words0, words1);
+      warp_arrive(ss.empty[s], lane);
 
       // ---- O_g += P_g V_g; the next block's Q K^T ----
-      const uint32_t vs = ss.vt_slot(0, g);
-      consumer_wait(ss.vt_full[vs], ss.vt_use(0, g) & 1u, hint);
-      sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[vs], o0);
-      sparse_pv_group<kPTerms>(tid_in_wg, words1, ss.vt[vs] + decode_fp8::kVtHalfBytes / 2, o1);
+      consumer_wait(ss.vt_full[0], g & 1u, hint);
+      sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[0], o0);
+      sparse_pv_group<kPTerms>(tid_in_wg, words1, ss.vt[0] + decode_fp8::kVtHalfBytes / 2, o1);
       warpgroup_wait<0>();
       warpgroup_fence_operand(o0);
       warpgroup_fence_operand(o1);
-      warp_arrive(ss.vt_empty[vs], lane);
+      warp_arrive(ss.vt_empty[0], lane);
       if (blk + 1 < nblk) lead_qk(ss, g + 1, tid_in_wg, lane, hint, S, thread_max);
     }
 
@@ -204,8 +177,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorageT<kR
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 1
 // ------------------------------------------------------------------------------------------------
-template <bool kRing>
-__device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<kRing>& ss, const SchedMetaRow& meta,
+__device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
@@ -228,7 +200,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<
     int stop;
     const int nblk = counted_blocks(p, w, stop);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
-      [[maybe_unused]] const int s = int(g % kStages);
+      const int s = int(g % kStages);
       const int c = int(g % kPSlots);
       // ---- P of block g and the rows' factor from warpgroup 0 ----
       consumer_wait(ss.p_full[c], (g / kPSlots) & 1u, hint);
@@ -237,12 +209,9 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<
       const float sc[2] = {ss.sc[c][row_in_tile[0]], ss.sc[c][row_in_tile[1]]};
       warp_arrive(ss.p_empty[c], lane);
 
-      // ---- the groups' factors and the words of groups 2 and 3 from the block's scales. Without the scale ring
-      // they are in the stage, held until this warpgroup releases it, and the wait for full (complete already) orders
-      // the gather's writes for this thread. With the ring the stage may have been refilled already (a parity wait on
-      // it could pass or block on the wrong phase): the ring slot's contents are ordered by warpgroup 0's p_full
-      // arrival, which followed its own wait for full. ----
-      if constexpr (!kRing) consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
+      // ---- the groups' factors and words from the block's scales, in the stage, held until this warpgroup
+      // releases it; the wait for full (complete already) orders the gather's writes for this thread ----
+      consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
       const float* scales = ss.scales_of(g);
       float ratio[2], thread_max[2];
       thread_group_max<2>(scales, lane, thread_max);
@@ -250,17 +219,12 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorageT<
       rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
       build_group_words<2>([&](int idx) { return p16_at(p16, idx); }, scales, F, lane, debug, words0, words1);
-      if constexpr (kRing) {
-        warp_arrive(ss.sc_empty[g % kScaleSlots], lane);
-      } else {
-        warp_arrive(ss.empty[s], lane);
-      }
+      warp_arrive(ss.empty[s], lane);
 
       // ---- O_g += P_g V_g ----
-      const uint32_t vs = ss.vt_slot(1, g);
-      consumer_wait(ss.vt_full[vs], ss.vt_use(1, g) & 1u, hint);
-      pv_two_groups(tid_in_wg, words0, words1, ss.vt[vs], o0, o1);
-      warp_arrive(ss.vt_empty[vs], lane);
+      consumer_wait(ss.vt_full[1], g & 1u, hint);
+      pv_two_groups(tid_in_wg, words0, words1, ss.vt[1], o0, o1);
+      warp_arrive(ss.vt_empty[1], lane);
     }
 
     // ---- epilogue ----

@@ -42,13 +42,9 @@ void run_sm90_sparse_decode(const DecodeParams& p) {
       reinterpret_cast<std::uintptr_t>(p.kv) % 16 == 0 && reinterpret_cast<std::uintptr_t>(p.q_pe) % 16 == 0,
       r.kernel << ": kv and q_pe must be 16-byte aligned");
   const int debug = sparse_debug_flags();
-  const int plan = (debug & kDebugSplit) ? kPlanSplit : (debug & kDebugLeadRing) ? kPlanLeadRing : kPlanLead;
-  auto* kernel = plan == kPlanSplit       ? &sm90_sparse_fp8_decode_kernel<kPlanSplit>
-                 : plan == kPlanLeadRing ? &sm90_sparse_fp8_decode_kernel<kPlanLeadRing>
-                                         : &sm90_sparse_fp8_decode_kernel<kPlanLead>;
-  const int smem = plan == kPlanSplit       ? kSmemBytes<kPlanSplit>
-                   : plan == kPlanLeadRing ? kSmemBytes<kPlanLeadRing>
-                                           : kSmemBytes<kPlanLead>;
+  const bool split = (debug & kDebugSplit) != 0;
+  auto* kernel = split ? &sm90_sparse_fp8_decode_kernel<kPlanSplit> : &sm90_sparse_fp8_decode_kernel<kPlanLead>;
+  const int smem = split ? kSmemBytes<kPlanSplit> : kSmemBytes<kPlanLead>;
   FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchAttribute attrs[1];
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

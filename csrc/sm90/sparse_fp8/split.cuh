@@ -8,9 +8,8 @@
 namespace flashmla_backend::sm90::sparse_fp8 {
 
 struct alignas(1024) SplitStorage {
-  // What the gather and transposer warps (common.cuh) ask of a plan's storage: the scales in the stage (kScaleRing
-  // false: mask and scales of block g at g % kStages), V^T half h of every block in slot h.
-  static constexpr bool kScaleRing = false;
+  // What the gather and transposer warps (common.cuh) ask of a plan's storage: mask and scales of block g in stage
+  // g % kStages, V^T half h of every block in slot h.
   static __device__ __forceinline__ uint32_t mask_slot(uint32_t g) { return g % uint32_t(kStages); }
   static __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t) { return uint32_t(h); }
   static __device__ __forceinline__ uint32_t vt_use(int, uint32_t g) { return g; }

@@ -1,6 +1,5 @@
 #!/usr/bin/env python3
-"""Python model of the sm90 sparse decode kernel's barrier protocol: its plans (lead.cuh, with and without its scale
-ring, and split.cuh).
+"""Python model of the sm90 sparse decode kernel's barrier protocol: its two plans (lead.cuh and split.cuh).
 
 A mirror of the order of waits, arrivals, reads and writes of the gather warps (common.cuh: gather_warp), the
 transposer warps (common.cuh: transpose_warp) and the two consumer warpgroups (lead_loop / follow_loop,
@@ -12,14 +11,11 @@ The simulator (mbarrier phases with the hardware's parity rule, named barriers, 
 rewritten only after every reader of its previous contents finished, a reader reads the block it expects) is the
 dense FP8 kernel's model (decode_fp8/checks/protocol_model.py), imported from there. Checked over random
 interleavings of row pieces of 0..9 blocks, one role starved in turn: no deadlock, no parity wait two phases ahead or
-a phase missed, no stale read or early rewrite of a stage, a V^T half, a score part (split), a P slot, the rows'
-sums or a scale slot (lead), and the named barriers' arrivals and waits equal at the end.
+a phase missed, no stale read or early rewrite of a stage (each gather warp writes its half), a V^T half, a score part
+(split), a P slot or the rows' sums (lead), and the named barriers' arrivals and waits equal at the end.
 What the model showed about the lead plan: warpgroup 0's wait for a free P slot (p_empty) is implied by the stage
 ring with two P slots and two stages (its Q K^T of block g needs stage g, gathered once warpgroup 1 released stage
 g - 2, which it does after reading P of g - 2), so the model cannot catch its removal; it stays, for other counts.
-With the scale ring it is needed (the model catches its removal there), and the scale slots' sc_empty waits are
-implied instead: the transposition of block g - 2 waits for warpgroup 1's P V of g - 4 (two V^T slots for half 1),
-after it built its words from the slot that block g's scales go to.
 """
 from __future__ import annotations
 
@@ -62,42 +58,27 @@ def read_counts() -> dict[str, int]:
             "vt_full": ev(_constant(common, "kVtFullArrivals")), "vt_empty": ev(_constant(common, "kVtEmptyArrivals")),
             "split_empty": ev(_constant(split, "kSplitEmptyArrivals")),
             "lead_empty": ev(_constant(lead, "kLeadEmptyArrivals")),
-            "lead_ring_empty": ev(_constant(lead, "kLeadRingEmptyArrivals")),
-            "sc_empty": ev(_constant(lead, "kScaleEmptyArrivals")),
             "p_slot": ev(_constant(lead, "kPSlotArrivals")),
-            "stages": int(_constant(common, "kStages")), "p_slots": int(_constant(lead, "kPSlots")),
-            "scale_slots": int(_constant(common, "kScaleSlots"))}
-
-
-def vt_slot(plan: str, h: int, g: int) -> tuple[int, int]:
-    """The V^T slot that half h of block g goes to and which use of it that is (lead.cuh / split.cuh: vt_slot,
-    vt_use): one slot a half, or with the ring plan two for half 1."""
-    if plan == "lead_ring" and h == 1:
-        return 1 + g % 2, g // 2
-    return h, g
+            "stages": int(_constant(common, "kStages")), "p_slots": int(_constant(lead, "kPSlots"))}
 
 
 # ---- producer agents ---------------------------------------------------------------------------------------------
-def gather_agent(w: int, blocks: int, plan: str, scale_slots: int, mutation=None):
+def gather_agent(w: int, blocks: int):
     """Gather warp w: half w of every block, ("stage", s, w); a reader of ("stage", s) reads every half (run)."""
     for g in range(blocks):
         s = g % STAGES
         if g >= STAGES:
             yield ("wait", "empty", s, g // STAGES - 1)
-        if plan == "lead_ring" and g >= scale_slots and mutation != "gather ignores sc_empty":
-            yield ("wait", "sc_empty", g % scale_slots, g // scale_slots - 1)
         yield ("write", ("stage", s, w), g, "stage")
-        if plan == "lead_ring":
-            yield ("write", ("scales", g % scale_slots), g, "scales")   # the scales and the mask
         yield ("arrive", "full", s)   # the warp's 33 arrivals on full[s] as one: they all follow its copies
 
 
-def transposer_agent(blocks: int, plan: str, mutation=None):
+def transposer_agent(blocks: int, mutation=None):
     for g in range(blocks):
         s = g % STAGES
         yield ("wait", "full", s, g // STAGES)
         for h in (0, 1):
-            slot, use = vt_slot(plan, h, g)
+            slot, use = h, g   # V^T half h of every block in slot h
             if use > 0 and mutation != "transposer ignores vt_empty":
                 yield ("wait", "vt_empty", slot, use - 1)
             yield ("read_begin", ("stage", s), g)
@@ -119,8 +100,8 @@ def warps_arrive(bar: str, i: int):
         yield ("arrive", bar, i)
 
 
-def pv(wg: int, g: int, plan: str = "split"):
-    slot, use = vt_slot(plan, wg, g)
+def pv(wg: int, g: int):
+    slot, use = wg, g
     yield ("wait", "vt_full", slot, use)
     yield ("read_begin", ("vt", slot), g)
     yield ("read_end", ("vt", slot), g)
@@ -152,47 +133,37 @@ def split_consumer(wg: int, rows: list[int], mutation=None):
         yield ("named_sync", f"free{wg}")          # the last arrival of the other warpgroup
 
 
-# ---- the lead plan (lead.cuh: lead_loop, follow_loop; lead_ring: with its scale ring, kRing) ----------------------
-def lead_qk(g: int, plan: str, scale_slots: int):
+# ---- the lead plan (lead.cuh: lead_loop, follow_loop) ------------------------------------------------------------
+def lead_qk(g: int):
     s = g % STAGES
     yield ("wait", "full", s, g // STAGES)
-    yield ("read_begin", ("stage", s), g)   # Q K^T; without the ring also the mask and the scales, until the words
-    if plan == "lead_ring":
-        yield ("read_begin", ("scales", g % scale_slots), g)   # the fold's scales; the mask and the words follow
-        yield ("read_end", ("stage", s), g)
-        yield from warps_arrive("empty", s)
+    yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
-def lead_consumer(rows: list[int], plan: str, p_slots: int, scale_slots: int, mutation=None):
-    ring = plan == "lead_ring"
+def lead_consumer(rows: list[int], p_slots: int, mutation=None):
     g = 0
     for row, n in enumerate(rows):
         yield from rendezvous("consumers")          # the Q tile written
         if n:
-            yield from lead_qk(g, plan, scale_slots)
+            yield from lead_qk(g)
         for blk in range(n):
             s, c = g % STAGES, g % p_slots
             if g >= p_slots and mutation != "p slot rewritten early":
                 yield ("wait", "p_empty", c, g // p_slots - 1)
             yield ("write", ("p16", c), g, "one")   # P and the rows' factor
             yield from warps_arrive("p_full", c)
-            if ring:
-                yield ("read_end", ("scales", g % scale_slots), g)
-                yield from warps_arrive("sc_empty", g % scale_slots)
-            else:
-                yield ("read_end", ("stage", s), g)
-                yield from warps_arrive("empty", s)
-            yield from pv(0, g, plan)
+            yield ("read_end", ("stage", s), g)
+            yield from warps_arrive("empty", s)
+            yield from pv(0, g)
             if blk + 1 < n:
-                yield from lead_qk(g + 1, plan, scale_slots)
+                yield from lead_qk(g + 1)
             g += 1
         yield ("write", "rowsum", row, "one")
         yield from rendezvous("consumers")          # the rows' sums written
         yield from rendezvous("consumers")          # past the epilogue
 
 
-def follow_consumer(rows: list[int], plan: str, p_slots: int, scale_slots: int, mutation=None):
-    ring = plan == "lead_ring"
+def follow_consumer(rows: list[int], p_slots: int, mutation=None):
     g = 0
     for row, n in enumerate(rows):
         yield from rendezvous("consumers")
@@ -202,15 +173,13 @@ def follow_consumer(rows: list[int], plan: str, p_slots: int, scale_slots: int, 
             yield ("read_begin", ("p16", c), g)
             yield ("read_end", ("p16", c), g)
             yield from warps_arrive("p_empty", c)
-            buf, bar, i = (("scales", g % scale_slots), "sc_empty", g % scale_slots) if ring else \
-                (("stage", s), "empty", s)
             if mutation == "follower releases the stage early":
-                yield from warps_arrive(bar, i)
-            yield ("read_begin", buf, g)   # the block's scales, for the factors and the words
-            yield ("read_end", buf, g)
+                yield from warps_arrive("empty", s)
+            yield ("read_begin", ("stage", s), g)   # the block's scales, for the factors and the words
+            yield ("read_end", ("stage", s), g)
             if mutation != "follower releases the stage early":
-                yield from warps_arrive(bar, i)
-            yield from pv(1, g, plan)
+                yield from warps_arrive("empty", s)
+            yield from pv(1, g)
             g += 1
         if mutation != "row sums read early":
             yield from rendezvous("consumers")
@@ -221,7 +190,7 @@ def follow_consumer(rows: list[int], plan: str, p_slots: int, scale_slots: int, 
             yield from rendezvous("consumers")
 
 
-PLANS = ("lead", "split", "lead_ring")
+PLANS = ("lead", "split")
 
 
 def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
@@ -230,24 +199,21 @@ def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: 
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
     sim.count = {"full": counts["full"], "empty": counts[f"{plan}_empty"], "vt_full": counts["vt_full"],
-                 "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"],
-                 "sc_empty": counts["sc_empty"]}
+                 "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"]}
     blocks = sum(rows)
-    slots = counts["scale_slots"]
-    agents = {f"gather{w}": gather_agent(w, blocks, plan, slots, mutation) for w in range(counts["gather_warps"])}
+    agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
-        agents[f"transposer{w}"] = transposer_agent(blocks, plan, mutation)
-    if plan in ("lead", "lead_ring"):
-        agents["wg0"] = lead_consumer(rows, plan, counts["p_slots"], slots, mutation)
-        agents["wg1"] = follow_consumer(rows, plan, counts["p_slots"], slots, mutation)
+        agents[f"transposer{w}"] = transposer_agent(blocks, mutation)
+    if plan == "lead":
+        agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation)
+        agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
     else:
         for wg in (0, 1):
             agents[f"wg{wg}"] = split_consumer(wg, rows, mutation)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps arrive on the stage's
     # empty barrier once each, so each is a reader (twice: once for each V^T half); both consumer warpgroups read a
-    # stage, except with the scale ring, where warpgroup 0 alone reads it and both read the block's scale slot.
-    readers = {"stage": counts["warps"] * 2 + (1 if plan == "lead_ring" else 2), "scales": 2, "vt": 1, "sx": 1,
-               "one": 1}
+    # stage.
+    readers = {"stage": counts["warps"] * 2 + 2, "vt": 1, "sx": 1, "one": 1}
     both = {"consumers", "ready"}   # named barriers both warpgroups sync on (rendezvous above)
     named = {name: [0, 0] for name in ("free0", "free1")}
     gen = {(b, w): 0 for b in both for w in ("wg0", "wg1")}
@@ -306,4 +272,4 @@ if __name__ == "__main__":
     except ProtocolError as e:
         print(f"sparse protocol model: INCONSISTENT: {e}")
         sys.exit(1)
-    print(f"sparse protocol model: consistent ({n} interleavings of the lead, split and lead-ring plans)")
+    print(f"sparse protocol model: consistent ({n} interleavings of the lead and split plans)")
