@@ -309,6 +309,23 @@ __device__ __forceinline__ void build_group_words(PAt&& p_at, const float* scale
   }
 }
 
+// The same from P in fp16 (pv.cuh: p_group_words_f16; the lead plan, whose warpgroups both hold P in fp16).
+template <int kG0>
+__device__ __forceinline__ void build_group_words_f16(const uint32_t (&p16)[16], const float* scales,
+                                                      const float (&F)[2], int lane, int debug,
+                                                      uint32_t (&words0)[kPTerms][8], uint32_t (&words1)[kPTerms][8]) {
+  if (debug & kDebugNoWords) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < kPTerms; ++t) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
+    }
+  } else {
+    p_group_words_f16<kPTerms>(p16, scales, kG0, F[0] == 0.f ? 1.f : F[0], lane, words0);
+    p_group_words_f16<kPTerms>(p16, scales, kG0 + 1, F[1] == 0.f ? 1.f : F[1], lane, words1);
+  }
+}
+
 // O_g += P_g V_g for the two groups of a V^T half (vt_half: its first group's 128 rows, the second's after them),
 // waited for. The caller waits for the half before and releases it after.
 template <class FragO>

@@ -130,11 +130,9 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
       // ---- P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1 read block g - 2) ----
       if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u, hint);
-      {
-        uint32_t p16[kP16Words];
-        decode_fp8::p16_fragment(S, p16);
-        decode_fp8::store_p(ss.p16[c], tid_in_wg, p16);
-      }
+      uint32_t p16[kP16Words];  // also this warpgroup's P for its words
+      decode_fp8::p16_fragment(S, p16);
+      decode_fp8::store_p(ss.p16[c], tid_in_wg, p16);
       if ((lane & 3) == 0) {
         ss.sc[c][row_in_tile[0]] = sc[0];
         ss.sc[c][row_in_tile[1]] = sc[1];
@@ -146,7 +144,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       update_group_factors(thread_max, F, ratio);
       rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      build_group_words<0>([&](int idx) { return S(idx); }, ss.scales_of(g), F, lane, debug, words0, words1);
+      build_group_words_f16<0>(p16, ss.scales_of(g), F, lane, debug, words0, words1);
       warp_arrive(ss.empty[s], lane);
 
       // ---- O_g += P_g V_g; the next block's Q K^T ----
@@ -218,7 +216,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       update_group_factors(thread_max, F, ratio);
       rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      build_group_words<2>([&](int idx) { return p16_at(p16, idx); }, scales, F, lane, debug, words0, words1);
+      build_group_words_f16<2>(p16, scales, F, lane, debug, words0, words1);
       warp_arrive(ss.empty[s], lane);
 
       // ---- O_g += P_g V_g ----

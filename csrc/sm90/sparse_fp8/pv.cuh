@@ -154,6 +154,47 @@ __device__ __forceinline__ void p_group_words(const Frag& p, const float* scales
   p_group_words_of<kTerms>([&](int idx) { return p(idx); }, scales, g, f, lane, words);
 }
 
+// The same words from P in fp16 (p16: word k = (P(2 k), P(2 k + 1)), decode_fp8::p16_fragment's order), with x = P s f
+// formed in f16x2: the thread's 16 tokens' s[t, g] f as eight f16x2 pairs (tokens 8 a + 2 (lane % 4) + e), one HMUL2
+// a pair of values, the first term converted from f16x2 and the second from the f16x2 difference (exact, as in
+// lo_term_e4m3x4). The fp16 roundings of P, s f and the product (2^-11 each, relative) stay below the second term's
+// own (2^-8 of x). About 30% fewer instructions than the fp32 form, which multiplies and converts one value at a time.
+template <int kTerms>
+__device__ __forceinline__ void p_group_words_f16(const uint32_t (&p16)[16], const float* scales, int g, float f,
+                                                  int lane, uint32_t (&words)[kTerms][8]) {
+  __half2 sf[8];
+  CUTLASS_PRAGMA_UNROLL
+  for (int a = 0; a < 8; ++a) {
+    const int t = 8 * a + 2 * (lane & 3);
+    sf[a] = __floats2half2_rn(scales[t * kGroups + g] * f, scales[(t + 1) * kGroups + g] * f);
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int kk = 0; kk < 2; ++kk) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const int base = decode_fp8::p_source_index(kk, q, 0);  // values base, base + 1 (bytes 0, 1), base + 4, + 5
+      uint32_t hi2[2], lo2[2];
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const int idx = base + 4 * h;
+        const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&p16[idx >> 1]), sf[idx >> 2]);
+        uint16_t d;
+        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(d) : "r"(*reinterpret_cast<const uint32_t*>(&x)));
+        hi2[h] = d;
+        if constexpr (kTerms == 2) {
+          const uint32_t b = decode::e4m3x2_to_f16x2(d);
+          const __half2 r = __hsub2(x, *reinterpret_cast<const __half2*>(&b));
+          uint16_t e;
+          asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(e) : "r"(*reinterpret_cast<const uint32_t*>(&r)));
+          lo2[h] = e;
+        }
+      }
+      words[0][4 * kk + q] = hi2[0] | (hi2[1] << 16);
+      if constexpr (kTerms == 2) words[1][4 * kk + q] = lo2[0] | (lo2[1] << 16);
+    }
+  }
+}
+
 // O_g (64 x 128 fp32 accumulator fragment) += P_g V_g; vt_group: group g's 128 V^T rows (V^T half g / 2, rows
 // 128 (g % 2) ..); tid: the thread's index in its warpgroup. One commit group; the caller waits, and keeps `words`
 // unchanged until then (the wgmma reads them from the registers).
