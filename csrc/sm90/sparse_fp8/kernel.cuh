@@ -17,7 +17,7 @@
 //         warpgroup 1 in fp16, which only multiplies it by its half of V;
 //       split (split.cuh, FLASHMLA_BACKEND_SPARSE_DEBUG bit 64): each warpgroup computes its groups' part of every
 //         block's scores and half of the rope product; the parts are exchanged through shared memory and added, and
-//         both warpgroups run the same softmax (measured 8% slower at b128 h_q 128: docs/perf/journal.md).
+//         both warpgroups run the same softmax (measured 12% slower at b128 h_q 128: docs/perf/journal.md).
 // The epilogue (common.cuh: store_rows) writes out = O_g / (F_g l) and lse, or a split's fp32 partials for the combine.
 #pragma once
 
