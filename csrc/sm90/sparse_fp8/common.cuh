@@ -361,10 +361,9 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
       const int s = int(g % kStages);
       if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-      const uint32_t scale_addr = stage_addr + kScalesAt;
       const uint32_t mask = (debug & kDebugNoGather)
                                 ? ~0u
-                                : gather_half_warp(stage_addr, scale_addr, cache, p.num_kv_tokens, row,
+                                : gather_half_warp(stage_addr, cache, p.num_kv_tokens, row,
                                                    (w.first_page + blk) * kBlockTokens, stop, gwarp, lane);
       // full[s] completes when both warps' lanes' copies have landed (their cp.async arrivals) and their lane 0
       // wrote its half of the mask.

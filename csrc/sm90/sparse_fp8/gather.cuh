@@ -40,8 +40,10 @@ __device__ __forceinline__ void cp_async_16_or_zeros(uint32_t smem_addr, const v
       : "memory");
 }
 
-// base + t * 656 in one wide multiply-add (written as C++, the compiler formed t * 656 + the lane's offset first and
-// added the cache's address in two more instructions).
+// The address of token t's bytes at `base` (the cache's address plus the lane's chunk offset): base + t * 656. ptxas
+// 13.0 turns this mad.wide.u32 into a wide multiply and a 64-bit add (three instructions); the C++ expression
+// base + uint64_t(t) * 656 compiles to one IMAD.WIDE.U32 with the 64-bit addend (112 fewer instructions in the
+// kernel), found after the last GPU run and not yet timed: docs/perf/journal.md, Next.
 __device__ __forceinline__ const void* token_address(uint64_t base, uint32_t t) {
   uint64_t a;
   asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(a) : "r"(t), "r"(uint32_t(kTokenBytes)), "l"(base));
@@ -49,17 +51,15 @@ __device__ __forceinline__ const void* token_address(uint64_t base, uint32_t t) 
 }
 
 // Half h of a block, entries first + 32 h .. first + 32 h + 31 of a query token's index row `row` (n_used entries
-// count), into the stage at stage_addr (a shared address, 1024-byte aligned), the tokens' scales to scale_addr (token
-// r's four at scale_addr + 16 r, r = 0..63 in the block: the stage's own scale region, or a ring of their own). Called
-// by all 32 lanes of a warp; returns the mask of the half's entries that name a token (bit e: entry first + 32 h + e),
+// count), into the stage at stage_addr (a shared address, 1024-byte aligned; layout.h). Called by all 32 lanes of a
+// warp; returns the mask of the half's entries that name a token (bit e: entry first + 32 h + e),
 // the same in every lane. Lane l loads entry l of the half; every copy's row within the half is a compile-time
 // constant and every lane-dependent part of its address is computed once, so a latent copy is a shuffle, a wide
 // multiply-add, a predicate and the cp.async (with run-time rows and the swizzle computed per copy, one warp issued
 // about 1,400 instructions a block and was the kernel's bottleneck: docs/perf/journal.md, the lead plan's profile).
 // A skipped entry's token index is 0 for its address, which the copy then does not read.
-__device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, uint32_t scale_addr, const uint8_t* cache,
-                                                     int64_t num_tokens, const int* row, int first, int n_used, int h,
-                                                     int lane) {
+__device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,
+                                                     const int* row, int first, int n_used, int h, int lane) {
   const int e = first + 32 * h + lane;
   const int t_lane = e < n_used ? __ldg(row + e) : -1;
   const bool ok = index_valid(t_lane, num_tokens);
@@ -82,7 +82,7 @@ __device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, uint32
     }
   }
   // The scales: lane l copies those of its own entry.
-  cp_async_16_or_zeros(scale_addr + uint32_t((32 * h + lane) * kChunkBytes),
+  cp_async_16_or_zeros(stage_addr + uint32_t(kScalesAt + (32 * h + lane) * kChunkBytes),
                        token_address(reinterpret_cast<uint64_t>(cache) + kScaleChunk * kChunkBytes, uint32_t(v)), !ok);
   // The rope: four tokens an instruction, lane l chunk c = l % 8 of the half's token 4 i + q, q = l / 8, into the
   // 128B-swizzled rope tile (layout.h: sw128_offset; the row's bits 0..2 are 4 (i % 2) + q).
@@ -105,17 +105,11 @@ __device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, uint32
 }
 
 // The whole block by one warp (the probes): both halves; bit e of the mask is entry first + e.
-__device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, uint32_t scale_addr, const uint8_t* cache,
-                                                      int64_t num_tokens, const int* row, int first, int n_used,
-                                                      int lane) {
-  const uint32_t lo = gather_half_warp(stage_addr, scale_addr, cache, num_tokens, row, first, n_used, 0, lane);
-  const uint32_t hi = gather_half_warp(stage_addr, scale_addr, cache, num_tokens, row, first, n_used, 1, lane);
-  return uint64_t(lo) | (uint64_t(hi) << 32);
-}
-// The scales into the stage's own region (layout.h).
 __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,
                                                       const int* row, int first, int n_used, int lane) {
-  return gather_block_warp(stage_addr, stage_addr + kScalesAt, cache, num_tokens, row, first, n_used, lane);
+  const uint32_t lo = gather_half_warp(stage_addr, cache, num_tokens, row, first, n_used, 0, lane);
+  const uint32_t hi = gather_half_warp(stage_addr, cache, num_tokens, row, first, n_used, 1, lane);
+  return uint64_t(lo) | (uint64_t(hi) << 32);
 }
 
 // An arrival on the mbarrier at bar_addr once every cp.async this lane issued so far has completed (.noinc: the
