@@ -30,7 +30,7 @@ constexpr int kFollowRegs = 216;
 static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
               "register split exceeds the CTA's allocation");
 
-// Shared memory 205 KB.
+// The lead plan's shared memory (205 KB).
 struct alignas(1024) LeadStorage {
   // What the gather and transposer warps (common.cuh) ask of a plan's storage: mask and scales of block g in stage
   // g % kStages, V^T half h of every block in slot h.
@@ -65,12 +65,6 @@ static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "
 
 constexpr uint32_t kLeadEmptyArrivals = 8 + kTransposeWarps;
 constexpr uint32_t kPSlotArrivals = 4;
-
-// Value idx of a fp16 P fragment (the accumulator's order: decode_fp8/mainloop.cuh, p16_fragment), as float.
-__device__ __forceinline__ float p16_at(const uint32_t (&w)[kP16Words], int idx) {
-  const __half2 h = *reinterpret_cast<const __half2*>(&w[idx >> 1]);
-  return (idx & 1) ? __high2float(h) : __low2float(h);
-}
 
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 0
