@@ -291,39 +291,39 @@ __device__ __forceinline__ void rescale_groups(FragO& o0, FragO& o1, const float
   }
 }
 
-// The two-term e4m3 words of P[:, t] s[t, g] F_g for groups kG0 and kG0 + 1 (pv.cuh: p_group_words_of; P's value idx
-// is p_at(idx)), zeros under the kDebugNoWords switch.
+// The two-term e4m3 words of P[:, t] s[t, g] F_g for groups kG0 and kG0 + 1, each from
+// one_group(g, F_g, words) (F_g 1 until a block sets it), zeros under the kDebugNoWords switch.
+template <int kG0, class OneGroup>
+__device__ __forceinline__ void two_group_words(OneGroup&& one_group, const float (&F)[2], int debug,
+                                                uint32_t (&words0)[kPTerms][8], uint32_t (&words1)[kPTerms][8]) {
+  if (debug & kDebugNoWords) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < kPTerms; ++t) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
+    }
+  } else {
+    one_group(kG0, F[0] == 0.f ? 1.f : F[0], words0);
+    one_group(kG0 + 1, F[1] == 0.f ? 1.f : F[1], words1);
+  }
+}
+// From P in fp32, P's value idx being p_at(idx) (pv.cuh: p_group_words_of; the split plan).
 template <int kG0, class PAt>
 __device__ __forceinline__ void build_group_words(PAt&& p_at, const float* scales, const float (&F)[2], int lane,
                                                   int debug, uint32_t (&words0)[kPTerms][8],
                                                   uint32_t (&words1)[kPTerms][8]) {
-  if (debug & kDebugNoWords) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < kPTerms; ++t) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
-    }
-  } else {
-    p_group_words_of<kPTerms>(p_at, scales, kG0, F[0] == 0.f ? 1.f : F[0], lane, words0);
-    p_group_words_of<kPTerms>(p_at, scales, kG0 + 1, F[1] == 0.f ? 1.f : F[1], lane, words1);
-  }
+  two_group_words<kG0>([&](int g, float f, uint32_t(&w)[kPTerms][8]) {
+    p_group_words_of<kPTerms>(p_at, scales, g, f, lane, w);
+  }, F, debug, words0, words1);
 }
-
-// The same from P in fp16 (pv.cuh: p_group_words_f16; the lead plan, whose warpgroups both hold P in fp16).
+// From P in fp16 (pv.cuh: p_group_words_f16; the lead plan, whose warpgroups both hold P in fp16).
 template <int kG0>
 __device__ __forceinline__ void build_group_words_f16(const uint32_t (&p16)[16], const float* scales,
                                                       const float (&F)[2], int lane, int debug,
                                                       uint32_t (&words0)[kPTerms][8], uint32_t (&words1)[kPTerms][8]) {
-  if (debug & kDebugNoWords) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < kPTerms; ++t) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
-    }
-  } else {
-    p_group_words_f16<kPTerms>(p16, scales, kG0, F[0] == 0.f ? 1.f : F[0], lane, words0);
-    p_group_words_f16<kPTerms>(p16, scales, kG0 + 1, F[1] == 0.f ? 1.f : F[1], lane, words1);
-  }
+  two_group_words<kG0>([&](int g, float f, uint32_t(&w)[kPTerms][8]) {
+    p_group_words_f16<kPTerms>(p16, scales, g, f, lane, w);
+  }, F, debug, words0, words1);
 }
 
 // O_g += P_g V_g for the two groups of a V^T half (vt_half: its first group's 128 rows, the second's after them),
