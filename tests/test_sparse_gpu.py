@@ -39,9 +39,14 @@ def _sm90():
 
 
 # The kernel's plans (csrc/sm90/sparse_fp8/kernel.cuh): the lead one (the default), the split one (bit 64 of
-# FLASHMLA_BACKEND_SPARSE_DEBUG), which the launcher reads at every launch; and the lead one whose mbarrier waits
-# retry with a suspend-time hint (bit 256).
-PLANS = {"lead": None, "split": "64", "lead_suspend": "256"}
+# FLASHMLA_BACKEND_SPARSE_DEBUG), which the launcher reads at every launch; the lead one whose mbarrier waits
+# retry with a suspend-time hint (bit 256), with its Q K^T group loop rolled (bit 128), with the group factors made
+# by the transposer warps (bit 8), and with those and the fold's scales in the consumers' thread order (bit 32).
+PLANS = {"lead": None, "split": "64", "lead_suspend": "256", "lead_rolled": "128", "lead_factors": "8",
+         "lead_sbt": "32"}
+# The lead plan's variants that do the same arithmetic in another order of instructions or in another role: their
+# results must be the lead plan's bit for bit.
+SAME_RESULTS = ("lead_rolled", "lead_factors", "lead_sbt")
 
 
 @pytest.fixture(params=sorted(PLANS))
@@ -83,6 +88,19 @@ def test_sparse_kernel_matches_fp64(case, plan, record_errors):
           f"lse {figures['lse_rel']:.2e}")
     out2, lse2 = _run(inp)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
+
+
+@pytest.mark.parametrize("variant", SAME_RESULTS)
+def test_lead_plan_variants_match_it_bit_for_bit(variant, monkeypatch):
+    _sm90()
+    for case in (CASES[1], CASES[2], CASES[6]):
+        inp = make_sparse_inputs(case)
+        monkeypatch.delenv("FLASHMLA_BACKEND_SPARSE_DEBUG", raising=False)
+        out, lse = _run(inp)
+        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", PLANS[variant])
+        out2, lse2 = _run(inp)
+        assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), f"{case}: out differs from the lead plan's"
+        assert torch.equal(lse, lse2), f"{case}: lse differs from the lead plan's"
 
 
 def test_one_filled_object_serves_several_calls(plan):

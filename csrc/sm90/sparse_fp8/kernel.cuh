@@ -28,9 +28,9 @@
 namespace flashmla_backend::sm90::sparse_fp8 {
 
 // The plans (the lead one; FLASHMLA_BACKEND_SPARSE_DEBUG bit 64: the split one).
-enum Plan : int { kPlanLead = 0, kPlanSplit = 1 };
+enum Plan : int { kPlanLead = 0, kPlanSplit = 1, kPlanLeadRolled = 2, kPlanLeadFactors = 3, kPlanLeadSbt = 4 };
 template <int kPlan>
-using StorageOf = std::conditional_t<kPlan == kPlanLead, LeadStorage, SplitStorage>;
+using StorageOf = std::conditional_t<kPlan != kPlanSplit, LeadStorage, SplitStorage>;
 template <int kPlan>
 constexpr int kSmemBytes = int(sizeof(StorageOf<kPlan>)) + 1024;
 
@@ -38,7 +38,7 @@ template <int kPlan>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kLead = kPlan == kPlanLead;
+  constexpr bool kLead = kPlan != kPlanSplit;
   using SS = StorageOf<kPlan>;
   const DecodeParams& p = params;
   extern __shared__ uint8_t smem_raw[];
@@ -78,14 +78,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     const int warp = (tid - kNumConsumerThreads) / 32;
     if (warp < kGatherWarps) {
-      gather_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp, lane, debug);
+      gather_warp<kPlan >= kPlanLeadSbt>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp, lane, debug);
     } else {
-      transpose_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - kGatherWarps, lane, debug);
+      transpose_warp<kPlan >= kPlanLeadFactors>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - kGatherWarps, lane, debug);
     }
   } else if (wg == 0) {
     if constexpr (kLead) {
       cutlass::arch::warpgroup_reg_alloc<kLeadRegs>();
-      lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
+      lead_loop<kPlan >= kPlanLeadRolled, kPlan >= kPlanLeadFactors, kPlan >= kPlanLeadSbt>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       split_consumer_loop<0>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   } else {
     if constexpr (kLead) {
       cutlass::arch::warpgroup_reg_alloc<kFollowRegs>();
-      follow_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
+      follow_loop<kPlan >= kPlanLeadFactors>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
       split_consumer_loop<1>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);

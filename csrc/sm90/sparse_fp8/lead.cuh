@@ -47,6 +47,12 @@ struct alignas(1024) LeadStorage {
   uint64_t mask[kStages];                                   // block g's mask in slot mask_slot(g)
   float row_scale_log2[kTileRows];
   float row_sum[kTileRows];                                 // the rows' final sums (warpgroup 0 -> 1)
+  // Under kDebugProducerFactors (common.cuh: block_group_factors), the block in stage s: its words' s F pairs of group
+  // g, [g][q][a], and (ratio, F) of group g.
+  alignas(16) uint32_t sf[kStages][kGroups][4][8];
+  alignas(16) float gfac[kStages][kGroups][2];
+  // Under kDebugScalesByThread: the block's scales in the consumers' thread order (gather.cuh), for the fold.
+  alignas(16) float sbt[kStages][kScalesByThreadBytes / 4];
   // full: the gather's. empty: each warpgroup's 4 warps after its words read the block's scales, and the transposer
   // warps. p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full /
   // vt_empty: a V^T half written (the transposer warps) / read by its warpgroup's P V (4 warps).
@@ -71,7 +77,7 @@ constexpr uint32_t kPSlotArrivals = 4;
 // ------------------------------------------------------------------------------------------------
 // S = Q K^T of block g (all four groups, the rope), after its stage landed; thread_max: the thread's largest scale of
 // groups 0 and 1.
-template <class FragS>
+template <bool kRolled, bool kScalesByThread, class FragS>
 __device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, int lane, uint32_t hint,
                                         FragS& S, float (&thread_max)[2]) {
   const int s = int(g % kStages);
@@ -79,13 +85,16 @@ __device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_
   cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
   typename QkTypes::TiledMmaLatent mma_s;
   Tensor tmp = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
+
   float smax[kGroups];
-  sparse_qk_groups<kQTerms, 0, kGroups, 0, 4>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], ss.scales_of(g), S, tmp,
-                                              smax);
+  sparse_qk_groups<kQTerms, 0, kGroups, 0, 4, kRolled, kScalesByThread>(
+      tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], kScalesByThread ? &ss.sbt[s][0] : ss.scales_of(g), S, tmp, smax);
   thread_max[0] = smax[0];
   thread_max[1] = smax[1];
 }
 
+// kFactors: the group factors and the words' s F pairs come from the transposer warps (kDebugProducerFactors).
+template <bool kRolled, bool kFactors, bool kScalesByThread>
 __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
                                           int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
@@ -113,7 +122,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     const int nblk = counted_blocks(p, w, stop);
     Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     float thread_max[2];
-    if (nblk > 0) lead_qk(ss, g, tid_in_wg, lane, hint, S, thread_max);
+    if (nblk > 0) lead_qk<kRolled, kScalesByThread>(ss, g, tid_in_wg, lane, hint, S, thread_max);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       [[maybe_unused]] const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -135,21 +144,34 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
       // ---- the groups' factors, O rescaled, P's words of groups 0 and 1; the block's scales are done with here ----
       float ratio[2];
-      update_group_factors(thread_max, F, ratio);
-      rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      build_group_words_f16<0>(p16, ss.scales_of(g), F, lane, debug, words0, words1);
-      warp_arrive(ss.empty[s], lane);
+      if constexpr (kFactors) {
+        // vt_full: V^T half 0 and the transposer warps' factors and pairs of the block
+        consumer_wait(ss.vt_full[0], g & 1u, hint);
+        const float4 gf = *reinterpret_cast<const float4*>(&ss.gfac[s][0][0]);
+        ratio[0] = gf.x;
+        F[0] = gf.y;
+        ratio[1] = gf.z;
+        F[1] = gf.w;
+        rescale_groups(o0, o1, sc, ratio);
+        build_group_words_sf<0>(p16, &ss.sf[s][0][0][0], lane, debug, words0, words1);
+        warp_arrive(ss.empty[s], lane);
+      } else {
+        update_group_factors(thread_max, F, ratio);
+        rescale_groups(o0, o1, sc, ratio);
+        build_group_words_f16<0>(p16, ss.scales_of(g), F, lane, debug, words0, words1);
+        warp_arrive(ss.empty[s], lane);
+        consumer_wait(ss.vt_full[0], g & 1u, hint);
+      }
 
       // ---- O_g += P_g V_g; the next block's Q K^T ----
-      consumer_wait(ss.vt_full[0], g & 1u, hint);
       sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[0], o0);
       sparse_pv_group<kPTerms>(tid_in_wg, words1, ss.vt[0] + decode_fp8::kVtHalfBytes / 2, o1);
       warpgroup_wait<0>();
       warpgroup_fence_operand(o0);
       warpgroup_fence_operand(o1);
       warp_arrive(ss.vt_empty[0], lane);
-      if (blk + 1 < nblk) lead_qk(ss, g + 1, tid_in_wg, lane, hint, S, thread_max);
+      if (blk + 1 < nblk) lead_qk<kRolled, kScalesByThread>(ss, g + 1, tid_in_wg, lane, hint, S, thread_max);
     }
 
     // ---- epilogue: the rows' sums for warpgroup 1 ----
@@ -169,6 +191,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 1
 // ------------------------------------------------------------------------------------------------
+template <bool kFactors>
 __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
@@ -201,20 +224,34 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       const float sc[2] = {ss.sc[c][row_in_tile[0]], ss.sc[c][row_in_tile[1]]};
       warp_arrive(ss.p_empty[c], lane);
 
-      // ---- the groups' factors and words from the block's scales, in the stage, held until this warpgroup
-      // releases it; the wait for full (complete already) orders the gather's writes for this thread ----
-      consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
-      const float* scales = ss.scales_of(g);
-      float ratio[2], thread_max[2];
-      thread_group_max<2>(scales, lane, thread_max);
-      update_group_factors(thread_max, F, ratio);
-      rescale_groups(o0, o1, sc, ratio);
+      float ratio[2];
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      build_group_words_f16<2>(p16, scales, F, lane, debug, words0, words1);
-      warp_arrive(ss.empty[s], lane);
+      if constexpr (kFactors) {
+        // ---- V^T half 1, the factors and the words' pairs of the block from the transposer warps ----
+        consumer_wait(ss.vt_full[1], g & 1u, hint);
+        const float4 gf = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);
+        ratio[0] = gf.x;
+        F[0] = gf.y;
+        ratio[1] = gf.z;
+        F[1] = gf.w;
+        rescale_groups(o0, o1, sc, ratio);
+        build_group_words_sf<2>(p16, &ss.sf[s][2][0][0], lane, debug, words0, words1);
+        warp_arrive(ss.empty[s], lane);
+      } else {
+        // ---- the groups' factors and words from the block's scales, in the stage, held until this warpgroup
+        // releases it; the wait for full (complete already) orders the gather's writes for this thread ----
+        consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
+        const float* scales = ss.scales_of(g);
+        float thread_max[2];
+        thread_group_max<2>(scales, lane, thread_max);
+        update_group_factors(thread_max, F, ratio);
+        rescale_groups(o0, o1, sc, ratio);
+        build_group_words_f16<2>(p16, scales, F, lane, debug, words0, words1);
+        warp_arrive(ss.empty[s], lane);
+        consumer_wait(ss.vt_full[1], g & 1u, hint);
+      }
 
       // ---- O_g += P_g V_g ----
-      consumer_wait(ss.vt_full[1], g & 1u, hint);
       pv_two_groups(tid_in_wg, words0, words1, ss.vt[1], o0, o1);
       warp_arrive(ss.vt_empty[1], lane);
     }

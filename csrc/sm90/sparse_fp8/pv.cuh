@@ -159,15 +159,11 @@ __device__ __forceinline__ void p_group_words(const Frag& p, const float* scales
 // a pair of values, the first term converted from f16x2 and the second from the f16x2 difference (exact, as in
 // lo_term_e4m3x4). The fp16 roundings of P, s f and the product (2^-11 each, relative) stay below the second term's
 // own (2^-8 of x). About 30% fewer instructions than the fp32 form, which multiplies and converts one value at a time.
+// p_group_words_sf: the same from the pairs sf[a] = (s[t] f, s[t + 1] f), t = 8 a + 2 (lane % 4), made elsewhere (the
+// lead plan's transposer warps: common.cuh, block_group_factors).
 template <int kTerms>
-__device__ __forceinline__ void p_group_words_f16(const uint32_t (&p16)[16], const float* scales, int g, float f,
-                                                  int lane, uint32_t (&words)[kTerms][8]) {
-  __half2 sf[8];
-  CUTLASS_PRAGMA_UNROLL
-  for (int a = 0; a < 8; ++a) {
-    const int t = 8 * a + 2 * (lane & 3);
-    sf[a] = __floats2half2_rn(scales[t * kGroups + g] * f, scales[(t + 1) * kGroups + g] * f);
-  }
+__device__ __forceinline__ void p_group_words_sf(const uint32_t (&p16)[16], const __half2 (&sf)[8],
+                                                 uint32_t (&words)[kTerms][8]) {
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
     CUTLASS_PRAGMA_UNROLL
@@ -193,6 +189,17 @@ __device__ __forceinline__ void p_group_words_f16(const uint32_t (&p16)[16], con
       if constexpr (kTerms == 2) words[1][4 * kk + q] = lo2[0] | (lo2[1] << 16);
     }
   }
+}
+template <int kTerms>
+__device__ __forceinline__ void p_group_words_f16(const uint32_t (&p16)[16], const float* scales, int g, float f,
+                                                  int lane, uint32_t (&words)[kTerms][8]) {
+  __half2 sf[8];
+  CUTLASS_PRAGMA_UNROLL
+  for (int a = 0; a < 8; ++a) {
+    const int t = 8 * a + 2 * (lane & 3);
+    sf[a] = __floats2half2_rn(scales[t * kGroups + g] * f, scales[(t + 1) * kGroups + g] * f);
+  }
+  p_group_words_sf<kTerms>(p16, sf, words);
 }
 
 // O_g (64 x 128 fp32 accumulator fragment) += P_g V_g; vt_group: group g's 128 V^T rows (V^T half g / 2, rows

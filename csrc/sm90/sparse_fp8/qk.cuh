@@ -55,7 +55,11 @@ constexpr int kKStepsPerGroup = 128 / 32;
 // scales: the block's token scales (four floats a token), the stage's own region or a ring of their own.
 // smax[gg]: the largest scale of group kG0 + gg over the thread's 16 tokens (read for the fold anyway; the quad's
 // maximum of it is the block's, which the P V factors need: common.cuh, update_group_factors).
-template <int kQTerms, int kG0, int kNG, int kR0, int kNR, class FragS>
+// kRolled: the group loop is not unrolled (one copy of a group's code instead of kNG; the largest scale is stored by
+// a compile-time select, so smax stays in registers). kScalesByThread: `scales` is the block's scales in the
+// consumers' thread order (gather.cuh: scale_by_thread_offset), a thread's 16 of a group four 16-byte loads.
+template <int kQTerms, int kG0, int kNG, int kR0, int kNR, bool kRolled = false, bool kScalesByThread = false,
+          class FragS>
 __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
                                                  const float* scales, FragS& tSrS, FragS& tmp, float (&smax)[kNG]) {
   using F8 = QkTypes::F8;
@@ -84,7 +88,7 @@ __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uin
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(stage)), typename QkTypes::LatentLayout{});
   Tensor tKl = thr_l.partition_fragment_B(sK);  // (MMA, 1, 16)
   const int lane = tid & 31;
-  CUTLASS_PRAGMA_UNROLL
+#pragma unroll(kRolled ? 1 : kNG)
   for (int g = kG0; g < kG0 + kNG; ++g) {
     mma_l.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(tmp);
@@ -105,14 +109,31 @@ __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uin
     warpgroup_fence_operand(tmp);
     warpgroup_fence_operand(tSrS);
     float mx = 0.f;
+    float by_thread[16];
+    if constexpr (kScalesByThread) {
+      const float4* src = reinterpret_cast<const float4*>(scales + (g * 4 + (lane & 3)) * 16);
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        const float4 v = src[k];
+        by_thread[4 * k] = v.x;
+        by_thread[4 * k + 1] = v.y;
+        by_thread[4 * k + 2] = v.z;
+        by_thread[4 * k + 3] = v.w;
+      }
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tSrS); ++i) {
       const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      const float sc = scales[token * kGroups + g];
+      const float sc = kScalesByThread ? by_thread[2 * (i >> 2) + (i & 1)] : scales[token * kGroups + g];
       if (((i >> 1) & 1) == 0) mx = fmaxf(mx, sc);  // each token once (values i and i + 2: the thread's two rows)
       tSrS(i) = fmaf(tmp(i), sc, tSrS(i));
     }
-    smax[g - kG0] = mx;
+    if constexpr (kRolled) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int gg = 0; gg < kNG; ++gg) smax[gg] = g - kG0 == gg ? mx : smax[gg];
+    } else {
+      smax[g - kG0] = mx;
+    }
   }
 }
 template <int kQTerms, int kG0, int kNG, int kR0, int kNR, class FragS>

@@ -43,7 +43,11 @@ void run_sm90_sparse_decode(const DecodeParams& p) {
       r.kernel << ": kv and q_pe must be 16-byte aligned");
   const int debug = sparse_debug_flags();
   const bool split = (debug & kDebugSplit) != 0;
-  auto* kernel = split ? &sm90_sparse_fp8_decode_kernel<kPlanSplit> : &sm90_sparse_fp8_decode_kernel<kPlanLead>;
+  auto* kernel = split                       ? &sm90_sparse_fp8_decode_kernel<kPlanSplit>
+                 : (debug & kDebugScalesByThread) ? &sm90_sparse_fp8_decode_kernel<kPlanLeadSbt>
+                 : (debug & kDebugProducerFactors) ? &sm90_sparse_fp8_decode_kernel<kPlanLeadFactors>
+                 : (debug & kDebugRolledQk) ? &sm90_sparse_fp8_decode_kernel<kPlanLeadRolled>
+                                            : &sm90_sparse_fp8_decode_kernel<kPlanLead>;
   const int smem = split ? kSmemBytes<kPlanSplit> : kSmemBytes<kPlanLead>;
   FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchAttribute attrs[1];
