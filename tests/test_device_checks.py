@@ -190,37 +190,33 @@ def test_fp8_protocol_model_catches_a_parity_wait_two_phases_ahead(fp8_model, mo
                 fp8_model.run([9, 4, 7, 5], stages, rings, seed=seed, f16pv=f16pv)
 
 
-# ---- the sparse kernel's protocol model (both plans) -------------------------------------------------------------
+# ---- the sparse kernel's protocol model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sparse_model():
     return _load_script(SPARSE_PROTOCOL_MODEL, "sparse_protocol_model")
 
 
-def test_sparse_protocol_model_accepts_both_plans():
+def test_sparse_protocol_model_accepts_the_kernel_schedule():
     _assert_script_says_consistent(SPARSE_PROTOCOL_MODEL)
 
 
-@pytest.mark.parametrize("mutation, plan", [("transposer ignores vt_empty", "lead"),
-                                            ("transposer ignores vt_empty", "split"),
-                                            ("follower releases the stage early", "lead"),
-                                            ("row sums read early", "lead"),
-                                            ("score part rewritten early", "split")])
-def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation, plan):
+@pytest.mark.parametrize("mutation", ["transposer ignores vt_empty", "row sums read early",
+                                      "factors read before vt_full"])
+def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation):
     with pytest.raises(sparse_model.ProtocolError):
         for seed in range(60):
-            sparse_model.run([5, 2, 7], plan, seed=seed, mutation=mutation,
-                             starve=[None, "gather0", "wg0", "wg1"][seed % 4])
+            sparse_model.run([5, 2, 7], seed=seed, mutation=mutation,
+                             starve=[None, "gather0", "wg0", "wg1", "transposer0", "transposer1"][seed % 6])
 
 
 def test_sparse_protocol_model_rejects_wrong_arrival_counts(sparse_model):
     real = sparse_model.read_counts()
-    for plan, name, delta in (("split", "split_empty", -1), ("lead", "lead_empty", -1), ("lead", "p_slot", -1),
-                              ("lead", "p_slot", 1), ("split", "vt_full", -1), ("lead", "full", -1)):
+    for name, delta in (("lead_empty", -1), ("p_slot", -1), ("p_slot", 1), ("vt_full", -1), ("full", -1)):
         counts = dict(real)
         counts[name] = real[name] + delta
         with pytest.raises(sparse_model.ProtocolError):
             for seed in range(60):
-                sparse_model.run([5, 2, 7], plan, counts, seed=seed)
+                sparse_model.run([5, 2, 7], counts, seed=seed)
 
 
 @pytest.mark.parametrize("name, count", [
@@ -368,7 +364,7 @@ def _run_sparse_probe(tmp_path: Path, source: Path, timeout: int) -> subprocess.
 
 
 def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
-    """The sparse kernel's translation unit (both plans) compiles for sm_90a without ptxas's wgmma serialization notes
+    """The sparse kernel's translation unit compiles for sm_90a without ptxas's wgmma serialization notes
     (C7510-C7515: ptxas 13 prints them as infos, which --warning-as-error does not catch). A run-time branch around a
     wgmma (a measurement switch that skipped P V) once serialized every wgmma of the kernel."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
@@ -383,7 +379,7 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert res.returncode == 0, f"sparse.cu does not compile:\n{res.stderr[-4000:]}"
     notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
     assert not notes, "ptxas serializes wgmma in the sparse kernel:\n" + "\n".join(notes)
-    assert res.stderr.count("Compiling entry function") == 2, "the plans (lead, split) are instantiated"
+    assert res.stderr.count("Compiling entry function") == 1, "one kernel is instantiated"
 
 
 def test_sparse_block_probe_compiles(tmp_path):

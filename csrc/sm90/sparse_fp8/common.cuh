@@ -1,6 +1,6 @@
-// What the sm90 sparse (DeepSeek-V3.2) decode kernel's two plans share (kernel.cuh: the kernel and its plans):
-// the geometry and register split, the measurement switches, the mbarrier waits, the Q tile of a row, the counted
-// blocks of a row piece, the transposer warps and the epilogue's stores.
+// The sm90 sparse (DeepSeek-V3.2) decode kernel (kernel.cuh) but for its consumer warpgroups' loops (lead.cuh): the
+// geometry, the measurement switches, the mbarrier waits, the Q tile of a row, the counted blocks of a row piece, the
+// producer warps (the gather, the transposition and the group factors) and the epilogue's stores.
 #pragma once
 
 #include <cuda.h>
@@ -44,10 +44,7 @@ constexpr int kPTerms = 2;              // e4m3 terms of P s[t, g]
 constexpr int kGatherWarps = 2;         // producer warps 0..1: gather warp w copies tokens 32 w .. 32 w + 31 of a block
 constexpr int kTransposeWarps = 2;      // producer warps 2..3: transposer warp t writes part t of each V^T half
 static_assert(kGatherWarps == 2 && kTransposeWarps == 2, "the producer's four warps: a half block or a part each");
-constexpr int kConsumerRegs = 224;
 constexpr int kProducerRegs = 56;
-static_assert(2 * kWgThreads * kConsumerRegs + kWgThreads * kProducerRegs <= decode_fp8::kCtaRegisters,
-              "register split exceeds the CTA's allocation");
 
 // Measurement switches (FLASHMLA_BACKEND_SPARSE_DEBUG, bits; sparse.cu): each leaves a stage's work out, so the
 // results are wrong and only the time means something. None of them may skip a wgmma: a run-time branch around a
@@ -56,20 +53,13 @@ static_assert(2 * kWgThreads * kConsumerRegs + kWgThreads * kProducerRegs <= dec
 enum DebugFlags : int {
   kDebugNoGather = 1,     // the gather warps issue no copies (the stages keep what they held)
   kDebugNoTranspose = 2,  // the transposer warps write no V^T
-  kDebugNoExchange = 4,   // the split plan's consumers do not hand their score parts over (each keeps its own)
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
-  kDebugSplit = 64,       // the split plan instead of the lead one (kernel.cuh; not a measurement switch)
-  kDebugProducerFactors = 8,  // the lead plan, rolled, with the group factors made by the transposer warps (same
-                              // results; common.cuh: block_group_factors)
-  kDebugScalesByThread = 32,  // kDebugProducerFactors, and the fold's scales in the consumers' thread order from the
-                              // gather warps (same results; gather.cuh: scale_by_thread_offset)
-  kDebugRolledQk = 128,   // the lead plan with warpgroup 0's Q K^T group loop rolled (qk.cuh: kRolled; same results)
   kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; measured: no change)
 };
 
-// The named barrier of all 256 consumer threads (ID 0 of each plan's list).
+// The named barrier of all 256 consumer threads.
 constexpr uint32_t kBarConsumers = 0;
-// Arrivals of the V^T barriers, both plans: vt_full (the transposer warps), vt_empty (the 4 warps of the consumer
+// Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (the 4 warps of the consumer
 // warpgroup that reads the half).
 constexpr uint32_t kVtFullArrivals = kTransposeWarps;
 constexpr uint32_t kVtEmptyArrivals = 4;
@@ -204,41 +194,6 @@ __device__ __forceinline__ int counted_blocks(const DecodeParams& p, const decod
   stop = n;
   return n > w.start ? (n + kBlockTokens - 1) / kBlockTokens - w.first_page : 0;
 }
-// The factors of groups kG0 and kG0 + 1 for a block (pv.cuh: group_factor; F[gg] 0 until a block with a token sets
-// it): from the block's largest scale of each group (0 for skipped entries, gathered as zeros), the quad maximum of
-// the thread's own (thread_max[gg]: over its 16 tokens, qk.cuh's fold or thread_group_max), and the ratio by which O
-// of the group must be multiplied where the factor went down (a power of two; 1 where it did not).
-__device__ __forceinline__ void update_group_factors(const float (&thread_max)[2], float (&F)[2], float (&ratio)[2]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int gg = 0; gg < 2; ++gg) {
-    const float ms = decode::quad_max(thread_max[gg]);
-    ratio[gg] = 1.f;
-    if (ms > 0.f) {
-      const float f = group_factor(ms, exp2f(decode_fp8::kPScaleLog2));
-      if (F[gg] == 0.f) {
-        F[gg] = f;
-      } else if (f < F[gg]) {
-        ratio[gg] = power_of_two_ratio(f, F[gg]);
-        F[gg] = f;
-      }
-    }
-  }
-}
-// The thread's largest scale of groups kG0, kG0 + 1 over its 16 tokens, read from the block's scales.
-template <int kG0>
-__device__ __forceinline__ void thread_group_max(const float* scales, int lane, float (&thread_max)[2]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int gg = 0; gg < 2; ++gg) {
-    float ms = 0.f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int a = 0; a < 8; ++a) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < 2; ++e) ms = fmaxf(ms, scales[(8 * a + 2 * (lane & 3) + e) * kGroups + kG0 + gg]);
-    }
-    thread_max[gg] = ms;
-  }
-}
-
 // Scores of the entries that name no token to -inf (a block whose 64 entries all count skips the loop).
 template <class FragS>
 __device__ __forceinline__ void mask_block(FragS& S, uint64_t mask, int lane) {
@@ -296,57 +251,28 @@ __device__ __forceinline__ void rescale_groups(FragO& o0, FragO& o1, const float
   }
 }
 
-// A group's factor for its words: F_g, 1 until a block sets it.
-__device__ __forceinline__ float words_factor(float F) { return F == 0.f ? 1.f : F; }
-
-// The two-term e4m3 words of P[:, t] s[t, g] F_g for groups kG0 and kG0 + 1, each from
-// one_group(g, F_g, words) (F_g 1 until a block sets it), zeros under the kDebugNoWords switch.
-template <int kG0, class OneGroup>
-__device__ __forceinline__ void two_group_words(OneGroup&& one_group, const float (&F)[2], int debug,
-                                                uint32_t (&words0)[kPTerms][8], uint32_t (&words1)[kPTerms][8]) {
+// The two-term e4m3 words of P[:, t] s[t, g] F_g for groups kG0 and kG0 + 1 from P in fp16 (pv.cuh:
+// p_group_words_f16) and the groups' s F pairs that the transposer warps made for the block (sf_g0: group kG0's
+// [4][8] words, group kG0 + 1's after them; a thread's eight of a group are two 16-byte loads), zeros under the
+// kDebugNoWords switch.
+template <int kG0>
+__device__ __forceinline__ void build_group_words(const uint32_t (&p16)[16], const uint32_t* sf_g0, int lane,
+                                                  int debug, uint32_t (&words0)[kPTerms][8],
+                                                  uint32_t (&words1)[kPTerms][8]) {
   if (debug & kDebugNoWords) {
     CUTLASS_PRAGMA_UNROLL
     for (int t = 0; t < kPTerms; ++t) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
     }
-  } else {
-    one_group(kG0, words_factor(F[0]), words0);
-    one_group(kG0 + 1, words_factor(F[1]), words1);
+    return;
   }
-}
-// From P in fp32, P's value idx being p_at(idx) (pv.cuh: p_group_words_of; the split plan).
-template <int kG0, class PAt>
-__device__ __forceinline__ void build_group_words(PAt&& p_at, const float* scales, const float (&F)[2], int lane,
-                                                  int debug, uint32_t (&words0)[kPTerms][8],
-                                                  uint32_t (&words1)[kPTerms][8]) {
-  two_group_words<kG0>([&](int g, float f, uint32_t(&w)[kPTerms][8]) {
-    p_group_words_of<kPTerms>(p_at, scales, g, f, lane, w);
-  }, F, debug, words0, words1);
-}
-// From P in fp16 (pv.cuh: p_group_words_f16; the lead plan, whose warpgroups both hold P in fp16).
-template <int kG0>
-__device__ __forceinline__ void build_group_words_f16(const uint32_t (&p16)[16], const float* scales,
-                                                      const float (&F)[2], int lane, int debug,
-                                                      uint32_t (&words0)[kPTerms][8], uint32_t (&words1)[kPTerms][8]) {
-  two_group_words<kG0>([&](int g, float f, uint32_t(&w)[kPTerms][8]) {
-    p_group_words_f16<kPTerms>(p16, scales, g, f, lane, w);
-  }, F, debug, words0, words1);
-}
-
-// From P in fp16 and the two groups' s F pairs made by the transposer warps (block_group_factors; the lead plan's
-// kDebugProducerFactors): sf_g0 points at group kG0's [4][8] words, group kG0 + 1's follow; the thread's eight of a
-// group are two 16-byte loads.
-template <int kG0>
-__device__ __forceinline__ void build_group_words_sf(const uint32_t (&p16)[16], const uint32_t* sf_g0, int lane,
-                                                     int debug, uint32_t (&words0)[kPTerms][8],
-                                                     uint32_t (&words1)[kPTerms][8]) {
-  const float unused_factors[2] = {1.f, 1.f};  // the pairs hold the factors
-  two_group_words<kG0>([&](int g, float, uint32_t(&w)[kPTerms][8]) {
-    const uint4* src = reinterpret_cast<const uint4*>(sf_g0 + ((g - kG0) * 4 + (lane & 3)) * 8);
+  CUTLASS_PRAGMA_UNROLL
+  for (int gg = 0; gg < 2; ++gg) {
+    const uint4* src = reinterpret_cast<const uint4*>(sf_g0 + (gg * 4 + (lane & 3)) * 8);
     const uint4 v[2] = {src[0], src[1]};
-    p_group_words_sf<kPTerms>(p16, *reinterpret_cast<const __half2(*)[8]>(v), w);
-  }, unused_factors, debug, words0, words1);
+    p_group_words_f16<kPTerms>(p16, *reinterpret_cast<const __half2(*)[8]>(v), gg == 0 ? words0 : words1);
+  }
 }
 
 // O_g += P_g V_g for the two groups of a V^T half (vt_half: its first group's 128 rows, the second's after them),
@@ -369,17 +295,7 @@ __device__ __forceinline__ void pv_two_groups(int tid_in_wg, uint32_t (&words0)[
 // the stage's previous block was released (empty), full[s] completing when both warps' copies have landed and their
 // lane 0 wrote their half of the block's mask (ss.mask[SS::mask_slot(g)], its 32-bit half gwarp).
 constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
-template <bool kScalesByThread, class SS>
-__device__ __forceinline__ uint32_t sbt_address(SS& ss, int s) {
-  if constexpr (kScalesByThread) {
-    return cute::cast_smem_ptr_to_uint(&ss.sbt[s][0]);
-  } else {
-    return 0u;
-  }
-}
-// kScalesByThread (the lead plan's kDebugScalesByThread): the block's scales also in the consumers' thread order, to
-// ss.sbt[s] (gather.cuh: scale_by_thread_offset), for warpgroup 0's fold.
-template <bool kScalesByThread, class SS>
+template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int gwarp, int lane, int debug) {
   const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
@@ -396,9 +312,8 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
       const uint32_t mask = (debug & kDebugNoGather)
                                 ? ~0u
-                                : gather_half_warp<kScalesByThread>(
-                                      stage_addr, cache, p.num_kv_tokens, row, (w.first_page + blk) * kBlockTokens,
-                                      stop, gwarp, lane, sbt_address<kScalesByThread>(ss, s));
+                                : gather_half_warp(stage_addr, cache, p.num_kv_tokens, row,
+                                                   (w.first_page + blk) * kBlockTokens, stop, gwarp, lane);
       // full[s] completes when both warps' lanes' copies have landed (their cp.async arrivals) and their lane 0
       // wrote its half of the mask.
       cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
@@ -411,25 +326,30 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
   decode::cp_async_wait_all();  // no copy outlives the warp
 }
 
-// The group factors of the lead plan under kDebugProducerFactors, made once a block by transposer warp t for groups
-// g0 = 2 t, g0 + 1 instead of by every consumer thread: the block's largest scale of each group (over its 64 tokens;
-// 0 for skipped entries, gathered as zeros), the running factor F over the row piece and the ratio by which O_g must
-// be multiplied (update_group_factors' rule, the same values bit for bit), written to ss.gfac[s][g] = (ratio, F), and
-// the words' pairs sf = (s[t, g] F_g, s[t + 1, g] F_g) in f16x2 (pv.cuh: p_group_words_f16's, F_g 1 until set), at
-// ss.sf[s][g][q][a] for tokens t = 8 a + 2 q: lane l has tokens 2 l, 2 l + 1 (a = l / 4, q = l % 4).
+// The group factors of a block, made once by transposer warp t for groups g0 = 2 t, g0 + 1 instead of by each
+// consumer thread (measured: the kernel 10-12% faster at every shape of the benchmark table; docs/perf/journal.md):
+// the block's largest scale of each group over its 64 tokens (0 for skipped entries, gathered as zeros); the group's
+// running factor F over the row piece (pv.cuh: group_factor; 0 until a block with a token sets it, and it only goes
+// down), taken from the previous block's (ss.gfac[prev], none at the row piece's first block: first); the ratio by
+// which O_g must be multiplied where the factor went down (a power of two; 1 where it did not); (ratio, F) go to
+// ss.gfac[s][g], and the words' pairs sf = (s[t, g] F_g, s[t + 1, g] F_g) in f16x2 (pv.cuh: p_group_words_f16; F_g 1
+// until set) to ss.sf[s][g][q][a] for tokens t = 8 a + 2 q: lane l has tokens 2 l and 2 l + 1 (a = l / 4, q = l % 4).
+// The stage's vt_full arrivals that follow publish them to the consumer warpgroups.
 template <class SS>
-__device__ __forceinline__ void block_group_factors(SS& ss, int s, int twarp, int lane, float (&F)[2]) {
+__device__ __forceinline__ void block_group_factors(SS& ss, int s, int prev, bool first, int twarp, int lane) {
   const int g0 = 2 * twarp;
   const float* scales = reinterpret_cast<const float*>(ss.stage[s] + kScalesAt);
   const float2 x = *reinterpret_cast<const float2*>(scales + (2 * lane) * kGroups + g0);
   const float2 y = *reinterpret_cast<const float2*>(scales + (2 * lane + 1) * kGroups + g0);
-  const float xs[2] = {x.x, x.y}, ys[2] = {y.x, y.y};
-  float ratio[2];
+  const float4 before = first ? make_float4(1.f, 0.f, 1.f, 0.f) : *reinterpret_cast<const float4*>(&ss.gfac[prev][g0][0]);
+  const float xs[2] = {x.x, x.y}, ys[2] = {y.x, y.y}, F_before[2] = {before.y, before.w};
+  float F[2], ratio[2];
   CUTLASS_PRAGMA_UNROLL
   for (int gg = 0; gg < 2; ++gg) {
     float ms = fmaxf(fmaxf(0.f, xs[gg]), ys[gg]);
     CUTLASS_PRAGMA_UNROLL
     for (int o = 16; o >= 1; o >>= 1) ms = fmaxf(ms, __shfl_xor_sync(0xffffffffu, ms, o));
+    F[gg] = F_before[gg];
     ratio[gg] = 1.f;
     if (ms > 0.f) {
       const float f = group_factor(ms, exp2f(decode_fp8::kPScaleLog2));
@@ -440,21 +360,19 @@ __device__ __forceinline__ void block_group_factors(SS& ss, int s, int twarp, in
         F[gg] = f;
       }
     }
-    const float f = words_factor(F[gg]);
+    const float f = F[gg] == 0.f ? 1.f : F[gg];
     const __half2 pair = __floats2half2_rn(xs[gg] * f, ys[gg] * f);
     ss.sf[s][g0 + gg][lane & 3][lane >> 2] = *reinterpret_cast<const uint32_t*>(&pair);
   }
   if (lane == 0) *reinterpret_cast<float4*>(&ss.gfac[s][g0][0]) = make_float4(ratio[0], F[0], ratio[1], F[1]);
 }
 
-// The transposer warps (producer warps 2..3, twarp 0..1): part twarp of V^T of every block (pv.cuh: transpose_part),
-// half 0 then half 1, half h of block g into slot SS::vt_slot(h, g) once that slot's previous use (SS::vt_use) was
-// released by its P V. Each warp takes every block in order, so its wait for use u of a slot follows its wait for
-// use u - 1: the parity wait cannot pass on a phase two behind.
-// kFactors (the lead plan's kDebugProducerFactors): before its V^T parts of block g, transposer warp t also takes
-// over the consumers' group factors of groups 2 t, 2 t + 1 (block_group_factors), which both halves' vt_full
-// arrivals then publish.
-template <bool kFactors, class SS>
+// The transposer warps (producer warps 2..3, twarp 0..1): the block's group factors (block_group_factors), then part
+// twarp of V^T of every block (pv.cuh: transpose_part), half 0 then half 1, half h of block g into slot
+// SS::vt_slot(h, g) once that slot's previous use (SS::vt_use) was released by its P V. Each warp takes every block in
+// order, so its wait for use u of a slot follows its wait for use u - 1: the parity wait cannot pass on a phase two
+// behind.
+template <class SS>
 __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta, int begin_req,
                                                int end_req, int m_block, int twarp, int lane, int debug) {
   const uint32_t hint = suspend_hint(debug);
@@ -463,12 +381,11 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
     int stop;
     const int nblk = counted_blocks(p, w, stop);
-    float F[2] = {0.f, 0.f};
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       producer_wait(ss.full[s], (g / kStages) & 1u, hint);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-      if constexpr (kFactors) block_group_factors(ss, s, twarp, lane, F);
+      block_group_factors(ss, s, int((g + kStages - 1) % kStages), blk == 0, twarp, lane);
 #pragma unroll 1
       for (int h = 0; h < 2; ++h) {
         const uint32_t slot = SS::vt_slot(h, g), use = SS::vt_use(h, g);

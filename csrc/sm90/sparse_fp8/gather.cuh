@@ -17,8 +17,7 @@
 // Completion is the caller's: the copies are the calling lane's cp.async operations. A lane that issued a block either
 // commits them as a group, waits for the group (cp.async.wait_group) and makes them visible to the tensor cores
 // (fence.proxy.async) before it signals the block, as checks/gather_probe.cu does, or hands their completion to an
-// mbarrier (cp_async_arrive_on below: the kernel's gather warps, whose consumers fence after their wait: split.cuh,
-// lead.cuh).
+// mbarrier (cp_async_arrive_on below: the kernel's gather warps, whose consumers fence after their wait: lead.cuh).
 #pragma once
 
 #include <cstdint>
@@ -40,27 +39,15 @@ __device__ __forceinline__ void cp_async_16_or_zeros(uint32_t smem_addr, const v
       : "memory");
 }
 
-// The same for 4 bytes (cp.async.ca: the 4- and 8-byte copies go through L1).
-__device__ __forceinline__ void cp_async_4_or_zeros(uint32_t smem_addr, const void* gmem, bool skip) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n cp.async.ca.shared.global [%0], [%1], 4, p;\n}\n" ::"r"(smem_addr),
-      "l"(gmem), "r"(int(skip))
-      : "memory");
-}
-
-// The block's scales in the consumers' thread order (kScalesByThread of gather_half_warp): float (g, q, j) at
-// ((g * 4 + q) * 16 + j) * 4 bytes holds scale g of block token 8 (j / 2) + 2 q + j % 2, so a consumer thread of quad
-// position q reads the 16 scales of its tokens (the S accumulator's order, qk.cuh) as four 16-byte loads.
-constexpr int kScalesByThreadBytes = kGroups * 4 * 16 * 4;  // 1 KB
-__host__ __device__ __forceinline__ uint32_t scale_by_thread_offset(int g, int token) {
-  return uint32_t(((g * 4 + ((token >> 1) & 3)) * 16 + 2 * (token >> 3) + (token & 1)) * 4);
-}
-
-// The address of token t's bytes at `base` (the cache's address plus the lane's chunk offset): base + t * 656, as the
-// C++ expression, which ptxas 13.0 compiles to one IMAD.WIDE.U32 with the 64-bit addend (the PTX mad.wide.u32 written
-// out became a wide multiply and a 64-bit add: three instructions, 112 more in the kernel).
+// The address of token t's bytes at `base` (the cache's address plus the lane's chunk offset): base + t * 656. ptxas
+// 13.0 turns this mad.wide.u32 into a wide multiply and a 64-bit add (three instructions). The C++ expression
+// base + uint64_t(t) * 656 (or a mul.wide.u32 and a C++ add) compiles to one IMAD.WIDE.U32 with the 64-bit addend in
+// the kernel (112 fewer instructions), but makes ptxas 13.0 abort on checks/gather_probe.cu and attention_probe.cu
+// ("C7600: Register allocation failed with register count of '7'"), so the PTX form stays.
 __device__ __forceinline__ const void* token_address(uint64_t base, uint32_t t) {
-  return reinterpret_cast<const void*>(base + uint64_t(t) * uint64_t(kTokenBytes));
+  uint64_t a;
+  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(a) : "r"(t), "r"(uint32_t(kTokenBytes)), "l"(base));
+  return reinterpret_cast<const void*>(a);
 }
 
 // Half h of a block, entries first + 32 h .. first + 32 h + 31 of a query token's index row `row` (n_used entries
@@ -71,12 +58,8 @@ __device__ __forceinline__ const void* token_address(uint64_t base, uint32_t t) 
 // multiply-add, a predicate and the cp.async (with run-time rows and the swizzle computed per copy, one warp issued
 // about 1,400 instructions a block and was the kernel's bottleneck: docs/perf/journal.md, the lead plan's profile).
 // A skipped entry's token index is 0 for its address, which the copy then does not read.
-// kScalesByThread: each lane also copies its entry's four scales, one float at a time, to the block's scales in thread
-// order at sbt_addr (scale_by_thread_offset).
-template <bool kScalesByThread = false>
 __device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,
-                                                     const int* row, int first, int n_used, int h, int lane,
-                                                     uint32_t sbt_addr = 0) {
+                                                     const int* row, int first, int n_used, int h, int lane) {
   const int e = first + 32 * h + lane;
   const int t_lane = e < n_used ? __ldg(row + e) : -1;
   const bool ok = index_valid(t_lane, num_tokens);
@@ -101,15 +84,6 @@ __device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, const 
   // The scales: lane l copies those of its own entry.
   cp_async_16_or_zeros(stage_addr + uint32_t(kScalesAt + (32 * h + lane) * kChunkBytes),
                        token_address(reinterpret_cast<uint64_t>(cache) + kScaleChunk * kChunkBytes, uint32_t(v)), !ok);
-  if constexpr (kScalesByThread) {
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-      cp_async_4_or_zeros(sbt_addr + scale_by_thread_offset(g, 32 * h + lane),
-                          token_address(reinterpret_cast<uint64_t>(cache) + kScaleChunk * kChunkBytes + 4 * g,
-                                        uint32_t(v)),
-                          !ok);
-    }
-  }
   // The rope: four tokens an instruction, lane l chunk c = l % 8 of the half's token 4 i + q, q = l / 8, into the
   // 128B-swizzled rope tile (layout.h: sw128_offset; the row's bits 0..2 are 4 (i % 2) + q).
   {

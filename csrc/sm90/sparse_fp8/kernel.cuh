@@ -12,34 +12,23 @@
 //     half of each half (pv.cuh), one slot a half.
 //   warpgroups 0 and 1 (consumers): warpgroup w owns latent groups 2 w and 2 w + 1, its V^T half and its 256 output
 //     columns, and multiplies P by V for them with two e4m3 terms of P s[t, g] under a group factor that only goes
-//     down (pv.cuh). How the scores are computed is the plan's:
-//       lead (lead.cuh, the default): warpgroup 0 computes every block's whole scores and the softmax and hands P to
-//         warpgroup 1 in fp16, which only multiplies it by its half of V;
-//       split (split.cuh, FLASHMLA_BACKEND_SPARSE_DEBUG bit 64): each warpgroup computes its groups' part of every
-//         block's scores and half of the rope product; the parts are exchanged through shared memory and added, and
-//         both warpgroups run the same softmax (measured 12% slower at b128 h_q 128: docs/perf/journal.md).
+//     down (pv.cuh). Warpgroup 0 computes every block's whole scores and the softmax and hands P to warpgroup 1 in
+//     fp16, which only multiplies it by its half of V (lead.cuh). The transposer warps make each block's group
+//     factors and the words' s F pairs once (common.cuh: block_group_factors).
 // The epilogue (common.cuh: store_rows) writes out = O_g / (F_g l) and lse, or a split's fp32 partials for the combine.
 #pragma once
 
 #include "sm90/sparse_fp8/common.cuh"
 #include "sm90/sparse_fp8/lead.cuh"
-#include "sm90/sparse_fp8/split.cuh"
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
-// The plans (the lead one; FLASHMLA_BACKEND_SPARSE_DEBUG bit 64: the split one).
-enum Plan : int { kPlanLead = 0, kPlanSplit = 1, kPlanLeadRolled = 2, kPlanLeadFactors = 3, kPlanLeadSbt = 4 };
-template <int kPlan>
-using StorageOf = std::conditional_t<kPlan != kPlanSplit, LeadStorage, SplitStorage>;
-template <int kPlan>
-constexpr int kSmemBytes = int(sizeof(StorageOf<kPlan>)) + 1024;
+constexpr int kSmemBytes = int(sizeof(LeadStorage)) + 1024;
 
-template <int kPlan>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool kLead = kPlan != kPlanSplit;
-  using SS = StorageOf<kPlan>;
+  using SS = LeadStorage;
   const DecodeParams& p = params;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = cute::cast_smem_ptr_to_uint(smem_raw);
@@ -58,15 +47,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       ss.full[s].init(kFullArrivals);
-      ss.empty[s].init(kLead ? kLeadEmptyArrivals : kSplitEmptyArrivals);
+      ss.empty[s].init(kLeadEmptyArrivals);
     }
-    if constexpr (kLead) {
-      for (int c = 0; c < kPSlots; ++c) {
-        ss.p_full[c].init(kPSlotArrivals);
-        ss.p_empty[c].init(kPSlotArrivals);
-      }
+    for (int c = 0; c < kPSlots; ++c) {
+      ss.p_full[c].init(kPSlotArrivals);
+      ss.p_empty[c].init(kPSlotArrivals);
     }
-    for (int v = 0; v < int(sizeof(ss.vt_full) / sizeof(ss.vt_full[0])); ++v) {
+    for (int v = 0; v < 2; ++v) {
       ss.vt_full[v].init(kVtFullArrivals);
       ss.vt_empty[v].init(kVtEmptyArrivals);
     }
@@ -78,26 +65,16 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     const int warp = (tid - kNumConsumerThreads) / 32;
     if (warp < kGatherWarps) {
-      gather_warp<kPlan >= kPlanLeadSbt>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp, lane, debug);
+      gather_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp, lane, debug);
     } else {
-      transpose_warp<kPlan >= kPlanLeadFactors>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - kGatherWarps, lane, debug);
+      transpose_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - kGatherWarps, lane, debug);
     }
   } else if (wg == 0) {
-    if constexpr (kLead) {
-      cutlass::arch::warpgroup_reg_alloc<kLeadRegs>();
-      lead_loop<kPlan >= kPlanLeadRolled, kPlan >= kPlanLeadFactors, kPlan >= kPlanLeadSbt>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
-    } else {
-      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-      split_consumer_loop<0>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
-    }
+    cutlass::arch::warpgroup_reg_alloc<kLeadRegs>();
+    lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
   } else {
-    if constexpr (kLead) {
-      cutlass::arch::warpgroup_reg_alloc<kFollowRegs>();
-      follow_loop<kPlan >= kPlanLeadFactors>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
-    } else {
-      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
-      split_consumer_loop<1>(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
-    }
+    cutlass::arch::warpgroup_reg_alloc<kFollowRegs>();
+    follow_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
   }
 #else
   if (threadIdx.x == 0) printf("flashmla_backend: sm90 sparse decode kernel was not compiled for sm_90a\n");

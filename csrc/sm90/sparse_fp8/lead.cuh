@@ -1,19 +1,19 @@
-// The lead plan of the sm90 sparse decode kernel (kernel.cuh; the default: FLASHMLA_BACKEND_SPARSE_DEBUG bit 64 runs
-// the split plan instead): warpgroup 0 leads, warpgroup 1 follows, the division of work of FlashMLA's Hopper sparse
-// kernel. Warpgroup 0 computes every block's whole scores (four groups, two e4m3 terms of q, the group scales folded;
-// the rope), the softmax, and P V of groups 0 and 1; it hands P to warpgroup 1 in fp16 with the rows' factor of the
-// block, through a ring of two slots, and warpgroup 1 only builds the words of groups 2 and 3 from it and multiplies
-// them by its V^T half. Nothing is computed twice (the split plan runs the softmax in both warpgroups and exchanges
-// 16 KB of scores a block and direction), and the two warpgroups are not locked into one phase: warpgroup 1's words
-// and P V of a block run while warpgroup 0 computes the next block's scores. (Warpgroup 0 issuing the next Q K^T right
-// behind its own P V, before waiting for it, made ptxas serialize the kernel's wgmma for want of registers, C7512,
-// even at 248 a thread: the P V's words, O, S and the product's temporary live at once.)
+// The consumer warpgroups of the sm90 sparse decode kernel (kernel.cuh), and its shared memory: warpgroup 0 leads,
+// warpgroup 1 follows, the division of work of FlashMLA's Hopper sparse kernel. Warpgroup 0 computes every block's
+// whole scores (four groups, two e4m3 terms of q, the group scales folded; the rope), the softmax, and P V of groups 0
+// and 1; it hands P to warpgroup 1 in fp16 with the rows' factor of the block, through a ring of two slots, and
+// warpgroup 1 only builds the words of groups 2 and 3 from it and multiplies them by its V^T half. The group factors
+// and the words' s F pairs come from the transposer warps (common.cuh: block_group_factors). Nothing is computed twice
+// (a split plan that ran the softmax in both warpgroups and exchanged 16 KB of scores a block and direction measured
+// 12% slower, and was removed), and the two warpgroups are not locked into one phase: warpgroup 1's words and P V of a
+// block run while warpgroup 0 computes the next block's scores. (Warpgroup 0 issuing the next Q K^T right behind its
+// own P V, before waiting for it, made ptxas serialize the kernel's wgmma for want of registers, C7512, even at 248 a
+// thread: the P V's words, O, S and the product's temporary live at once.)
 //   warpgroup 0: S = Q K^T (all groups), P = 2^(S sl2 - m + 8), O_01 = O_01 sc + P_g V_g (g = 0, 1)
 //   warpgroup 1: O_23 = O_23 sc + P_g V_g (g = 2, 3), P and sc from warpgroup 0
 // The gather and transposer warps are common.cuh's. Registers: warpgroup 0 holds O (128), S and the product's
 // temporary (64) or S and the words of its two groups (64); warpgroup 1 holds O, P in fp16 (16) and words (32);
-// the setmaxnreg split gives warpgroup 0 a little more. (Two temporaries taking turns in Q K^T, so that a group's
-// product runs under the previous group's fold, made ptxas serialize the wgmma, C7512, at 232, 240 and 248.)
+// the setmaxnreg split gives warpgroup 0 a little more.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -30,9 +30,9 @@ constexpr int kFollowRegs = 216;
 static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
               "register split exceeds the CTA's allocation");
 
-// The lead plan's shared memory (205 KB).
+// The kernel's shared memory (207 KB).
 struct alignas(1024) LeadStorage {
-  // What the gather and transposer warps (common.cuh) ask of a plan's storage: mask and scales of block g in stage
+  // What the gather and transposer warps (common.cuh) ask of the storage: mask and scales of block g in stage
   // g % kStages, V^T half h of every block in slot h.
   static __device__ __forceinline__ uint32_t mask_slot(uint32_t g) { return g % uint32_t(kStages); }
   static __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t) { return uint32_t(h); }
@@ -47,12 +47,10 @@ struct alignas(1024) LeadStorage {
   uint64_t mask[kStages];                                   // block g's mask in slot mask_slot(g)
   float row_scale_log2[kTileRows];
   float row_sum[kTileRows];                                 // the rows' final sums (warpgroup 0 -> 1)
-  // Under kDebugProducerFactors (common.cuh: block_group_factors), the block in stage s: its words' s F pairs of group
-  // g, [g][q][a], and (ratio, F) of group g.
+  // The block in stage s (common.cuh: block_group_factors): its words' s F pairs of group g, [g][q][a] (f16x2), and
+  // (ratio, F) of group g.
   alignas(16) uint32_t sf[kStages][kGroups][4][8];
   alignas(16) float gfac[kStages][kGroups][2];
-  // Under kDebugScalesByThread: the block's scales in the consumers' thread order (gather.cuh), for the fold.
-  alignas(16) float sbt[kStages][kScalesByThreadBytes / 4];
   // full: the gather's. empty: each warpgroup's 4 warps after its words read the block's scales, and the transposer
   // warps. p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full /
   // vt_empty: a V^T half written (the transposer warps) / read by its warpgroup's P V (4 warps).
@@ -62,39 +60,37 @@ struct alignas(1024) LeadStorage {
   cutlass::arch::ClusterBarrier p_empty[kPSlots];
   cutlass::arch::ClusterBarrier vt_full[2];
   cutlass::arch::ClusterBarrier vt_empty[2];
-
-  __device__ __forceinline__ const float* scales_of(uint32_t g) {
-    return reinterpret_cast<const float*>(stage[g % uint32_t(kStages)] + kScalesAt);
-  }
 };
 static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 
 constexpr uint32_t kLeadEmptyArrivals = 8 + kTransposeWarps;
 constexpr uint32_t kPSlotArrivals = 4;
 
+// The block's (ratio, F) of groups g0 and g0 + 1 (common.cuh: block_group_factors), after the wait for vt_full that
+// publishes them.
+__device__ __forceinline__ void read_group_factors(const LeadStorage& ss, int s, int g0, float (&ratio)[2],
+                                                   float (&F)[2]) {
+  const float4 gf = *reinterpret_cast<const float4*>(&ss.gfac[s][g0][0]);
+  ratio[0] = gf.x;
+  F[0] = gf.y;
+  ratio[1] = gf.z;
+  F[1] = gf.w;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 0
 // ------------------------------------------------------------------------------------------------
-// S = Q K^T of block g (all four groups, the rope), after its stage landed; thread_max: the thread's largest scale of
-// groups 0 and 1.
-template <bool kRolled, bool kScalesByThread, class FragS>
-__device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, int lane, uint32_t hint,
-                                        FragS& S, float (&thread_max)[2]) {
+// S = Q K^T of block g (all four groups, the rope), after its stage landed.
+template <class FragS>
+__device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, uint32_t hint, FragS& S) {
   const int s = int(g % kStages);
   consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
   cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
   typename QkTypes::TiledMmaLatent mma_s;
   Tensor tmp = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
-
-  float smax[kGroups];
-  sparse_qk_groups<kQTerms, 0, kGroups, 0, 4, kRolled, kScalesByThread>(
-      tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], kScalesByThread ? &ss.sbt[s][0] : ss.scales_of(g), S, tmp, smax);
-  thread_max[0] = smax[0];
-  thread_max[1] = smax[1];
+  sparse_qk_block<kQTerms>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], S, tmp);
 }
 
-// kFactors: the group factors and the words' s F pairs come from the transposer warps (kDebugProducerFactors).
-template <bool kRolled, bool kFactors, bool kScalesByThread>
 __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
                                           int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
@@ -121,10 +117,9 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     int stop;
     const int nblk = counted_blocks(p, w, stop);
     Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
-    float thread_max[2];
-    if (nblk > 0) lead_qk<kRolled, kScalesByThread>(ss, g, tid_in_wg, lane, hint, S, thread_max);
+    if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
-      [[maybe_unused]] const int s = int(g % kStages);
+      const int s = int(g % kStages);
       const int c = int(g % kPSlots);
 
       // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
@@ -142,27 +137,15 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       }
       warp_arrive(ss.p_full[c], lane);
 
-      // ---- the groups' factors, O rescaled, P's words of groups 0 and 1; the block's scales are done with here ----
+      // ---- V^T half 0 and the groups' factors and pairs (vt_full publishes both); O rescaled, P's words of groups
+      // 0 and 1; the block's stage is done with here ----
+      consumer_wait(ss.vt_full[0], g & 1u, hint);
       float ratio[2];
+      read_group_factors(ss, s, 0, ratio, F);
+      rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      if constexpr (kFactors) {
-        // vt_full: V^T half 0 and the transposer warps' factors and pairs of the block
-        consumer_wait(ss.vt_full[0], g & 1u, hint);
-        const float4 gf = *reinterpret_cast<const float4*>(&ss.gfac[s][0][0]);
-        ratio[0] = gf.x;
-        F[0] = gf.y;
-        ratio[1] = gf.z;
-        F[1] = gf.w;
-        rescale_groups(o0, o1, sc, ratio);
-        build_group_words_sf<0>(p16, &ss.sf[s][0][0][0], lane, debug, words0, words1);
-        warp_arrive(ss.empty[s], lane);
-      } else {
-        update_group_factors(thread_max, F, ratio);
-        rescale_groups(o0, o1, sc, ratio);
-        build_group_words_f16<0>(p16, ss.scales_of(g), F, lane, debug, words0, words1);
-        warp_arrive(ss.empty[s], lane);
-        consumer_wait(ss.vt_full[0], g & 1u, hint);
-      }
+      build_group_words<0>(p16, &ss.sf[s][0][0][0], lane, debug, words0, words1);
+      warp_arrive(ss.empty[s], lane);
 
       // ---- O_g += P_g V_g; the next block's Q K^T ----
       sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[0], o0);
@@ -171,7 +154,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       warpgroup_fence_operand(o0);
       warpgroup_fence_operand(o1);
       warp_arrive(ss.vt_empty[0], lane);
-      if (blk + 1 < nblk) lead_qk<kRolled, kScalesByThread>(ss, g + 1, tid_in_wg, lane, hint, S, thread_max);
+      if (blk + 1 < nblk) lead_qk(ss, g + 1, tid_in_wg, hint, S);
     }
 
     // ---- epilogue: the rows' sums for warpgroup 1 ----
@@ -191,7 +174,6 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 1
 // ------------------------------------------------------------------------------------------------
-template <bool kFactors>
 __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
@@ -224,32 +206,15 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       const float sc[2] = {ss.sc[c][row_in_tile[0]], ss.sc[c][row_in_tile[1]]};
       warp_arrive(ss.p_empty[c], lane);
 
+      // ---- V^T half 1 and the groups' factors and pairs of the block (vt_full publishes both); O rescaled, the
+      // words of groups 2 and 3 ----
+      consumer_wait(ss.vt_full[1], g & 1u, hint);
       float ratio[2];
+      read_group_factors(ss, s, 2, ratio, F);
+      rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      if constexpr (kFactors) {
-        // ---- V^T half 1, the factors and the words' pairs of the block from the transposer warps ----
-        consumer_wait(ss.vt_full[1], g & 1u, hint);
-        const float4 gf = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);
-        ratio[0] = gf.x;
-        F[0] = gf.y;
-        ratio[1] = gf.z;
-        F[1] = gf.w;
-        rescale_groups(o0, o1, sc, ratio);
-        build_group_words_sf<2>(p16, &ss.sf[s][2][0][0], lane, debug, words0, words1);
-        warp_arrive(ss.empty[s], lane);
-      } else {
-        // ---- the groups' factors and words from the block's scales, in the stage, held until this warpgroup
-        // releases it; the wait for full (complete already) orders the gather's writes for this thread ----
-        consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
-        const float* scales = ss.scales_of(g);
-        float thread_max[2];
-        thread_group_max<2>(scales, lane, thread_max);
-        update_group_factors(thread_max, F, ratio);
-        rescale_groups(o0, o1, sc, ratio);
-        build_group_words_f16<2>(p16, scales, F, lane, debug, words0, words1);
-        warp_arrive(ss.empty[s], lane);
-        consumer_wait(ss.vt_full[1], g & 1u, hint);
-      }
+      build_group_words<2>(p16, &ss.sf[s][2][0][0], lane, debug, words0, words1);
+      warp_arrive(ss.empty[s], lane);
 
       // ---- O_g += P_g V_g ----
       pv_two_groups(tid_in_wg, words0, words1, ss.vt[1], o0, o1);

@@ -125,12 +125,11 @@ __device__ __forceinline__ uint32_t lo_term_e4m3x4(const float (&x)[4], uint32_t
 }
 
 // The e4m3 A fragment (kTerms terms x 8 words, decode_fp8/mainloop.cuh's order) of P[:, t] s[t, g] f, from the
-// 64 x 64 accumulator fragment p (P of the thread's two rows), the stage's scales and the group factor f.
-// p_group_words_of: the same with P's accumulator value idx given by p_at(idx) (a fragment held in another form, e.g.
-// fp16 words handed over by the other warpgroup, times a row factor).
-template <int kTerms, class PAt>
-__device__ __forceinline__ void p_group_words_of(PAt&& p_at, const float* scales, int g, float f, int lane,
-                                                 uint32_t (&words)[kTerms][8]) {
+// 64 x 64 accumulator fragment p (P of the thread's two rows), the stage's scales and the group factor f (the probes'
+// form, in fp32; the kernel uses p_group_words_f16 below).
+template <int kTerms, class Frag>
+__device__ __forceinline__ void p_group_words(const Frag& p, const float* scales, int g, float f, int lane,
+                                              uint32_t (&words)[kTerms][8]) {
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
     CUTLASS_PRAGMA_UNROLL
@@ -140,7 +139,7 @@ __device__ __forceinline__ void p_group_words_of(PAt&& p_at, const float* scales
       for (int i = 0; i < 4; ++i) {
         const int idx = decode_fp8::p_source_index(kk, q, i);
         const int token = 8 * (idx >> 2) + 2 * (lane & 3) + (idx & 1);
-        x[i] = p_at(idx) * (scales[token * kGroups + g] * f);
+        x[i] = p(idx) * (scales[token * kGroups + g] * f);
       }
       const uint32_t hi = decode_fp8::f32x4_to_e4m3x4(x[0], x[1], x[2], x[3]);
       words[0][4 * kk + q] = hi;
@@ -148,22 +147,17 @@ __device__ __forceinline__ void p_group_words_of(PAt&& p_at, const float* scales
     }
   }
 }
-template <int kTerms, class Frag>
-__device__ __forceinline__ void p_group_words(const Frag& p, const float* scales, int g, float f, int lane,
-                                              uint32_t (&words)[kTerms][8]) {
-  p_group_words_of<kTerms>([&](int idx) { return p(idx); }, scales, g, f, lane, words);
-}
 
-// The same words from P in fp16 (p16: word k = (P(2 k), P(2 k + 1)), decode_fp8::p16_fragment's order), with x = P s f
-// formed in f16x2: the thread's 16 tokens' s[t, g] f as eight f16x2 pairs (tokens 8 a + 2 (lane % 4) + e), one HMUL2
-// a pair of values, the first term converted from f16x2 and the second from the f16x2 difference (exact, as in
-// lo_term_e4m3x4). The fp16 roundings of P, s f and the product (2^-11 each, relative) stay below the second term's
-// own (2^-8 of x). About 30% fewer instructions than the fp32 form, which multiplies and converts one value at a time.
-// p_group_words_sf: the same from the pairs sf[a] = (s[t] f, s[t + 1] f), t = 8 a + 2 (lane % 4), made elsewhere (the
-// lead plan's transposer warps: common.cuh, block_group_factors).
+// The same words from P in fp16 (p16: word k = (P(2 k), P(2 k + 1)), decode_fp8::p16_fragment's order) and the
+// group's s[t, g] f of the thread's 16 tokens as eight f16x2 pairs, sf[a] = (s[t] f, s[t + 1] f) with t = 8 a + 2
+// (lane % 4) (the kernel's transposer warps make them once a block: common.cuh, block_group_factors): x = P s f
+// formed in f16x2, one HMUL2 a pair of values, the first term converted from f16x2 and the second from the f16x2
+// difference (exact, as in lo_term_e4m3x4). The fp16 roundings of P, s f and the product (2^-11 each, relative) stay
+// below the second term's own (2^-8 of x). About 30% fewer instructions than the fp32 form, which multiplies and
+// converts one value at a time.
 template <int kTerms>
-__device__ __forceinline__ void p_group_words_sf(const uint32_t (&p16)[16], const __half2 (&sf)[8],
-                                                 uint32_t (&words)[kTerms][8]) {
+__device__ __forceinline__ void p_group_words_f16(const uint32_t (&p16)[16], const __half2 (&sf)[8],
+                                                  uint32_t (&words)[kTerms][8]) {
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
     CUTLASS_PRAGMA_UNROLL
@@ -189,17 +183,6 @@ __device__ __forceinline__ void p_group_words_sf(const uint32_t (&p16)[16], cons
       if constexpr (kTerms == 2) words[1][4 * kk + q] = lo2[0] | (lo2[1] << 16);
     }
   }
-}
-template <int kTerms>
-__device__ __forceinline__ void p_group_words_f16(const uint32_t (&p16)[16], const float* scales, int g, float f,
-                                                  int lane, uint32_t (&words)[kTerms][8]) {
-  __half2 sf[8];
-  CUTLASS_PRAGMA_UNROLL
-  for (int a = 0; a < 8; ++a) {
-    const int t = 8 * a + 2 * (lane & 3);
-    sf[a] = __floats2half2_rn(scales[t * kGroups + g] * f, scales[(t + 1) * kGroups + g] * f);
-  }
-  p_group_words_sf<kTerms>(p16, sf, words);
 }
 
 // O_g (64 x 128 fp32 accumulator fragment) += P_g V_g; vt_group: group g's 128 V^T rows (V^T half g / 2, rows

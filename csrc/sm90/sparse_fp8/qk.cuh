@@ -48,25 +48,20 @@ struct QkTypes {
 // The group g of a 128-channel latent group is k32 steps 4 g .. 4 g + 3 of the latent tiles.
 constexpr int kKStepsPerGroup = 128 / 32;
 
-// The part of the scores that groups [kG0, kG0 + kNG) and rope k16 steps [kR0, kR0 + kNR) of 4 contribute (the
-// kernel's two consumer warpgroups each take two groups and half the rope, and add their parts: kernel.cuh), in
-// the same order of operations as the whole block: the rope product into S first, then each group's product into
-// `tmp` and added into S times the tokens' group scale.
-// scales: the block's token scales (four floats a token), the stage's own region or a ring of their own.
-// smax[gg]: the largest scale of group kG0 + gg over the thread's 16 tokens (read for the fold anyway; the quad's
-// maximum of it is the block's, which the P V factors need: common.cuh, update_group_factors).
-// kRolled: the group loop is not unrolled (one copy of a group's code instead of kNG; the largest scale is stored by
-// a compile-time select, so smax stays in registers). kScalesByThread: `scales` is the block's scales in the
-// consumers' thread order (gather.cuh: scale_by_thread_offset), a thread's 16 of a group four 16-byte loads.
-template <int kQTerms, int kG0, int kNG, int kR0, int kNR, bool kRolled = false, bool kScalesByThread = false,
-          class FragS>
-__device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                 const float* scales, FragS& tSrS, FragS& tmp, float (&smax)[kNG]) {
+// S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the
+// row's split scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h),
+// whose scales are read here. The rope product goes into S first; then S_g, one group at a time, into `tmp`: its
+// wgmma wait, then 32 FFMA with the token's scale of group g (16 distinct tokens a thread: accumulator element i is
+// token 8 (i >> 2) + 2 (lane % 4) + (i & 1)). The group loop is rolled, one copy of a group's code (measured against
+// the unrolled loop: 10% faster at b = 1 h_q 128, 2-5% at b32, b64 and top-k 512, the same at b128;
+// docs/perf/journal.md). A second temporary, so that group g + 1's product runs under group g's FFMAs, made ptxas
+// serialize the kernel's wgmma for want of registers (C7512) in warpgroup 0 (lead.cuh), at 232-248.
+template <int kQTerms, class FragS>
+__device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
+                                                FragS& tSrS, FragS& tmp) {
   using F8 = QkTypes::F8;
   using BF = QkTypes::BF;
   static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
-  static_assert(kG0 >= 0 && kNG >= 1 && kG0 + kNG <= kGroups, "groups of the latent part");
-  static_assert(kR0 >= 0 && kNR >= 1 && kR0 + kNR <= 4, "k16 steps of the rope part");
   typename QkTypes::TiledMmaRope mma_r;
   auto thr_r = mma_r.get_slice(tid);
   Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(q_rope)), typename QkTypes::RopeLayout{});
@@ -77,7 +72,7 @@ __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uin
   warpgroup_fence_operand(tSrS);
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
-  for (int kb = kR0; kb < kR0 + kNR; ++kb) {
+  for (int kb = 0; kb < 4; ++kb) {
     cute::gemm(mma_r, tQr(_, _, kb), tKr(_, _, kb), tSrS);
     mma_r.accumulate_ = GMMA::ScaleOut::One;
   }
@@ -88,8 +83,8 @@ __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uin
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(stage)), typename QkTypes::LatentLayout{});
   Tensor tKl = thr_l.partition_fragment_B(sK);  // (MMA, 1, 16)
   const int lane = tid & 31;
-#pragma unroll(kRolled ? 1 : kNG)
-  for (int g = kG0; g < kG0 + kNG; ++g) {
+#pragma unroll 1
+  for (int g = 0; g < kGroups; ++g) {
     mma_l.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(tmp);
     warpgroup_arrive();
@@ -108,52 +103,13 @@ __device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uin
     warpgroup_wait<0>();  // tmp (and, at the first group, the rope product)
     warpgroup_fence_operand(tmp);
     warpgroup_fence_operand(tSrS);
-    float mx = 0.f;
-    float by_thread[16];
-    if constexpr (kScalesByThread) {
-      const float4* src = reinterpret_cast<const float4*>(scales + (g * 4 + (lane & 3)) * 16);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < 4; ++k) {
-        const float4 v = src[k];
-        by_thread[4 * k] = v.x;
-        by_thread[4 * k + 1] = v.y;
-        by_thread[4 * k + 2] = v.z;
-        by_thread[4 * k + 3] = v.w;
-      }
-    }
+    const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tSrS); ++i) {
       const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      const float sc = kScalesByThread ? by_thread[2 * (i >> 2) + (i & 1)] : scales[token * kGroups + g];
-      if (((i >> 1) & 1) == 0) mx = fmaxf(mx, sc);  // each token once (values i and i + 2: the thread's two rows)
-      tSrS(i) = fmaf(tmp(i), sc, tSrS(i));
-    }
-    if constexpr (kRolled) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int gg = 0; gg < kNG; ++gg) smax[gg] = g - kG0 == gg ? mx : smax[gg];
-    } else {
-      smax[g - kG0] = mx;
+      tSrS(i) = fmaf(tmp(i), scales[token * kGroups + g], tSrS(i));
     }
   }
-}
-template <int kQTerms, int kG0, int kNG, int kR0, int kNR, class FragS>
-__device__ __forceinline__ void sparse_qk_groups(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                 const float* scales, FragS& tSrS, FragS& tmp) {
-  float unused[kNG];
-  sparse_qk_groups<kQTerms, kG0, kNG, kR0, kNR>(tid, q_latent, q_rope, stage, scales, tSrS, tmp, unused);
-}
-
-// S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the
-// row's split scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h),
-// whose scales are read here (a kernel keeps them until its P V, pv.cuh, has read them too). S_g is `tmp`'s
-// accumulator, one group at a time: its wgmma wait, then 32 FFMA with the token's scale of group g (16 distinct
-// tokens a thread: accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)). A second temporary would let
-// group g + 1's wgmma run under group g's FFMAs.
-template <int kQTerms, class FragS>
-__device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                FragS& tSrS, FragS& tmp) {
-  sparse_qk_groups<kQTerms, 0, kGroups, 0, 4>(tid, q_latent, q_rope, stage,
-                                              reinterpret_cast<const float*>(stage + kScalesAt), tSrS, tmp);
 }
 
 }  // namespace flashmla_backend::sm90::sparse_fp8

@@ -42,13 +42,8 @@ void run_sm90_sparse_decode(const DecodeParams& p) {
       reinterpret_cast<std::uintptr_t>(p.kv) % 16 == 0 && reinterpret_cast<std::uintptr_t>(p.q_pe) % 16 == 0,
       r.kernel << ": kv and q_pe must be 16-byte aligned");
   const int debug = sparse_debug_flags();
-  const bool split = (debug & kDebugSplit) != 0;
-  auto* kernel = split                       ? &sm90_sparse_fp8_decode_kernel<kPlanSplit>
-                 : (debug & kDebugScalesByThread) ? &sm90_sparse_fp8_decode_kernel<kPlanLeadSbt>
-                 : (debug & kDebugProducerFactors) ? &sm90_sparse_fp8_decode_kernel<kPlanLeadFactors>
-                 : (debug & kDebugRolledQk) ? &sm90_sparse_fp8_decode_kernel<kPlanLeadRolled>
-                                            : &sm90_sparse_fp8_decode_kernel<kPlanLead>;
-  const int smem = split ? kSmemBytes<kPlanSplit> : kSmemBytes<kPlanLead>;
+  auto* kernel = &sm90_sparse_fp8_decode_kernel;
+  const int smem = kSmemBytes;
   FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchAttribute attrs[1];
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -1,21 +1,25 @@
 #!/usr/bin/env python3
-"""Python model of the sm90 sparse decode kernel's barrier protocol: its two plans (lead.cuh and split.cuh).
+"""Python model of the sm90 sparse decode kernel's barrier protocol (kernel.cuh, lead.cuh, common.cuh).
 
 A mirror of the order of waits, arrivals, reads and writes of the gather warps (common.cuh: gather_warp), the
-transposer warps (common.cuh: transpose_warp) and the two consumer warpgroups (lead_loop / follow_loop,
-split_consumer_loop); the arrival counts are those of lead.cuh, split.cuh and common.cuh (read from the files), so a
-change there is checked as it is. It is not a test of the compiled code: keep the agents below in step with those
+transposer warps (common.cuh: transpose_warp, with block_group_factors) and the two consumer warpgroups (lead.cuh:
+lead_loop / follow_loop); the arrival counts are those of lead.cuh and common.cuh (read from the files), so a change
+there is checked as it is. It is not a test of the compiled code: keep the agents below in step with those
 files when the schedule changes. Run by tests/test_device_checks.py; `python3 protocol_model.py` prints the verdict.
 
 The simulator (mbarrier phases with the hardware's parity rule, named barriers, and the data checks: a buffer is
 rewritten only after every reader of its previous contents finished, a reader reads the block it expects) is the
 dense FP8 kernel's model (decode_fp8/checks/protocol_model.py), imported from there. Checked over random
 interleavings of row pieces of 0..9 blocks, one role starved in turn: no deadlock, no parity wait two phases ahead or
-a phase missed, no stale read or early rewrite of a stage (each gather warp writes its half), a V^T half, a score part
-(split), a P slot or the rows' sums (lead), and the named barriers' arrivals and waits equal at the end.
-What the model showed about the lead plan: warpgroup 0's wait for a free P slot (p_empty) is implied by the stage
-ring with two P slots and two stages (its Q K^T of block g needs stage g, gathered once warpgroup 1 released stage
-g - 2, which it does after reading P of g - 2), so the model cannot catch its removal; it stays, for other counts.
+a phase missed, no stale read or early rewrite of a stage (each gather warp writes its half), a V^T half, a block's
+group factors (each transposer warp writes those of the warpgroup with its number: no barrier of their own, the
+stage's vt_full publishes them and its empty frees them), a P slot or the rows' sums.
+What the model showed: warpgroup 0's wait for a free P slot (p_empty) is implied by the stage ring with two P slots
+and two stages (its Q K^T of block g needs stage g, gathered once warpgroup 1 released stage g - 2, which it does after
+reading P of g - 2), so the model cannot catch its removal; it stays, for other counts. Warpgroup 1 reads nothing of
+a stage but the block's factors, and those are also held by the V^T chain (a transposer warp writes the factors of
+block g + 2 after its half 1 of block g + 1, which waited for warpgroup 1's P V of block g, after its factors): its
+arrival on the stage's empty barrier is implied too, and stays for the same reason.
 """
 from __future__ import annotations
 
@@ -48,7 +52,6 @@ def _constant(text: str, name: str) -> str:
 def read_counts() -> dict[str, int]:
     """The arrival counts of the kernel's mbarriers, from its headers (kTransposeWarps substituted)."""
     common = (SPARSE / "common.cuh").read_text()
-    split = (SPARSE / "split.cuh").read_text()
     lead = (SPARSE / "lead.cuh").read_text()
     env = {"kTransposeWarps": int(_constant(common, "kTransposeWarps")),
            "kGatherWarps": int(_constant(common, "kGatherWarps"))}
@@ -56,7 +59,6 @@ def read_counts() -> dict[str, int]:
     return {"warps": env["kTransposeWarps"], "gather_warps": env["kGatherWarps"],
             "full": ev(_constant(common, "kFullArrivals")) // 33,   # a warp's 33 arrivals counted as one
             "vt_full": ev(_constant(common, "kVtFullArrivals")), "vt_empty": ev(_constant(common, "kVtEmptyArrivals")),
-            "split_empty": ev(_constant(split, "kSplitEmptyArrivals")),
             "lead_empty": ev(_constant(lead, "kLeadEmptyArrivals")),
             "p_slot": ev(_constant(lead, "kPSlotArrivals")),
             "stages": int(_constant(common, "kStages")), "p_slots": int(_constant(lead, "kPSlots"))}
@@ -73,18 +75,19 @@ def gather_agent(w: int, blocks: int):
         yield ("arrive", "full", s)   # the warp's 33 arrivals on full[s] as one: they all follow its copies
 
 
-def transposer_agent(blocks: int, mutation=None):
+def transposer_agent(w: int, blocks: int, mutation=None):
     for g in range(blocks):
         s = g % STAGES
         yield ("wait", "full", s, g // STAGES)
+        yield ("read_begin", ("stage", s), g)
+        yield ("write", ("fac", s, w), g, "fac")   # the group factors of groups 2 w, 2 w + 1 (block_group_factors)
         for h in (0, 1):
             slot, use = h, g   # V^T half h of every block in slot h
             if use > 0 and mutation != "transposer ignores vt_empty":
                 yield ("wait", "vt_empty", slot, use - 1)
-            yield ("read_begin", ("stage", s), g)
             yield ("write", ("vt", slot), g, "vt")
-            yield ("read_end", ("stage", s), g)
             yield ("arrive", "vt_full", slot)
+        yield ("read_end", ("stage", s), g)
         yield ("arrive", "empty", s)
 
 
@@ -100,40 +103,24 @@ def warps_arrive(bar: str, i: int):
         yield ("arrive", bar, i)
 
 
+def factors_and_vt(wg: int, g: int, mutation=None):
+    """The consumer's wait for its V^T half of block g, which also publishes the block's group factors, read then."""
+    s = g % STAGES
+    if mutation != "factors read before vt_full":
+        yield ("wait", "vt_full", wg, g)
+    yield ("read_begin", ("fac", s, wg), g)
+    yield ("read_end", ("fac", s, wg), g)
+    if mutation == "factors read before vt_full":
+        yield ("wait", "vt_full", wg, g)
+
+
 def pv(wg: int, g: int):
-    slot, use = wg, g
-    yield ("wait", "vt_full", slot, use)
-    yield ("read_begin", ("vt", slot), g)
-    yield ("read_end", ("vt", slot), g)
-    yield from warps_arrive("vt_empty", slot)
+    yield ("read_begin", ("vt", wg), g)
+    yield ("read_end", ("vt", wg), g)
+    yield from warps_arrive("vt_empty", wg)
 
 
-# ---- the split plan (split.cuh: split_consumer_loop) -------------------------------------------------------------
-def split_consumer(wg: int, rows: list[int], mutation=None):
-    g = 0
-    for n in rows:
-        yield from rendezvous("consumers")          # the Q tile written
-        for _ in range(n):
-            s = g % STAGES
-            yield ("wait", "full", s, g // STAGES)
-            yield ("read_begin", ("stage", s), g)  # Q K^T, then the mask and the scales, until the words
-            if g > 0 and mutation != "score part rewritten early":
-                yield ("named_sync", f"free{wg}")
-            yield ("write", ("sx", wg), g, "sx")
-            yield from rendezvous("ready")
-            yield ("read_begin", ("sx", 1 - wg), g)
-            yield ("read_end", ("sx", 1 - wg), g)
-            yield ("named_arrive", f"free{1 - wg}")
-            yield ("read_end", ("stage", s), g)
-            yield from warps_arrive("empty", s)
-            yield from pv(wg, g)
-            g += 1
-        yield from rendezvous("consumers")          # past the epilogue
-    if g > 0:
-        yield ("named_sync", f"free{wg}")          # the last arrival of the other warpgroup
-
-
-# ---- the lead plan (lead.cuh: lead_loop, follow_loop) ------------------------------------------------------------
+# ---- the consumer warpgroups (lead.cuh: lead_loop, follow_loop) ---------------------------------------------------
 def lead_qk(g: int):
     s = g % STAGES
     yield ("wait", "full", s, g // STAGES)
@@ -152,6 +139,7 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None):
                 yield ("wait", "p_empty", c, g // p_slots - 1)
             yield ("write", ("p16", c), g, "one")   # P and the rows' factor
             yield from warps_arrive("p_full", c)
+            yield from factors_and_vt(0, g, mutation)
             yield ("read_end", ("stage", s), g)
             yield from warps_arrive("empty", s)
             yield from pv(0, g)
@@ -173,12 +161,8 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None):
             yield ("read_begin", ("p16", c), g)
             yield ("read_end", ("p16", c), g)
             yield from warps_arrive("p_empty", c)
-            if mutation == "follower releases the stage early":
-                yield from warps_arrive("empty", s)
-            yield ("read_begin", ("stage", s), g)   # the block's scales, for the factors and the words
-            yield ("read_end", ("stage", s), g)
-            if mutation != "follower releases the stage early":
-                yield from warps_arrive("empty", s)
+            yield from factors_and_vt(1, g, mutation)
+            yield from warps_arrive("empty", s)
             yield from pv(1, g)
             g += 1
         if mutation != "row sums read early":
@@ -190,32 +174,24 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None):
             yield from rendezvous("consumers")
 
 
-PLANS = ("lead", "split")
-
-
-def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
+def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
         starve: str | None = None) -> None:
     """One random interleaving of the CTA's agents over row pieces with these block counts."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
-    sim.count = {"full": counts["full"], "empty": counts[f"{plan}_empty"], "vt_full": counts["vt_full"],
+    sim.count = {"full": counts["full"], "empty": counts["lead_empty"], "vt_full": counts["vt_full"],
                  "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"]}
     blocks = sum(rows)
     agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
-        agents[f"transposer{w}"] = transposer_agent(blocks, mutation)
-    if plan == "lead":
-        agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation)
-        agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
-    else:
-        for wg in (0, 1):
-            agents[f"wg{wg}"] = split_consumer(wg, rows, mutation)
-    # Readers a buffer's contents must have had before it is rewritten. The transposer warps arrive on the stage's
-    # empty barrier once each, so each is a reader (twice: once for each V^T half); both consumer warpgroups read a
-    # stage.
-    readers = {"stage": counts["warps"] * 2 + 2, "vt": 1, "sx": 1, "one": 1}
-    both = {"consumers", "ready"}   # named barriers both warpgroups sync on (rendezvous above)
-    named = {name: [0, 0] for name in ("free0", "free1")}
+        agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation)
+    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation)
+    agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
+    # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
+    # stage (warpgroup 1 reads only what the transposer warps made of it); a block's factors of a warpgroup have one
+    # reader.
+    readers = {"stage": counts["warps"] + 1, "vt": 1, "fac": 1, "one": 1}
+    both = {"consumers"}   # named barriers both warpgroups sync on (rendezvous above)
     gen = {(b, w): 0 for b in both for w in ("wg0", "wg1")}
 
     def ready(name, op) -> bool:
@@ -225,8 +201,6 @@ def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: 
         if kind == "both_wait":
             other = "wg1" if name == "wg0" else "wg0"
             return gen[(op[1], other)] >= gen[(op[1], name)]
-        if kind == "named_sync":
-            return named[op[1]][0] > named[op[1]][1]
         return True
 
     def execute(name, op) -> None:
@@ -236,21 +210,14 @@ def run(rows: list[int], plan: str, counts: dict[str, int] | None = None, seed: 
             return
         if sim.apply(op, readers, name):
             return
-        if op[0] == "named_arrive":
-            named[op[1]][0] += 1
-        elif op[0] == "both_arrive":
+        if op[0] == "both_arrive":
             gen[(op[1], name)] += 1
-        elif op[0] == "named_sync":
-            named[op[1]][1] += 1
 
-    _dense.interleave(agents, ready, execute, seed, starve, f"rows {rows} ({plan})")
-    unbalanced = {b: v for b, v in named.items() if v[0] != v[1]}
-    if unbalanced:
-        raise ProtocolError(f"named barriers left with arrivals and waits unequal over rows {rows}: {unbalanced}")
+    _dense.interleave(agents, ready, execute, seed, starve, f"rows {rows}")
 
 
 def check_all(seeds: int = 20) -> int:
-    """Both plans over row sequences of 0..9 blocks; returns the number of runs."""
+    """Row sequences of 0..9 blocks; returns the number of runs."""
     counts = read_counts()
     gen = random.Random(3)
     sequences = [[n] for n in range(10)] + [[a, b] for a in range(5) for b in range(5)]
@@ -258,11 +225,10 @@ def check_all(seeds: int = 20) -> int:
     starved = [None, "wg0", "wg1"] + [f"gather{w}" for w in range(counts["gather_warps"])]
     starved += [f"transposer{w}" for w in range(counts["warps"])]
     runs = 0
-    for plan in PLANS:
-        for rows in sequences:
-            for seed in range(seeds):
-                run(rows, plan, counts, seed=seed, starve=starved[seed % len(starved)])
-                runs += 1
+    for rows in sequences:
+        for seed in range(seeds):
+            run(rows, counts, seed=seed, starve=starved[seed % len(starved)])
+            runs += 1
     return runs
 
 
@@ -272,4 +238,4 @@ if __name__ == "__main__":
     except ProtocolError as e:
         print(f"sparse protocol model: INCONSISTENT: {e}")
         sys.exit(1)
-    print(f"sparse protocol model: consistent ({n} interleavings of the lead and split plans)")
+    print(f"sparse protocol model: consistent ({n} interleavings)")
