@@ -14,7 +14,7 @@ measured at the start (bytes read plus written per second, as benchmarks/bench.p
 output's relative error against an fp64 reference of the first --check-requests requests (flashmla_backend's sparse
 reference on the exactly dequantized tokens, on the CPU); then one JSON line per shape.
 
-`--debug 0,64,128` times ours once per value of FLASHMLA_BACKEND_SPARSE_DEBUG (the kernel's plans and measurement
+`--debug 0,1,16` times ours once per value of FLASHMLA_BACKEND_SPARSE_DEBUG (the kernel's measurement
 switches, read by its launcher at every launch: README's environment table), in the same process, on the same inputs
 and beside the same FlashMLA time: the lines and JSON keys are then ours[<value>] and ours_d<value>_*.
 
