@@ -341,7 +341,9 @@ __device__ __forceinline__ void block_group_factors(SS& ss, int s, int prev, boo
   const float* scales = reinterpret_cast<const float*>(ss.stage[s] + kScalesAt);
   const float2 x = *reinterpret_cast<const float2*>(scales + (2 * lane) * kGroups + g0);
   const float2 y = *reinterpret_cast<const float2*>(scales + (2 * lane + 1) * kGroups + g0);
-  const float4 before = first ? make_float4(1.f, 0.f, 1.f, 0.f) : *reinterpret_cast<const float4*>(&ss.gfac[prev][g0][0]);
+  // (ratio, F) of each group after the previous block; F 0 at a row piece's first block
+  const float4 before =
+      first ? make_float4(1.f, 0.f, 1.f, 0.f) : *reinterpret_cast<const float4*>(&ss.gfac[prev][g0][0]);
   const float xs[2] = {x.x, x.y}, ys[2] = {y.x, y.y}, F_before[2] = {before.y, before.w};
   float F[2], ratio[2];
   CUTLASS_PRAGMA_UNROLL
