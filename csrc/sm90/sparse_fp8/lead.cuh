@@ -30,7 +30,7 @@ constexpr int kFollowRegs = 216;
 static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
               "register split exceeds the CTA's allocation");
 
-// The kernel's shared memory (207 KB).
+// The kernel's shared memory (206 KB with the launch's alignment slack).
 struct alignas(1024) LeadStorage {
   // What the gather and transposer warps (common.cuh) ask of the storage: mask and scales of block g in stage
   // g % kStages, V^T half h of every block in slot h.
@@ -51,8 +51,8 @@ struct alignas(1024) LeadStorage {
   // (ratio, F) of group g.
   alignas(16) uint32_t sf[kStages][kGroups][4][8];
   alignas(16) float gfac[kStages][kGroups][2];
-  // full: the gather's. empty: each warpgroup's 4 warps after its words read the block's scales, and the transposer
-  // warps. p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full /
+  // full: the gather's. empty: each warpgroup's 4 warps after its words (warpgroup 0 read the stage for Q K^T, both
+  // the block's pairs and factors), and the transposer warps. p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full /
   // vt_empty: a V^T half written (the transposer warps) / read by its warpgroup's P V (4 warps).
   cutlass::arch::ClusterBarrier full[kStages];
   cutlass::arch::ClusterBarrier empty[kStages];
