@@ -24,6 +24,9 @@
   fp64 attention on the dequantized tokens, rows with no token included (compiled on the CPU; run on a GPU).
 - tests/device_checks/mbarrier_chain.cu: the mbarrier chain that orders the FP8 kernel's writes of a V buffer slot by
   different producer warps (through the consumers' full / empty barriers), for racecheck's verdict on it (GPU).
+- tests/device_checks/mbarrier_arrivals.cu: the sparse kernel's mbarrier hand-off whose phase several warps complete
+  (each writes its part and arrives once), against one whose phase one warp completes, for racecheck's verdict on
+  each (compiled on the CPU; run on a GPU).
 - tests/device_checks/named_barrier_war.cu: the named-barrier hand-off of the kernel's row-state exchange in
   isolation (compiled on the CPU; run on a GPU).
 - tests/device_checks/row_sum_handoff.cu: the epilogue's row-sum exchange (publish_row_sums / final_row_stats)
@@ -48,6 +51,7 @@ LAYOUT_CHECK = CHECKS / "layout_check.cu"
 FP8_LAYOUT_CHECK = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "layout_check.cu"
 NAMED_BARRIER_WAR = ROOT / "tests" / "device_checks" / "named_barrier_war.cu"
 MBARRIER_CHAIN = ROOT / "tests" / "device_checks" / "mbarrier_chain.cu"
+MBARRIER_ARRIVALS = ROOT / "tests" / "device_checks" / "mbarrier_arrivals.cu"
 ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 SPARSE_GATHER_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_probe.cu"
@@ -486,6 +490,45 @@ def test_mbarrier_chain_runs_on_the_gpu(tmp_path):
             rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe), mode], capture_output=True, text=True,
                                 timeout=300)
             print(f"racecheck on the mbarrier chain, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-1500:]}")
+
+
+# The probe's modes (its header says how to read racecheck's verdict on each); `race` is the control.
+MBARRIER_ARRIVAL_MODES = ("one-warp", "four-warps", "race")
+
+
+def _build_mbarrier_arrivals(tmp_path: Path) -> Path:
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    exe = tmp_path / "mbarrier_arrivals"
+    _compile([nvcc, "-arch=sm_90a", "-lineinfo", str(MBARRIER_ARRIVALS), "-o", str(exe)], "mbarrier_arrivals.cu")
+    return exe
+
+
+def test_mbarrier_arrivals_compiles(tmp_path):
+    exe = _build_mbarrier_arrivals(tmp_path)
+    # `--list` is host code only (no CUDA call), so it runs here: the probe's modes are the ones the GPU test runs.
+    res = subprocess.run([str(exe), "--list"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and tuple(res.stdout.split()) == MBARRIER_ARRIVAL_MODES, res.stdout + res.stderr
+
+
+@pytest.mark.gpu
+def test_mbarrier_arrivals_runs_on_the_gpu(tmp_path):
+    exe = _build_mbarrier_arrivals(tmp_path)
+    sanitizer = shutil.which("compute-sanitizer")
+    for mode in MBARRIER_ARRIVAL_MODES:
+        res = subprocess.run([str(exe), mode], capture_output=True, text=True, timeout=60)
+        wrong = re.search(r"(\d+) wrong values", res.stdout)
+        assert res.returncode == 0 and wrong, f"mode {mode}:\n{res.stdout}{res.stderr}"
+        if mode != "race":  # the control races on purpose; its values are not checked
+            assert int(wrong.group(1)) == 0, f"mode {mode}:\n{res.stdout}"
+        print(res.stdout, end="")
+        # Informational, as for named_barrier_war.cu: racecheck's verdict on each pattern, against which the sparse
+        # kernel's reports at its P and pair hand-offs are judged.
+        if sanitizer:
+            rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe), mode], capture_output=True, text=True,
+                                timeout=300)
+            print(f"racecheck, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-1500:]}")
 
 
 # The probe's modes (row_sum_handoff.cu's header says what each reproduces); `race` is the control, a real race.
