@@ -492,70 +492,26 @@ def test_mbarrier_chain_runs_on_the_gpu(tmp_path):
             print(f"racecheck on the mbarrier chain, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-1500:]}")
 
 
-# The probe's modes (its header says how to read racecheck's verdict on each); `race` is the control.
-MBARRIER_ARRIVAL_MODES = ("one-warp", "four-warps", "race")
-
-
-def _build_mbarrier_arrivals(tmp_path: Path) -> Path:
+# Probes with modes (mbarrier_arrivals.cu, row_sum_handoff.cu): `--list` prints them, each run prints "N wrong values",
+# and `race` is the control, a real race whose values are not checked.
+def _build_mode_probe(tmp_path: Path, source: Path) -> Path:
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("needs nvcc")
-    exe = tmp_path / "mbarrier_arrivals"
-    _compile([nvcc, "-arch=sm_90a", "-lineinfo", str(MBARRIER_ARRIVALS), "-o", str(exe)], "mbarrier_arrivals.cu")
+    exe = tmp_path / source.stem
+    _compile([nvcc, "-arch=sm_90a", "-lineinfo", str(source), "-o", str(exe)], source.name)
     return exe
 
 
-def test_mbarrier_arrivals_compiles(tmp_path):
-    exe = _build_mbarrier_arrivals(tmp_path)
+def _assert_probe_lists(exe: Path, modes: tuple[str, ...]) -> None:
     # `--list` is host code only (no CUDA call), so it runs here: the probe's modes are the ones the GPU test runs.
     res = subprocess.run([str(exe), "--list"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0 and tuple(res.stdout.split()) == MBARRIER_ARRIVAL_MODES, res.stdout + res.stderr
+    assert res.returncode == 0 and tuple(res.stdout.split()) == modes, res.stdout + res.stderr
 
 
-@pytest.mark.gpu
-def test_mbarrier_arrivals_runs_on_the_gpu(tmp_path):
-    exe = _build_mbarrier_arrivals(tmp_path)
+def _run_probe_modes(exe: Path, modes: tuple[str, ...], racecheck_timeout: int, report_chars: int) -> None:
     sanitizer = shutil.which("compute-sanitizer")
-    for mode in MBARRIER_ARRIVAL_MODES:
-        res = subprocess.run([str(exe), mode], capture_output=True, text=True, timeout=60)
-        wrong = re.search(r"(\d+) wrong values", res.stdout)
-        assert res.returncode == 0 and wrong, f"mode {mode}:\n{res.stdout}{res.stderr}"
-        if mode != "race":  # the control races on purpose; its values are not checked
-            assert int(wrong.group(1)) == 0, f"mode {mode}:\n{res.stdout}"
-        print(res.stdout, end="")
-        # Informational, as for named_barrier_war.cu: racecheck's verdict on each pattern, against which the sparse
-        # kernel's reports at its P and pair hand-offs are judged.
-        if sanitizer:
-            rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe), mode], capture_output=True, text=True,
-                                timeout=300)
-            print(f"racecheck, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-1500:]}")
-
-
-# The probe's modes (row_sum_handoff.cu's header says what each reproduces); `race` is the control, a real race.
-ROW_SUM_MODES = ("syncthreads", "named", "syncthreads-pdl", "named-pdl", "syncthreads-arrive", "named-arrive", "race")
-
-
-def _build_row_sum_handoff(tmp_path: Path) -> Path:
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("needs nvcc")
-    exe = tmp_path / "row_sum_handoff"
-    _compile([nvcc, "-arch=sm_90a", "-lineinfo", str(ROW_SUM_HANDOFF), "-o", str(exe)], "row_sum_handoff.cu")
-    return exe
-
-
-def test_row_sum_handoff_compiles(tmp_path):
-    exe = _build_row_sum_handoff(tmp_path)
-    # `--list` is host code only (no CUDA call), so it runs here: the probe's modes are the ones the GPU test runs.
-    res = subprocess.run([str(exe), "--list"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0 and tuple(res.stdout.split()) == ROW_SUM_MODES, res.stdout + res.stderr
-
-
-@pytest.mark.gpu
-def test_row_sum_handoff_runs_on_the_gpu(tmp_path):
-    exe = _build_row_sum_handoff(tmp_path)
-    sanitizer = shutil.which("compute-sanitizer")
-    for mode in ROW_SUM_MODES:
+    for mode in modes:
         res = subprocess.run([str(exe), mode], capture_output=True, text=True, timeout=60)
         wrong = re.search(r"(\d+) wrong values", res.stdout)
         assert res.returncode == 0 and wrong, f"mode {mode}:\n{res.stdout}{res.stderr}"
@@ -563,11 +519,38 @@ def test_row_sum_handoff_runs_on_the_gpu(tmp_path):
             assert int(wrong.group(1)) == 0, f"mode {mode}:\n{res.stdout}"
         print(res.stdout, end="")
         # What the probe is for: racecheck's verdict on each pattern. Informational, as for named_barrier_war.cu:
-        # the kernel's reports are judged against these (see the probe's header for how to read them).
+        # the kernels' reports are judged against these (see the probe's header for how to read them).
         if sanitizer:
             rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe), mode], capture_output=True, text=True,
-                                timeout=600)
-            print(f"racecheck, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-2000:]}")
+                                timeout=racecheck_timeout)
+            print(f"racecheck, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-report_chars:]}")
+
+
+# The probe's modes (its header says how to read racecheck's verdict on each: the sparse kernel's reports at its P
+# and pair hand-offs are judged against them).
+MBARRIER_ARRIVAL_MODES = ("one-warp", "four-warps", "race")
+
+
+def test_mbarrier_arrivals_compiles(tmp_path):
+    _assert_probe_lists(_build_mode_probe(tmp_path, MBARRIER_ARRIVALS), MBARRIER_ARRIVAL_MODES)
+
+
+@pytest.mark.gpu
+def test_mbarrier_arrivals_runs_on_the_gpu(tmp_path):
+    _run_probe_modes(_build_mode_probe(tmp_path, MBARRIER_ARRIVALS), MBARRIER_ARRIVAL_MODES, 300, 1500)
+
+
+# The probe's modes (row_sum_handoff.cu's header says what each reproduces).
+ROW_SUM_MODES = ("syncthreads", "named", "syncthreads-pdl", "named-pdl", "syncthreads-arrive", "named-arrive", "race")
+
+
+def test_row_sum_handoff_compiles(tmp_path):
+    _assert_probe_lists(_build_mode_probe(tmp_path, ROW_SUM_HANDOFF), ROW_SUM_MODES)
+
+
+@pytest.mark.gpu
+def test_row_sum_handoff_runs_on_the_gpu(tmp_path):
+    _run_probe_modes(_build_mode_probe(tmp_path, ROW_SUM_HANDOFF), ROW_SUM_MODES, 600, 2000)
 
 
 # ---- the error text of the host checks (common/check.h) -----------------------------------------------------------

@@ -28,24 +28,10 @@
 #include <cstdio>
 #include <cstring>
 
+#include "mbarrier_ptx.cuh"
+
 constexpr int kSlotWords = 1024;  // 4 KB
 constexpr int kUses = 24;
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "WAIT_%=:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra WAIT_%=;\n\t}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 
 // Warps 0..3: the consumer warpgroup; warps 4, 5, 6: the producer warps.
 __global__ void chain(int* wrong, bool race) {
