@@ -66,15 +66,23 @@ static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "
 constexpr uint32_t kLeadEmptyArrivals = 8 + kTransposeWarps;
 constexpr uint32_t kPSlotArrivals = 4;
 
-// The block's (ratio, F) of groups g0 and g0 + 1 (common.cuh: block_group_factors), after the wait for vt_full that
-// publishes them.
-__device__ __forceinline__ void read_group_factors(const LeadStorage& ss, int s, int g0, float (&ratio)[2],
-                                                   float (&F)[2]) {
-  const float4 gf = *reinterpret_cast<const float4*>(&ss.gfac[s][g0][0]);
-  ratio[0] = gf.x;
+// Consumer warpgroup kWG's words of block g (stage s), after its P: the wait for its V^T half, which also publishes
+// the block's group factors and pairs (common.cuh: block_group_factors); F and the ratios of groups 2 kWG, 2 kWG + 1
+// read, O rescaled by the rows' factors sc and the ratios, the words built; the stage released (the warpgroup's last
+// read of it).
+template <int kWG, class FragO>
+__device__ __forceinline__ void block_words(LeadStorage& ss, uint32_t g, int s, int lane, int debug, uint32_t hint,
+                                            const float (&sc)[2], const uint32_t (&p16)[16], FragO& o0, FragO& o1,
+                                            float (&F)[2], uint32_t (&words0)[kPTerms][8],
+                                            uint32_t (&words1)[kPTerms][8]) {
+  consumer_wait(ss.vt_full[kWG], g & 1u, hint);
+  const float4 gf = *reinterpret_cast<const float4*>(&ss.gfac[s][2 * kWG][0]);  // (ratio, F) of each group
+  const float ratio[2] = {gf.x, gf.z};
   F[0] = gf.y;
-  ratio[1] = gf.z;
   F[1] = gf.w;
+  rescale_groups(o0, o1, sc, ratio);
+  build_group_words<2 * kWG>(p16, &ss.sf[s][2 * kWG][0][0], lane, debug, words0, words1);
+  warp_arrive(ss.empty[s], lane);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -139,13 +147,8 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
       // ---- V^T half 0 and the groups' factors and pairs (vt_full publishes both); O rescaled, P's words of groups
       // 0 and 1; the block's stage is done with here ----
-      consumer_wait(ss.vt_full[0], g & 1u, hint);
-      float ratio[2];
-      read_group_factors(ss, s, 0, ratio, F);
-      rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      build_group_words<0>(p16, &ss.sf[s][0][0][0], lane, debug, words0, words1);
-      warp_arrive(ss.empty[s], lane);
+      block_words<0>(ss, g, s, lane, debug, hint, sc, p16, o0, o1, F, words0, words1);
 
       // ---- O_g += P_g V_g; the next block's Q K^T ----
       sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[0], o0);
@@ -208,13 +211,8 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
 
       // ---- V^T half 1 and the groups' factors and pairs of the block (vt_full publishes both); O rescaled, the
       // words of groups 2 and 3 ----
-      consumer_wait(ss.vt_full[1], g & 1u, hint);
-      float ratio[2];
-      read_group_factors(ss, s, 2, ratio, F);
-      rescale_groups(o0, o1, sc, ratio);
       uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      build_group_words<2>(p16, &ss.sf[s][2][0][0], lane, debug, words0, words1);
-      warp_arrive(ss.empty[s], lane);
+      block_words<1>(ss, g, s, lane, debug, hint, sc, p16, o0, o1, F, words0, words1);
 
       // ---- O_g += P_g V_g ----
       pv_two_groups(tid_in_wg, words0, words1, ss.vt[1], o0, o1);
