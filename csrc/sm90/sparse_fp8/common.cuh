@@ -362,7 +362,7 @@ __device__ __forceinline__ void block_group_factors(SS& ss, int s, int prev, boo
         F[gg] = f;
       }
     }
-    const float f = F[gg] == 0.f ? 1.f : F[gg];
+    const float f = factor_in_use(F[gg]);
     const __half2 pair = __floats2half2_rn(xs[gg] * f, ys[gg] * f);
     ss.sf[s][g0 + gg][lane & 3][lane >> 2] = *reinterpret_cast<const uint32_t*>(&pair);
   }
@@ -452,7 +452,7 @@ __device__ __forceinline__ void store_rows(const DecodeParams& p, const decode::
     const bool has_key = row_has_key(l[v]);
     lse[v] = has_key ? row_lse(m[v] - decode_fp8::kPScaleLog2, l[v]) : (w.split ? kNoKeySplitLse : kNoKeyLse);
     CUTLASS_PRAGMA_UNROLL
-    for (int gg = 0; gg < 2; ++gg) inv[gg][v] = has_key ? 1.f / ((F[gg] == 0.f ? 1.f : F[gg]) * l[v]) : 0.f;
+    for (int gg = 0; gg < 2; ++gg) inv[gg][v] = has_key ? 1.f / (factor_in_use(F[gg]) * l[v]) : 0.f;
   }
   store_group(p, w, 2 * kWG, rows, lane, o0, inv[0]);
   store_group(p, w, 2 * kWG + 1, rows, lane, o1, inv[1]);

@@ -100,6 +100,9 @@ __device__ __forceinline__ float group_factor(float max_s, float p_max) {
   if (biased == 0 || biased == 255 || k < -126 || k > 127) return exp2f(floorf(log2f(decode_fp8::kE4m3Max / m)));
   return __uint_as_float(uint32_t(k + 127) << 23);
 }
+// The factor a group's words and output use: its running factor F, or 1 while no block with a token has set it
+// (F = 0).
+__device__ __forceinline__ float factor_in_use(float F) { return F == 0.f ? 1.f : F; }
 // f / F for two powers of two f <= F of normal range (group factors): exact, by the exponents.
 __device__ __forceinline__ float power_of_two_ratio(float f, float F) {
   return __uint_as_float(__float_as_uint(f) - __float_as_uint(F) + (127u << 23));

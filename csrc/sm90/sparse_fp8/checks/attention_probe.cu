@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(128, 1) attention_probe_kernel(const uint8_t* 
           }
         }
         uint32_t words[2][8];
-        p_group_words<2>(s, scales, g, F[gg] == 0.f ? 1.f : F[gg], lane, words);
+        p_group_words<2>(s, scales, g, factor_in_use(F[gg]), lane, words);
         uint8_t* vt_group = smem + kVtAt + (g >> 1) * dfp8::kVtHalfBytes + (g & 1) * (dfp8::kVtHalfBytes / 2);
         if (gg == 0) {
           sparse_pv_group<2>(tid, words, vt_group, o0);
