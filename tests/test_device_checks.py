@@ -205,7 +205,8 @@ def test_sparse_protocol_model_accepts_the_kernel_schedule():
 
 
 @pytest.mark.parametrize("mutation", ["transposer ignores vt_empty", "row sums read early",
-                                      "factors read before vt_full"])
+                                      "factors read before vt_full", "half 0 released before its P V",
+                                      "half 1 read before vt_full", "pairs read after their half's release"])
 def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation):
     with pytest.raises(sparse_model.ProtocolError):
         for seed in range(60):
@@ -215,7 +216,9 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation)
 
 def test_sparse_protocol_model_rejects_wrong_arrival_counts(sparse_model):
     real = sparse_model.read_counts()
-    for name, delta in (("lead_empty", -1), ("p_slot", -1), ("p_slot", 1), ("vt_full", -1), ("full", -1)):
+    # vt_empty - 4: one arrival a warp and half, as when each half had one reader warpgroup.
+    for name, delta in (("lead_empty", -1), ("p_slot", -1), ("p_slot", 1), ("vt_full", -1), ("full", -1),
+                        ("vt_empty", -1), ("vt_empty", -4)):
         counts = dict(real)
         counts[name] = real[name] + delta
         with pytest.raises(sparse_model.ProtocolError):

@@ -1,8 +1,8 @@
 // Does compute-sanitizer racecheck see the order of an mbarrier phase that several warps complete together?
 //
 // The sparse kernel (csrc/sm90/sparse_fp8) hands data between roles through mbarrier pairs, and racecheck reports
-// hazards at two of them: the P slots (warpgroup 0's store_p / warpgroup 1's load_p, p_full / p_empty) and the words'
-// pairs (the transposer warps' block_group_factors / the consumers' build_group_words, published by vt_full, freed by
+// hazards at two of them: the P slots (warpgroup 0's store_p / warpgroup 1's loads, p_full / p_empty) and the words'
+// pairs (the transposer warps' block_group_factors / the consumers' build_words, published by vt_full, freed by
 // empty). In both, each of several warps writes its part, then its lane 0 arrives once after __syncwarp (the
 // barrier's count is the number of warps), and the readers wait for the phase. tests/device_checks/mbarrier_chain.cu
 // showed that racecheck does follow a pair whose phase one warp completes (no report between the writer and the

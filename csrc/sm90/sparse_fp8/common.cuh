@@ -59,10 +59,11 @@ enum DebugFlags : int {
 
 // The named barrier of all 256 consumer threads.
 constexpr uint32_t kBarConsumers = 0;
-// Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (the 4 warps of the consumer
-// warpgroup that reads the half).
+// Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (a warp of a consumer warpgroup once a
+// group's P V of the half completed: a half holds two groups, each read by its own P V, lead.cuh).
 constexpr uint32_t kVtFullArrivals = kTransposeWarps;
-constexpr uint32_t kVtEmptyArrivals = 4;
+constexpr uint32_t kGroupsPerVtHalf = 2;
+constexpr uint32_t kVtEmptyArrivals = 4 * kGroupsPerVtHalf;
 
 __device__ __forceinline__ void consumers_sync() {
   NamedBarrier(kNumConsumerThreads, kBarConsumers).arrive_and_wait_unaligned();
@@ -238,54 +239,45 @@ __device__ __forceinline__ void online_softmax(FragS& S, uint64_t mask, int lane
   }
 }
 
-// O of the thread's two groups times the row factors r[v] and the groups' ratios, skipped by a warp where all are 1.
+// Whether O of groups with these ratios must be multiplied (rescale_group) by the row factors r and the ratios: not
+// where all are 1 in the warp.
+template <int kN>
+__device__ __forceinline__ bool rescale_needed(const float (&r)[2], const float (&ratio)[kN]) {
+  bool any = r[0] != 1.f || r[1] != 1.f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kN; ++i) any = any || ratio[i] != 1.f;
+  return __any_sync(0xffffffffu, any);
+}
 template <class FragO>
-__device__ __forceinline__ void rescale_groups(FragO& o0, FragO& o1, const float (&r)[2], const float (&ratio)[2]) {
-  if (__any_sync(0xffffffffu, r[0] != 1.f || r[1] != 1.f || ratio[0] != 1.f || ratio[1] != 1.f)) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(o0); ++i) {
-      const float x = r[(i >> 1) & 1];
-      o0(i) *= x * ratio[0];
-      o1(i) *= x * ratio[1];
-    }
-  }
+__device__ __forceinline__ void rescale_group(FragO& o, const float (&r)[2], float ratio) {
+  const float x[2] = {r[0] * ratio, r[1] * ratio};
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(o); ++i) o(i) *= x[(i >> 1) & 1];
 }
 
-// The two-term e4m3 words of P[:, t] s[t, g] F_g for groups kG0 and kG0 + 1 from P in fp16 (pv.cuh:
-// p_group_words_f16) and the groups' s F pairs that the transposer warps made for the block (sf_g0: group kG0's
-// [4][8] words, group kG0 + 1's after them; a thread's eight of a group are two 16-byte loads), zeros under the
+// The two-term e4m3 words of P[:, t] s[t, g] F_g of one group (pv.cuh: p_chunk_words_f16) from the group's s F pairs
+// that the transposer warps made for the block (sf_g: the group's [4][8] words; a thread's eight are at sf_g + 8 (lane
+// % 4), two a chunk) and P in fp16 by chunks (p_chunk(c, p4): the thread's P words 4 c .. 4 c + 3), zeros under the
 // kDebugNoWords switch.
-template <int kG0>
-__device__ __forceinline__ void build_group_words(const uint32_t (&p16)[16], const uint32_t* sf_g0, int lane,
-                                                  int debug, uint32_t (&words0)[kPTerms][8],
-                                                  uint32_t (&words1)[kPTerms][8]) {
+template <class PChunk>
+__device__ __forceinline__ void build_words(PChunk&& p_chunk, const uint32_t* sf_g, int lane, int debug,
+                                            uint32_t (&words)[kPTerms][8]) {
   if (debug & kDebugNoWords) {
     CUTLASS_PRAGMA_UNROLL
     for (int t = 0; t < kPTerms; ++t) {
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < 8; ++i) words0[t][i] = words1[t][i] = 0u;
+      for (int i = 0; i < 8; ++i) words[t][i] = 0u;
     }
     return;
   }
+  const uint2* sf = reinterpret_cast<const uint2*>(sf_g + 8 * (lane & 3));
   CUTLASS_PRAGMA_UNROLL
-  for (int gg = 0; gg < 2; ++gg) {
-    const uint4* src = reinterpret_cast<const uint4*>(sf_g0 + (gg * 4 + (lane & 3)) * 8);
-    const uint4 v[2] = {src[0], src[1]};
-    p_group_words_f16<kPTerms>(p16, *reinterpret_cast<const __half2(*)[8]>(v), gg == 0 ? words0 : words1);
+  for (int c = 0; c < 4; ++c) {
+    uint32_t p4[4];
+    p_chunk(c, p4);
+    const uint2 v = sf[c];
+    p_chunk_words_f16<kPTerms>(p4, *reinterpret_cast<const __half2(*)[2]>(&v), c, words);
   }
-}
-
-// O_g += P_g V_g for the two groups of a V^T half (vt_half: its first group's 128 rows, the second's after them),
-// waited for. The caller waits for the half before and releases it after.
-template <class FragO>
-__device__ __forceinline__ void pv_two_groups(int tid_in_wg, uint32_t (&words0)[kPTerms][8],
-                                              uint32_t (&words1)[kPTerms][8], uint8_t* vt_half, FragO& o0,
-                                              FragO& o1) {
-  sparse_pv_group<kPTerms>(tid_in_wg, words0, vt_half, o0);
-  sparse_pv_group<kPTerms>(tid_in_wg, words1, vt_half + decode_fp8::kVtHalfBytes / 2, o1);
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(o0);
-  warpgroup_fence_operand(o1);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -438,33 +430,26 @@ __device__ __forceinline__ void store_group(const DecodeParams& p, const decode:
 }
 
 
-// The row piece's outputs of consumer warpgroup kWG (groups 2 kWG, 2 kWG + 1): out = O_g / (F_g l), or the split's
-// fp32 partials, and (warpgroup 0) lse; l: the rows' final sums of P (its 2^8 included), m: their running max (log2
-// domain). A row without a token gets out 0 and lse +inf (a split: -inf).
-template <int kWG, class FragO>
-__device__ __forceinline__ void store_rows(const DecodeParams& p, const decode::RequestPiece& w, const int (&rows)[2],
-                                           int lane, const FragO& o0, const FragO& o1, const float (&F)[2],
-                                           const float (&l)[2], const float (&m)[2]) {
-  float inv[2][2];
-  float lse[2];
+// The epilogue of a row piece (lead.cuh): out = O_g / (F_g l), or the split's fp32 partials, with inv_out's factor
+// 1 / (F_g l) of a group (0 for a row without a token, whose out is 0), and the rows' lse (store_lse); l: the rows'
+// final sums of P (its 2^8 included), m: their running max (log2 domain). A row without a token gets lse +inf (a
+// split: -inf).
+__device__ __forceinline__ void inv_out(float F, const float (&l)[2], float (&inv)[2]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) inv[v] = row_has_key(l[v]) ? 1.f / (factor_in_use(F) * l[v]) : 0.f;
+}
+__device__ __forceinline__ void store_lse(const DecodeParams& p, const decode::RequestPiece& w, const int (&rows)[2],
+                                          int lane, const float (&l)[2], const float (&m)[2]) {
+  if ((lane & 3) != 0) return;
   CUTLASS_PRAGMA_UNROLL
   for (int v = 0; v < 2; ++v) {
-    const bool has_key = row_has_key(l[v]);
-    lse[v] = has_key ? row_lse(m[v] - decode_fp8::kPScaleLog2, l[v]) : (w.split ? kNoKeySplitLse : kNoKeyLse);
-    CUTLASS_PRAGMA_UNROLL
-    for (int gg = 0; gg < 2; ++gg) inv[gg][v] = has_key ? 1.f / (factor_in_use(F[gg]) * l[v]) : 0.f;
-  }
-  store_group(p, w, 2 * kWG, rows, lane, o0, inv[0]);
-  store_group(p, w, 2 * kWG + 1, rows, lane, o1, inv[1]);
-  if (kWG == 0 && (lane & 3) == 0) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) {
-      if (rows[v] >= p.q_rows) continue;
-      if (w.split) {
-        p.lse_accum[int64_t(w.split_id) * p.q_rows + rows[v]] = lse[v];
-      } else {
-        p.lse[int64_t(w.req) * p.lse_stride_b + int64_t(rows[v]) * p.lse_stride_h] = lse[v];
-      }
+    if (rows[v] >= p.q_rows) continue;
+    const float lse = row_has_key(l[v]) ? row_lse(m[v] - decode_fp8::kPScaleLog2, l[v])
+                                        : (w.split ? kNoKeySplitLse : kNoKeyLse);
+    if (w.split) {
+      p.lse_accum[int64_t(w.split_id) * p.q_rows + rows[v]] = lse;
+    } else {
+      p.lse[int64_t(w.req) * p.lse_stride_b + int64_t(rows[v]) * p.lse_stride_h] = lse;
     }
   }
 }

@@ -10,12 +10,13 @@
 //     (gather.cuh: cp.async, the entries that name no token zero-filled and left out of the block's mask); warps 2
 //     and 3 transpose the stage's latent part into V^T, half 0 (groups 0, 1) then half 1 (groups 2, 3), each warp
 //     half of each half (pv.cuh), one slot a half.
-//   warpgroups 0 and 1 (consumers): warpgroup w owns latent groups 2 w and 2 w + 1, its V^T half and its 256 output
-//     columns, and multiplies P by V for them with two e4m3 terms of P s[t, g] under a group factor that only goes
-//     down (pv.cuh). Warpgroup 0 computes every block's whole scores and the softmax and hands P to warpgroup 1 in
-//     fp16, which only multiplies it by its half of V (lead.cuh). The transposer warps make each block's group
+//   warpgroups 0 and 1 (consumers): the four latent groups' output columns (128 each) are split one and three:
+//     warpgroup 0 computes every block's whole scores and the softmax, hands P to warpgroup 1 in fp16, and multiplies
+//     P by V for group 0; warpgroup 1 does so for groups 1, 2 and 3 (lead.cuh). Each group's P V takes two e4m3 terms
+//     of P s[t, g] under a group factor that only goes down (pv.cuh); the transposer warps make each block's group
 //     factors and the words' s F pairs once (common.cuh: block_group_factors).
-// The epilogue (common.cuh: store_rows) writes out = O_g / (F_g l) and lse, or a split's fp32 partials for the combine.
+// The epilogue (common.cuh: store_group, store_lse) writes out = O_g / (F_g l) and lse, or a split's fp32 partials for
+// the combine.
 #pragma once
 
 #include "sm90/sparse_fp8/common.cuh"

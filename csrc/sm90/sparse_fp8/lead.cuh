@@ -1,19 +1,20 @@
 // The consumer warpgroups of the sm90 sparse decode kernel (kernel.cuh), and its shared memory: warpgroup 0 leads,
-// warpgroup 1 follows, the division of work of FlashMLA's Hopper sparse kernel. Warpgroup 0 computes every block's
-// whole scores (four groups, two e4m3 terms of q, the group scales folded; the rope), the softmax, and P V of groups 0
-// and 1; it hands P to warpgroup 1 in fp16 with the rows' factor of the block, through a ring of two slots, and
-// warpgroup 1 only builds the words of groups 2 and 3 from it and multiplies them by its V^T half. The group factors
-// and the words' s F pairs come from the transposer warps (common.cuh: block_group_factors). Nothing is computed twice
-// (a split plan that ran the softmax in both warpgroups and exchanged 16 KB of scores a block and direction measured
-// 12% slower, and was removed), and the two warpgroups are not locked into one phase: warpgroup 1's words and P V of a
-// block run while warpgroup 0 computes the next block's scores. (Warpgroup 0 issuing the next Q K^T right behind its
-// own P V, before waiting for it, made ptxas serialize the kernel's wgmma for want of registers, C7512, even at 248 a
-// thread: the P V's words, O, S and the product's temporary live at once.)
-//   warpgroup 0: S = Q K^T (all groups), P = 2^(S sl2 - m + 8), O_01 = O_01 sc + P_g V_g (g = 0, 1)
-//   warpgroup 1: O_23 = O_23 sc + P_g V_g (g = 2, 3), P and sc from warpgroup 0
-// The gather and transposer warps are common.cuh's. Registers: warpgroup 0 holds O (128), S and the product's
-// temporary (64) or S and the words of its two groups (64); warpgroup 1 holds O, P in fp16 (16) and words (32);
-// the setmaxnreg split gives warpgroup 0 a little more.
+// warpgroup 1 follows. Warpgroup 0 computes every block's whole scores (four groups, two e4m3 terms of q, the group
+// scales folded; the rope), the softmax, and P V of group 0; it hands P to warpgroup 1 in fp16 with the rows' factor
+// of the block, through a ring of two slots, and warpgroup 1 builds the words of groups 1, 2 and 3 from it and
+// multiplies them by their V^T. The group factors and the words' s F pairs come from the transposer warps (common.cuh:
+// block_group_factors). Nothing is computed twice (a split plan that ran the softmax in both warpgroups and exchanged
+// 16 KB of scores a block and direction measured 12% slower, and was removed), and the two warpgroups are not locked
+// into one phase: warpgroup 1's words and P V of a block run while warpgroup 0 computes the next block's scores.
+//   warpgroup 0: S = Q K^T (all groups), P = 2^(S sl2 - m + 8), O_0 = O_0 sc + P_0 V_0
+//   warpgroup 1: O_g = O_g sc + P_g V_g (g = 1, 2, 3), P and sc from warpgroup 0
+// Warpgroup 0 is the critical path (docs/perf/journal.md: with groups 0 and 1 it issued 1.3 times warpgroup 1's
+// instructions a block, and warpgroup 1 waited for P half of its time), so it keeps one group's O (64 registers), and
+// with them the room for its P V to run under the next block's Q K^T (the half's release after the first wait there)
+// and for two Q K^T temporaries (qk.cuh: group g + 1's product under group g's fold). Before, with O of two groups,
+// either made ptxas serialize the kernel's wgmma for want of registers (C7512) even at 248 a thread. Warpgroup 1 holds
+// O of three groups (192) and builds each group's words from P and the pairs read a 16-byte chunk at a time.
+// The gather and transposer warps are common.cuh's.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -25,8 +26,8 @@ namespace flashmla_backend::sm90::sparse_fp8 {
 constexpr int kPSlots = 2;                             // blocks of P in flight from warpgroup 0 to warpgroup 1
 constexpr int kP16Words = 16;                          // a thread's 64 x 64 P in fp16: word k = (P(2 k), P(2 k + 1))
 constexpr int kP16Bytes = kP16Words * 4 * kWgThreads;  // 8 KB
-constexpr int kLeadRegs = 232;
-constexpr int kFollowRegs = 216;
+constexpr int kLeadRegs = 208;
+constexpr int kFollowRegs = 240;
 static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
               "register split exceeds the CTA's allocation");
 
@@ -51,9 +52,9 @@ struct alignas(1024) LeadStorage {
   // (ratio, F) of group g.
   alignas(16) uint32_t sf[kStages][kGroups][4][8];
   alignas(16) float gfac[kStages][kGroups][2];
-  // full: the gather's. empty: each warpgroup's 4 warps after its words (warpgroup 0 read the stage for Q K^T, both
-  // the block's pairs and factors), and the transposer warps. p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full /
-  // vt_empty: a V^T half written (the transposer warps) / read by its warpgroup's P V (4 warps).
+  // full: the gather's. empty: warpgroup 0's 4 warps after its words and the transposer warps (kLeadEmptyArrivals).
+  // p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full / vt_empty:
+  // a V^T half written (the transposer warps) / each of its two groups read by a P V (4 warps a group).
   cutlass::arch::ClusterBarrier full[kStages];
   cutlass::arch::ClusterBarrier empty[kStages];
   cutlass::arch::ClusterBarrier p_full[kPSlots];
@@ -63,40 +64,25 @@ struct alignas(1024) LeadStorage {
 };
 static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 
-constexpr uint32_t kLeadEmptyArrivals = 8 + kTransposeWarps;
+// A stage is released by warpgroup 0 (Q K^T, the mask, group 0's factors and pairs read) and the transposer warps.
+// Warpgroup 1 reads the block's factors and pairs (ss.gfac / ss.sf of the stage's index) until group 3's words, but
+// does not hold the stage: the transposer warps rewrite them for block g + 2 only after their V^T half 1 of block
+// g + 1, which waited for warpgroup 1's group 3 P V of block g (checks/protocol_model.py plays it). Holding the stage
+// until warpgroup 1's last words kept warpgroup 0 waiting for its next gathered block a fifth of its time (ncu).
+constexpr uint32_t kLeadEmptyArrivals = 4 + kTransposeWarps;
 constexpr uint32_t kPSlotArrivals = 4;
-
-// Consumer warpgroup kWG's words of block g (stage s), after its P: the wait for its V^T half, which also publishes
-// the block's group factors and pairs (common.cuh: block_group_factors); F and the ratios of groups 2 kWG, 2 kWG + 1
-// read, O rescaled by the rows' factors sc and the ratios, the words built; the stage released (the warpgroup's last
-// read of it).
-template <int kWG, class FragO>
-__device__ __forceinline__ void block_words(LeadStorage& ss, uint32_t g, int s, int lane, int debug, uint32_t hint,
-                                            const float (&sc)[2], const uint32_t (&p16)[16], FragO& o0, FragO& o1,
-                                            float (&F)[2], uint32_t (&words0)[kPTerms][8],
-                                            uint32_t (&words1)[kPTerms][8]) {
-  consumer_wait(ss.vt_full[kWG], g & 1u, hint);
-  const float4 gf = *reinterpret_cast<const float4*>(&ss.gfac[s][2 * kWG][0]);  // (ratio, F) of each group
-  const float ratio[2] = {gf.x, gf.z};
-  F[0] = gf.y;
-  F[1] = gf.w;
-  rescale_groups(o0, o1, sc, ratio);
-  build_group_words<2 * kWG>(p16, &ss.sf[s][2 * kWG][0][0], lane, debug, words0, words1);
-  warp_arrive(ss.empty[s], lane);
-}
 
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 0
 // ------------------------------------------------------------------------------------------------
-// S = Q K^T of block g (all four groups, the rope), after its stage landed.
-template <class FragS>
-__device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, uint32_t hint, FragS& S) {
+// S = Q K^T of block g (all four groups, the rope), after its stage landed; after_first: qk.cuh.
+template <class FragS, class AfterFirst>
+__device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, uint32_t hint, FragS& S,
+                                        FragS& t0, FragS& t1, AfterFirst&& after_first) {
   const int s = int(g % kStages);
   consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
   cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
-  typename QkTypes::TiledMmaLatent mma_s;
-  Tensor tmp = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
-  sparse_qk_block<kQTerms>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], S, tmp);
+  sparse_qk_block<kQTerms>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], S, t0, t1, after_first);
 }
 
 __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
@@ -115,17 +101,17 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     begin_row_piece(p, ss, req, m_block, tid);
     const float sl2[2] = {ss.row_scale_log2[row_in_tile[0]], ss.row_scale_log2[row_in_tile[1]]};
 
-    Tensor o0 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 0
-    Tensor o1 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 1
-    clear(o0);
-    clear(o1);
+    Tensor o = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 0
+    clear(o);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    float F[2] = {0.f, 0.f};
+    float F = 0.f;
 
     int stop;
     const int nblk = counted_blocks(p, w, stop);
     Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
-    if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S);
+    Tensor t0 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
+    Tensor t1 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
+    if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S, t0, t1, [] {});
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -145,19 +131,40 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       }
       warp_arrive(ss.p_full[c], lane);
 
-      // ---- V^T half 0 and the groups' factors and pairs (vt_full publishes both); O rescaled, P's words of groups
-      // 0 and 1; the block's stage is done with here ----
-      uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      block_words<0>(ss, g, s, lane, debug, hint, sc, p16, o0, o1, F, words0, words1);
+      // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes both); O rescaled, P's words of
+      // group 0; the block's stage is done with here ----
+      consumer_wait(ss.vt_full[0], g & 1u, hint);
+      const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[s][0][0]);  // (ratio, F) of group 0
+      const float ratio[1] = {gf.x};
+      F = gf.y;
+      if (rescale_needed(sc, ratio)) rescale_group(o, sc, gf.x);
+      uint32_t words[kPTerms][8];
+      build_words(
+          [&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE {
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < 4; ++i) p4[i] = p16[4 * k + i];
+          },
+          &ss.sf[s][0][0][0], lane, debug, words);
+      warp_arrive(ss.empty[s], lane);
 
-      // ---- O_g += P_g V_g; the next block's Q K^T ----
-      sparse_pv_group<kPTerms>(tid_in_wg, words0, ss.vt[0], o0);
-      sparse_pv_group<kPTerms>(tid_in_wg, words1, ss.vt[0] + decode_fp8::kVtHalfBytes / 2, o1);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(o0);
-      warpgroup_fence_operand(o1);
-      warp_arrive(ss.vt_empty[0], lane);
-      if (blk + 1 < nblk) lead_qk(ss, g + 1, tid_in_wg, hint, S);
+      // ---- O_0 += P_0 V_0 under the next block's Q K^T, whose first wait covers it (then V^T half 0 is released;
+      // the words stay in their registers until then) ----
+      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
+      const auto release_half0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        warpgroup_fence_operand(o);
+        CUTLASS_PRAGMA_UNROLL
+        for (int t = 0; t < kPTerms; ++t) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
+        }
+        warp_arrive(ss.vt_empty[0], lane);
+      };
+      if (blk + 1 < nblk) {
+        lead_qk(ss, g + 1, tid_in_wg, hint, S, t0, t1, release_half0);
+      } else {
+        warpgroup_wait<0>();
+        release_half0();
+      }
     }
 
     // ---- epilogue: the rows' sums for warpgroup 1 ----
@@ -169,7 +176,10 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       ss.row_sum[row_in_tile[1]] = l[1];
     }
     consumers_sync();  // row sums written; both warpgroups past their last wgmma of the row
-    store_rows<0>(p, w, rows, lane, o0, o1, F, l, m);
+    float inv[2];
+    inv_out(F, l, inv);
+    store_group(p, w, 0, rows, lane, o, inv);
+    store_lse(p, w, rows, lane, l, m);
     consumers_sync();  // the Q tile and row_sum are rewritten by the next row piece
   }
 }
@@ -177,6 +187,28 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 1
 // ------------------------------------------------------------------------------------------------
+// O_g += P_g V_g of block g in stage s for group kG (1..3), P from slot c: the words (P and the pairs a chunk at a
+// time), the product, its wait, and the release of the group's V^T half (one arrival a warp and group). after_words:
+// called once the words are built (the last group releases the stage and the P slot there).
+template <int kG, class FragO, class AfterWords>
+__device__ __forceinline__ void follow_group(LeadStorage& ss, int s, int c, int tid_in_wg, int lane, int debug,
+                                             FragO& o, AfterWords&& after_words) {
+  uint32_t words[kPTerms][8];
+  const uint32_t p_base = cute::cast_smem_ptr_to_uint(ss.p16[c]) + uint32_t(tid_in_wg * 16);
+  build_words(
+      [&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE {
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(p4[0]), "=r"(p4[1]), "=r"(p4[2]), "=r"(p4[3])
+                     : "r"(p_base + uint32_t(k * 2048)));
+      },
+      &ss.sf[s][kG][0][0], lane, debug, words);
+  after_words();
+  sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[kG / 2] + (kG % 2) * (decode_fp8::kVtHalfBytes / 2), o);
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(o);
+  warp_arrive(ss.vt_empty[kG / 2], lane);
+}
+
 __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
@@ -191,41 +223,58 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
     begin_row_piece(p, ss, req, m_block, tid);
 
-    Tensor o0 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 2
-    Tensor o1 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 3
-    clear(o0);
+    Tensor o1 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 1
+    Tensor o2 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 2
+    Tensor o3 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 3
     clear(o1);
-    float F[2] = {0.f, 0.f};
+    clear(o2);
+    clear(o3);
+    float F[3] = {0.f, 0.f, 0.f};
 
     int stop;
     const int nblk = counted_blocks(p, w, stop);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
-      // ---- P of block g and the rows' factor from warpgroup 0 ----
+      // ---- the rows' factor of block g from warpgroup 0 (its P stays in slot c until the last group's words) ----
       consumer_wait(ss.p_full[c], (g / kPSlots) & 1u, hint);
-      uint32_t p16[kP16Words];
-      decode_fp8::load_p(ss.p16[c], tid_in_wg, p16);
       const float sc[2] = {ss.sc[c][row_in_tile[0]], ss.sc[c][row_in_tile[1]]};
-      warp_arrive(ss.p_empty[c], lane);
 
-      // ---- V^T half 1 and the groups' factors and pairs of the block (vt_full publishes both); O rescaled, the
-      // words of groups 2 and 3 ----
-      uint32_t words0[kPTerms][8], words1[kPTerms][8];
-      block_words<1>(ss, g, s, lane, debug, hint, sc, p16, o0, o1, F, words0, words1);
+      // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes all of them); O rescaled ----
+      consumer_wait(ss.vt_full[0], g & 1u, hint);
+      const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[s][1][0]);  // (ratio, F) of group 1
+      const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);  // of groups 2 and 3
+      const float ratio[3] = {f1.x, f23.x, f23.z};
+      F[0] = f1.y;
+      F[1] = f23.y;
+      F[2] = f23.w;
+      if (rescale_needed(sc, ratio)) {
+        rescale_group(o1, sc, ratio[0]);
+        rescale_group(o2, sc, ratio[1]);
+        rescale_group(o3, sc, ratio[2]);
+      }
 
-      // ---- O_g += P_g V_g ----
-      pv_two_groups(tid_in_wg, words0, words1, ss.vt[1], o0, o1);
-      warp_arrive(ss.vt_empty[1], lane);
+      // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1) ----
+      follow_group<1>(ss, s, c, tid_in_wg, lane, debug, o1, [] {});
+      consumer_wait(ss.vt_full[1], g & 1u, hint);
+      follow_group<2>(ss, s, c, tid_in_wg, lane, debug, o2, [] {});
+      follow_group<3>(ss, s, c, tid_in_wg, lane, debug, o3,
+                      [&]() CUTLASS_LAMBDA_FUNC_INLINE { warp_arrive(ss.p_empty[c], lane); });  // P read
     }
 
     // ---- epilogue ----
     if (req == end_req) pdl_launch_dependents();
     consumers_sync();  // warpgroup 0 wrote the rows' sums
-    float l[2], m_unused[2] = {0.f, 0.f};
+    float l[2];
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) l[v] = ss.row_sum[row_in_tile[v]];
-    store_rows<1>(p, w, rows, lane, o0, o1, F, l, m_unused);
+    float inv[2];
+    inv_out(F[0], l, inv);
+    store_group(p, w, 1, rows, lane, o1, inv);
+    inv_out(F[1], l, inv);
+    store_group(p, w, 2, rows, lane, o2, inv);
+    inv_out(F[2], l, inv);
+    store_group(p, w, 3, rows, lane, o3, inv);
     consumers_sync();
   }
 }

@@ -158,33 +158,42 @@ __device__ __forceinline__ void p_group_words(const Frag& p, const float* scales
 // difference (exact, as in lo_term_e4m3x4). The fp16 roundings of P, s f and the product (2^-11 each, relative) stay
 // below the second term's own (2^-8 of x). About 30% fewer instructions than the fp32 form, which multiplies and
 // converts one value at a time.
+// By chunks: chunk c (0..3) of P's words, p16[4 c .. 4 c + 3] (one 16-byte chunk of decode_fp8::store_p's order),
+// with the pairs sf[2 c], sf[2 c + 1], makes words 2 c and 2 c + 1 of each term (word q of k32 slice kk, 4 kk + q,
+// takes values p_source_index(kk, q, .): P words 8 kk + 4 (q >> 1) + (q & 1) + {0, 2}, pairs 4 kk + 2 (q >> 1) + {0,
+// 1}), so a caller may load P and the pairs a chunk at a time.
+template <int kTerms>
+__device__ __forceinline__ void p_chunk_words_f16(const uint32_t (&p4)[4], const __half2 (&sf2)[2], int c,
+                                                  uint32_t (&words)[kTerms][8]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int ql = 0; ql < 2; ++ql) {
+    uint32_t hi2[2], lo2[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&p4[ql + 2 * h]), sf2[h]);
+      uint16_t d;
+      asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(d) : "r"(*reinterpret_cast<const uint32_t*>(&x)));
+      hi2[h] = d;
+      if constexpr (kTerms == 2) {
+        const uint32_t b = decode::e4m3x2_to_f16x2(d);
+        const __half2 r = __hsub2(x, *reinterpret_cast<const __half2*>(&b));
+        uint16_t e;
+        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(e) : "r"(*reinterpret_cast<const uint32_t*>(&r)));
+        lo2[h] = e;
+      }
+    }
+    words[0][2 * c + ql] = hi2[0] | (hi2[1] << 16);
+    if constexpr (kTerms == 2) words[1][2 * c + ql] = lo2[0] | (lo2[1] << 16);
+  }
+}
 template <int kTerms>
 __device__ __forceinline__ void p_group_words_f16(const uint32_t (&p16)[16], const __half2 (&sf)[8],
                                                   uint32_t (&words)[kTerms][8]) {
   CUTLASS_PRAGMA_UNROLL
-  for (int kk = 0; kk < 2; ++kk) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < 4; ++q) {
-      const int base = decode_fp8::p_source_index(kk, q, 0);  // values base, base + 1 (bytes 0, 1), base + 4, + 5
-      uint32_t hi2[2], lo2[2];
-      CUTLASS_PRAGMA_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const int idx = base + 4 * h;
-        const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&p16[idx >> 1]), sf[idx >> 2]);
-        uint16_t d;
-        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(d) : "r"(*reinterpret_cast<const uint32_t*>(&x)));
-        hi2[h] = d;
-        if constexpr (kTerms == 2) {
-          const uint32_t b = decode::e4m3x2_to_f16x2(d);
-          const __half2 r = __hsub2(x, *reinterpret_cast<const __half2*>(&b));
-          uint16_t e;
-          asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(e) : "r"(*reinterpret_cast<const uint32_t*>(&r)));
-          lo2[h] = e;
-        }
-      }
-      words[0][4 * kk + q] = hi2[0] | (hi2[1] << 16);
-      if constexpr (kTerms == 2) words[1][4 * kk + q] = lo2[0] | (lo2[1] << 16);
-    }
+  for (int c = 0; c < 4; ++c) {
+    const uint32_t p4[4] = {p16[4 * c], p16[4 * c + 1], p16[4 * c + 2], p16[4 * c + 3]};
+    const __half2 sf2[2] = {sf[2 * c], sf[2 * c + 1]};
+    p_chunk_words_f16<kTerms>(p4, sf2, c, words);
   }
 }
 

@@ -50,18 +50,21 @@ constexpr int kKStepsPerGroup = 128 / 32;
 
 // S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the
 // row's split scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h),
-// whose scales are read here. The rope product goes into S first; then S_g, one group at a time, into `tmp`: its
-// wgmma wait, then 32 FFMA with the token's scale of group g (16 distinct tokens a thread: accumulator element i is
-// token 8 (i >> 2) + 2 (lane % 4) + (i & 1)). The group loop is rolled, one copy of a group's code (measured against
-// the unrolled loop: 10% faster at b = 1 h_q 128, 2-5% at b32, b64 and top-k 512, the same at b128;
-// docs/perf/journal.md). A second temporary, so that group g + 1's product runs under group g's FFMAs, made ptxas
-// serialize the kernel's wgmma for want of registers (C7512) in warpgroup 0 (lead.cuh), at 232-248.
-template <int kQTerms, class FragS>
+// whose scales are read here. The rope product goes into S first; then S_g of two groups at a time into the two
+// temporaries, and each added into S with 32 FFMA by the token's scale of group g (16 distinct tokens a thread:
+// accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)) once it is waited for, so that group 2 j + 1's
+// product runs under group 2 j's FFMAs. The sums are the one-temporary form's, in the same order (rope, then groups
+// 0..3), bit for bit. The pair loop is rolled, one copy of a pair's code (a rolled group loop measured 10% faster at
+// b = 1 h_q 128 and 2-5% at b32, b64 and top-k 512 than the unrolled one; docs/perf/journal.md).
+// after_first: called once, after the wait for the rope product and group 0 (and so for every wgmma the warpgroup
+// committed before this call: warpgroup 0 releases the V^T half of its previous P V there).
+template <int kQTerms, class FragS, class AfterFirst>
 __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                FragS& tSrS, FragS& tmp) {
+                                                FragS& tSrS, FragS& tmp0, FragS& tmp1, AfterFirst&& after_first) {
   using F8 = QkTypes::F8;
   using BF = QkTypes::BF;
   static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
+  static_assert(kGroups % 2 == 0, "groups in pairs");
   typename QkTypes::TiledMmaRope mma_r;
   auto thr_r = mma_r.get_slice(tid);
   Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(q_rope)), typename QkTypes::RopeLayout{});
@@ -83,32 +86,44 @@ __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint
   Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(stage)), typename QkTypes::LatentLayout{});
   Tensor tKl = thr_l.partition_fragment_B(sK);  // (MMA, 1, 16)
   const int lane = tid & 31;
-#pragma unroll 1
-  for (int g = 0; g < kGroups; ++g) {
+  const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
+  // S_g into t: one commit group.
+  const auto product = [&](int g, FragS& t) CUTLASS_LAMBDA_FUNC_INLINE {
     mma_l.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(tmp);
+    warpgroup_fence_operand(t);
     warpgroup_arrive();
     CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < kQTerms; ++t) {
-      Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(q_latent + t * kLatentBytes)),
+    for (int q = 0; q < kQTerms; ++q) {
+      Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(q_latent + q * kLatentBytes)),
                               typename QkTypes::LatentLayout{});
       Tensor tQl = thr_l.partition_fragment_A(sQ);
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < kKStepsPerGroup; ++k) {
-        cute::gemm(mma_l, tQl(_, _, kKStepsPerGroup * g + k), tKl(_, _, kKStepsPerGroup * g + k), tmp);
+        cute::gemm(mma_l, tQl(_, _, kKStepsPerGroup * g + k), tKl(_, _, kKStepsPerGroup * g + k), t);
         mma_l.accumulate_ = GMMA::ScaleOut::One;
       }
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();  // tmp (and, at the first group, the rope product)
-    warpgroup_fence_operand(tmp);
+  };
+  // S += S_g s[t, g], after t was waited for.
+  const auto fold = [&](int g, FragS& t) CUTLASS_LAMBDA_FUNC_INLINE {
+    warpgroup_fence_operand(t);
     warpgroup_fence_operand(tSrS);
-    const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tSrS); ++i) {
       const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      tSrS(i) = fmaf(tmp(i), scales[token * kGroups + g], tSrS(i));
+      tSrS(i) = fmaf(t(i), scales[token * kGroups + g], tSrS(i));
     }
+  };
+#pragma unroll 1
+  for (int g = 0; g < kGroups; g += 2) {
+    product(g, tmp0);
+    product(g + 1, tmp1);
+    warpgroup_wait<1>();  // group g (and, at the first pair, the rope product and what the caller committed)
+    if (g == 0) after_first();
+    fold(g, tmp0);
+    warpgroup_wait<0>();
+    fold(g + 1, tmp1);
   }
 }
 

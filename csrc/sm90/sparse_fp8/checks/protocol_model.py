@@ -3,23 +3,26 @@
 
 A mirror of the order of waits, arrivals, reads and writes of the gather warps (common.cuh: gather_warp), the
 transposer warps (common.cuh: transpose_warp, with block_group_factors) and the two consumer warpgroups (lead.cuh:
-lead_loop / follow_loop); the arrival counts are those of lead.cuh and common.cuh (read from the files), so a change
-there is checked as it is. It is not a test of the compiled code: keep the agents below in step with those
+lead_loop / follow_loop, follow_group); the arrival counts are those of lead.cuh and common.cuh (read from the files),
+so a change there is checked as it is. It is not a test of the compiled code: keep the agents below in step with those
 files when the schedule changes. Run by tests/test_device_checks.py; `python3 protocol_model.py` prints the verdict.
 
 The simulator (mbarrier phases with the hardware's parity rule, named barriers, and the data checks: a buffer is
 rewritten only after every reader of its previous contents finished, a reader reads the block it expects) is the
 dense FP8 kernel's model (decode_fp8/checks/protocol_model.py), imported from there. Checked over random
 interleavings of row pieces of 0..9 blocks, one role starved in turn: no deadlock, no parity wait two phases ahead or
-a phase missed, no stale read or early rewrite of a stage (each gather warp writes its half), a V^T half, a block's
-group factors (each transposer warp writes those of the warpgroup with its number: no barrier of their own, the
-stage's vt_full publishes them and its empty frees them), a P slot or the rows' sums.
+a phase missed, no stale read or early rewrite of a stage (each gather warp writes its half), a V^T half (half 0 is
+read by warpgroup 0's P V of group 0, which completes under the next block's Q K^T, and by warpgroup 1's of group 1;
+half 1 by warpgroup 1's of groups 2 and 3: two readers each, one vt_empty arrival a warp and group), a block's group
+factors (transposer warp w writes those of groups 2 w, 2 w + 1: warp 0's are read by both warpgroups, warp 1's by
+warpgroup 1; no barrier of their own, the stage's vt_full publishes them and its empty frees them), a P slot (read
+by warpgroup 1 until its last group's words) or the rows' sums.
+Warpgroup 1 does not hold the stage (no arrival on its empty barrier): the factors and pairs it reads until group 3's
+words are rewritten for block g + 2 only after the transposer warps' half 1 of block g + 1, which waited for
+warpgroup 1's group 3 P V of block g; the model reads them that long and finds no early rewrite.
 What the model showed: warpgroup 0's wait for a free P slot (p_empty) is implied by the stage ring with two P slots
-and two stages (its Q K^T of block g needs stage g, gathered once warpgroup 1 released stage g - 2, which it does after
-reading P of g - 2), so the model cannot catch its removal; it stays, for other counts. Warpgroup 1 reads nothing of
-a stage but the block's factors, and those are also held by the V^T chain (a transposer warp writes the factors of
-block g + 2 after its half 1 of block g + 1, which waited for warpgroup 1's P V of block g, after its factors): its
-arrival on the stage's empty barrier is implied too, and stays for the same reason.
+and two stages (its Q K^T of block g needs stage g, gathered once warpgroup 1 released stage g - 2, which it does
+with P of g - 2), so the model cannot catch its removal; it stays, for other counts.
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def read_counts() -> dict[str, int]:
     common = (SPARSE / "common.cuh").read_text()
     lead = (SPARSE / "lead.cuh").read_text()
     env = {"kTransposeWarps": int(_constant(common, "kTransposeWarps")),
-           "kGatherWarps": int(_constant(common, "kGatherWarps"))}
+           "kGatherWarps": int(_constant(common, "kGatherWarps")),
+           "kGroupsPerVtHalf": int(_constant(common, "kGroupsPerVtHalf"))}
     ev = lambda expr: int(eval(expr, {}, dict(env)))  # noqa: E731, S307 (constant expressions of the headers)
     return {"warps": env["kTransposeWarps"], "gather_warps": env["kGatherWarps"],
             "full": ev(_constant(common, "kFullArrivals")) // 33,   # a warp's 33 arrivals counted as one
@@ -80,7 +84,7 @@ def transposer_agent(w: int, blocks: int, mutation=None):
         s = g % STAGES
         yield ("wait", "full", s, g // STAGES)
         yield ("read_begin", ("stage", s), g)
-        yield ("write", ("fac", s, w), g, "fac")   # the group factors of groups 2 w, 2 w + 1 (block_group_factors)
+        yield ("write", ("fac", s, w), g, f"fac{w}")   # the factors of groups 2 w, 2 w + 1 (block_group_factors)
         for h in (0, 1):
             slot, use = h, g   # V^T half h of every block in slot h
             if use > 0 and mutation != "transposer ignores vt_empty":
@@ -104,20 +108,24 @@ def warps_arrive(bar: str, i: int):
 
 
 def factors_and_vt(wg: int, g: int, mutation=None):
-    """The consumer's wait for its V^T half of block g, which also publishes the block's group factors, read then."""
+    """The consumer's wait for V^T half 0 of block g, which also publishes the block's group factors, read then
+    (warpgroup 0: group 0's, of transposer warp 0; warpgroup 1: groups 1..3, of both transposer warps)."""
     s = g % STAGES
     if mutation != "factors read before vt_full":
-        yield ("wait", "vt_full", wg, g)
-    yield ("read_begin", ("fac", s, wg), g)
-    yield ("read_end", ("fac", s, wg), g)
+        yield ("wait", "vt_full", 0, g)
+    for w in ((0,) if wg == 0 else (0, 1)):
+        yield ("read_begin", ("fac", s, w), g)
+    if wg == 0:
+        yield ("read_end", ("fac", s, 0), g)   # group 0's factor and pairs: its words follow at once
     if mutation == "factors read before vt_full":
-        yield ("wait", "vt_full", wg, g)
+        yield ("wait", "vt_full", 0, g)
 
 
-def pv(wg: int, g: int):
-    yield ("read_begin", ("vt", wg), g)
-    yield ("read_end", ("vt", wg), g)
-    yield from warps_arrive("vt_empty", wg)
+def pv_group(half: int, g: int):
+    """A group's P V of V^T half `half` of block g, waited for, then the half's release (one arrival a warp)."""
+    yield ("read_begin", ("vt", half), g)
+    yield ("read_end", ("vt", half), g)
+    yield from warps_arrive("vt_empty", half)
 
 
 # ---- the consumer warpgroups (lead.cuh: lead_loop, follow_loop) ---------------------------------------------------
@@ -142,9 +150,16 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None):
             yield from factors_and_vt(0, g, mutation)
             yield ("read_end", ("stage", s), g)
             yield from warps_arrive("empty", s)
-            yield from pv(0, g)
+            # P V of group 0, issued before the next block's Q K^T and released after its first wait
+            yield ("read_begin", ("vt", 0), g)
             if blk + 1 < n:
                 yield from lead_qk(g + 1)
+            if mutation == "half 0 released before its P V":
+                yield from warps_arrive("vt_empty", 0)
+                yield ("read_end", ("vt", 0), g)
+            else:
+                yield ("read_end", ("vt", 0), g)
+                yield from warps_arrive("vt_empty", 0)
             g += 1
         yield ("write", "rowsum", row, "one")
         yield from rendezvous("consumers")          # the rows' sums written
@@ -158,12 +173,20 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None):
         for _ in range(n):
             s, c = g % STAGES, g % p_slots
             yield ("wait", "p_full", c, g // p_slots)
-            yield ("read_begin", ("p16", c), g)
+            yield ("read_begin", ("p16", c), g)     # the rows' factor now, P by chunks until group 3's words
+            yield from factors_and_vt(1, g, mutation)   # the factors and pairs of groups 1..3, read until their words
+            yield ("read_end", ("fac", s, 0), g)     # group 1's words
+            yield from pv_group(0, g)               # group 1
+            if mutation != "half 1 read before vt_full":
+                yield ("wait", "vt_full", 1, g)
+            yield from pv_group(1, g)               # group 2
+            if mutation != "pairs read after their half's release":
+                yield ("read_end", ("fac", s, 1), g)     # group 3's words (group 2's pairs read before its P V)
             yield ("read_end", ("p16", c), g)
             yield from warps_arrive("p_empty", c)
-            yield from factors_and_vt(1, g, mutation)
-            yield from warps_arrive("empty", s)
-            yield from pv(1, g)
+            yield from pv_group(1, g)               # group 3
+            if mutation == "pairs read after their half's release":
+                yield ("read_end", ("fac", s, 1), g)
             g += 1
         if mutation != "row sums read early":
             yield from rendezvous("consumers")
@@ -188,9 +211,9 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation)
     agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
-    # stage (warpgroup 1 reads only what the transposer warps made of it); a block's factors of a warpgroup have one
-    # reader.
-    readers = {"stage": counts["warps"] + 1, "vt": 1, "fac": 1, "one": 1}
+    # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
+    # warp 0's factors are read by both warpgroups, warp 1's by warpgroup 1.
+    readers = {"stage": counts["warps"] + 1, "vt": 2, "fac0": 2, "fac1": 1, "one": 1}
     both = {"consumers"}   # named barriers both warpgroups sync on (rendezvous above)
     gen = {(b, w): 0 for b in both for w in ("wg0", "wg1")}
 
