@@ -324,7 +324,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
 // running factor F over the row piece (pv.cuh: group_factor; 0 until a block with a token sets it, and it only goes
 // down), taken from the previous block's (ss.gfac[prev], none at the row piece's first block: first); the ratio by
 // which O_g must be multiplied where the factor went down (a power of two; 1 where it did not); (ratio, F) go to
-// ss.gfac[s][g], and the words' pairs sf = (s[t, g] F_g, s[t + 1, g] F_g) in f16x2 (pv.cuh: p_group_words_f16; F_g 1
+// ss.gfac[s][g], and the words' pairs sf = (s[t, g] F_g, s[t + 1, g] F_g) in f16x2 (pv.cuh: p_chunk_words_f16; F_g 1
 // until set) to ss.sf[s][g][q][a] for tokens t = 8 a + 2 q: lane l has tokens 2 l and 2 l + 1 (a = l / 4, q = l % 4).
 // The stage's vt_full arrivals that follow publish them to the consumer warpgroups.
 template <class SS>

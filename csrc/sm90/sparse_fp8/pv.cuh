@@ -129,7 +129,7 @@ __device__ __forceinline__ uint32_t lo_term_e4m3x4(const float (&x)[4], uint32_t
 
 // The e4m3 A fragment (kTerms terms x 8 words, decode_fp8/mainloop.cuh's order) of P[:, t] s[t, g] f, from the
 // 64 x 64 accumulator fragment p (P of the thread's two rows), the stage's scales and the group factor f (the probes'
-// form, in fp32; the kernel uses p_group_words_f16 below).
+// form, in fp32; the kernel uses p_chunk_words_f16 below).
 template <int kTerms, class Frag>
 __device__ __forceinline__ void p_group_words(const Frag& p, const float* scales, int g, float f, int lane,
                                               uint32_t (&words)[kTerms][8]) {
@@ -151,17 +151,16 @@ __device__ __forceinline__ void p_group_words(const Frag& p, const float* scales
   }
 }
 
-// The same words from P in fp16 (p16: word k = (P(2 k), P(2 k + 1)), decode_fp8::p16_fragment's order) and the
-// group's s[t, g] f of the thread's 16 tokens as eight f16x2 pairs, sf[a] = (s[t] f, s[t + 1] f) with t = 8 a + 2
-// (lane % 4) (the kernel's transposer warps make them once a block: common.cuh, block_group_factors): x = P s f
-// formed in f16x2, one HMUL2 a pair of values, the first term converted from f16x2 and the second from the f16x2
-// difference (exact, as in lo_term_e4m3x4). The fp16 roundings of P, s f and the product (2^-11 each, relative) stay
-// below the second term's own (2^-8 of x). About 30% fewer instructions than the fp32 form, which multiplies and
-// converts one value at a time.
-// By chunks: chunk c (0..3) of P's words, p16[4 c .. 4 c + 3] (one 16-byte chunk of decode_fp8::store_p's order),
-// with the pairs sf[2 c], sf[2 c + 1], makes words 2 c and 2 c + 1 of each term (word q of k32 slice kk, 4 kk + q,
-// takes values p_source_index(kk, q, .): P words 8 kk + 4 (q >> 1) + (q & 1) + {0, 2}, pairs 4 kk + 2 (q >> 1) + {0,
-// 1}), so a caller may load P and the pairs a chunk at a time.
+// The same words from P in fp16 and the group's s[t, g] f of the thread's 16 tokens as eight f16x2 pairs, sf[a] =
+// (s[t] f, s[t + 1] f) with t = 8 a + 2 (lane % 4) (the kernel's transposer warps make them once a block: common.cuh,
+// block_group_factors), a 16-byte chunk of P at a time: chunk c (0..3) is P's fp16 words 4 c .. 4 c + 3 (word k =
+// (P(2 k), P(2 k + 1)), decode_fp8::p16_fragment's order, one 16-byte chunk of decode_fp8::store_p's), which with
+// the pairs sf[2 c], sf[2 c + 1] make words 2 c and 2 c + 1 of each term (word q of k32 slice kk, 4 kk + q, takes
+// values p_source_index(kk, q, .): P words 8 kk + 4 (q >> 1) + (q & 1) + {0, 2}, pairs 4 kk + 2 (q >> 1) + {0, 1}),
+// so a caller may load P and the pairs a chunk at a time (common.cuh: build_words). x = P s f formed in f16x2, one
+// HMUL2 a pair of values, the first term converted from f16x2 and the second from the f16x2 difference (exact, as in
+// lo_term_e4m3x4). The fp16 roundings of P, s f and the product (2^-11 each, relative) stay below the second term's
+// own (2^-8 of x). About 30% fewer instructions than the fp32 form, which multiplies and converts one value at a time.
 template <int kTerms>
 __device__ __forceinline__ void p_chunk_words_f16(const uint32_t (&p4)[4], const __half2 (&sf2)[2], int c,
                                                   uint32_t (&words)[kTerms][8]) {
@@ -184,16 +183,6 @@ __device__ __forceinline__ void p_chunk_words_f16(const uint32_t (&p4)[4], const
     }
     words[0][2 * c + ql] = hi2[0] | (hi2[1] << 16);
     if constexpr (kTerms == 2) words[1][2 * c + ql] = lo2[0] | (lo2[1] << 16);
-  }
-}
-template <int kTerms>
-__device__ __forceinline__ void p_group_words_f16(const uint32_t (&p16)[16], const __half2 (&sf)[8],
-                                                  uint32_t (&words)[kTerms][8]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int c = 0; c < 4; ++c) {
-    const uint32_t p4[4] = {p16[4 * c], p16[4 * c + 1], p16[4 * c + 2], p16[4 * c + 3]};
-    const __half2 sf2[2] = {sf[2 * c], sf[2 * c + 1]};
-    p_chunk_words_f16<kTerms>(p4, sf2, c, words);
   }
 }
 
