@@ -527,6 +527,9 @@ def _run_probe_modes(exe: Path, modes: tuple[str, ...], racecheck_timeout: int, 
             rc = subprocess.run([sanitizer, "--tool", "racecheck", str(exe), mode], capture_output=True, text=True,
                                 timeout=racecheck_timeout)
             print(f"racecheck, mode {mode} (rc {rc.returncode}):\n{rc.stdout[-report_chars:]}")
+            # A control the tool does not report would make the other modes' verdicts mean nothing.
+            if mode == "race":
+                assert "Race reported" in rc.stdout, f"racecheck missed the control:\n{rc.stdout[-report_chars:]}"
 
 
 # The probe's modes (its header says how to read racecheck's verdict on each: the sparse kernel's reports at its P
