@@ -50,7 +50,7 @@ Refused at start-up, each with what works: query heads other than 64 or 128 per 
 above, index_kpool > 1, decode context parallelism, HiSparse, speculative decoding (SGLang's target verification
 would go to its own kernel with the stand-in value), a model other than kv_lora_rank 512 / rope 64, and a CUDA
 device: the DSA decode does not run on GPUs yet (flashmla_backend's Hopper sparse kernel reads the 656-byte cache
-through its API but has not been run inside SGLang, and is still slower than FlashMLA's). An adopted backend never runs SGLang's decode kernel instead. Where the hooks cannot be
+through its API but has not been run inside SGLang, and is slower than FlashMLA's at b = 1 and top-k 512). An adopted backend never runs SGLang's decode kernel instead. Where the hooks cannot be
 registered, flashmla_backend.sglang.register raises; SGLang's plugin loader logs that as an error (in every process)
 and goes on, so that server then decodes with SGLang's own kernel: read the log when the variable is set.
 
@@ -92,8 +92,8 @@ ATTR = "_flashmla_backend_dsa_decode"
 KERNEL_MISSING = (
     "flashmla_backend: the DSA decode does not run on GPUs yet: flashmla_backend's Hopper sparse decode kernel reads "
     "the fp8_e4m3 656-byte cache (not the bfloat16 one) through its API, has not yet been run inside SGLang, and is "
-    f"still slower than FlashMLA's. Unset {DSA_DECODE_ENV} to serve this model with SGLang's own DSA decode "
-    "(--dsa-decode-backend flashmla_kv / flashmla_sparse / fa3)")
+    f"slower than FlashMLA's at small batches and short top-k. Unset {DSA_DECODE_ENV} to serve this model with "
+    "SGLang's own DSA decode (--dsa-decode-backend flashmla_kv / flashmla_sparse / fa3)")
 
 _announced = False
 

@@ -12,8 +12,8 @@ as for its own FLASHMLA_SPARSE), KV blocks of 64 tokens (larger multiples of 64 
 blocks), 64 or 128 query heads per rank (checked where vLLM knows the head count: the builder and the impl).
 Refused at start-up with a message naming what works: other cache dtypes and block sizes, attention sinks,
 and, on a machine with a CUDA device, everything: the Hopper sparse decode kernel (fp8_ds_mla caches) runs through
-flashmla_backend's API but has not yet run inside vLLM and is still slower than FlashMLA's (benchmarks/RESULTS.md),
-so the plugin refuses rather than offer it or fall back. CPU tensors run flashmla_backend's PyTorch reference,
+flashmla_backend's API but has not yet run inside vLLM and is slower than FlashMLA's at b = 1 and top-k 512
+(benchmarks/RESULTS.md), so the plugin refuses rather than offer it or fall back. CPU tensors run flashmla_backend's PyTorch reference,
 which is what the CPU conformance tests use.
 """
 from __future__ import annotations
@@ -33,8 +33,8 @@ from .sparse_impl import FlashMLASparsePluginImpl
 SPARSE_KERNEL_MISSING = (
     "flashmla_backend: the plugin's sparse MLA backend (DeepSeek-V3.2 indexer attention) does not run on GPUs yet: "
     "flashmla_backend's Hopper sparse decode kernel reads the fp8_ds_mla cache (not the 16-bit one) through its "
-    "API, has not yet been run inside vLLM, and is still slower than FlashMLA's. Serve this model with vLLM's own "
-    "sparse backends (leave --attention-backend unset, or FLASHMLA_SPARSE)")
+    "API, has not yet been run inside vLLM, and is slower than FlashMLA's at small batches and short top-k. Serve "
+    "this model with vLLM's own sparse backends (leave --attention-backend unset, or FLASHMLA_SPARSE)")
 
 
 class FlashMLASparsePluginBackend(AttentionBackend):
