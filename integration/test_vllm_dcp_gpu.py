@@ -58,6 +58,7 @@ LAYER_CASES = {
     # the fast mode: vLLM's concat + quant hands the plugin an e4m3 q with the layer's q scale; the reference
     # reads the same e4m3 q (tests/test_vllm_dcp_cpu.py does the same on the CPU)
     "fp8_fast_i1": (1, 64, [1, 2, 3, 65, 777, 3001], "fp8", "fast"),
+    "fp8_fast_i64_bs128": (64, 128, [1, 63, 64, 65, 130, 700, 2500], "fp8", "fast"),
 }
 Q_SCALE = 0.03  # the fast mode's q scale: |q| ~ N(0, 1) stays far inside e4m3's range after dividing by it
 

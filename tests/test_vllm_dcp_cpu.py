@@ -451,6 +451,8 @@ PLUGIN_CASES = {
     "dcp3_bf16_padded": (3, 2, 64, [5, 900, 0], "auto", None),
     "dcp2_fp8_accurate": (2, 1, 64, [1, 2, 3, 65, 777, 1001], "fp8", "accurate"),
     "dcp3_fp8_fast": (3, 1, 256, [1, 2, 4, 301, 1000], "fp8", "fast"),
+    "dcp2_i64_fp8_accurate": (2, 64, 128, [1, 63, 64, 65, 130, 700], "fp8", "accurate"),
+    "dcp2_i64_fp8_fast": (2, 64, 128, [1, 63, 64, 65, 130, 700], "fp8", "fast"),
 }
 
 
