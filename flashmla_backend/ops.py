@@ -17,6 +17,7 @@ run the sm90 sparse kernel (fp8_ds_mla caches), CPU tensors the reference.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -388,6 +389,60 @@ def _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num
     return _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, attn_sink)
 
 
+def _fill_sparse_schedule(meta: FlashMLASchedMeta, config, rows: int, topk: int, h_q: int, dev: torch.device) -> None:
+    """The sparse schedule of `meta` on a CUDA device: rows of topk entries, h_q heads (one latent KV head)."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("flashmla_backend: a FlashMLASchedMeta is being filled during CUDA-graph capture; fill "
+                           "it with one call before capture, or with fill_sparse_sched_meta (replays would otherwise "
+                           "read the capture-time metadata)")
+    # Every row is scheduled at topk entries; the kernel reads topk_length itself (csrc/params.h), so the schedule
+    # holds for any topk_length, also in the replays of a captured graph.
+    lengths = torch.full((rows,), topk, dtype=torch.int32, device=dev)
+    parts = scheduler.num_sm_parts(device.sm_count(dev), 1, h_q)
+    tile_md, splits = _metadata_impl(lengths, parts)
+    meta.tile_scheduler_metadata, meta.num_splits, meta.sparse_lengths = tile_md, splits, lengths
+    meta.config, meta.have_initialized = config, True
+
+
+def fill_sparse_sched_meta(meta: FlashMLASchedMeta, *, batch: int, s_q: int, num_heads_q: int, topk: int,
+                           device: torch.device | str, is_fp8_kvcache: bool = True, page_block_size: int = PAGE_SIZE,
+                           num_heads_k: int = 1) -> FlashMLASchedMeta:
+    """Fill an empty FlashMLASchedMeta (get_mla_metadata() without arguments) for sparse decode before its first call.
+
+    An extension of FlashMLA's convention, for engines whose metadata builder runs outside CUDA-graph capture while
+    the decode calls are captured: the object's schedule is made here (on a CUDA device: the tile scheduler's kernel,
+    no host sync), and the calls flash_mla_with_kvcache(q [batch, s_q, num_heads_q, 576], k_cache [pages,
+    page_block_size, num_heads_k, row bytes], ..., causal=False, is_fp8_kvcache=is_fp8_kvcache, indices [batch,
+    s_q, topk]) read it; a call with other shapes or flags raises ValueError naming them, as for an object its first
+    call filled. Keep the object (and so its tensors) for as long as graphs captured with it are replayed. On a CPU
+    device it records the configuration only: the reference needs no schedule. Returns `meta`.
+    """
+    if not isinstance(meta, FlashMLASchedMeta):
+        raise TypeError(f"flashmla_backend: fill_sparse_sched_meta takes a FlashMLASchedMeta (get_mla_metadata() "
+                        f"without arguments), got {type(meta).__name__}")
+    if meta.have_initialized:
+        raise ValueError("flashmla_backend: fill_sparse_sched_meta takes an empty FlashMLASchedMeta; this one was "
+                         f"filled already (for {meta.config})")
+    for name, value, least in (("batch", batch, 0), ("s_q", s_q, 1), ("num_heads_q", num_heads_q, 1),
+                               ("topk", topk, 1), ("page_block_size", page_block_size, 1),
+                               ("num_heads_k", num_heads_k, 1)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"flashmla_backend: fill_sparse_sched_meta: {name} must be an int >= {least}, got "
+                             f"{value!r}")
+    if num_heads_k != 1:
+        raise ValueError(f"flashmla_backend: sparse decode reads one latent KV head, got num_heads_k {num_heads_k}")
+    dev = torch.device(device)
+    batch, s_q, num_heads_q, topk = int(batch), int(s_q), int(num_heads_q), int(topk)
+    page_block_size = int(page_block_size)
+    config = FlashMLASchedMeta.Config(batch, s_q, num_heads_q, page_block_size, int(num_heads_k), False,
+                                      bool(is_fp8_kvcache), topk)
+    if dev.type != "cuda":
+        meta.config, meta.have_initialized = config, True
+        return meta
+    _fill_sparse_schedule(meta, config, batch * s_q, topk, num_heads_q, dev)
+    return meta
+
+
 def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, attn_sink):
     """The sm90 sparse kernel through the dense decode's arguments (csrc/params.h: the sparse mapping): each query
     token is a row of its own (batch b * s_q, s_q 1, h_kv 1) whose keys are its index entries; the schedule is the
@@ -402,17 +457,7 @@ def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, a
             f"(contiguous pages of {k_cache.shape[-1]}-byte tokens), got k_cache of shape {tuple(k_cache.shape)} with "
             f"strides {kst}; pass k_cache.contiguous() or the cache tensor itself")
     if meta.sparse_lengths is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("flashmla_backend: a FlashMLASchedMeta is being filled during CUDA-graph capture; fill "
-                               "it with one call before capture (replays would otherwise read the capture-time "
-                               "metadata)")
-        # Every row is scheduled at topk entries; the kernel reads topk_length itself (csrc/params.h), so the schedule
-        # holds for any topk_length, also in the replays of a captured graph.
-        lengths = torch.full((rows,), topk, dtype=torch.int32, device=q.device)
-        parts = scheduler.num_sm_parts(device.sm_count(q.device), 1, h_q)
-        tile_md, splits = _metadata_impl(lengths, parts)
-        meta.tile_scheduler_metadata, meta.num_splits, meta.sparse_lengths = tile_md, splits, lengths
-        meta.config, meta.have_initialized = config, True
+        _fill_sparse_schedule(meta, config, rows, topk, h_q, q.device)
     tile_md, splits = meta.tile_scheduler_metadata, meta.num_splits
     parts = tile_md.shape[0]
     # Rows one after another: q [rows, h_q, 576] and indices [rows, topk] with one row stride each (that of s_q, or

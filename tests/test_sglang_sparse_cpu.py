@@ -516,6 +516,26 @@ def test_padded_rows_and_empty_batches(dsa_hooks, monkeypatch):
         decoder(q, pool.get_key_buffer(0), 128, table, SCALE)
 
 
+def test_one_schedule_a_call_shape_is_filled_once_and_kept(dsa_hooks):
+    """Every layer of every step with the same shape (and the CUDA graphs SGLang captures after its eager warm-up
+    runs) reads one FlashMLASchedMeta, filled by the first call of that shape."""
+    pool = make_pool(True)
+    batch = Batch(pool, lens=[80, 33], seed=7)
+    backend = make_backend(64, True, pool)
+    dsa.adopt(backend, runner())
+    decoder = getattr(backend, dsa.ATTR)
+    q = torch.randn(2, 64, HEAD_DIM_K, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    table = sglang_translation(batch.req_to_token, batch.topk_indices)
+    first = decoder(q, pool.get_key_buffer(0), HEAD_DIM_V, table, SCALE)
+    assert list(decoder._sched_metas) == [(2, 64, TOPK)]
+    meta = decoder._sched_metas[(2, 64, TOPK)]
+    assert meta.config == flashmla_backend.FlashMLASchedMeta.Config(2, 1, 64, 64, 1, False, True, TOPK)
+    again = decoder(q, pool.get_key_buffer(0), HEAD_DIM_V, table, SCALE)  # the next layer
+    assert decoder._sched_metas[(2, 64, TOPK)] is meta and again.shape == first.shape
+    decoder(q[:1], pool.get_key_buffer(0), HEAD_DIM_V, table[:1], SCALE)  # another batch size
+    assert set(decoder._sched_metas) == {(2, 64, TOPK), (1, 64, TOPK)}
+
+
 def test_topk_length_is_honoured(dsa_hooks, monkeypatch):
     """SGLang's topk_length counts a row's leading entries: fewer counted entries change the result like the
     reference with the same lengths."""

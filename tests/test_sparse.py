@@ -250,6 +250,66 @@ def test_dense_and_sparse_calls_do_not_share_an_object():
         fb.flash_mla_with_kvcache(dense.q, dense.k_cache, dense.block_table, dense.cache_seqlens, D_V, meta, None)
 
 
+# ---- fill_sparse_sched_meta: the schedule made ahead of the first call (engines' metadata builders) --------------
+
+def filled_for(case, inp, **kw):
+    args = dict(batch=case.b, s_q=case.s_q, num_heads_q=case.h_q, topk=case.topk, device="cpu",
+                is_fp8_kvcache=inp.ds, page_block_size=case.page_size)
+    args.update(kw)
+    return fb.fill_sparse_sched_meta(fb.get_mla_metadata()[0], **args)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[6]], ids=str)
+def test_a_filled_object_serves_the_calls_it_was_filled_for(case):
+    inp = make_sparse_inputs(case)
+    meta = filled_for(case, inp)
+    assert meta.have_initialized and meta.tile_scheduler_metadata is None  # on CPU: the configuration only
+    out, lse = api(inp, meta)
+    want = api(inp)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert meta.config == FlashMLASchedMeta.Config(case.b, case.s_q, case.h_q, case.page_size, 1, False, inp.ds,
+                                                   case.topk)
+
+
+@pytest.mark.parametrize("fill, field", [
+    (dict(topk=40), "topk 40 -> 64"),
+    (dict(s_q=2), "s_q 2 -> 1"),
+    (dict(num_heads_q=32), "h_q 32 -> 16"),
+    (dict(is_fp8_kvcache=False), "is_fp8_kvcache False -> True"),
+    (dict(page_block_size=32), "page_block_size 32 -> 64"),
+], ids=str)
+def test_a_call_unlike_the_fill_is_refused_naming_the_field(fill, field):
+    case = SparseCase()
+    inp = make_sparse_inputs(case)
+    meta = filled_for(case, inp, **fill)
+    with pytest.raises(ValueError, match=rf"filled by an earlier call with other arguments \(.*{field}"):
+        api(inp, meta)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(batch=-1), r"batch must be an int >= 0, got -1"),
+    (dict(s_q=0), r"s_q must be an int >= 1, got 0"),
+    (dict(topk=2.0), r"topk must be an int >= 1, got 2.0"),
+    (dict(num_heads_q=True), r"num_heads_q must be an int >= 1, got True"),
+    (dict(num_heads_k=2), r"one latent KV head, got num_heads_k 2"),
+], ids=str)
+def test_fill_refuses_bad_arguments_naming_them(kw, message):
+    args = dict(batch=2, s_q=1, num_heads_q=16, topk=64, device="cpu")
+    args.update(kw)
+    with pytest.raises(ValueError, match=message):
+        fb.fill_sparse_sched_meta(fb.get_mla_metadata()[0], **args)
+
+
+def test_fill_takes_only_an_empty_sched_meta():
+    case = SparseCase()
+    inp = make_sparse_inputs(case)
+    meta = filled_for(case, inp)
+    with pytest.raises(ValueError, match="takes an empty FlashMLASchedMeta; this one was filled already"):
+        fb.fill_sparse_sched_meta(meta, batch=2, s_q=1, num_heads_q=16, topk=64, device="cpu")
+    with pytest.raises(TypeError, match="takes a FlashMLASchedMeta"):
+        fb.fill_sparse_sched_meta(torch.zeros(4), batch=2, s_q=1, num_heads_q=16, topk=64, device="cpu")
+
+
 def test_a_refused_call_leaves_the_object_empty():
     inp = make_sparse_inputs(SparseCase(topk_length=[64, 3]))
     meta, _ = fb.get_mla_metadata()

@@ -2,8 +2,8 @@
 oracle (sparsekit.py: its own e4m3 table and byte offsets): NaN in every slot no counted entry names, pages in no
 order, skipped entries of every kind (-1, past the cache, INT32_MAX, other negatives), duplicates, topk_length cutting
 rows (0 included), head counts that are not a multiple of 64, s_q up to 4, topk 40 to 2048, attn_sink; bitwise
-determinism; a CUDA graph replayed with new indices and a new topk_length; the 16-bit caches refused on CUDA, naming
-the format."""
+determinism; a CUDA graph replayed with new indices and a new topk_length, also with the schedule made ahead by
+fill_sparse_sched_meta; the 16-bit caches refused on CUDA, naming the format."""
 import pytest
 import torch
 
@@ -143,6 +143,32 @@ def test_graph_replay_reads_new_indices_and_topk_length(variant):
     topk_length.copy_(other.topk_length.cuda())
     graph.replay()
     _check(out, lse, other)
+
+
+def test_a_schedule_filled_ahead_is_the_first_calls_and_serves_a_captured_graph():
+    """fill_sparse_sched_meta (an engine's metadata builder, outside capture) makes the tensors the first call would
+    have made, and the first call then runs inside CUDA-graph capture (no eager call before it) and in replays."""
+    _sm90()
+    case = SparseCase(b=3, s_q=2, h_q=128, topk=256, num_pages=24, topk_length=[256, 90, 3], seed=23)
+    inp = make_sparse_inputs(case)
+    lazy, _ = fb.get_mla_metadata()
+    want = _run(inp, lazy)
+    ahead = fb.fill_sparse_sched_meta(fb.get_mla_metadata()[0], batch=case.b, s_q=case.s_q, num_heads_q=case.h_q,
+                                      topk=case.topk, device="cuda", is_fp8_kvcache=True,
+                                      page_block_size=case.page_size)
+    for name in ("tile_scheduler_metadata", "num_splits", "sparse_lengths"):
+        assert torch.equal(getattr(ahead, name), getattr(lazy, name)), name
+    assert ahead.config == lazy.config
+    q, k_cache, indices = inp.q.cuda(), inp.k_cache.cuda(), inp.indices.cuda()
+    topk_length = inp.topk_length.cuda()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fb.flash_mla_with_kvcache(q, k_cache, None, None, D_V, ahead, None, softmax_scale=inp.scale,
+                                             causal=False, is_fp8_kvcache=True, indices=indices,
+                                             topk_length=topk_length)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), want[0].view(torch.int16)) and torch.equal(lse, want[1])
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp16"])

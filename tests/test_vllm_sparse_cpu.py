@@ -470,10 +470,15 @@ def test_decode_only_build(s_q, model):
     assert (md.num_decodes, md.num_prefills, md.num_decode_tokens) == (4, 0, 4 * s_q)
     assert md.decode_query_len == s_q and md.topk_tokens == TOPK and md.block_size == KERNEL_BLOCK
     assert md.decode_sched_meta is not None and md.prefill_sched_meta is None
-    assert not md.decode_sched_meta.have_initialized  # fresh every step
+    # The decode schedule is filled by the builder for the calls of this batch shape (on CPU: the configuration only)
+    # and kept for it, so that captured graphs find it before capture and in every replay.
+    assert md.decode_sched_meta.config == flashmla_backend.FlashMLASchedMeta.Config(
+        4, s_q, plugin.num_heads, KERNEL_BLOCK, 1, False, False, TOPK)
     assert md.req_id_per_token[: 4 * s_q].tolist() == [i for i in range(4) for _ in range(s_q)]
     assert torch.equal(md.block_table[:, :1], batch.block_table[:, :1])
-    assert plugin.build(batch.common).decode_sched_meta is not md.decode_sched_meta
+    assert plugin.build(batch.common).decode_sched_meta is md.decode_sched_meta
+    smaller = SparseBatch(plugin, seq_lens[:3], [s_q] * 3, seed=s_q)
+    assert plugin.build(smaller.common).decode_sched_meta.config.b == 3
 
 
 # ---- forward_mqa against the reference ----------------------------------------------------------

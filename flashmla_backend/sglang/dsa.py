@@ -160,6 +160,11 @@ class DSADecode:
         self.fp8 = fp8
         self.draft = draft
         self.active = False   # True while the backend's forward_decode runs
+        # The kernel's schedule for each call shape (tokens, heads, top-k), filled once (flashmla_backend.
+        # fill_sparse_sched_meta) and kept: every layer of every step with that shape reads it, and so do the CUDA
+        # graphs SGLang captures after its eager warm-up runs of the same batch size (filling is refused during
+        # capture, and a graph's replays read the tensors it captured). One small object a batch size.
+        self._sched_metas: dict[tuple[int, int, int], object] = {}
 
     def __call__(self, q_all: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int, page_table_1: torch.Tensor,
                  sm_scale: float, topk_length: Optional[torch.Tensor] = None,
@@ -185,7 +190,14 @@ class DSADecode:
         if attn_sink is not None and attn_sink.dtype != torch.float32:
             attn_sink = attn_sink.float()
         scale = float(sm_scale) * (1.5 if debug_break_scale_enabled(self.draft) else 1.0)
-        sched_meta, _ = flashmla_backend.get_mla_metadata()
+        key = (tokens, heads, page_table_1.shape[1])
+        sched_meta = self._sched_metas.get(key)
+        if sched_meta is None:
+            sched_meta = flashmla_backend.fill_sparse_sched_meta(
+                flashmla_backend.get_mla_metadata()[0], batch=tokens, s_q=1, num_heads_q=heads,
+                topk=page_table_1.shape[1], device=q_all.device, is_fp8_kvcache=self.fp8,
+                page_block_size=self.page_size)
+            self._sched_metas[key] = sched_meta
         out, _ = flashmla_backend.flash_mla_with_kvcache(
             q_all.unsqueeze(1), k_cache, None, None, v_head_dim, sched_meta, None, softmax_scale=scale, causal=False,
             is_fp8_kvcache=self.fp8, indices=page_table_1.unsqueeze(1), topk_length=topk_length, attn_sink=attn_sink)

@@ -9,9 +9,13 @@ prepares vLLM's dense-MHA prefill. This builder adds what flashmla_backend's spa
     1 + the speculative tokens for MTP: require_uniform_decodes, and vLLM raises the decode threshold to
     1 + num_speculative_tokens since the builder declares supports_spec_as_decode);
   * two FlashMLASchedMeta objects (flashmla_backend.get_mla_metadata() without arguments, FlashMLA's sparse
-    convention), fresh every step: one for the decode tokens ([num_decodes, s_q] queries), one for prefill
-    tokens that reach the sparse path (each token a query of its own: [num_tokens, 1]). Each is filled by the
-    first layer's call and then serves every layer of the step, which all have the same shapes.
+    convention): one for the decode tokens ([decode requests, s_q] queries), one for prefill tokens that reach the
+    sparse path (each token a query of its own: [num_tokens, 1]); each serves every layer of the step, which all
+    have the same shapes. The decode one is filled here (flashmla_backend.fill_sparse_sched_meta) and kept for its
+    batch shape (decode requests, s_q, top-k): a captured CUDA graph's decode calls read its tensors in every replay,
+    so they must exist before the capture and live as long as the graph (at most one object a decode batch size;
+    on a CPU device it holds the configuration only). The prefill one is fresh every step and filled by the first
+    layer's call (prefill tokens run outside graphs).
 
 Which tokens reach forward_mqa is vLLM's choice (MLAAttention.forward): the decode tokens always; the prefill
 tokens too when vLLM does not run them through its dense-MHA prefill (0.26: no prefill backend, a prefill
@@ -20,8 +24,8 @@ keyed on vLLM's own backend names, so never for this backend).
 
 Full CUDA graphs (AttentionCGSupport.UNIFORM_BATCH, as vLLM's FLASHMLA_SPARSE declares): uniform decode
 batches are captured. Everything the captured forward reads comes from vLLM's persistent buffers (the
-block table, seq_lens, req_id_per_token, the indexer's top-k buffer) and the index conversion is plain tensor
-arithmetic on the device; the sparse schedule of a FlashMLASchedMeta is made by the kernel call itself.
+block table, seq_lens, req_id_per_token, the indexer's top-k buffer, the decode schedule kept by this builder) and
+the index conversion is plain tensor arithmetic on the device.
 
 The metadata class: 0.33 has SparseMLACommonMetadata (keyword-only fields) and builds it with
 decode_max_query_len; 0.26 has no common class (each backend declares the fields the common builder fills),
@@ -99,6 +103,19 @@ class FlashMLASparsePluginMetadataBuilder(SparseMLACommonMetadataBuilder[FlashML
             raise ValueError(problem)
         # Decode = query length 1; vLLM raises it to 1 + num_speculative_tokens (MTP) for this builder.
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
+        self._kv_ds_mla = engine_support.sparse_is_ds_mla(vllm_config.cache_config.cache_dtype)
+        self._decode_sched: dict[tuple[int, int, int], Any] = {}   # (decode requests, s_q, top-k) -> filled object
+
+    def _decode_sched_meta(self, batch: int, s_q: int, topk: int):
+        """The decode tokens' FlashMLASchedMeta for this batch shape, filled once and kept (module docstring)."""
+        key = (batch, s_q, topk)
+        meta = self._decode_sched.get(key)
+        if meta is None:
+            meta = flashmla_backend.fill_sparse_sched_meta(
+                flashmla_backend.get_mla_metadata()[0], batch=batch, s_q=s_q, num_heads_q=self.num_heads, topk=topk,
+                device=self.device, is_fp8_kvcache=self._kv_ds_mla, page_block_size=PAGE_SIZE)
+            self._decode_sched[key] = meta
+        return meta
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False
               ) -> FlashMLASparsePluginMetadata:
@@ -106,7 +123,9 @@ class FlashMLASparsePluginMetadataBuilder(SparseMLACommonMetadataBuilder[FlashML
         if metadata.num_decodes > 0:
             qsl = common_attn_metadata.query_start_loc_cpu[: metadata.num_decodes + 1]
             metadata.decode_query_len = uniform_query_len(qsl, metadata.num_decode_tokens)
-            metadata.decode_sched_meta = flashmla_backend.get_mla_metadata()[0]
+            metadata.decode_sched_meta = self._decode_sched_meta(
+                metadata.num_decode_tokens // metadata.decode_query_len, metadata.decode_query_len,
+                metadata.topk_tokens)
         if metadata.num_decode_tokens < metadata.num_actual_tokens:
             metadata.prefill_sched_meta = flashmla_backend.get_mla_metadata()[0]
         return metadata
