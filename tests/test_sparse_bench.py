@@ -354,7 +354,7 @@ def test_run_shape_reports_the_timed_and_the_refusing_implementation(capsys):
     assert 1e-4 < line["flashmla_err"] < 4e-3 and line["flashmla_lse_err"] < 1e-4
     assert line["ours_status"] == sparse_bench.NO_KERNEL
     assert line["ours_reason"] == "NotImplementedError: flashmla_backend: no compiled kernel reads a sparse cache yet"
-    assert "  ours: no sparse kernel yet\n" in printed
+    assert "  ours: no sparse kernel for these inputs\n" in printed
     assert "  flashmla: 50.0 us" in printed and "WRONG" not in printed
     assert "speedup_vs_flashmla" not in line
 
