@@ -11,8 +11,9 @@ called once (ours is reported as having no sparse kernel for these inputs when i
 sm_90, a 16-bit cache), then captured in a CUDA graph whose replays triton.testing.do_bench times (median). Per shape:
 µs, TFLOP/s (2 * b * s_q * h_q * topk * (576 + 512) FLOPs), the gathered bytes (b * s_q * topk * 656) and the time
 they take at the device-copy rate measured at the start (bytes read plus written per second, as benchmarks/bench.py
-measures its ceiling), and each output's relative error against an fp64 reference of the first --check-requests requests (flashmla_backend's sparse
-reference on the exactly dequantized tokens, on the CPU); then one JSON line per shape.
+measures its ceiling), and each output's relative error against an fp64 reference of the first --check-requests
+requests (flashmla_backend's sparse reference on the exactly dequantized tokens, on the CPU); then one JSON line per
+shape.
 
 `--debug 0,1,16` times ours once per value of FLASHMLA_BACKEND_SPARSE_DEBUG (the kernel's measurement
 switches, read by its launcher at every launch: README's environment table), in the same process, on the same inputs
