@@ -8,12 +8,13 @@
 // into one phase: warpgroup 1's words and P V of a block run while warpgroup 0 computes the next block's scores.
 //   warpgroup 0: S = Q K^T (all groups), P = 2^(S sl2 - m + 8), O_0 = O_0 sc + P_0 V_0
 //   warpgroup 1: O_g = O_g sc + P_g V_g (g = 1, 2, 3), P and sc from warpgroup 0
-// Warpgroup 0 is the critical path (docs/perf/journal.md: with groups 0 and 1 it issued 1.3 times warpgroup 1's
-// instructions a block, and warpgroup 1 waited for P half of its time), so it keeps one group's O (64 registers), and
-// with them the room for its P V to run under the next block's Q K^T (the half's release after the first wait there)
-// and for two Q K^T temporaries (qk.cuh: group g + 1's product under group g's fold). Before, with O of two groups,
+// Warpgroup 0 was the critical path with two groups a warpgroup (docs/perf/journal.md: it issued 1.3 times warpgroup
+// 1's instructions a block, and warpgroup 1 waited for P half of its time), so it keeps one group's O (64 registers),
+// and with them the room for its P V to run under the next block's Q K^T (the half's release after the first wait
+// there) and for two Q K^T temporaries (qk.cuh: group g + 1's product under group g's fold). With O of two groups
 // either made ptxas serialize the kernel's wgmma for want of registers (C7512) even at 248 a thread. Warpgroup 1 holds
-// O of three groups (192) and builds each group's words from P and the pairs read a 16-byte chunk at a time.
+// O of three groups (192) and builds each group's words from P and the pairs read a 16-byte chunk at a time; it is now
+// the busier of the two (its words, and its three P V waited for one by one).
 // The gather and transposer warps are common.cuh's.
 #pragma once
 
@@ -189,7 +190,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 // ------------------------------------------------------------------------------------------------
 // O_g += P_g V_g of block g in stage s for group kG (1..3), P from slot c: the words (P and the pairs a chunk at a
 // time), the product, its wait, and the release of the group's V^T half (one arrival a warp and group). after_words:
-// called once the words are built (the last group releases the stage and the P slot there).
+// called once the words are built (the last group releases the P slot there).
 template <int kG, class FragO, class AfterWords>
 __device__ __forceinline__ void follow_group(LeadStorage& ss, int s, int c, int tid_in_wg, int lane, int debug,
                                              FragO& o, AfterWords&& after_words) {
