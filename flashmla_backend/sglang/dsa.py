@@ -50,9 +50,10 @@ Refused at start-up, each with what works: query heads other than 64 or 128 per 
 above, index_kpool > 1, decode context parallelism, HiSparse, speculative decoding (SGLang's target verification
 would go to its own kernel with the stand-in value), a model other than kv_lora_rank 512 / rope 64, and a CUDA
 device: the DSA decode does not run on GPUs yet (flashmla_backend's Hopper sparse kernel reads the 656-byte cache
-through its API but has not been run inside SGLang, and is slower than FlashMLA's at b = 1 and top-k 512). An adopted backend never runs SGLang's decode kernel instead. Where the hooks cannot be
-registered, flashmla_backend.sglang.register raises; SGLang's plugin loader logs that as an error (in every process)
-and goes on, so that server then decodes with SGLang's own kernel: read the log when the variable is set.
+through its API but has not been run inside SGLang, and is slower than FlashMLA's at b = 1 and top-k 512). An adopted
+backend never runs SGLang's decode kernel instead. Where the hooks cannot be registered,
+flashmla_backend.sglang.register raises; SGLang's plugin loader logs that as an error (in every process) and goes on,
+so that server then decodes with SGLang's own kernel: read the log when the variable is set.
 
 Versions: the hook targets and the attributes read here are those of SGLang 0.5.21 and 0.5.23 (checked by
 tests/test_sglang_sparse_cpu.py in their CPU test environments) and of 0.5.17 (the same tests, run once on CPU with

@@ -13,8 +13,8 @@ blocks), 64 or 128 query heads per rank (checked where vLLM knows the head count
 Refused at start-up with a message naming what works: other cache dtypes and block sizes, attention sinks,
 and, on a machine with a CUDA device, everything: the Hopper sparse decode kernel (fp8_ds_mla caches) runs through
 flashmla_backend's API but has not yet run inside vLLM and is slower than FlashMLA's at b = 1 and top-k 512
-(benchmarks/RESULTS.md), so the plugin refuses rather than offer it or fall back. CPU tensors run flashmla_backend's PyTorch reference,
-which is what the CPU conformance tests use.
+(benchmarks/RESULTS.md), so the plugin refuses rather than offer it or fall back. CPU tensors run flashmla_backend's
+PyTorch reference, which is what the CPU conformance tests use.
 """
 from __future__ import annotations
 
