@@ -20,9 +20,9 @@ by warpgroup 1 until its last group's words) or the rows' sums.
 Warpgroup 1 does not hold the stage (no arrival on its empty barrier): the factors and pairs it reads until group 3's
 words are rewritten for block g + 2 only after the transposer warps' half 1 of block g + 1, which waited for
 warpgroup 1's group 3 P V of block g; the model reads them that long and finds no early rewrite.
-What the model showed: warpgroup 0's wait for a free P slot (p_empty) is implied by the stage ring with two P slots
-and two stages (its Q K^T of block g needs stage g, gathered once warpgroup 1 released stage g - 2, which it does
-with P of g - 2), so the model cannot catch its removal; it stays, for other counts.
+What the model showed: warpgroup 0's wait for a free P slot (p_empty) was implied by the stage ring while warpgroup 1
+held the stage (its Q K^T of block g needed stage g, gathered once warpgroup 1 released stage g - 2 with P of g - 2);
+now nothing else holds warpgroup 0 back, and the model catches the wait's removal ("p slot rewritten early").
 """
 from __future__ import annotations
 
