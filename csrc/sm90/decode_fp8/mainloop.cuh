@@ -150,14 +150,25 @@ __device__ __forceinline__ void store_p_fragment(const Frag& s, const float (&f)
                  "r"(w[1]), "r"(w[2]), "r"(w[3]));
   }
 }
+// Chunk c of a thread's words (words 4 c .. 4 c + 3) of a tile stored by store_p; base: the tile's shared address
+// plus 16 tid (p_chunk_base).
+__device__ __forceinline__ uint32_t p_chunk_base(const uint8_t* buf, int tid) {
+  return cute::cast_smem_ptr_to_uint(buf) + tid * 16;
+}
+__device__ __forceinline__ void load_p_chunk(uint32_t base, int c, uint32_t (&w)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "r"(base + c * 2048));
+}
 template <int kWords>
 __device__ __forceinline__ void load_p(const uint8_t* buf, int tid, uint32_t (&words)[kWords]) {
-  const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
+  const uint32_t base = p_chunk_base(buf, tid);
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < kWords / 4; ++c) {
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(words[4 * c]), "=r"(words[4 * c + 1]), "=r"(words[4 * c + 2]), "=r"(words[4 * c + 3])
-                 : "r"(base + c * 2048 + tid * 16));
+    uint32_t w[4];
+    load_p_chunk(base, c, w);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) words[4 * c + i] = w[i];
   }
 }
 

@@ -22,7 +22,7 @@
 #include "sm90/decode/softmax.cuh"
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
-#include "sm90/decode_fp8/mainloop.cuh"  // warp_arrive, p16_fragment, store_p, load_p
+#include "sm90/decode_fp8/mainloop.cuh"  // warp_arrive, p16_fragment, store_p, load_p_chunk
 #include "sm90/decode_fp8/producer.cuh"  // FMLA_SM90_WAIT_TIMEOUT_NS
 #include "sm90/sparse_fp8/gather.cuh"
 #include "sm90/sparse_fp8/layout.h"

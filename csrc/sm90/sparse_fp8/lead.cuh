@@ -195,14 +195,9 @@ template <int kG, class FragO, class AfterWords>
 __device__ __forceinline__ void follow_group(LeadStorage& ss, int s, int c, int tid_in_wg, int lane, int debug,
                                              FragO& o, AfterWords&& after_words) {
   uint32_t words[kPTerms][8];
-  const uint32_t p_base = cute::cast_smem_ptr_to_uint(ss.p16[c]) + uint32_t(tid_in_wg * 16);
-  build_words(
-      [&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE {
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(p4[0]), "=r"(p4[1]), "=r"(p4[2]), "=r"(p4[3])
-                     : "r"(p_base + uint32_t(k * 2048)));
-      },
-      &ss.sf[s][kG][0][0], lane, debug, words);
+  const uint32_t p_base = decode_fp8::p_chunk_base(ss.p16[c], tid_in_wg);
+  build_words([&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE { decode_fp8::load_p_chunk(p_base, k, p4); },
+              &ss.sf[s][kG][0][0], lane, debug, words);
   after_words();
   sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[kG / 2] + (kG % 2) * (decode_fp8::kVtHalfBytes / 2), o);
   warpgroup_wait<0>();
