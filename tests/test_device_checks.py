@@ -56,6 +56,7 @@ ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 SPARSE_GATHER_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_probe.cu"
 SPARSE_ATTENTION_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "attention_probe.cu"
+FP8_VREGS_PROBE = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "vregs_probe.cu"
 SPARSE_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "protocol_model.py"
 
 
@@ -350,14 +351,15 @@ def test_sparse_layout_check_rejects_a_changed_formula(tmp_path, edit):
 
 
 def _build_sparse_probe(tmp_path: Path, source: Path) -> Path:
-    """A sparse-kernel probe (csrc/sm90/sparse_fp8/checks/) built against the CUTLASS headers; skipped without them."""
+    """A GPU probe (csrc/sm90/sparse_fp8/checks/, csrc/sm90/decode_fp8/checks/vregs_probe.cu) built against the CUTLASS
+    headers; skipped without them."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:
         pytest.skip(reason)
     exe = tmp_path / source.stem
     _compile([nvcc, "-std=c++17", "-arch=sm_90a", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}", f"-I{cutlass}",
-              str(source), "-o", str(exe)], f"sparse_fp8/checks/{source.name}")
+              str(source), "-o", str(exe)], str(source.relative_to(ROOT)))
     return exe
 
 
@@ -570,3 +572,18 @@ def test_error_text_check_compiles_and_agrees(tmp_path):
               "error_text_check.cu"), "-o", str(exe)], "error_text_check.cu")
     res = subprocess.run([str(exe)], capture_output=True, text=True)
     assert res.returncode == 0 and "error text: ok" in res.stdout, res.stdout + res.stderr
+
+
+def test_fp8_vregs_probe_compiles(tmp_path):
+    _build_sparse_probe(tmp_path, FP8_VREGS_PROBE)
+
+
+@pytest.mark.gpu
+def test_fp8_vregs_probe_matches_fp64_on_the_gpu(tmp_path):
+    """V read into registers as the A operand of O^T = V^T P^T (fp16 and e4m3 wgmma) against fp64, and the six P V
+    forms timed (printed)."""
+    res = _run_sparse_probe(tmp_path, FP8_VREGS_PROBE, timeout=120)
+    checks = dict(re.findall(r"check (\S+): rel-norm error (\S+)", res.stdout))
+    assert set(checks) == {"f16-vregs", "e4m3-vregs"}, res.stdout + res.stderr
+    assert len(re.findall(r"^time ", res.stdout, re.M)) == 6, res.stdout
+    assert res.returncode == 0 and "vregs probe: ok" in res.stdout, res.stdout + res.stderr
