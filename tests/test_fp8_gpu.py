@@ -8,7 +8,9 @@ result of each request's own scale, expanded stride-0 tensors bitwise the per-te
 tables changed. At most 32 query rows a KV head: both modes' two tiles (the accurate mode: keys on M or the stacked Q
 tile up to 16 rows, the stacked or the 64-row tile at 17-32; the fast mode: keys on M or the 64-row tile up to 16),
 each against fp64, with per-request descales and graph replays; the stacked Q tile at every row count in both its
-plans. The removed kernel switch FLASHMLA_BACKEND_FP8_KERNEL is refused.
+plans. The accurate mode's V-in-registers tile (FLASHMLA_BACKEND_FP8_DEBUG bit 1024) at every case the two-term 64-row
+tile serves, with several requests a CTA, per-request descales and graph replays. The removed kernel switch
+FLASHMLA_BACKEND_FP8_KERNEL is refused.
 """
 import pytest
 import torch
@@ -351,3 +353,35 @@ def test_accurate_mode_with_tiny_q_rows():
     ref_out, ref_lse = brute_force_fp64(dequantized(inp, dq, dk), case.causal)
     assert rel_norm(out, ref_out) < _out_tol("bf16q")
     assert rel_norm(lse, ref_lse) < ACCURATE_LSE
+
+
+# The accurate mode's V-in-registers tile (csrc/sm90/decode_fp8/vregs.h: P V as O^T = V^T P^T, V widened in the
+# consumers' registers) in place of the two-term 64-row tile: FLASHMLA_BACKEND_FP8_DEBUG bit 1024, at every case the
+# 64-row tile serves (more than 32 query rows a KV head, or more than 64 with one (request, KV head) pair).
+VREGS = "1024"
+
+
+def _runs_the_64_row_tile(case):
+    rows = case.s_q * case.h_q // case.h_kv
+    return rows > 32 and not (rows <= 64 and len(case.lengths) * case.h_kv == 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16q", "fp16q"])
+@pytest.mark.parametrize("case", [c for c in CASES if _runs_the_64_row_tile(c)], ids=str)
+def test_accurate_vregs_tile(monkeypatch, case, dtype):
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
+    _matches_fp64(Case(**{**case.__dict__, "dtype": dtype}), "fp16q" if dtype == torch.float16 else "bf16q",
+                  ", V in registers")
+
+
+def test_accurate_vregs_tile_many_requests(monkeypatch):
+    """48 rows a KV head over 24 requests: several requests a CTA, zero lengths, odd block counts (a virtual block),
+    split requests."""
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
+    _matches_fp64(Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=3, h_q=16, seed=7), "bf16q",
+                  ", V in registers")
+
+
+def test_accurate_vregs_tile_per_request_descales_and_graph_replay(monkeypatch):
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
+    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), "bf16q", 9, 13)

@@ -28,6 +28,9 @@ enum class Variant {
   kAccurateStackedBF16Left2,
   kAccurateStackedFP16,
   kAccurateStackedFP16Left2,
+  // 16-bit q, the two-term 64-row tile with P V as O^T = V^T P^T, V widened in the consumers' registers (vregs.h)
+  kAccurateVRegsBF16,
+  kAccurateVRegsFP16,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -51,6 +54,9 @@ enum DebugFlags : int {
   kDebugStackedManyRows = 512,   // the accurate mode past 32 query rows a KV head: the other tile than the default
                                  // (stacked Q tiles of 32 rows, or the two-term 64-row tile); the same results within
                                  // the mode's error
+  kDebugVRegs = 1024,            // the accurate mode's two-term 64-row tile: the V-in-registers tile (vregs.h) instead
+                                 // of the one whose producer widens V; the same results within the mode's error (bit
+                                 // 1 does not apply to it)
 };
 // The accurate mode's tiles (dispatch.cu): the keys-on-M tile serves at most 16 query rows a KV head (s_q h_q / h_kv),
 // the stacked Q tile is the default at 17..32 rows (and at 33..64 with one (request, KV head) pair), and it runs 3 KV

@@ -9,6 +9,8 @@
 //   q_tile.cuh            the Q tile: q copied (cp.async), a 16-bit q then split into e4m3 terms in place
 //   mainloop.cuh          the consumers' seesaw
 //   mainloop_f16pv.cuh    warpgroup 1 of the accurate mode (P V on fp16 wgmma)
+//   mainloop_vregs.cuh    both consumers of the accurate mode's V-in-registers tile (vregs.h: TraitsVR), its
+//                         epilogue and barriers; its producer warpgroup only issues the copies
 // The tile work (sm90/decode/tile_work.cuh), the softmax pieces (sm90/decode/softmax.cuh) and the epilogue
 // (sm90/decode/epilogue.cuh) are the 16-bit kernel's.
 #pragma once
@@ -31,13 +33,25 @@
 #include "sm90/decode_fp8/config.h"
 #include "sm90/decode_fp8/mainloop.cuh"
 #include "sm90/decode_fp8/mainloop_f16pv.cuh"
+#include "sm90/decode_fp8/mainloop_vregs.cuh"
 #include "sm90/decode_fp8/producer.cuh"
 #include "sm90/decode_fp8/q_tile.cuh"
 #include "sm90/decode_fp8/traits.h"
+#include "sm90/decode_fp8/vregs.h"
 
 namespace flashmla_backend::sm90::decode_fp8 {
 
 using namespace cute;
+
+// A consumer warpgroup's output accumulator: O (64 rows, 256 value columns), or O^T in four tiles (TraitsVR).
+template <class T, bool = IsVRegs<T>::value>
+struct OAccOf {
+  using type = decltype(partition_fragment_C(typename T::TiledMmaPV{}, Shape<Int<kBlockM>, Int<kHalfDimV>>{}));
+};
+template <class T>
+struct OAccOf<T, true> {
+  using type = OTAcc<T>;
+};
 
 // All 256 consumer threads at a request boundary. Each warpgroup runs its own copy of the request loop (below), so
 // the two reach this barrier at different instructions: the barrier is the non-.aligned barrier.sync, which allows
@@ -68,8 +82,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     ri.row[1] = ri.row[0] + 8;
   }
 
-  typename T::TiledMmaPV mma_pv;
-  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHalfDimV>>{});  // 128 fp32
+  typename OAccOf<T>::type tOrO;  // 128 fp32
 
   issue_q_copy<T>(p, begin_req, m_block, hk, q_addr, tid);
   uint32_t g_base = 0;
@@ -79,6 +92,9 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block, T::kTileRows);
     decode::set_row_ends(p, w, m_block, ri, T::kTileRows);
     if (tid < T::kTileRows) ss.row_max[tid] = -INFINITY;
+    if constexpr (IsVRegs<T>::value) {
+      if (tid < kBlockM) ss.row_off[tid] = vregs_row_offset(p, w, m_block, hk, tid);
+    }
     decode::cp_async_wait_all();
     if constexpr (!T::kQFp8) split_q_tile<T>(q_addr, ss.q_scale, tid);
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
@@ -94,7 +110,9 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     consumers_sync();
 
     float row_sum[2] = {0.f, 0.f};  // O is cleared in the main loop (mainloop.cuh)
-    if constexpr (kWG == 0) {
+    if constexpr (IsVRegs<T>::value) {
+      mainloop_vregs<T, kWG>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
+    } else if constexpr (kWG == 0) {
       mainloop_wg0<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     } else if constexpr (T::kPvF16) {
       mainloop_f16pv_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
@@ -112,12 +130,16 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
       pdl_launch_dependents();
     }
 
-    float l[2], m[2];
-    decode::final_row_stats(ss, ri.row, l, m);
-    // l carries P's 2^kPScaleLog2 (config.h): O / l does not see it, lse = (m + log2 l) ln 2 must not.
-    m[0] -= kPScaleLog2;
-    m[1] -= kPScaleLog2;
-    decode::store_output<T>(p, w, ri, m_block, hk, kWG, tid_in_wg, tOrO, l, m, ss.value_scale);
+    if constexpr (IsVRegs<T>::value) {
+      store_output_vregs<T>(p, w, ss, m_block, hk, kWG, tid_in_wg, tOrO);
+    } else {
+      float l[2], m[2];
+      decode::final_row_stats(ss, ri.row, l, m);
+      // l carries P's 2^kPScaleLog2 (config.h): O / l does not see it, lse = (m + log2 l) ln 2 must not.
+      m[0] -= kPScaleLog2;
+      m[1] -= kPScaleLog2;
+      decode::store_output<T>(p, w, ri, m_block, hk, kWG, tid_in_wg, tOrO, l, m, ss.value_scale);
+    }
     consumers_sync();  // row_max / row_sum reused
   }
 }
@@ -149,7 +171,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   const SchedMetaRow& meta = cta.meta;
   const int begin_req = cta.begin_req, end_req = cta.end_req;
 
-  if (tid == 0) init_pipeline_barriers<T>(ss, &tmap_kv);
+  if (tid == 0) {
+    if constexpr (IsVRegs<T>::value) {
+      init_pipeline_barriers_vregs<T>(ss, &tmap_kv);
+    } else {
+      init_pipeline_barriers<T>(ss, &tmap_kv);
+    }
+  }
   // The shared transposition: the peer's barriers must be initialized before the first remote arrival or copy. Both
   // CTAs of a cluster have the same metadata row, so both got here or both returned above.
   if constexpr (T::kShareVt) {
@@ -161,8 +189,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (wg == kNumConsumerWarpGroups) {
     // ---- producer ----
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    producer_warp<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk, (tid - kNumConsumerThreads) / 32, lane,
-                     debug);
+    if constexpr (IsVRegs<T>::value) {
+      if (tid == kNumConsumerThreads) copy_loop<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk);
+    } else {
+      producer_warp<T>(p, &tmap_kv, ss, meta, begin_req, end_req, m_block, hk, (tid - kNumConsumerThreads) / 32, lane,
+                       debug);
+    }
   } else if (wg == 0) {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     consumer_loop<T, 0>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);

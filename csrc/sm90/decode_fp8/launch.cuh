@@ -15,6 +15,7 @@
 #include "sm90/decode_fp8/decode.h"
 #include "sm90/decode_fp8/keys_on_m.cuh"
 #include "sm90/decode_fp8/kernel.cuh"
+#include "sm90/decode_fp8/vregs.h"
 
 namespace flashmla_backend::sm90::decode_fp8 {
 
@@ -107,6 +108,17 @@ struct VariantTraits<Variant::kAccurateStackedFP16> {
 template <>
 struct VariantTraits<Variant::kAccurateStackedFP16Left2> {
   using type = Traits<cutlass::half_t, 2, 2, 2, 1, 224, 56, false, true, true>;
+};
+
+// The accurate mode's V-in-registers tile (vregs.h): 3 KV stages (Q 72 KB + 108 KB + P 16 KB), consumers on 240
+// registers, the producer (one copy lane) on 24.
+template <>
+struct VariantTraits<Variant::kAccurateVRegsBF16> {
+  using type = TraitsVR<cutlass::bfloat16_t, 3, 240, 24>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateVRegsFP16> {
+  using type = TraitsVR<cutlass::half_t, 3, 240, 24>;
 };
 
 // The accurate mode's keys-on-M tile (keys_on_m.h) for at most 16 query rows a KV head. Plans measured on an H100

@@ -222,7 +222,10 @@ enum class NamedBarriers : uint32_t {
   kScale1Ready = 1,  // warpgroup 1 wrote m1, scale1 and P1
   kP0Ready = 2,      // warpgroup 0 wrote P0 * scale1
   kConsumers = 3,    // all consumer threads (request boundaries, Q tile, row sums)
-  kP0Free = 4,       // kPvF16: warpgroup 1 loaded P0, p[0] may be rewritten
+  kP0Free = 4,       // kPvF16: warpgroup 1 loaded P0, p[0] may be rewritten (TraitsVR: its P0 V product completed)
+  kP1Free = 5,       // TraitsVR: warpgroup 0's P1 V product completed, pt[1] may be rewritten
+  kOwnP0 = 6,        // TraitsVR: warpgroup 0's four warps stored P0 (128 threads)
+  kOwnP1 = 7,        // TraitsVR: warpgroup 1's four warps stored P1 (128 threads)
 };
 
 }  // namespace flashmla_backend::sm90::decode_fp8
