@@ -185,6 +185,25 @@ def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):
                           starve="wg1")
 
 
+def test_fp8_protocol_model_reads_the_vregs_tile(fp8_model):
+    """The V-in-registers tile's variants (TraitsVR in launch.cuh) and its kv_empty count (vregs.h: every consumer
+    warp)."""
+    assert fp8_model.read_vregs_variants() == {"kAccurateVRegsBF16": 3, "kAccurateVRegsFP16": 3}
+    assert fp8_model.read_vregs_kv_empty_arrivals() == 8
+
+
+@pytest.mark.parametrize("mutation", ["vregs p0 rewritten early", "vregs early kv_empty", "vregs scale0 read late",
+                                      "copy ignores kv_empty"])
+def test_fp8_protocol_model_rejects_a_broken_vregs_schedule(fp8_model, mutation):
+    """P0 rewritten before warpgroup 1's P0 V completed (no kP0Free), a warp releasing the stage before its V reads,
+    warpgroup 1 reading scale0 after it published scale1 (warpgroup 0 may then rewrite it), the copy not waiting."""
+    with pytest.raises(fp8_model.ProtocolError):
+        for seed in range(300):
+            for reqs in ([9, 4, 7], [6, 5]):
+                fp8_model.run(reqs, 3, (1, 1), seed=seed, mutation=mutation, vregs=True,
+                              starve=[None, "copy", "wg0", "wg1"][seed % 4])
+
+
 def test_fp8_protocol_model_catches_a_parity_wait_two_phases_ahead(fp8_model, monkeypatch):
     # One vt_empty barrier a slot, as before kVtEmptyCopies: the 3-stage plan with rings of 2, and the rings of one
     # of the fp16 P V mode, let a transposer warp wait for a release while the one before it is still pending.

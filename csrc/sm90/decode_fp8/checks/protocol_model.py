@@ -2,9 +2,9 @@
 """Python model of the sm90 FP8 tensor-core decode kernel's barrier protocol (producer and consumers).
 
 A mirror of the order of waits, arrivals, reads and writes in producer.cuh (copy_loop, transpose_loop), mainloop.cuh
-(mainloop_wg0 / mainloop_wg1, run_steps, padded_blocks) and kernel.cuh (the consumers' request barriers); the stage
-counts come from launch.cuh's VariantTraits and the arrival counts from traits.h, so a change there is checked as it
-is. It is not a test of the compiled code: keep the agents below in step with those files when the schedule changes.
+(mainloop_wg0 / mainloop_wg1, run_steps, padded_blocks), mainloop_vregs.cuh (the V-in-registers tile: no transposer,
+both warpgroups read V from the KV stage) and kernel.cuh (the consumers' request barriers); the stage counts come from
+launch.cuh's VariantTraits and the arrival counts from traits.h and vregs.h, so a change there is checked as it is. It is not a test of the compiled code: keep the agents below in step with those files when the schedule changes.
 Run by tests/test_device_checks.py; `python3 protocol_model.py` prints the verdict.
 
 Each role is an agent (the copy lane, the three transposer warps, the two consumer warpgroups) that runs its
@@ -28,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LAUNCH_CUH = HERE.parent / "launch.cuh"
 TRAITS_H = HERE.parent / "traits.h"
+VREGS_H = HERE.parent / "vregs.h"
 
 
 class ProtocolError(AssertionError):
@@ -50,6 +51,24 @@ def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, in
         raise ProtocolError(f"VariantTraits of {launch_cuh} the model cannot read (new Traits arguments?): {missed}")
     return {name: (int(a), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true")
             for name, a, c, d, e, _share, f16 in found}
+
+
+def read_vregs_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, int]:
+    """{variant: KV stages} of the V-in-registers tile's VariantTraits (TraitsVR<q type, stages, ...>)."""
+    text = launch_cuh.read_text()
+    found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = TraitsVR<[^,>]+,\s*(\d+)", text)
+    declared = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = TraitsVR<", text)
+    if len(declared) != len(found):
+        raise ProtocolError(f"TraitsVR variants of {launch_cuh} the model cannot read: {sorted(set(declared))}")
+    return {name: int(stages) for name, stages in found}
+
+
+def read_vregs_kv_empty_arrivals(vregs_h: Path = VREGS_H) -> int:
+    """vregs.h's kKvEmptyArrivalsVRegs (kNumConsumerThreads substituted)."""
+    m = re.search(r"constexpr uint32_t kKvEmptyArrivalsVRegs = ([^;]+);", vregs_h.read_text())
+    if not m:
+        raise ProtocolError(f"kKvEmptyArrivalsVRegs not found in {vregs_h}")
+    return int(eval(m.group(1), {}, {"kNumConsumerThreads": 2 * 128}))  # noqa: S307 (a constant expression)
 
 
 V_PIECES = 8  # config.h: kNumVPieces, the 512 value columns in pieces of 64
@@ -284,7 +303,77 @@ def f16pv_step(wg, g0, nxt, first, kS, kVt: VtRings, mutation=None):
         yield from second_pv()
 
 
-def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False):
+def vregs_v_read(g, kS, mutation=None):
+    """A warpgroup's P V of block g in the V-in-registers tile (mainloop_vregs.cuh): the stage's V is read into
+    registers (ldmatrix) and each warp arrives on kv_empty once its reads are done."""
+    yield ("wait", "kv_full", g % kS, g // kS)
+    yield ("read_begin", ("kv", g % kS), g)
+    if mutation != "vregs early kv_empty":
+        yield ("read_end", ("kv", g % kS), g)
+    for _ in range(CONSUMER_WARPS):
+        yield ("arrive", "kv_empty", g % kS)
+    if mutation == "vregs early kv_empty":
+        yield ("read_end", ("kv", g % kS), g)
+
+
+def vregs_step(wg, g0, nxt, first, kS, mutation=None):
+    """One step of the V-in-registers tile (mainloop_vregs.cuh: mainloop_vregs): each warpgroup writes its block's P
+    (pt[wg]) and its rows' factors (scale[wg]), reads both P tiles and both factor arrays, and reads V of both blocks
+    from the KV stages; its next Q K^T (block g0 + 2 + wg) is issued before the P V of block g0 + 1 and waited for at
+    the step's end. The row factors: scale0 is read by warpgroup 0 (O^T sc0) and by warpgroup 1 (its rows' sc0, then
+    O^T sc0, before it publishes scale1); scale1 by warpgroup 0 after kScale1Ready and by warpgroup 1 after its P0 V."""
+    def pv1_and_next_qk():
+        if nxt:
+            yield from qk(g0 + 2 + wg, kS)
+        yield ("read_begin", ("pt", 1), g0 + 1)
+        yield from vregs_v_read(g0 + 1, kS, mutation)
+        yield ("read_end", ("pt", 1), g0 + 1)          # wait<0>: the P V and the Q K^T completed
+        if nxt:
+            yield ("read_end", ("kv", (g0 + 2 + wg) % kS), g0 + 2 + wg)
+            if wg == 0:
+                yield ("named_arrive", "p1free")
+
+    if wg == 0:
+        yield ("write", ("scale", 0), g0, "scale")
+        yield ("named_arrive", "scale0")
+        if not first and mutation != "vregs p0 rewritten early":
+            yield ("named_sync", "p0free")
+        yield ("write", ("pt", 0), g0, "pt")
+        yield ("named_arrive", "p0")
+        yield ("read_begin", ("scale", 0), g0)
+        yield ("read_end", ("scale", 0), g0)              # O^T sc0
+        yield ("read_begin", ("pt", 0), g0)
+        yield from vregs_v_read(g0, kS, mutation)
+        yield ("named_sync", "scale1")
+        yield ("read_end", ("pt", 0), g0)                 # wait<0>
+        yield ("read_begin", ("scale", 1), g0 + 1)
+        yield ("read_end", ("scale", 1), g0 + 1)          # row sums and O^T sc1
+        yield from pv1_and_next_qk()
+    else:
+        yield ("named_sync", "scale0")
+        yield ("read_begin", ("scale", 0), g0)            # the rows' sc0
+        yield ("write", ("scale", 1), g0 + 1, "scale")
+        if not first:
+            yield ("named_sync", "p1free")
+        yield ("write", ("pt", 1), g0 + 1, "pt")
+        if mutation == "vregs scale0 read late":
+            yield ("named_arrive", "scale1")
+            yield ("read_end", ("scale", 0), g0)
+        else:
+            yield ("read_end", ("scale", 0), g0)          # O^T sc0, before scale1 is published
+            yield ("named_arrive", "scale1")
+        yield ("named_sync", "p0")
+        yield ("read_begin", ("pt", 0), g0)
+        yield from vregs_v_read(g0, kS, mutation)
+        yield ("read_end", ("pt", 0), g0)                 # wait<0>
+        if nxt:
+            yield ("named_arrive", "p0free")
+        yield ("read_begin", ("scale", 1), g0 + 1)
+        yield ("read_end", ("scale", 1), g0 + 1)          # O^T sc1
+        yield from pv1_and_next_qk()
+
+
+def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, vregs=False):
     # Warpgroup wg reads V^T half wg of every block.
     g_base = 0
     for n in requests:
@@ -294,11 +383,16 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False):
         if nblk:
             first = g_base + wg
             yield from qk(first, kS)
-            yield from qk_done(first, kS)
+            if vregs:
+                yield ("read_end", ("kv", first % kS), first)   # the stage is released after its V reads
+            else:
+                yield from qk_done(first, kS)
             for b0 in range(0, nblk, 2):
                 nxt = b0 + 2 < nblk
                 g0 = g_base + b0
-                if f16pv:
+                if vregs:
+                    yield from vregs_step(wg, g0, nxt, b0 == 0, kS, mutation)
+                elif f16pv:
                     yield from f16pv_step(wg, g0, nxt, b0 == 0, kS, kVt, mutation)
                 elif wg == 0:
                     yield ("named_arrive", "scale0")
@@ -337,24 +431,30 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False):
 
 def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
-        f16pv: bool = False, starve: str | None = None) -> None:
+        f16pv: bool = False, starve: str | None = None, vregs: bool = False) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
-    agent that moves only when no other can (the interleavings where one role lags far behind the others)."""
-    arrivals = read_arrivals() if arrivals is None else arrivals
+    agent that moves only when no other can (the interleavings where one role lags far behind the others). vregs: the
+    V-in-registers tile (no transposer warps; vt_rings unused)."""
+    arrivals = dict(read_arrivals() if arrivals is None else arrivals)
+    if vregs:
+        arrivals["kKvEmptyArrivals"] = read_vregs_kv_empty_arrivals()
     sim = Sim(stages, arrivals)
     vt = VtRings(*vt_rings, stages)
     blocks = sum(padded_blocks(n) for n in requests)
     agents = {"copy": copy_agent(blocks, stages, mutation)}
-    for w in range(arrivals["kNumTransposeWarps"]):
-        agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
-                                                    arrivals["kNumVPairs"], mutation)
+    if not vregs:
+        for w in range(arrivals["kNumTransposeWarps"]):
+            agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
+                                                        arrivals["kNumVPairs"], mutation)
     for wg in (0, 1):
-        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, mutation, f16pv)
-    # Named barriers: generation counters. scale0 / scale1 / p0: one side arrives, the other syncs; consumers: both
-    # warpgroups sync (a generation completes when both arrived).
-    named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0]}
+        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, mutation, f16pv, vregs)
+    # Named barriers: generation counters. scale0 / scale1 / p0 / p0free / p1free: one side arrives, the other syncs;
+    # consumers: both warpgroups sync (a generation completes when both arrived).
+    named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0], "p1free": [0, 0]}
     consumer_gen = {"wg0": 0, "wg1": 0}
-    readers = {"kv": 1 + arrivals["kNumVPairs"], "vt": 1, "p0": 1, "p1": 2}  # p[1]: warpgroup 0, and 1 reloads it
+    # Readers a buffer's block must have had before it is rewritten. V-in-registers: a stage is read by its owner's
+    # Q K^T and by both warpgroups' V reads; each P tile and each factor array by both warpgroups.
+    readers = {"kv": 3 if vregs else 1 + arrivals["kNumVPairs"], "vt": 1, "p0": 1, "p1": 2, "pt": 2, "scale": 2}
 
     def ready(name, op) -> bool:
         kind = op[0]
@@ -395,6 +495,11 @@ def check_all(seeds: int = 30) -> int:
                 run(reqs, stages, (left, right), seed=seed, f16pv=f16pv,
                     starve=starved[seed % len(starved)])
                 runs += 1
+    for name, stages in read_vregs_variants().items():
+        for reqs in sequences:
+            for seed in range(seeds):
+                run(reqs, stages, (1, 1), seed=seed, vregs=True, starve=[None, "copy", "wg0", "wg1"][seed % 4])
+                runs += 1
     return runs
 
 
@@ -404,4 +509,4 @@ if __name__ == "__main__":
     except ProtocolError as e:
         print(f"protocol model: INCONSISTENT: {e}")
         sys.exit(1)
-    print(f"protocol model: consistent ({n} interleavings of {', '.join(read_variants())})")
+    print(f"protocol model: consistent ({n} interleavings of {', '.join([*read_variants(), *read_vregs_variants()])})")
