@@ -5,7 +5,8 @@
 
 The scheduler cuts requests into pieces; each CTA accumulates its piece's P V in its output accumulator and the
 combine adds the pieces in fp32. `--parts` multiplies the scheduler's part count (get_mla_metadata's, i.e. SMs /
-M tiles / KV heads) by each factor, which shortens the pieces. If an error falls as the pieces shorten, it comes
+M tiles / KV heads) by each factor, which shortens the pieces (a factor below 1 lengthens them: at b = 1 each CTA
+splits a whole 16-bit Q tile for its few blocks, and fewer parts spread that cost over more blocks). If an error falls as the pieces shorten, it comes
 from the accumulation over a piece (benchmarks/fp8_accumulation_model.py models the e4m3 wgmma accumulator that
 way); if it stays, it comes from elsewhere (the operands' rounding, the output's 16-bit rounding). Every line
 prints the longest piece in blocks, the relative error against the fp64 decode of the dequantized inputs (with the
@@ -25,16 +26,17 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes (benchmarks/bench.py syntax)")
     p.add_argument("--parts", default="1,2,4,8",
-                   help="comma-separated positive integers: factors on the scheduler's part count (default 1,2,4,8)")
+                   help="comma-separated positive factors on the scheduler's part count (default 1,2,4,8; below 1, "
+                        "e.g. 0.5,0.25: fewer parts, longer pieces)")
     p.add_argument("--modes", default="accurate", help="comma-separated: accurate (16-bit q), fast (e4m3 q)")
     p.add_argument("--rep", type=int, default=30, help="do_bench rep in ms (default 30)")
     args = p.parse_args(argv)
     try:
-        args.parts = [int(x) for x in args.parts.split(",") if x]
+        args.parts = [float(x) for x in args.parts.split(",") if x]
     except ValueError:
-        p.error(f"--parts: {args.parts!r} is not a comma-separated list of integers")
-    if not args.parts or any(f < 1 for f in args.parts):
-        p.error("--parts: factors must be positive integers")
+        p.error(f"--parts: {args.parts!r} is not a comma-separated list of numbers")
+    if not args.parts or any(not f > 0 for f in args.parts):
+        p.error("--parts: factors must be positive")
     args.modes = [m for m in args.modes.split(",") if m]
     if not args.modes or any(m not in ("accurate", "fast") for m in args.modes):
         p.error(f"--modes: choose from accurate, fast (got {args.modes})")
@@ -86,7 +88,7 @@ def main(argv=None):
             out_dtype = torch.bfloat16 if mode == "fast" else q.dtype
             floor = rel_norm_error(ref.to(out_dtype), ref, visible)
             for factor in args.parts:
-                parts = base_parts * factor
+                parts = max(1, round(base_parts * factor))
                 meta, nsplits = ops._metadata_impl(lens, parts)
                 pieces = int(nsplits[-1].item())
                 longest = longest_piece_blocks(meta.cpu().tolist(), seqlens)
@@ -94,7 +96,7 @@ def main(argv=None):
                     q, f8.k_cache, inp.block_table, lens, D_V, meta, nsplits, softmax_scale=scale,
                     causal=True, is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k))
                 err = rel_norm_error(out, ref, visible)
-                print(f"{shape.name} {mode}: parts {parts} ({factor}x), pieces {pieces}, longest "
+                print(f"{shape.name} {mode}: parts {parts} ({factor:g}x), pieces {pieces}, longest "
                       f"part {longest} blocks: error {err:.2e} (output rounding alone {floor:.2e}), "
                       f"{t:.1f} us", flush=True)
             del ref

@@ -15,13 +15,15 @@ from flashmla_backend import ops  # noqa: E402
 def test_options_parse():
     a = split_error.parse_args(["--parts", "1,4", "--modes", "fast,accurate"])
     assert a.parts == [1, 4] and a.modes == ["fast", "accurate"]
+    assert split_error.parse_args(["--parts", "0.5,0.25,2"]).parts == [0.5, 0.25, 2]  # fewer parts: longer pieces
     d = split_error.parse_args([])
     assert d.parts == [1, 2, 4, 8] and d.modes == ["accurate"]
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--parts", "1,x"], "not a comma-separated list of integers"),
-    (["--parts", "0"], "positive integers"),
+    (["--parts", "1,x"], "not a comma-separated list of numbers"),
+    (["--parts", "0"], "factors must be positive"),
+    (["--parts", "-1"], "factors must be positive"),
     (["--kernels", "tensorcore"], "unrecognized arguments: --kernels"),
     (["--modes", "quick"], "choose from accurate, fast"),
 ])
@@ -37,6 +39,7 @@ def test_bad_options_name_the_option(argv, words, capsys):
     ([8192] * 128, 264, 64),     # each request in two pieces
     ([8192] * 128, 528, 32),
     ([8192], 66, 2),             # b = 1: two-block pieces
+    ([8192], 33, 4),             # b = 1 with half the parts (--parts 0.5)
     ([100, 0, 5000], 4, None),   # mixed lengths and an empty request: checked against a brute-force count
 ])
 def test_longest_piece_follows_the_scheduler(lengths, parts, expected):
