@@ -19,6 +19,11 @@ shape.
 switches, read by its launcher at every launch: README's environment table), in the same process, on the same inputs
 and beside the same FlashMLA time: the lines and JSON keys are then ours[<value>] and ours_d<value>_*.
 
+`--kernel-times` also prints, for each implementation, the device time of every kernel one call launches (the
+decode, the combine, ...; torch.profiler over 20 plain calls, not graph replays; with programmatic dependent launch a
+kernel's time includes its wait for the one before it), so that a call's fixed cost can be told apart from its
+blocks' (JSON: <impl>_kernels_us).
+
 FlashMLA is vllm.third_party.flashmla.flash_mla_interface: an importable vLLM 0.26, or a package of vLLM's
 FlashMLA alone (a vllm/ folder with _flashmla_C and third_party/flashmla, e.g. .peers/flashmla) on PYTHONPATH.
 Its call: sched_meta, _ = get_mla_metadata(), then flash_mla_with_kvcache(q, k_cache, None, None, 512, sched_meta,
@@ -114,6 +119,8 @@ def build_parser():
     p.add_argument("--seed", type=_arg_seed, default=0, help="random seed of the inputs (default 0)")
     p.add_argument("--warmup", type=_arg_positive_float, default=10.0, help="do_bench warm-up in ms (default 10)")
     p.add_argument("--rep", type=_arg_positive_float, default=50.0, help="do_bench rep in ms (default 50)")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="also print each kernel's device time of one call per implementation (torch.profiler)")
     p.add_argument("--debug", type=_debug_values, default=None,
                    help="comma-separated values of FLASHMLA_BACKEND_SPARSE_DEBUG: ours is timed once per value "
                         "(default: once, with the environment as it is)")
@@ -182,8 +189,12 @@ def run_impl(name, module, inp, ref, args, work, timer=None, sync=None):
     n = ref_out.shape[0]
     err = relative_error(out, ref_out)
     lse_err = float((lse[:n].detach().cpu().double() - ref_lse.double()).abs().max())
-    return {"status": "ok", "us": us, "tflops": work["flops"] / (us * 1e-6) / 1e12,
-            "gather_gbs": work["gathered_bytes"] / (us * 1e-6) / 1e9, "err": err, "lse_err": lse_err}
+    res = {"status": "ok", "us": us, "tflops": work["flops"] / (us * 1e-6) / 1e12,
+           "gather_gbs": work["gathered_bytes"] / (us * 1e-6) / 1e9, "err": err, "lse_err": lse_err}
+    if getattr(args, "kernel_times", False):
+        from mla_bench.timing import kernel_times
+        res["kernels_us"] = {k: round(v, 2) for k, v in kernel_times(fn).items()}
+    return res
 
 
 def run_shape(shape, device, modules, reasons, args, copy_gbs, timer=None, sync=None):
@@ -246,6 +257,10 @@ def _report(label, key, res, floor_us, line):
               f"error {res['lse_err']:.1e}", flush=True)
         line.update({f"{key}_us": round(res["us"], 2), f"{key}_tflops": round(res["tflops"], 2),
                      f"{key}_err": float(f"{res['err']:.2e}"), f"{key}_lse_err": float(f"{res['lse_err']:.2e}")})
+        if "kernels_us" in res:
+            print(f"    {label} kernels: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["kernels_us"].items()),
+                  flush=True)
+            line[f"{key}_kernels_us"] = res["kernels_us"]
     else:
         note = "" if res["status"] == NO_KERNEL else f": {res['reason']}"
         print(f"  {label}: {res['status']}{note}", flush=True)

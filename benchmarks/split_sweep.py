@@ -19,30 +19,10 @@ import argparse
 
 import torch
 from mla_bench import capture_graphs, make_inputs, make_seqlens, parse_shapes, time_with_events
+from mla_bench.timing import kernel_times
 
 import flashmla_backend as fb
 from flashmla_backend import ops
-
-
-def kernel_times(fn, n: int = 20) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.count >= n:
-            out[kernel_name(e.key)] = getattr(e, "device_time", None) or e.cuda_time
-    return out
-
-
-def kernel_name(key: str) -> str:
-    """'void ns::(anonymous namespace)::combine_kernel<...>(...)' -> 'combine_kernel'."""
-    return key.replace("(anonymous namespace)::", "").split("<")[0].split("(")[0].split("::")[-1].replace("void ", "")
 
 
 def main(argv=None) -> int:

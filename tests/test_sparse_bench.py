@@ -223,6 +223,7 @@ def test_options_parse():
     assert sparse_bench.parse_args(["--impls", "ours"]).impls == ["ours"]
     assert a.debug is None
     assert sparse_bench.parse_args(["--debug", "0, 64,64 128"]).debug == [0, 64, 128]
+    assert a.kernel_times is False and sparse_bench.parse_args(["--kernel-times"]).kernel_times is True
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -368,6 +369,27 @@ def test_run_shape_flags_a_wrong_output_and_a_failing_peer(capsys):
     assert "  flashmla: unavailable: RuntimeError: h_q 16 is not supported" in printed
     assert line["ours_err"] == pytest.approx(0.1, rel=0.05)
     assert "(WRONG: above 0.03)" in printed
+
+
+def test_run_shape_prints_each_kernels_time_with_kernel_times(monkeypatch, capsys):
+    """--kernel-times: each implementation's kernels of one call (mla_bench.timing.kernel_times, torch.profiler on a
+    GPU; a stand-in here), printed and in the JSON; without the option, none."""
+    from mla_bench import timing
+
+    seen = []
+
+    def fake_kernel_times(fn, n=20):
+        seen.append(fn)
+        return {"decode_kernel": 20.04, "combine_kernel": 3.5}
+
+    monkeypatch.setattr(timing, "kernel_times", fake_kernel_times)
+    line, _ = _run_shape({"flashmla": _Api(), "ours": _Api()}, extra=["--kernel-times"])
+    printed = capsys.readouterr().out
+    assert len(seen) == 2
+    assert line["ours_kernels_us"] == {"decode_kernel": 20.04, "combine_kernel": 3.5} == line["flashmla_kernels_us"]
+    assert "    ours kernels: decode_kernel 20.0 us, combine_kernel 3.5 us" in printed
+    line, _ = _run_shape({"flashmla": _Api(), "ours": _Api()})
+    assert "ours_kernels_us" not in line and len(seen) == 2
 
 
 def test_run_shape_compares_the_two_times_and_names_a_missing_peer(capsys):

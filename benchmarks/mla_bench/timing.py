@@ -179,3 +179,26 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, dtype_name: str, 
     torch.cuda.empty_cache()
     return Ceilings(copy_gbs=gbs, matmul_tflops=tflops, copy_bytes=copy_bytes, matmul_n=matmul_n, dtype=dtype_name)
 
+
+def kernel_name(key: str) -> str:
+    """'void ns::(anonymous namespace)::combine_kernel<...>(...)' -> 'combine_kernel'."""
+    return key.replace("(anonymous namespace)::", "").split("<")[0].split("(")[0].split("::")[-1].replace("void ", "")
+
+
+def kernel_times(fn: Callable[[], Any], n: int = 20) -> dict[str, float]:
+    """Average device time (µs) of each CUDA kernel one call of fn launches, over n plain calls (torch.profiler):
+    {kernel name: µs}. Kernels launched fewer than n times (one-off setup) are left out. With programmatic dependent
+    launch a kernel's time includes its wait for the kernel before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.count >= n:
+            out[kernel_name(e.key)] = getattr(e, "device_time", None) or e.cuda_time
+    return out
