@@ -48,15 +48,7 @@
 #include "sm90/decode_fp8/config.h"
 #include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/traits.h"
-
-#define CUDA_OK(x)                                                                    \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(2);                                                                   \
-    }                                                                                 \
-  } while (0)
+#include "sm90/sparse_fp8/checks/probe_common.cuh"  // CUDA_OK, have_sm90: the GPU probes' shared pieces
 
 namespace probe {
 
@@ -340,17 +332,9 @@ float run(const uint8_t* v, const uint16_t* p16, const uint8_t* p8, float* out, 
 
 int main(int argc, char** argv) {
   using namespace probe;
-  int dev_count = 0;
-  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
-    printf("vregs probe: no CUDA device\n");
-    return 2;
-  }
+  if (!flashmla_backend::sm90::sparse_fp8::probe::have_sm90("vregs probe")) return 2;
   cudaDeviceProp prop;
   CUDA_OK(cudaGetDeviceProperties(&prop, 0));
-  if (prop.major != 9) {
-    printf("vregs probe: needs an sm_90 GPU (this is sm_%d%d)\n", prop.major, prop.minor);
-    return 2;
-  }
   const int iters = argc > 1 ? std::atoi(argv[1]) : 4000;
 
   // Inputs: V e4m3 in [-4, 4], P in [0, 1] (fp16, and e4m3 in the kernel's key order).

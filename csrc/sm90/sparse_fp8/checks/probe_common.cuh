@@ -1,6 +1,6 @@
 // What the sparse kernel's GPU probes share (checks/block_probe.cu, gather_probe.cu, attention_probe.cu): the error
 // macro, the check for an sm_90 GPU, the rows and columns of a wgmma accumulator fragment, and the Q tile built from a
-// bf16 q. Not part of the extension.
+// bf16 q. The error macro and the GPU check also serve decode_fp8/checks/vregs_probe.cu. Not part of the extension.
 #pragma once
 
 #include <cuda_runtime.h>
