@@ -310,6 +310,43 @@ __device__ __forceinline__ void run_steps(int nblk, StepFn&& step) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// The two warpgroups' softmax of a step. Max: how a row's max moves (Max::update, decode::update_max's signature):
+// ExactMax, or the V-in-registers tile's LazyMax (mainloop_vregs.cuh).
+// ------------------------------------------------------------------------------------------------
+struct ExactMax {
+  static __device__ __forceinline__ void update(float m_old, float blk_max, float scale_log2, float& m_new,
+                                                float& m_use, float& rescale) {
+    decode::update_max(m_old, blk_max, scale_log2, m_new, m_use, rescale);
+  }
+};
+
+// Warpgroup 0's softmax of block b0 (first key tok0): mask and row max, m0 and sc0 = exp2(m - m0) published
+// (kScale0Ready), P0 = exp2(S0 sl2 - m0) in S, and the row sums taken to m0.
+template <class T, class Max = ExactMax, class SS, class FragS>
+__device__ __forceinline__ void softmax_block0(SS& ss, const RequestPiece& w, const RowInfo& ri, int lane, int tok0,
+                                               const float (&sl2)[2], FragS& tSrS, float (&row_sum)[2],
+                                               float (&sc0)[2]) {
+  fold_stacked_terms<T>(tSrS);
+  if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) decode::mask_scores(tSrS, tok0, w.start, ri.row_end, lane);
+  float mx[2], m_new[2], m_use[2], sum[2];
+  decode::row_max_quad(tSrS, mx);
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) Max::update(ss.row_max[ri.row[v]], mx[v], sl2[v], m_new[v], m_use[v], sc0[v]);
+  __syncwarp();
+  if ((lane & 3) == 0) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < 2; ++v) {
+      ss.row_max[ri.row[v]] = m_new[v];
+      ss.scale0[ri.row[v]] = sc0[v];
+    }
+  }
+  NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
+  exp2_rows_scaled<T::kStackedTerms>(tSrS, sl2, m_use, sum);
+  CUTLASS_PRAGMA_UNROLL
+  for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc0[v] + sum[v];
+}
+
+// ------------------------------------------------------------------------------------------------
 // Warpgroup 0: Q K0^T, softmax of block 0 (decides m0), O_L += P0 V0L + P1 V1L.
 // ------------------------------------------------------------------------------------------------
 // With fp16 P V (Traits::kPvF16) P0 goes to warpgroup 1 unscaled, right after the softmax (mainloop_f16pv.cuh says
@@ -343,24 +380,8 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     const float sl2[2] = {ss.row_scale_log2[ri.row[0]], ss.row_scale_log2[ri.row[1]]};
 
     // ---- softmax of block 0: m0 = max(m, rowmax S0), P0 = exp2(S0 sl2 - m0) ----
-    fold_stacked_terms<T>(tSrS);
-    if (tok0 < w.start || tok0 + kBlockN > w.min_row_end) decode::mask_scores(tSrS, tok0, w.start, ri.row_end, lane);
-    float mx[2], m_new[2], m_use[2], sc0[2], sum[2];
-    decode::row_max_quad(tSrS, mx);
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) decode::update_max(ss.row_max[ri.row[v]], mx[v], sl2[v], m_new[v], m_use[v], sc0[v]);
-    __syncwarp();
-    if ((lane & 3) == 0) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) {
-        ss.row_max[ri.row[v]] = m_new[v];
-        ss.scale0[ri.row[v]] = sc0[v];
-      }
-    }
-    NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
-    exp2_rows_scaled<T::kStackedTerms>(tSrS, sl2, m_use, sum);
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc0[v] + sum[v];
+    float sc0[2];
+    softmax_block0<T>(ss, w, ri, lane, tok0, sl2, tSrS, row_sum, sc0);
     {
       uint32_t words[kPW];
       if constexpr (T::kPvF16) {
@@ -427,7 +448,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
 // Warpgroup 1's softmax of block b0 + 1 (first key tok1) against warpgroup 0's m0, in both P V modes: mask and row
 // max, m1 = max(m0, rowmax S1) and sc1 = exp2(m0 - m1) published, P1 = exp2(S1 sl2 - m1) in S, then
 // store_p1() (P1 to p[1], in the mode's fragment), kScale1Ready, and the row sums taken to m1: sc01 = sc0 sc1.
-template <bool kEqualRows = false, class SS, class FragS, class StoreP1>
+template <bool kEqualRows = false, class Max = ExactMax, class SS, class FragS, class StoreP1>
 __device__ __forceinline__ void softmax_block1(SS& ss, const RequestPiece& w, const RowInfo& ri, int lane, int tok1,
                                                const float (&sl2)[2], FragS& tSrS, float (&row_sum)[2],
                                                float (&sc1)[2], float (&sc01)[2], StoreP1&& store_p1) {
@@ -443,7 +464,7 @@ __device__ __forceinline__ void softmax_block1(SS& ss, const RequestPiece& w, co
   }
   float m_new[2], m_use[2], sum[2];
   CUTLASS_PRAGMA_UNROLL
-  for (int v = 0; v < 2; ++v) decode::update_max(m0[v], mx[v], sl2[v], m_new[v], m_use[v], sc1[v]);
+  for (int v = 0; v < 2; ++v) Max::update(m0[v], mx[v], sl2[v], m_new[v], m_use[v], sc1[v]);
   __syncwarp();
   if ((lane & 3) == 0) {
     CUTLASS_PRAGMA_UNROLL

@@ -13,7 +13,7 @@
 // Q K^T, so the tensor cores have work while the half-tiles' words are built). Both warpgroups read block b0's V
 // first, so its stage is released early in the step (the copy of block b0 + 3 goes there).
 //
-// The reference max of a row moves only when a block's max exceeds it by more than kLazyMaxLog2 (update_max_lazy):
+// The reference max of a row moves only when a block's max exceeds it by more than kLazyMaxLog2 (LazyMax):
 // with O^T a warp's lanes hold all 64 rows, so a rescale of O is skipped only when no row of the tile moved, and with
 // the exact max most steps would rescale. P = exp2(s - m + kPScaleLog2) then stays below 2^(8 + kLazyMaxLog2), within
 // fp16's range; the result is the same function (l and O are both relative to the reference).
@@ -51,13 +51,16 @@ using namespace cute;
 constexpr float kLazyMaxLog2 = 6.f;
 static_assert(kPScaleLog2 + kLazyMaxLog2 < 15.f, "P must stay within fp16's range");
 
-__device__ __forceinline__ void update_max_lazy(float m_old, float blk_max, float scale_log2, float& m_new,
+// The Max policy of softmax_block0 / softmax_block1 (mainloop.cuh) for this tile.
+struct LazyMax {
+  static __device__ __forceinline__ void update(float m_old, float blk_max, float scale_log2, float& m_new,
                                                 float& m_use, float& rescale) {
-  const float b = blk_max * scale_log2;
-  m_new = b > m_old + kLazyMaxLog2 ? b : m_old;  // m_old = -inf: any key moves it; a NaN max does not
-  m_use = m_new == -INFINITY ? 0.f : m_new;
-  rescale = m_new == m_old ? 1.f : fast_exp2(m_old - m_use);  // from -inf: 0 (O and l are 0 then)
-}
+    const float b = blk_max * scale_log2;
+    m_new = b > m_old + kLazyMaxLog2 ? b : m_old;  // m_old = -inf: any key moves it; a NaN max does not
+    m_use = m_new == -INFINITY ? 0.f : m_new;
+    rescale = m_new == m_old ? 1.f : fast_exp2(m_old - m_use);  // from -inf: 0 (O and l are 0 then)
+  }
+};
 
 // O^T of a consumer warpgroup: four tiles of 64 value columns (tile m: columns 256 wg + 64 m ..), 32 fp32 each.
 template <class T>
@@ -238,32 +241,13 @@ __device__ __forceinline__ void mainloop_vregs(typename T::SharedStorage& ss, co
     constexpr bool kNext = decltype(next_c)::value;  // blocks b0 + 2 and b0 + 3 exist
     const uint32_t g0 = g_base + uint32_t(b0);
     const int tok0 = (w.first_page + b0) * kBlockN;
-    const int tok_own = tok0 + kWG * kBlockN;
     const float sl2[2] = {ss.row_scale_log2[ri.row[0]], ss.row_scale_log2[ri.row[1]]};
     uint32_t sel[8];
 
-    // ---- softmax of the own block ----
-    if (tok_own < w.start || tok_own + kBlockN > w.min_row_end) {
-      decode::mask_scores(tSrS, tok_own, w.start, ri.row_end, lane);
-    }
-    float mx[2], m_new[2], m_use[2], sc[2], sum[2];
-    decode::row_max_quad(tSrS, mx);
+    // ---- softmax of the own block (mainloop.cuh), P to pt[kWG] ----
     if constexpr (kWG == 0) {
-      // m0 against the running reference; publish m0 and scale0.
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) update_max_lazy(ss.row_max[ri.row[v]], mx[v], sl2[v], m_new[v], m_use[v], sc[v]);
-      __syncwarp();
-      if ((lane & 3) == 0) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int v = 0; v < 2; ++v) {
-          ss.row_max[ri.row[v]] = m_new[v];
-          ss.scale0[ri.row[v]] = sc[v];
-        }
-      }
-      NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
-      exp2_rows_scaled(tSrS, sl2, m_use, sum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * sc[v] + sum[v];
+      float sc0[2];
+      softmax_block0<T, LazyMax>(ss, w, ri, lane, tok0, sl2, tSrS, row_sum, sc0);
       // P0 -> pt[0], once warpgroup 1's P0 V product of the last step completed.
       if (b0 > 0) NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Free));
       write_pt(tSrS, pt0, tid);
@@ -271,31 +255,16 @@ __device__ __forceinline__ void mainloop_vregs(typename T::SharedStorage& ss, co
       NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
       rescale_cols<T>(o, ss.scale0, lane);
     } else {
-      // m1 against warpgroup 0's m0; publish m1 and scale1 with P1.
-      NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kScale0Ready));
-      float sc0[2];
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) {
-        sc0[v] = ss.scale0[ri.row[v]];
-        update_max_lazy(ss.row_max[ri.row[v]], mx[v], sl2[v], m_new[v], m_use[v], sc[v]);
-      }
-      __syncwarp();
-      if ((lane & 3) == 0) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int v = 0; v < 2; ++v) {
-          ss.row_max[ri.row[v]] = m_new[v];
-          ss.scale1[ri.row[v]] = sc[v];
-        }
-      }
-      exp2_rows_scaled(tSrS, sl2, m_use, sum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int v = 0; v < 2; ++v) row_sum[v] = row_sum[v] * (sc0[v] * sc[v]) + sum[v];
-      if (b0 > 0) NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP1Free));
-      write_pt(tSrS, pt1, tid);
-      // O_R sc0 before scale1 is published: warpgroup 0 rewrites scale0 only after it saw kScale1Ready.
-      rescale_cols<T>(o, ss.scale0, lane);
-      NamedBarrier::sync(kThreadsPerWarpGroup, uint32_t(NamedBarriers::kOwnP1));
-      NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kScale1Ready));
+      // m1 against warpgroup 0's m0; P1 and scale1 published together (kScale1Ready).
+      float sc1[2], sc01[2];
+      softmax_block1<false, LazyMax>(ss, w, ri, lane, tok0 + kBlockN, sl2, tSrS, row_sum, sc1, sc01,
+                                     [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        if (b0 > 0) NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP1Free));
+        write_pt(tSrS, pt1, tid);
+        // O_R sc0 before scale1 is published: warpgroup 0 rewrites scale0 only after it saw kScale1Ready.
+        rescale_cols<T>(o, ss.scale0, lane);
+        NamedBarrier::sync(kThreadsPerWarpGroup, uint32_t(NamedBarriers::kOwnP1));
+      });
       NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     }
 
