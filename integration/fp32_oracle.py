@@ -47,13 +47,19 @@ class Fp32Oracle:
     def run_error(self, run: dict) -> list[float]:
         """|logprob the engine reported - fp32 logprob| of every token the run chose (teacher-forced on its own
         tokens, so every position counts, also after a divergence from another run)."""
-        errs = []
+        return [e for errs in self.prompt_errors(run) for e in errs]
+
+    def prompt_errors(self, run: dict) -> list[list[float]]:
+        """run_error() prompt by prompt: one list per prompt, in generation order (empty for a prompt without
+        generated tokens)."""
+        out = []
         for i, o in enumerate(run["outputs"]):
             if not o["token_ids"]:
+                out.append([])
                 continue
             lp = self.logprobs(i, o["token_ids"])
-            errs += [abs(o["logprobs"][p][str(t)] - float(lp[p, t])) for p, t in enumerate(o["token_ids"])]
-        return errs
+            out.append([abs(o["logprobs"][p][str(t)] - float(lp[p, t])) for p, t in enumerate(o["token_ids"])])
+        return out
 
     def divergence(self, a: dict, ref: dict, i: int, first: int) -> dict:
         """fp32 logprobs of the two competing tokens where prompt i's runs first differ (shared context)."""
@@ -92,6 +98,21 @@ def fp32_verdict(oracle: Fp32Oracle, ours: dict, ref: dict, r: dict) -> bool:
           f"{m_ref:.4f} + {FP32_ERR_SLACK}): {accurate}; divergences within engine noise: {ties}; pairwise figures: "
           f"{others} -> {'AGREE' if ok else 'DISAGREE'}", flush=True)
     return ok
+
+
+def shared_prefix_errors(a: dict, b: dict, errs_a: list[list[float]], errs_b: list[list[float]]
+                         ) -> tuple[list[float], list[float]]:
+    """The two runs' per-token errors (prompt_errors()) restricted to the tokens both chose, prompt by prompt up to
+    the first position where their tokens differ. There both runs decode the same context, so what separates
+    their errors is the two engines' arithmetic alone; after a difference each run teacher-forces its own text, and
+    the mean over all tokens also carries which text each run happened to follow."""
+    xa, xb = [], []
+    for i, (oa, ob) in enumerate(zip(a["outputs"], b["outputs"])):
+        ta, tb = oa["token_ids"], ob["token_ids"]
+        n = next((p for p, (u, v) in enumerate(zip(ta, tb)) if u != v), min(len(ta), len(tb)))
+        xa += errs_a[i][:n]
+        xb += errs_b[i][:n]
+    return xa, xb
 
 
 def mean_error(errs: list[float]) -> float:

@@ -57,7 +57,7 @@ import torch
 
 import harness
 import vllm_run
-from fp32_oracle import Fp32Oracle, fp8_no_worse, fp32_verdict, mean_error
+from fp32_oracle import Fp32Oracle, fp8_no_worse, fp32_verdict, mean_error, shared_prefix_errors
 
 PROMPT_LENS = [1, 2, 17, 64, 65, 127, 300, 1000, 2047, 3000]
 MAX_TOKENS = 48
@@ -263,15 +263,30 @@ def agrees(ours: dict, ref: dict, checkpoint: Path, prompts_file: Path) -> bool:
 
 
 _fp32_errors: dict[str, tuple[float, float, int]] = {}
+_fp32_prompt_errors: dict[str, list[list[float]]] = {}
 
 
 def fp32_error(run: dict, checkpoint: Path, prompts_file: Path) -> float:
     """The run's mean |logprob - fp32| along its own tokens (computed once per run; the table of all so far printed)."""
     if run["name"] not in _fp32_errors:
-        errs = _fp32_oracle(checkpoint, prompts_file).run_error(run)
+        per_prompt = _fp32_oracle(checkpoint, prompts_file).prompt_errors(run)
+        errs = [e for x in per_prompt for e in x]
+        _fp32_prompt_errors[run["name"]] = per_prompt
         _fp32_errors[run["name"]] = (mean_error(errs), max(errs), len(errs))
         torch.cuda.empty_cache()  # the engine subprocesses that follow size their KV cache from free memory
     return _fp32_errors[run["name"]][0]
+
+
+def shared_prefix_fp32_errors(a: dict, b: dict, checkpoint: Path, prompts_file: Path) -> tuple[float, float, int]:
+    """Both runs' mean |logprob - fp32| over the tokens they share (each prompt up to its first difference:
+    fp32_oracle.shared_prefix_errors), and that token count; printed."""
+    for run in (a, b):
+        fp32_error(run, checkpoint, prompts_file)
+    xa, xb = shared_prefix_errors(a, b, _fp32_prompt_errors[a["name"]], _fp32_prompt_errors[b["name"]])
+    ma, mb = mean_error(xa), mean_error(xb)
+    print(f"[fp32 oracle] the {len(xa)} tokens {a['name']} and {b['name']} share (each prompt up to its first "
+          f"difference): mean |logprob - fp32| {ma:.4f} against {mb:.4f}", flush=True)
+    return ma, mb, len(xa)
 
 
 def print_fp32_errors() -> None:
@@ -300,6 +315,8 @@ def test_bf16_distance_from_fp32_no_worse_than_flashmla(checkpoint, prompts_file
     runs = {b: generate(checkpoint, prompts_file, b) for b in ("FLASHMLA", "TRITON_MLA", "CUSTOM")}
     m = {b: fp32_error(run, checkpoint, prompts_file) for b, run in runs.items()}
     print_fp32_errors()
+    for b in ("CUSTOM", "TRITON_MLA"):
+        shared_prefix_fp32_errors(runs[b], runs["FLASHMLA"], checkpoint, prompts_file)
     assert fp8_no_worse(runs["CUSTOM"]["name"], m["CUSTOM"], runs["FLASHMLA"]["name"], m["FLASHMLA"])
 
 
@@ -308,7 +325,14 @@ def test_bf16_distance_ablation_with_vllm_decode_kernel(checkpoint, prompts_file
     kernel in its decode (FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL=1; builder, routing of tokens and the rest ours).
     Where its distance lands says what makes the difference: at FLASHMLA's, the kernel; at ours, the path the engine
     takes with the plugin. Both verdicts are printed; the ablation run, FLASHMLA's kernel on our plugin's path, must
-    agree with FLASHMLA's run by the engine test's criteria."""
+    agree with FLASHMLA's run by the engine test's criteria.
+
+    On 2 H200s (2026-11-29) the ablation landed at FLASHMLA's (0.0236 against 0.0248; ours 0.0279), with every token
+    FLASHMLA's: the kernel. But the two kernels are equally far from fp64 on the same inputs
+    (benchmarks/bf16_precision.py: mean log2 of the error ratio within +-0.004 at h_q 16-128, flat to peaky rows,
+    7-6000 keys), so the kernel's arithmetic differs, not its accuracy, and the mean over all tokens also carries
+    which text each run followed after its first near-tie flip. Ours is therefore also judged on the tokens it shares
+    with FLASHMLA, where both decode the same context, with the FP8 runs' "no worse" criterion."""
     runs = {"FLASHMLA": generate(checkpoint, prompts_file, "FLASHMLA"),
             "CUSTOM": generate(checkpoint, prompts_file, "CUSTOM"),
             "ablation": generate(checkpoint, prompts_file, "CUSTOM", vllm_kernel=True)}
@@ -319,6 +343,9 @@ def test_bf16_distance_ablation_with_vllm_decode_kernel(checkpoint, prompts_file
     print(f"[ablation] mean |logprob - fp32|: ours {m['CUSTOM']:.4f}, FLASHMLA {m['FLASHMLA']:.4f}, our plugin with "
           f"vLLM's FlashMLA kernel {m['ablation']:.4f} -> the difference is {cause}", flush=True)
     assert agrees(runs["ablation"], runs["FLASHMLA"], checkpoint, prompts_file)
+    ours, ref, _ = shared_prefix_fp32_errors(runs["CUSTOM"], runs["FLASHMLA"], checkpoint, prompts_file)
+    assert fp8_no_worse(runs["CUSTOM"]["name"] + " (shared tokens)", ours, runs["FLASHMLA"]["name"] + " (shared tokens)",
+                        ref)
 
 
 def test_enforce_eager_agrees_with_triton_mla(checkpoint, prompts_file):

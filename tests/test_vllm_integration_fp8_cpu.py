@@ -220,6 +220,49 @@ def test_fp8_no_worse(capsys):
         fp32_oracle.mean_error([])
 
 
+def _run(name, token_lists, lp=-1.0):
+    return {"name": name, "outputs": [{"token_ids": t, "logprobs": [{str(x): lp} for x in t]} for t in token_lists]}
+
+
+class _Oracle(fp32_oracle.Fp32Oracle):
+    """fp32 logprob -1.0 + 0.01 * position for every token: a run reporting -1.0 is off by 0.01 * position."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def logprobs(self, i, tokens):
+        self.calls += 1
+        return (-1.0 + 0.01 * torch.arange(len(tokens), dtype=torch.float64)).view(-1, 1).expand(-1, 16).clone()
+
+
+def test_prompt_errors_and_the_tokens_two_runs_share():
+    oracle = _Oracle()
+    a = _run("a", [[1, 2, 3, 4], [], [5, 6]])
+    b = _run("b", [[1, 2, 7, 4], [3], [5, 6]], lp=-0.99)
+    ea, eb = oracle.prompt_errors(a), oracle.prompt_errors(b)
+    assert [len(x) for x in ea] == [4, 0, 2] and oracle.calls == 2 + 3   # no fp32 pass for an empty output
+    assert ea[0] == pytest.approx([0.0, 0.01, 0.02, 0.03]) and eb[0] == pytest.approx([0.01, 0.0, 0.01, 0.02])
+    assert oracle.run_error(a) == pytest.approx([0.0, 0.01, 0.02, 0.03, 0.0, 0.01])
+    # prompt 0 shares two tokens (first difference at 2), prompt 1 none (a generated nothing), prompt 2 both
+    xa, xb = fp32_oracle.shared_prefix_errors(a, b, ea, eb)
+    assert xa == pytest.approx([0.0, 0.01, 0.0, 0.01]) and xb == pytest.approx([0.01, 0.0, 0.01, 0.0])
+
+
+def test_engine_test_prints_the_shared_token_errors(monkeypatch, capsys):
+    oracle = _Oracle()
+    monkeypatch.setattr(eng, "_fp32_oracle", lambda checkpoint, prompts_file: oracle)
+    monkeypatch.setattr(eng, "_fp32_errors", {})
+    monkeypatch.setattr(eng, "_fp32_prompt_errors", {})
+    monkeypatch.setattr(eng.torch.cuda, "empty_cache", lambda: None)
+    a = _run("ours-x", [[1, 2, 3], [4, 5]])
+    b = _run("ref-x", [[1, 9, 3], [4, 5]], lp=-0.98)
+    ma, mb, n = eng.shared_prefix_fp32_errors(a, b, None, None)
+    assert n == 3 and ma == pytest.approx(0.01 / 3) and mb == pytest.approx((0.02 + 0.02 + 0.01) / 3)
+    assert eng.fp32_error(a, None, None) == pytest.approx((0.0 + 0.01 + 0.02 + 0.0 + 0.01) / 5)
+    assert oracle.calls == 4   # each run's fp32 pass once, reused by fp32_error
+    assert "the 3 tokens ours-x and ref-x share" in capsys.readouterr().out
+
+
 # ---- the layer test's FP8 references --------------------------------------------------------------
 
 def _load_layer_test():
