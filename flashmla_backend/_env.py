@@ -20,6 +20,12 @@ DEBUG_VLLM_DECODE_KERNEL_ENV = "FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL"
 # (flashmla_backend.sglang.dsa).
 DSA_DECODE_ENV = "FLASHMLA_BACKEND_DSA_DECODE"
 
+# Both engines: let the sparse MLA decode (vLLM's sparse backend of the plugin, SGLang's DSA decode above) run on a
+# Hopper GPU with the fp8_ds_mla cache, the one cache the Hopper sparse kernel reads. Without it a CUDA device is
+# refused at start-up: the kernel has not yet been validated inside the engines and is slower than FlashMLA's at
+# small batches and short top-k (engine_support.sparse_device_problem).
+SPARSE_GPU_ENV = "FLASHMLA_BACKEND_SPARSE_GPU"
+
 
 def flag(name: str) -> bool:
     """True unless the variable is unset or one of '', '0', 'false', 'no', 'off' (any case)."""

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from . import kv_format
+from ._env import SPARSE_GPU_ENV, flag as env_flag
 from .geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE, ROPE_DIM
 
 FP8_DTYPE = kv_format.FP8_E4M3.dtypes[0]   # the fp8_e4m3 format's dtype (float8_e4m3fn)
@@ -203,6 +204,27 @@ def mla_dims_problem(kv_lora_rank, qk_rope_head_dim, model: str, head_size: Opti
     if head_size is not None:
         got += f", head size {head_size}"
     return f"needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim {ROPE_DIM} ({model} MLA), got {got}"
+
+
+def sparse_device_problem(kernel_missing: str, *, cuda: bool, ds_mla: bool, capability=None) -> Optional[str]:
+    """None where sparse MLA decode may run on the layer's device, else why and what works.
+
+    CPU tensors run the PyTorch reference. A CUDA device is refused with `kernel_missing` (the engine's message)
+    unless FLASHMLA_BACKEND_SPARSE_GPU is set; then it must be a Hopper GPU (capability (9, 0), where known) and the
+    cache fp8_ds_mla, the one cache the Hopper sparse kernel reads."""
+    if not cuda:
+        return None
+    if not env_flag(SPARSE_GPU_ENV):
+        return kernel_missing
+    if capability is not None and tuple(capability)[:2] != (9, 0):
+        major, minor = tuple(capability)[:2]
+        return (f"{SPARSE_GPU_ENV}=1: flashmla_backend's sparse decode kernel runs on Hopper GPUs (sm_90), this one is "
+                f"sm_{major}{minor}; unset {SPARSE_GPU_ENV} and serve with the engine's own sparse backend")
+    if not ds_mla:
+        return (f"{SPARSE_GPU_ENV}=1: on a GPU flashmla_backend's sparse decode reads the fp8_ds_mla cache only "
+                "(656-byte tokens: --kv-cache-dtype fp8 or fp8_ds_mla in vLLM, fp8_e4m3 in SGLang); a 16-bit sparse "
+                "cache is served on CPU tensors only")
+    return None
 
 
 def sparse_heads_problem(num_heads: int) -> Optional[str]:

@@ -82,3 +82,26 @@ def test_sparse_heads():
     assert es.sparse_heads_problem(64) is None and es.sparse_heads_problem(128) is None
     problem = es.sparse_heads_problem(16)
     assert "got 16" in problem and "64 or 128" in problem
+
+
+@pytest.mark.parametrize("cuda, opt_in, ds_mla, capability, words", [
+    (False, False, False, None, None),                     # CPU tensors: the reference
+    (True, False, True, (9, 0), "KERNEL MISSING"),         # a GPU without the opt-in: the engine's message
+    (True, True, True, (9, 0), None),                      # the opt-in, a Hopper GPU, fp8_ds_mla: the kernel
+    (True, True, True, None, None),                        # capability unknown: the kernel's own check decides
+    (True, True, False, (9, 0), "fp8_ds_mla cache only"),  # a 16-bit cache has no GPU kernel
+    (True, True, True, (8, 0), "this one is sm_80"),
+])
+def test_sparse_device_problem(cuda, opt_in, ds_mla, capability, words, monkeypatch):
+    from flashmla_backend._env import SPARSE_GPU_ENV
+
+    if opt_in:
+        monkeypatch.setenv(SPARSE_GPU_ENV, "1")
+    else:
+        monkeypatch.delenv(SPARSE_GPU_ENV, raising=False)
+    got = es.sparse_device_problem("KERNEL MISSING", cuda=cuda, ds_mla=ds_mla, capability=capability)
+    if words is None:
+        assert got is None
+    else:
+        assert words in got
+        assert words == "KERNEL MISSING" or SPARSE_GPU_ENV in got

@@ -310,11 +310,31 @@ def test_float16_cache_refused_naming_the_served_ones():
     assert "'float16'" in str(info.value) and all(n in str(info.value) for n in ("bfloat16", "fp8_e4m3"))
 
 
-def test_cuda_device_refused_until_the_decode_runs_on_gpus():
+def test_cuda_device_refused_until_the_decode_runs_on_gpus(monkeypatch):
+    monkeypatch.delenv(dsa.SPARSE_GPU_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0))
     backend = make_backend(device="cuda:0")
     with pytest.raises(RuntimeError, match="the DSA decode does not run on GPUs yet") as info:
         dsa.adopt(backend, runner())
     assert dsa.DSA_DECODE_ENV in str(info.value) and not hasattr(backend, dsa.ATTR)
+    assert f"{dsa.SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU with --kv-cache-dtype fp8_e4m3" in str(info.value)
+
+
+@pytest.mark.parametrize("fp8, capability, words", [
+    (True, (9, 0), None),                                  # adopted: the kernel on a Hopper GPU
+    (False, (9, 0), "reads the fp8_ds_mla cache only"),   # the 16-bit cache: no GPU kernel
+    (True, (10, 0), "this one is sm_100"),                # not a Hopper GPU
+])
+def test_cuda_device_with_the_opt_in(fp8, capability, words, monkeypatch):
+    monkeypatch.setenv(dsa.SPARSE_GPU_ENV, "1")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: capability)
+    backend = make_backend(device="cuda:0", fp8=fp8, **({} if fp8 else {"kv_cache_dtype": torch.bfloat16}))
+    if words is None:
+        assert isinstance(dsa.adopt(backend, runner()), dsa.DSADecode) and hasattr(backend, dsa.ATTR)
+    else:
+        with pytest.raises(NotImplementedError, match=words) as info:
+            dsa.adopt(backend, runner())
+        assert dsa.SPARSE_GPU_ENV in str(info.value) and not hasattr(backend, dsa.ATTR)
 
 
 def test_constructor_hook_adopts_after_sglangs_constructor():

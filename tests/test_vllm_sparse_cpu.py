@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 import flashmla_backend  # noqa: E402
 from flashmla_backend import engine_support, fp8_ds_mla, geometry  # noqa: E402
+from flashmla_backend._env import SPARSE_GPU_ENV  # noqa: E402
 from flashmla_backend.reference import sparse_mla_decode_reference  # noqa: E402
 from flashmla_backend.vllm import BACKEND_NAME, register, sparse_choice  # noqa: E402
 from flashmla_backend.vllm.backend import FlashMLAPluginBackend  # noqa: E402
@@ -404,12 +405,43 @@ def test_sinks_and_dense_layers_refused(model):
 
 def test_a_cuda_device_is_refused_until_the_backend_runs_on_gpus(model, monkeypatch):
     """No silent fallback: with a CUDA device the selection fails saying the backend does not run on GPUs yet."""
+    monkeypatch.delenv(SPARSE_GPU_ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0))
     reasons = FlashMLASparsePluginBackend.validate_configuration(**selector_fields(model()))
     assert SPARSE_KERNEL_MISSING in reasons and "does not run on GPUs yet" in SPARSE_KERNEL_MISSING
+    assert f"{SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU" in SPARSE_KERNEL_MISSING
     cfg = make_vllm_config(model())
     with pytest.raises(RuntimeError, match="does not run on GPUs yet"):
         make_sparse_impl(cfg, "auto", torch.zeros((4, TOPK), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kv_cache_dtype, capability, words", [
+    ("fp8_ds_mla", (9, 0), None),
+    ("fp8", (9, 0), None),                                     # stored as fp8_ds_mla
+    ("auto", (9, 0), "reads the fp8_ds_mla cache only"),      # the 16-bit cache: no GPU kernel
+    ("fp8_ds_mla", (10, 0), "this one is sm_100"),            # not a Hopper GPU
+])
+def test_a_cuda_device_with_the_opt_in(kv_cache_dtype, capability, words, model, monkeypatch):
+    """FLASHMLA_BACKEND_SPARSE_GPU=1: the selection and the impl accept a Hopper GPU with the fp8_ds_mla cache and
+    refuse the rest naming what works."""
+    from vllm.platforms.interface import DeviceCapability
+
+    monkeypatch.setenv(SPARSE_GPU_ENV, "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: capability)
+    fields = selector_fields(model(), kv_cache_dtype=kv_cache_dtype)
+    fields["device_capability"] = DeviceCapability(*capability)
+    reasons = FlashMLASparsePluginBackend.validate_configuration(**fields)
+    stored = "fp8_ds_mla" if engine_support.sparse_is_ds_mla(kv_cache_dtype) else kv_cache_dtype
+    cfg = make_vllm_config(model(), kv_cache_dtype=stored)
+    if words is None:
+        assert not reasons, reasons
+        assert make_sparse_impl(cfg, stored, torch.zeros((4, TOPK), dtype=torch.int32)).kv_ds_mla
+    else:
+        assert any(words in r and SPARSE_GPU_ENV in r for r in reasons), reasons
+        with pytest.raises(RuntimeError, match=words):
+            make_sparse_impl(cfg, stored, torch.zeros((4, TOPK), dtype=torch.int32))
 
 
 def test_fp8_is_stored_as_fp8_ds_mla_for_the_sparse_backend_only():

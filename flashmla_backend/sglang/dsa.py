@@ -50,7 +50,9 @@ Refused at start-up, each with what works: query heads other than 64 or 128 per 
 above, index_kpool > 1, decode context parallelism, HiSparse, speculative decoding (SGLang's target verification
 would go to its own kernel with the stand-in value), a model other than kv_lora_rank 512 / rope 64, and a CUDA
 device: the DSA decode does not run on GPUs yet (flashmla_backend's Hopper sparse kernel reads the 656-byte cache
-through its API but has not been run inside SGLang, and is slower than FlashMLA's at b = 1 and top-k 512). An adopted
+through its API but has not been validated inside SGLang, and is slower than FlashMLA's at b = 1 and top-k 512),
+unless FLASHMLA_BACKEND_SPARSE_GPU is set, the GPU a Hopper one and the cache fp8_e4m3's 656-byte rows
+(engine_support.sparse_device_problem). An adopted
 backend never runs SGLang's decode kernel instead. Where the hooks cannot be registered,
 flashmla_backend.sglang.register raises; SGLang's plugin loader logs that as an error (in every process) and goes on,
 so that server then decodes with SGLang's own kernel: read the log when the variable is set.
@@ -73,7 +75,7 @@ import torch
 
 import flashmla_backend
 from flashmla_backend import engine_support
-from flashmla_backend._env import DSA_DECODE_ENV, debug_break_scale_enabled, flag
+from flashmla_backend._env import DSA_DECODE_ENV, SPARSE_GPU_ENV, debug_break_scale_enabled, flag
 from flashmla_backend.fp8_ds_mla import TOKEN_BYTES
 from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE
 
@@ -92,9 +94,10 @@ ATTR = "_flashmla_backend_dsa_decode"
 
 KERNEL_MISSING = (
     "flashmla_backend: the DSA decode does not run on GPUs yet: flashmla_backend's Hopper sparse decode kernel reads "
-    "the fp8_e4m3 656-byte cache (not the bfloat16 one) through its API, has not yet been run inside SGLang, and is "
-    f"slower than FlashMLA's at small batches and short top-k. Unset {DSA_DECODE_ENV} to serve this model with "
-    "SGLang's own DSA decode (--dsa-decode-backend flashmla_kv / flashmla_sparse / fa3)")
+    "the fp8_e4m3 656-byte cache (not the bfloat16 one) through its API, has not yet been validated inside SGLang, "
+    f"and is slower than FlashMLA's at small batches and short top-k. Unset {DSA_DECODE_ENV} to serve this model "
+    "with SGLang's own DSA decode (--dsa-decode-backend flashmla_kv / flashmla_sparse / fa3); "
+    f"{SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU with --kv-cache-dtype fp8_e4m3, for testing")
 
 _announced = False
 
@@ -148,9 +151,11 @@ def serving_problem(*, num_heads: int, kv_cache_dtype: torch.dtype, model_dtype:
         return (prefix + "speculative decoding (MTP / EAGLE) is not served: target verification and draft extend run "
                 "SGLang's decode path for the backend's decode implementation; serve without "
                 "--speculative-algorithm")
-    if torch.device(device).type == "cuda":
-        return KERNEL_MISSING
-    return None
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    return engine_support.sparse_device_problem(
+        KERNEL_MISSING, cuda=cuda, ds_mla=engine_support.sparse_is_ds_mla(name),
+        capability=torch.cuda.get_device_capability(dev) if cuda else None)
 
 
 class DSADecode:
@@ -238,9 +243,12 @@ def adopt(backend, model_runner) -> DSADecode:
     global _announced
     if not _announced:
         _announced = True
-        logger.info("flashmla_backend: SGLang's DSA decode runs on flashmla_backend %s sparse decode (the PyTorch "
-                    "reference, no CUDA device; SGLang's resolved --dsa-decode-backend %s is not used), %d heads per "
-                    "rank, KV cache %s.", flashmla_backend.__version__, replaced, backend.num_q_heads,
+        on_gpu = torch.device(backend.device).type == "cuda"
+        logger.info("flashmla_backend: SGLang's DSA decode runs on flashmla_backend %s sparse decode (%s; SGLang's "
+                    "resolved --dsa-decode-backend %s is not used), %d heads per rank, KV cache %s.",
+                    flashmla_backend.__version__,
+                    f"the Hopper sparse decode kernel, not yet validated inside SGLang: {SPARSE_GPU_ENV} is set"
+                    if on_gpu else "the PyTorch reference, no CUDA device", replaced, backend.num_q_heads,
                     "fp8_e4m3 (656-byte fp8_ds_mla tokens)" if fp8 else "bfloat16")
     return decoder
 

@@ -11,10 +11,12 @@ token; `--kv-cache-dtype fp8_ds_mla`, or `fp8` / `fp8_e4m3`, which vLLM stores a
 as for its own FLASHMLA_SPARSE), KV blocks of 64 tokens (larger multiples of 64 are split into 64-token kernel
 blocks), 64 or 128 query heads per rank (checked where vLLM knows the head count: the builder and the impl).
 Refused at start-up with a message naming what works: other cache dtypes and block sizes, attention sinks,
-and, on a machine with a CUDA device, everything: the Hopper sparse decode kernel (fp8_ds_mla caches) runs through
-flashmla_backend's API but has not yet run inside vLLM and is slower than FlashMLA's at b = 1 and top-k 512
-(benchmarks/RESULTS.md), so the plugin refuses rather than offer it or fall back. CPU tensors run flashmla_backend's
-PyTorch reference, which is what the CPU conformance tests use.
+and, on a machine with a CUDA device, everything unless FLASHMLA_BACKEND_SPARSE_GPU is set: the Hopper sparse decode
+kernel (fp8_ds_mla caches) runs through flashmla_backend's API but has not yet been validated inside vLLM and is
+slower than FlashMLA's at b = 1 and top-k 512 (benchmarks/RESULTS.md), so the plugin refuses rather than offer it or
+fall back. With the variable set, a Hopper GPU and the fp8_ds_mla cache run the kernel (for the GPU tests and those
+who try it: engine_support.sparse_device_problem). CPU tensors run flashmla_backend's PyTorch reference, which is
+what the CPU conformance tests use.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend
 
 from flashmla_backend import engine_support, kv_format
+from flashmla_backend._env import SPARSE_GPU_ENV
 from flashmla_backend.geometry import HEAD_DIM_K, PAGE_SIZE
 
 from .sparse_builder import FlashMLASparsePluginMetadataBuilder
@@ -33,8 +36,9 @@ from .sparse_impl import FlashMLASparsePluginImpl
 SPARSE_KERNEL_MISSING = (
     "flashmla_backend: the plugin's sparse MLA backend (DeepSeek-V3.2 indexer attention) does not run on GPUs yet: "
     "flashmla_backend's Hopper sparse decode kernel reads the fp8_ds_mla cache (not the 16-bit one) through its "
-    "API, has not yet been run inside vLLM, and is slower than FlashMLA's at small batches and short top-k. Serve "
-    "this model with vLLM's own sparse backends (leave --attention-backend unset, or FLASHMLA_SPARSE)")
+    "API, has not yet been validated inside vLLM, and is slower than FlashMLA's at small batches and short top-k. "
+    "Serve this model with vLLM's own sparse backends (leave --attention-backend unset, or FLASHMLA_SPARSE); "
+    f"{SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU with --kv-cache-dtype fp8 / fp8_ds_mla, for testing")
 
 
 class FlashMLASparsePluginBackend(AttentionBackend):
@@ -113,9 +117,21 @@ class FlashMLASparsePluginBackend(AttentionBackend):
                 and not _fp8_alias_available()):
             reasons.append(f"this vLLM release offers no way to store --kv-cache-dtype {kv_cache_dtype} as "
                            f"fp8_ds_mla for a plugin backend; use --kv-cache-dtype {engine_support.SPARSE_DS_MLA}")
-        if torch.cuda.is_available():
-            reasons.append(SPARSE_KERNEL_MISSING)
+        problem = engine_support.sparse_device_problem(
+            SPARSE_KERNEL_MISSING, cuda=torch.cuda.is_available(),
+            ds_mla=engine_support.sparse_is_ds_mla(kv_cache_dtype), capability=_capability(device_capability))
+        if problem is not None:
+            reasons.append(problem)
         return "; ".join(reasons) if reasons else None
+
+
+def _capability(device_capability) -> tuple[int, int] | None:
+    """vLLM's DeviceCapability (major, minor) as a tuple; None where the selector passes none."""
+    if device_capability is None:
+        return None
+    if hasattr(device_capability, "major"):
+        return (device_capability.major, device_capability.minor)
+    return tuple(device_capability)[:2]
 
 
 def _fp8_alias_available() -> bool:

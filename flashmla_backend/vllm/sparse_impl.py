@@ -19,7 +19,8 @@ SparseMLACommonImpl) never reach forward_mqa.
 
 What it refuses at start-up: query heads other than 64 or 128 per rank, cache dtypes other than the 16-bit
 ones and fp8_ds_mla (engine_support.sparse_kv_cache_dtype_problem), kv_lora_rank / rope widths other than
-512 / 64, and a CUDA device (the backend does not run on GPUs yet: sparse_backend.SPARSE_KERNEL_MISSING).
+512 / 64, and a CUDA device (the backend does not run on GPUs yet: sparse_backend.SPARSE_KERNEL_MISSING) unless
+FLASHMLA_BACKEND_SPARSE_GPU is set, a Hopper GPU and the fp8_ds_mla cache (engine_support.sparse_device_problem).
 """
 from __future__ import annotations
 
@@ -63,19 +64,24 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
         dims = engine_support.mla_dims_problem(self.kv_lora_rank, self.qk_rope_head_dim, "DeepSeek-V3.2", head_size)
         if dims is not None:
             raise NotImplementedError(f"flashmla_backend: sparse decode {dims}")
-        if torch.cuda.is_available():
+        self.kv_ds_mla = engine_support.sparse_is_ds_mla(kv_cache_dtype)
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
             from .sparse_backend import SPARSE_KERNEL_MISSING
 
-            raise RuntimeError(SPARSE_KERNEL_MISSING)
-        self.kv_ds_mla = engine_support.sparse_is_ds_mla(kv_cache_dtype)
+            problem = engine_support.sparse_device_problem(SPARSE_KERNEL_MISSING, cuda=True, ds_mla=self.kv_ds_mla,
+                                                           capability=torch.cuda.get_device_capability())
+            if problem is not None:
+                raise RuntimeError(problem)
 
         global _announced
         if not _announced:
             _announced = True
             logger.info(
-                "flashmla_backend: sparse MLA attention (DeepSeek-V3.2 indexer) runs on flashmla_backend %s (the "
-                "PyTorch reference, no CUDA device), %d heads per rank, scale %.6g, KV cache %s.",
-                flashmla_backend.__version__, num_heads, self.scale,
+                "flashmla_backend: sparse MLA attention (DeepSeek-V3.2 indexer) runs on flashmla_backend %s (%s), %d "
+                "heads per rank, scale %.6g, KV cache %s.", flashmla_backend.__version__,
+                "the Hopper sparse decode kernel, not yet validated inside vLLM: FLASHMLA_BACKEND_SPARSE_GPU is set"
+                if on_gpu else "the PyTorch reference, no CUDA device", num_heads, self.scale,
                 "fp8_ds_mla (656-byte tokens)" if self.kv_ds_mla else f"{kv_cache_dtype} (16-bit)")
 
     def forward_mqa(
