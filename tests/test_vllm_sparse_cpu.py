@@ -127,9 +127,10 @@ def mla_spec(block_size: int, dtype: torch.dtype, kv_cache_dtype: str) -> MLAAtt
 
 
 class SparsePlugin:
-    """The sparse backend as a vLLM worker builds it: kernel block size, AttentionGroup, builder, impl."""
+    """The sparse backend as a vLLM worker builds it: kernel block size, AttentionGroup, builder, impl (the builder and
+    the indexer's buffer on `device`: the CPU here, the GPU in integration/test_vllm_sparse_layer_gpu.py)."""
 
-    def __init__(self, cfg: VllmConfig):
+    def __init__(self, cfg: VllmConfig, device: torch.device = torch.device("cpu")):
         self.cfg = cfg
         self.backend = FlashMLASparsePluginBackend
         self.scale = base.layer_scale(cfg)
@@ -138,15 +139,17 @@ class SparsePlugin:
         self.ds = engine_support.sparse_is_ds_mla(self.kv_cache_dtype)
         self.manager_block_size = cfg.cache_config.block_size
         spec = mla_spec(self.manager_block_size, torch.uint8 if self.ds else self.torch_dtype, self.kv_cache_dtype)
+        self.spec = spec
         self.kernel_block_size = base.select_kernel_block_size(self.manager_block_size, self.backend, spec)
         self.layer = base.LayerDouble(cfg, self.scale)
         cfg.compilation_config.static_forward_context[LAYER_NAME] = self.layer
         self.group = worker_utils.AttentionGroup(self.backend, [LAYER_NAME], spec, 0)
         self.num_heads = cfg.model_config.get_num_attention_heads(cfg.parallel_config)
         # The indexer's shared buffer [max_num_batched_tokens, topk] (the test writes its rows).
-        self.topk_buffer = torch.full((cfg.scheduler_config.max_num_batched_tokens, TOPK), -1, dtype=torch.int32)
+        self.topk_buffer = torch.full((cfg.scheduler_config.max_num_batched_tokens, TOPK), -1, dtype=torch.int32,
+                                      device=device)
         with set_current_vllm_config(cfg):
-            self.group.create_metadata_builders(cfg, torch.device("cpu"), self.kernel_block_size)
+            self.group.create_metadata_builders(cfg, device, self.kernel_block_size)
         self.impl = make_sparse_impl(cfg, self.kv_cache_dtype, self.topk_buffer)
         self.builder = self.group.get_metadata_builder()
 
