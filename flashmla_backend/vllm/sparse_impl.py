@@ -33,6 +33,7 @@ from vllm.v1.attention.backend import AttentionLayer
 
 import flashmla_backend
 from flashmla_backend import engine_support
+from flashmla_backend._env import SPARSE_GPU_ENV
 
 from .sparse_builder import FlashMLASparsePluginMetadata
 from .sparse_indices import to_global_indices
@@ -80,7 +81,7 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
             logger.info(
                 "flashmla_backend: sparse MLA attention (DeepSeek-V3.2 indexer) runs on flashmla_backend %s (%s), %d "
                 "heads per rank, scale %.6g, KV cache %s.", flashmla_backend.__version__,
-                "the Hopper sparse decode kernel, not yet validated inside vLLM: FLASHMLA_BACKEND_SPARSE_GPU is set"
+                f"the Hopper sparse decode kernel, not yet validated inside vLLM: {SPARSE_GPU_ENV} is set"
                 if on_gpu else "the PyTorch reference, no CUDA device", num_heads, self.scale,
                 "fp8_ds_mla (656-byte tokens)" if self.kv_ds_mla else f"{kv_cache_dtype} (16-bit)")
 
