@@ -870,6 +870,21 @@ def test_scripts_start_from_any_folder(script, tmp_path):
     assert "usage:" in res.stdout
 
 
+def test_profile_ncu_options():
+    """benchmarks/profile_ncu.py: the FP8 cache's modes and the implementations, and what it refuses."""
+    import profile_ncu
+
+    a = profile_ncu.parse_args(["b1-sk8192-h128-sq1", "--kv-dtype", "fp8", "--fp8-modes", "accurate", "--impls",
+                                "ours,flashmla"])
+    assert a.shapes == ["b1-sk8192-h128-sq1"] and a.kv_dtype == "fp8" and a.fp8_modes == ["accurate"]
+    assert a.impls == ["ours", "flashmla"]
+    d = profile_ncu.parse_args([])
+    assert d.kv_dtype == "bf16" and d.fp8_modes == ["accurate", "fast"] and d.impls == ["ours"]
+    for argv in (["--fp8-modes", "quick"], ["--impls", "triton"], ["--kv-dtype", "fp16"]):
+        with pytest.raises(SystemExit):
+            profile_ncu.parse_args(argv)
+
+
 def test_bench_script_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("checks the error without a GPU")
