@@ -442,6 +442,28 @@ def merge_results(all_results: list[dict]) -> dict:
 
 # ---- the engine process -------------------------------------------------------------------------
 
+def token_prompts(model: str, num_prompts: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """The benchmark's prompts: num_prompts lists of prompt_len random token ids of the model's vocabulary."""
+    rng = random.Random(seed)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    return [[rng.randrange(2, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+
+
+def engine_kwargs(cfg: Config, args) -> dict:
+    """LLM(...) arguments of a config's engine: dummy weights, no tokenizer, no prefix caching, CUDA graphs."""
+    kwargs = dict(model=args.model, attention_backend=cfg.backend, kv_cache_dtype=cfg.kv, load_format="dummy",
+                  skip_tokenizer_init=True, enable_prefix_caching=False,
+                  max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.num_prompts,
+                  gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
+    if getattr(args, "kv_cache_memory_bytes", None):
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+        kwargs["disable_log_stats"] = False   # the preemption counter (llm.get_metrics)
+    if getattr(args, "dcp", 1) > 1:   # vLLM 0.26 engine arguments, as vllm_run.py (--tp) and vllm_dcp_run.py pass them
+        kwargs["tensor_parallel_size"] = args.dcp
+        kwargs["decode_context_parallel_size"] = args.dcp
+    return kwargs
+
+
 def worker(args) -> int:
     """Runs inside the per-config subprocess; writes its measurements to --worker-out."""
     import torch
@@ -450,20 +472,9 @@ def worker(args) -> int:
     from vllm.inputs import TokensPrompt
 
     cfg = parse_config(args.worker)
-    rng = random.Random(args.seed)
-    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(2, vocab) for _ in range(args.prompt_len)])
-               for _ in range(args.num_prompts)]
-    kwargs = dict(model=args.model, attention_backend=cfg.backend, kv_cache_dtype=cfg.kv, load_format="dummy",
-                  skip_tokenizer_init=True, enable_prefix_caching=False,
-                  max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.num_prompts,
-                  gpu_memory_utilization=args.gpu_memory_utilization, seed=0)
-    if args.kv_cache_memory_bytes:
-        kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
-        kwargs["disable_log_stats"] = False   # the preemption counter (llm.get_metrics)
-    if args.dcp > 1:   # vLLM 0.26 engine arguments, as integration/vllm_run.py (--tp) and vllm_dcp_run.py pass them
-        kwargs["tensor_parallel_size"] = args.dcp
-        kwargs["decode_context_parallel_size"] = args.dcp
+    prompts = [TokensPrompt(prompt_token_ids=ids)
+               for ids in token_prompts(args.model, args.num_prompts, args.prompt_len, args.seed)]
+    kwargs = engine_kwargs(cfg, args)
     print(f"[bench] {cfg.label}: LLM({json.dumps({k: v for k, v in kwargs.items() if k != 'model'})})", flush=True)
     t0 = time.time()
     llm = LLM(**kwargs)

@@ -1,0 +1,199 @@
+#!/usr/bin/env python3
+"""Where a vLLM decode step's GPU time goes, per backend: the kernels of the throughput benchmark's decode steps.
+
+    python integration/profile_vllm_decode.py --configs CUSTOM:auto,FLASHMLA:auto
+    python integration/profile_vllm_decode.py --configs CUSTOM:auto,FLASHMLA:auto --steps 128 --num-prompts 64
+
+integration/bench_vllm_throughput.py measures decode tokens/s end to end; when two backends differ there while their
+attention kernels alone differ the other way (benchmarks/RESULTS.md), this script says whether the difference is in
+the kernels a step launches or outside them. Each config runs in its own process with the benchmark's model, prompts
+and engine arguments (bench_vllm_throughput.engine_kwargs, one GPU: no --dcp), vLLM's engine core in the same process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, so that torch.profiler sees the GPU work), CUDA graphs as in the benchmark. After a
+warm-up it profiles two generations, 1 token and 1 + --steps tokens per prompt (the same prefill in both), with
+torch.profiler's CUDA activity; a kernel's decode time is its device time in the second minus the first, divided by
+--steps. Printed per config: wall ms per decode step (the in-process engine's; the benchmark's multiprocess engine may
+differ), the kernels' µs per step summed ("busy"), and the kernels by µs per step; then one table with the kernels of
+all configs side by side (the top --top of each). Results: $FLASHMLA_BACKEND_RUN_DIR/profile-decode.json (--results).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+import bench_vllm_throughput as bench  # noqa: E402
+
+
+def kernel_totals(prof) -> dict[str, tuple[float, int]]:
+    """{kernel name: (device µs summed over its launches, launches)} of a finished torch.profiler run."""
+    totals: dict[str, tuple[float, int]] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = getattr(ev, "self_cuda_time_total", 0.0)
+        if us and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            t, n = totals.get(ev.key, (0.0, 0))
+            totals[ev.key] = (t + float(us), n + int(ev.count))
+    return totals
+
+
+def decode_per_step(short: dict[str, tuple[float, int]], long: dict[str, tuple[float, int]],
+                    steps: int) -> dict[str, dict]:
+    """Per kernel: µs and launches per decode step, from the 1-token run (short) and the 1 + steps run (long)."""
+    out = {}
+    for name, (t_long, n_long) in long.items():
+        t_short, n_short = short.get(name, (0.0, 0))
+        us, launches = (t_long - t_short) / steps, (n_long - n_short) / steps
+        if us > 0 or launches > 0:
+            out[name] = {"us": us, "launches": launches}
+    return out
+
+
+def short_name(name: str, width: int = 70) -> str:
+    """A kernel's name without template arguments and parameter lists, cut to width."""
+    base = name.split("(")[0]
+    depth, kept = 0, []
+    for ch in base:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif depth == 0:
+            kept.append(ch)
+    text = "".join(kept).replace("void ", "").strip() or name
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def report(label: str, rec: dict, top: int) -> str:
+    kernels = sorted(rec["kernels"].items(), key=lambda kv: -kv[1]["us"])
+    busy = sum(k["us"] for _, k in kernels)
+    lines = [f"[profile] {label}: {rec['wall_ms_per_step']:.3f} ms per decode step (wall, in-process engine), kernels "
+             f"{busy / 1e3:.3f} ms per step ({100 * busy / 1e3 / rec['wall_ms_per_step']:.0f}% of it)"]
+    for name, k in kernels[:top]:
+        lines.append(f"[profile]   {k['us']:9.1f} us  {k['launches']:6.1f} launches  {short_name(name)}")
+    return "\n".join(lines)
+
+
+def side_by_side(records: dict[str, dict], top: int) -> str:
+    """Markdown: the union of each config's top kernels, µs per decode step in each config."""
+    labels = list(records)
+    names: list[str] = []
+    for rec in records.values():
+        for name, _ in sorted(rec["kernels"].items(), key=lambda kv: -kv[1]["us"])[:top]:
+            if name not in names:
+                names.append(name)
+    rows = ["| kernel | " + " | ".join(f"{lb} µs/step" for lb in labels) + " |",
+            "|---|" + "---|" * len(labels)]
+    for name in names:
+        cells = [f"{records[lb]['kernels'][name]['us']:.1f}" if name in records[lb]["kernels"] else "-" for lb in labels]
+        rows.append(f"| `{short_name(name, 60)}` | " + " | ".join(cells) + " |")
+    busy = [sum(k["us"] for k in records[lb]["kernels"].values()) for lb in labels]
+    rows.append("| all kernels | " + " | ".join(f"{b:.1f}" for b in busy) + " |")
+    rows.append("| wall per step | " + " | ".join(f"{records[lb]['wall_ms_per_step'] * 1e3:.1f}" for lb in labels)
+                + " |")
+    return "\n".join(rows)
+
+
+def worker(args) -> int:
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = bench.parse_config(args.worker)
+    args.dcp, args.kv_cache_memory_bytes, args.output_len = 1, None, args.steps + 1
+    prompts = [TokensPrompt(prompt_token_ids=ids)
+               for ids in bench.token_prompts(args.model, args.num_prompts, args.prompt_len, args.seed)]
+    llm = LLM(**bench.engine_kwargs(cfg, args))
+
+    def generate(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        torch.cuda.synchronize()
+        t = time.time()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        return time.time() - t
+
+    generate(8)   # warm-up outside the profile
+    runs = {}
+    for n in (1, args.steps + 1):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = generate(n)
+        runs[n] = (wall, kernel_totals(prof))
+        print(f"[profile] {cfg.label}: {n} token(s) a prompt in {wall:.2f} s, {len(runs[n][1])} kernels", flush=True)
+    (w1, short), (wn, long) = runs[1], runs[args.steps + 1]
+    rec = {"config": cfg.label, "steps": args.steps, "wall_ms_per_step": (wn - w1) / args.steps * 1e3,
+           "kernels": decode_per_step(short, long, args.steps), "gpu": torch.cuda.get_device_name()}
+    Path(args.worker_out).write_text(json.dumps(rec))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="CUSTOM:auto,FLASHMLA:auto", help="BACKEND[:KVDTYPE[:MODE]],... as the "
+                    "throughput benchmark takes them (default CUSTOM:auto,FLASHMLA:auto)")
+    ap.add_argument("--steps", type=int, default=128, help="decode steps profiled (default 128)")
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per config (default 12)")
+    ap.add_argument("--model", default=str(bench.MODEL_DIR), help="a directory with a DeepSeek-V3 config.json")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=7000)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=harness.RUN_TIMEOUT_S, help="seconds per engine process")
+    ap.add_argument("--results", help="results JSON (default RUN_DIR/profile-decode.json)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    for name in ("steps", "top", "num_prompts", "prompt_len"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.worker:
+        return worker(args)
+    try:
+        configs = bench.parse_configs(args.configs)
+    except ValueError as e:
+        ap.error(str(e))
+    results_path = Path(args.results) if args.results else harness.RUN_DIR / "profile-decode.json"
+    records, failures = {}, []
+    env = harness.engine_env()
+    for i, cfg in enumerate(configs, 1):
+        print(f"\n[profile] process {i}/{len(configs)}: {cfg.label}, {args.steps} decode steps of {args.num_prompts} "
+              f"prompts of {args.prompt_len} tokens", flush=True)
+        name = f"profile-decode-{cfg.slug}"
+        out = harness.RUN_DIR / f"{name}.json"
+        out.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--worker", cfg.label, "--worker-out", str(out), "--model", args.model,
+               "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len), "--steps",
+               str(args.steps), "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed)]
+        try:
+            log = harness.run_logged(name, cmd, bench.config_env(cfg, env), timeout_s=args.timeout)
+            problem = bench.custom_log_problem(log, cfg)
+            if problem:
+                raise harness.RunFailed(problem)
+            records[cfg.label] = json.loads(out.read_text())
+            print(report(cfg.label, records[cfg.label], args.top), flush=True)
+        except harness.RunFailed as e:
+            failures.append({"config": cfg.label, "why": str(e).splitlines()[0]})
+            print(e, flush=True)
+        harness.write_json(results_path, {"records": records, "failures": failures, "git": bench.git_describe()})
+    if records:
+        print("\n" + side_by_side(records, args.top), flush=True)
+    print(f"\n[profile] results: {results_path}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

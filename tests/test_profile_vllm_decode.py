@@ -1,0 +1,119 @@
+"""CPU tests of integration/profile_vllm_decode.py (where a vLLM decode step's GPU time goes): the kernel totals of a
+profile, the per-step decode difference, the names and tables it prints, and the driver with the engine processes
+stood in for (no vLLM, no GPU)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
+
+
+def _load():
+    sys.path.insert(0, str(INTEGRATION))
+    spec = importlib.util.spec_from_file_location("profile_vllm_decode", INTEGRATION / "profile_vllm_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+prof = _load()
+
+
+def event(key, us, count, device="DeviceType.CUDA"):
+    return SimpleNamespace(key=key, self_device_time_total=us, count=count, device_type=device)
+
+
+def test_kernel_totals_keeps_device_events_and_adds_repeated_keys():
+    fake = SimpleNamespace(key_averages=lambda: [
+        event("sm90_decode_kernel", 300.0, 4), event("cudaLaunchKernel", 0.0, 9, "DeviceType.CPU"),
+        event("combine_kernel", 40.0, 4), event("sm90_decode_kernel", 100.0, 2), event("idle", 0.0, 0)])
+    assert prof.kernel_totals(fake) == {"sm90_decode_kernel": (400.0, 6), "combine_kernel": (40.0, 4)}
+
+
+def test_decode_per_step_subtracts_the_prefill_run():
+    short = {"prefill": (1000.0, 8), "decode": (10.0, 8)}
+    long = {"prefill": (1000.0, 8), "decode": (1290.0, 136), "combine": (256.0, 128)}
+    got = prof.decode_per_step(short, long, 128)
+    assert got == {"decode": {"us": 10.0, "launches": 1.0}, "combine": {"us": 2.0, "launches": 1.0}}
+
+
+def test_short_name_drops_templates_and_arguments():
+    name = ("void flashmla_backend::sm90::decode::sm90_decode_kernel<flashmla_backend::sm90::decode::Traits<"
+            "cutlass::bfloat16_t> >(flashmla_backend::DecodeParams, CUtensorMap_st)")
+    assert prof.short_name(name) == "flashmla_backend::sm90::decode::sm90_decode_kernel"
+    assert prof.short_name("x" * 100, 20) == "x" * 17 + "..."
+
+
+def records():
+    return {"CUSTOM:auto": {"wall_ms_per_step": 4.0, "kernels": {"a": {"us": 3000.0, "launches": 8.0},
+                                                                   "b": {"us": 500.0, "launches": 8.0}}},
+            "FLASHMLA:auto": {"wall_ms_per_step": 3.6, "kernels": {"a2": {"us": 2900.0, "launches": 8.0},
+                                                                     "b": {"us": 450.0, "launches": 8.0}}}}
+
+
+def test_report_and_side_by_side():
+    r = records()
+    text = prof.report("CUSTOM:auto", r["CUSTOM:auto"], 1)
+    assert "4.000 ms per decode step" in text and "kernels 3.500 ms per step (88% of it)" in text
+    assert "3000.0 us" in text and "500.0 us" not in text   # top 1
+    table = prof.side_by_side(r, 2).splitlines()
+    assert table[0] == "| kernel | CUSTOM:auto µs/step | FLASHMLA:auto µs/step |"
+    assert "| `a` | 3000.0 | - |" in table and "| `a2` | - | 2900.0 |" in table and "| `b` | 500.0 | 450.0 |" in table
+    assert table[-2] == "| all kernels | 3500.0 | 3350.0 |" and table[-1] == "| wall per step | 4000.0 | 3600.0 |"
+
+
+def test_driver_runs_each_config_and_writes_the_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prof.harness, "RUN_DIR", tmp_path)
+    monkeypatch.setattr(prof.harness, "engine_env", lambda extra=None: {"PATH": "/bin"})
+    monkeypatch.setattr(prof.bench, "git_describe", lambda: "abc1234")
+    calls = []
+
+    def fake(name, cmd, env, timeout_s):
+        label = cmd[cmd.index("--worker") + 1]
+        calls.append((name, label, cmd[cmd.index("--steps") + 1]))
+        rec = dict(records()[label], config=label, steps=64, gpu="NVIDIA H200")
+        Path(cmd[cmd.index("--worker-out") + 1]).write_text(json.dumps(rec))
+        return "INFO MLA decode attention runs on flashmla_backend 0.1.0\n" if label.startswith("CUSTOM") else "INFO\n"
+
+    monkeypatch.setattr(prof.harness, "run_logged", fake)
+    assert prof.main(["--configs", "CUSTOM:auto,FLASHMLA:auto", "--steps", "64"]) == 0
+    assert [c[:2] for c in calls] == [("profile-decode-custom-auto", "CUSTOM:auto"),
+                                      ("profile-decode-flashmla-auto", "FLASHMLA:auto")]
+    assert all(c[2] == "64" for c in calls)
+    res = json.loads((tmp_path / "profile-decode.json").read_text())
+    assert sorted(res["records"]) == ["CUSTOM:auto", "FLASHMLA:auto"] and not res["failures"]
+    out = capsys.readouterr().out
+    assert "| wall per step | 4000.0 | 3600.0 |" in out
+
+
+def test_driver_reports_a_custom_run_without_our_decode_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(prof.harness, "RUN_DIR", tmp_path)
+    monkeypatch.setattr(prof.harness, "engine_env", lambda extra=None: {"PATH": "/bin"})
+    monkeypatch.setattr(prof.bench, "git_describe", lambda: "abc1234")
+
+    def fake(name, cmd, env, timeout_s):
+        label = cmd[cmd.index("--worker") + 1]
+        Path(cmd[cmd.index("--worker-out") + 1]).write_text(json.dumps(dict(records()[label], config=label)))
+        return "INFO\n"
+
+    monkeypatch.setattr(prof.harness, "run_logged", fake)
+    assert prof.main(["--configs", "CUSTOM:auto,FLASHMLA:auto"]) == 1
+    res = json.loads((tmp_path / "profile-decode.json").read_text())
+    assert [f["config"] for f in res["failures"]] == ["CUSTOM:auto"] and list(res["records"]) == ["FLASHMLA:auto"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--configs", "CUSTOM:bf8"], "KV-cache dtype 'bf8'"),
+])
+def test_bad_options_name_the_option(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        prof.main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
