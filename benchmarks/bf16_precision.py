@@ -64,16 +64,10 @@ def parse_args(argv=None):
 
 def make_batch(lens, h_q, temp, seed, device):
     import torch
+    from mla_bench.shapes import make_block_table
+
     gen = torch.Generator(device=device).manual_seed(seed)
-    cpu = torch.Generator().manual_seed(seed)
-    pages = [-(-n // PAGE) for n in lens]
-    num_pages = sum(pages)
-    perm = torch.randperm(num_pages, generator=cpu).to(torch.int32)
-    table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(pages):
-        table[i, :n] = perm[start:start + n]
-        start += n
+    table, num_pages = make_block_table(lens, torch.Generator().manual_seed(seed))
     q = (torch.randn(len(lens), 1, h_q, D_QK, generator=gen, device=device) * temp).to(torch.bfloat16)
     k = torch.randn(num_pages, PAGE, 1, D_QK, generator=gen, device=device).to(torch.bfloat16)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
@@ -81,16 +75,14 @@ def make_batch(lens, h_q, temp, seed, device):
 
 
 def fp64_decode(q, k, table, lens, scale):
-    """out [b, 1, h, 512] fp64, lse [b, h, 1] fp64 from the same bf16 values, one request at a time."""
+    """out [b, 1, h, 512] fp64 (lse [b, h, 1], fp32 as the package's reference returns it) from the same bf16
+    values: flashmla_backend's reference in fp64 arithmetic."""
     import torch
-    outs, lses = [], []
-    for i, n in enumerate(lens):
-        rows = k[table[i, :-(-n // PAGE)].long()].reshape(-1, D_QK)[:n].double()      # [n, 576]
-        s = (q[i, 0].double() @ rows.T) * scale                                      # [h, n]
-        lse = torch.logsumexp(s, dim=-1)
-        outs.append((torch.exp(s - lse[:, None]) @ rows[:, :D_V]).unsqueeze(0))     # [1, h, 512]
-        lses.append(lse)
-    return torch.stack(outs), torch.stack(lses).unsqueeze(-1)
+    from flashmla_backend.reference import mla_decode_reference
+
+    seqlens = torch.tensor(list(lens), dtype=torch.int32, device=q.device)
+    return mla_decode_reference(q.double(), k.double(), table, seqlens, D_V, softmax_scale=scale, causal=True,
+                                compute_dtype=torch.float64)
 
 
 def row_errors(out, ref):
