@@ -528,6 +528,17 @@ def worker(args) -> int:
 
 # ---- the driver ---------------------------------------------------------------------------------
 
+def run_engine_process(name: str, cmd: list[str], cfg: Config, base_env: dict, out: Path, timeout_s: int,
+                       dcp: int = 1) -> tuple[str, dict]:
+    """One config's engine process (harness.run_logged, the config's environment): its log, checked for our decode
+    line (custom_log_problem), and the JSON its worker wrote to `out`. harness.RunFailed when either fails."""
+    log = harness.run_logged(name, cmd, config_env(cfg, base_env), timeout_s=timeout_s)
+    problem = custom_log_problem(log, cfg, dcp)
+    if problem:
+        raise harness.RunFailed(problem)
+    return log, json.loads(out.read_text())
+
+
 def git_describe() -> str:
     try:
         head = subprocess.run(["git", "-C", str(harness.REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -680,11 +691,7 @@ def main(argv=None) -> int:
         if kv_bytes:
             cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
         try:
-            log = harness.run_logged(name, cmd, config_env(cfg, base_env), timeout_s=args.timeout)
-            problem = custom_log_problem(log, cfg, args.dcp)
-            if problem:
-                raise harness.RunFailed(problem)
-            data = json.loads(out.read_text())
+            log, data = run_engine_process(name, cmd, cfg, base_env, out, args.timeout, args.dcp)
             proc = {"config": cfg.label, "round": r, "dcp": args.dcp, "init_s": data["init_s"], "gpu": data["gpu"],
                     "vllm_version": data["vllm_version"], "torch_version": data["torch_version"],
                     "cache_config": data["cache_config"], "log": str(harness.RUN_DIR / f"{name}.log")}

@@ -179,11 +179,7 @@ def main(argv=None) -> int:
                "--num-prompts", str(args.num_prompts), "--prompt-len", str(args.prompt_len), "--steps",
                str(args.steps), "--gpu-memory-utilization", str(args.gpu_memory_utilization), "--seed", str(args.seed)]
         try:
-            log = harness.run_logged(name, cmd, bench.config_env(cfg, env), timeout_s=args.timeout)
-            problem = bench.custom_log_problem(log, cfg)
-            if problem:
-                raise harness.RunFailed(problem)
-            records[cfg.label] = json.loads(out.read_text())
+            _, records[cfg.label] = bench.run_engine_process(name, cmd, cfg, env, out, args.timeout)
             print(report(cfg.label, records[cfg.label], args.top), flush=True)
         except harness.RunFailed as e:
             failures.append({"config": cfg.label, "why": str(e).splitlines()[0]})
