@@ -120,52 +120,22 @@ class Theirs:
                 indexer=None, topk_indices_buffer=ours.topk_buffer)
         self.builder = self.group.get_metadata_builder()
 
+    build_mapped = sp.SparsePlugin.build_mapped   # reads cfg, group and builder, which this class has too
+
     def forward_mqa(self, q, kv_cache, metadata):
         with set_current_vllm_config(self.cfg):
             return self.impl.forward_mqa(q, kv_cache, metadata, self.layer)
 
 
-def device_common(batch: sp.SparseBatch, group, manager_block_size: int):
-    """The batch's CommonAttentionMetadata on the GPU, in kernel blocks where the release's runner maps them (0.26:
-    on the host; 0.33's group.build_metadata maps them itself)."""
-    common = batch.common
-    k = manager_block_size // sp.KERNEL_BLOCK
-    if k > 1 and not hasattr(group, "build_metadata"):
-        import numpy as np
-        from vllm.v1.worker.block_table import BlockTable
-
-        arange = np.arange(k).reshape(1, -1)
-        rows = np.stack([BlockTable.map_to_kernel_blocks(r.numpy(), k, arange) for r in common.block_table_tensor])
-        common = common.replace(block_table_tensor=torch.from_numpy(rows).to(torch.int32))
+def device_common(batch: sp.SparseBatch, ours: sp.SparsePlugin):
+    """The batch's CommonAttentionMetadata in the blocks the release's builder takes (SparsePlugin.in_kernel_blocks),
+    its tensors on the GPU."""
+    common = ours.in_kernel_blocks(batch.common)
     for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping", "is_prefilling"):
         value = getattr(common, name, None)
         if isinstance(value, torch.Tensor):
             common = common.replace(**{name: value.to(DEVICE)})
     return common
-
-
-def build(side, common):
-    with set_current_vllm_config(side.cfg):
-        if hasattr(side.group, "build_metadata"):
-            return side.group.build_metadata(common)
-        return side.builder.build(common_prefix_len=0, common_attn_metadata=common)
-
-
-def fresh_positions(seq_lens: list[int], query_lens: list[int], num_tokens: int, seed: int) -> torch.Tensor:
-    """Another step's indexer output for the same requests (SparseBatch's rule: each query token sees its request
-    up to itself; a tenth of the entries skipped), -1 for the CUDA-graph padding tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    positions = torch.full((num_tokens, sp.TOPK), -1, dtype=torch.int32)
-    t = 0
-    for n, s_q in zip(seq_lens, query_lens):
-        for s in range(s_q):
-            visible = n - s_q + s + 1
-            k = min(sp.TOPK, visible)
-            chosen = torch.randperm(visible, generator=gen)[:k].to(torch.int32)
-            chosen[torch.rand(k, generator=gen) < 0.1] = -1
-            positions[t, :k] = chosen
-            t += 1
-    return positions
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -181,7 +151,7 @@ def setup(case: str, seed: int = 0):
     batch = sp.SparseBatch(ours, seq_lens, query_lens, seed=seed or sum(seq_lens))
     ours.topk_buffer.fill_(-1)
     ours.topk_buffer[: batch.num_tokens] = batch.positions.to(DEVICE)
-    common = device_common(batch, ours.group, M)
+    common = device_common(batch, ours)
     cache = batch.kv_cache.to(DEVICE)
     q = tuple(t.to(DEVICE) for t in batch.q())
     return ours, theirs, batch, common, cache, q
@@ -192,10 +162,10 @@ def test_sparse_forward_matches_flashmla_sparse_and_the_reference(case):
     ours, theirs, batch, common, cache, q = setup(case)
     mapped = sum(batch.query_lens)
     ref = batch.expected(ours.scale)[:mapped]
-    out, lse = ours.forward_mqa(q, cache, build(ours, common))
+    out, lse = ours.forward_mqa(q, cache, ours.build_mapped(common))
     torch.cuda.synchronize()
     assert lse is None and out.shape == (batch.num_tokens, ours.num_heads, sp.LATENT) and out.is_cuda
-    ref_out, _ = theirs.forward_mqa(q, cache, build(theirs, common))
+    ref_out, _ = theirs.forward_mqa(q, cache, theirs.build_mapped(common))
     torch.cuda.synchronize()
     e_ours, e_theirs = errors(out[:mapped], ref), errors(ref_out[:mapped], ref)
     print(f"\n[{case}] vs the reference: ours max |diff| {e_ours[0]:.3g}, rel-norm {e_ours[1]:.3g}; FLASHMLA_SPARSE "
@@ -211,7 +181,7 @@ def test_sparse_forward_matches_flashmla_sparse_and_the_reference(case):
 def test_the_comparison_fails_when_the_indices_are_wrong():
     """Requests 0 and 1 swapped in our metadata's block table: ours reads other tokens and must not match."""
     ours, _, batch, common, cache, q = setup("decode_h64")
-    md = build(ours, common)
+    md = ours.build_mapped(common)
     md.block_table[[0, 1]] = md.block_table[[1, 0]].clone()
     out, _ = ours.forward_mqa(q, cache, md)
     with pytest.raises(AssertionError):
@@ -226,7 +196,7 @@ def test_cuda_graph_replay_follows_new_indices_and_lengths(case):
     request's length must then be skipped), and the builder runs again on the same buffers. The replay must give the
     eager run's output on the new inputs, and the reference's."""
     ours, _, batch, common, cache, q = setup(case)
-    md = build(ours, common)
+    md = ours.build_mapped(common)
     ours.forward_mqa(q, cache, md)  # warm-up outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -236,7 +206,8 @@ def test_cuda_graph_replay_follows_new_indices_and_lengths(case):
     # dropped token, so only the length masks it), positions drawn for the new lengths plus each old last position.
     s_q = max(batch.query_lens)
     new_lens = [n - 1 if n > s_q else n for n in batch.seq_lens]
-    positions = fresh_positions(new_lens, batch.query_lens, batch.num_tokens, seed=sum(new_lens) + 7)
+    positions = sp.draw_positions(new_lens, batch.query_lens, batch.num_tokens,
+                                  torch.Generator().manual_seed(sum(new_lens) + 7), stale=False)
     t = 0
     for n, n_new, q_len in zip(batch.seq_lens, new_lens, batch.query_lens):
         for _ in range(q_len):
@@ -251,7 +222,7 @@ def test_cuda_graph_replay_follows_new_indices_and_lengths(case):
     for name in ("_seq_lens_cpu", "seq_lens_cpu_upper_bound"):
         if getattr(common, name, None) is not None:
             fields[name] = lens_cpu.clone()
-    md2 = build(ours, common.replace(**fields))
+    md2 = ours.build_mapped(common.replace(**fields))
     assert md2.decode_sched_meta is md.decode_sched_meta  # filled ahead, kept for this batch shape
     graph.replay()
     torch.cuda.synchronize()

@@ -153,21 +153,29 @@ class SparsePlugin:
         self.impl = make_sparse_impl(cfg, self.kv_cache_dtype, self.topk_buffer)
         self.builder = self.group.get_metadata_builder()
 
+    def in_kernel_blocks(self, common):
+        """common (host tensors) with its block table in kernel blocks where the release's runner maps them (0.26:
+        its BlockTable; 0.33's group.build_metadata maps manager blocks itself, so common stays as it is)."""
+        k = self.manager_block_size // self.kernel_block_size
+        if k == 1 or hasattr(self.group, "build_metadata"):
+            return common
+        import numpy as np
+        from vllm.v1.worker.block_table import BlockTable
+
+        arange = np.arange(k).reshape(1, -1)
+        rows = np.stack([BlockTable.map_to_kernel_blocks(r.numpy(), k, arange) for r in common.block_table_tensor])
+        return common.replace(block_table_tensor=torch.from_numpy(rows).to(torch.int32))
+
+    def build_mapped(self, common):
+        """The builder on common whose block table is already what the release's builder takes (in_kernel_blocks)."""
+        with set_current_vllm_config(self.cfg):
+            if hasattr(self.group, "build_metadata"):
+                return self.group.build_metadata(common)
+            return self.builder.build(common_prefix_len=0, common_attn_metadata=common)
+
     def build(self, common):
         """common carries KV-manager block ids; the builder sees kernel blocks, mapped as the release maps them."""
-        with set_current_vllm_config(self.cfg):
-            if hasattr(self.group, "build_metadata"):  # 0.33 maps manager blocks to kernel blocks itself
-                return self.group.build_metadata(common)
-            k = self.manager_block_size // self.kernel_block_size
-            if k > 1:  # 0.26: the runner's BlockTable does it
-                import numpy as np
-                from vllm.v1.worker.block_table import BlockTable
-
-                arange = np.arange(k).reshape(1, -1)
-                rows = np.stack([BlockTable.map_to_kernel_blocks(r.numpy(), k, arange)
-                                 for r in common.block_table_tensor])
-                common = common.replace(block_table_tensor=torch.from_numpy(rows).to(torch.int32))
-            return self.builder.build(common_prefix_len=0, common_attn_metadata=common)
+        return self.build_mapped(self.in_kernel_blocks(common))
 
     def forward_mqa(self, q, kv_cache, metadata):
         with set_current_vllm_config(self.cfg):
@@ -175,6 +183,27 @@ class SparsePlugin:
 
 
 # ---- fake batches ------------------------------------------------------------------------------
+
+def draw_positions(seq_lens: list[int], query_lens: list[int], num_tokens: int, gen: torch.Generator,
+                   stale: bool = True) -> torch.Tensor:
+    """The indexer's output of a step, [num_tokens, TOPK] int32: for each query token (requests in order, s_q tokens
+    each) up to TOPK distinct positions of its request that it may see, a tenth of them skipped (-1), and with
+    `stale` one position the request has not written (n + 3) after them where room is left; rows past the
+    requests' tokens (CUDA-graph padding) all -1."""
+    positions = torch.full((num_tokens, TOPK), -1, dtype=torch.int32)
+    t = 0
+    for n, s_q in zip(seq_lens, query_lens):
+        for s in range(s_q):
+            visible = n - s_q + s + 1              # a query token sees its request's tokens up to itself
+            k = min(TOPK, visible)
+            chosen = torch.randperm(visible, generator=gen)[:k].to(torch.int32)
+            chosen[torch.rand(k, generator=gen) < 0.1] = -1   # the indexer's own skips
+            positions[t, :k] = chosen
+            if stale and k < TOPK:  # a position the request has not written: must be skipped
+                positions[t, k] = n + 3
+            t += 1
+    return positions
+
 
 class SparseBatch:
     """One step of a DeepSeek-V3.2 model: requests with seq_lens[i] cached tokens, the last query_lens[i] of them
@@ -220,19 +249,7 @@ class SparseBatch:
         # requests x s_q; the padding tokens map to request 0 and have no indexer output (all -1).
         T = len(seq_lens) * max(query_lens) if 0 in seq_lens else sum(query_lens)
         self.num_tokens = T
-        positions = torch.full((T, TOPK), -1, dtype=torch.int32)
-        t = 0
-        for i, (n, s_q) in enumerate(zip(seq_lens, query_lens)):
-            for s in range(s_q):
-                visible = n - s_q + s + 1              # a query token sees its request's tokens up to itself
-                k = min(TOPK, visible)
-                chosen = torch.randperm(visible, generator=gen)[:k].to(torch.int32)
-                chosen[torch.rand(k, generator=gen) < 0.1] = -1   # the indexer's own skips
-                positions[t, :k] = chosen
-                if stale and k < TOPK:  # a position the request has not written: must be skipped
-                    positions[t, k] = n + 3
-                t += 1
-        self.positions = positions
+        self.positions = draw_positions(seq_lens, query_lens, T, gen, stale)
         qsl = torch.zeros(B + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
         seq = torch.tensor(seq_lens, dtype=torch.int32)
