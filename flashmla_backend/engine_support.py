@@ -206,16 +206,20 @@ def mla_dims_problem(kv_lora_rank, qk_rope_head_dim, model: str, head_size: Opti
     return f"needs kv_lora_rank {HEAD_DIM_V} and qk_rope_head_dim {ROPE_DIM} ({model} MLA), got {got}"
 
 
-def sparse_device_problem(kernel_missing: str, *, cuda: bool, ds_mla: bool, capability=None) -> Optional[str]:
+def sparse_device_problem(kernel_missing: str, *, cuda: bool, ds_mla: bool, capability=None,
+                          device=None) -> Optional[str]:
     """None where sparse MLA decode may run on the layer's device, else why and what works.
 
     CPU tensors run the PyTorch reference. A CUDA device is refused with `kernel_missing` (the engine's message)
-    unless FLASHMLA_BACKEND_SPARSE_GPU is set; then it must be a Hopper GPU (capability (9, 0), where known) and the
-    cache fp8_ds_mla, the one cache the Hopper sparse kernel reads."""
+    unless FLASHMLA_BACKEND_SPARSE_GPU is set; then it must be a Hopper GPU and the cache fp8_ds_mla, the one cache
+    the Hopper sparse kernel reads. The GPU's capability: `capability` where the caller has it, else asked of
+    `device` (only once the variable lets a GPU through), else not checked."""
     if not cuda:
         return None
     if not env_flag(SPARSE_GPU_ENV):
         return kernel_missing
+    if capability is None and device is not None:
+        capability = torch.cuda.get_device_capability(device)
     if capability is not None and tuple(capability)[:2] != (9, 0):
         major, minor = tuple(capability)[:2]
         return (f"{SPARSE_GPU_ENV}=1: flashmla_backend's sparse decode kernel runs on Hopper GPUs (sm_90), this one is "

@@ -105,3 +105,16 @@ def test_sparse_device_problem(cuda, opt_in, ds_mla, capability, words, monkeypa
     else:
         assert words in got
         assert words == "KERNEL MISSING" or SPARSE_GPU_ENV in got
+
+
+def test_sparse_device_problem_asks_the_device_only_past_the_opt_in(monkeypatch):
+    from flashmla_backend._env import SPARSE_GPU_ENV
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or (8, 9))
+    monkeypatch.delenv(SPARSE_GPU_ENV, raising=False)
+    assert es.sparse_device_problem("KERNEL MISSING", cuda=True, ds_mla=True, device="cuda") == "KERNEL MISSING"
+    assert not asked
+    monkeypatch.setenv(SPARSE_GPU_ENV, "1")
+    assert "this one is sm_89" in es.sparse_device_problem("KERNEL MISSING", cuda=True, ds_mla=True, device="cuda")
+    assert asked == ["cuda"]

@@ -152,11 +152,8 @@ def serving_problem(*, num_heads: int, kv_cache_dtype: torch.dtype, model_dtype:
                 "SGLang's decode path for the backend's decode implementation; serve without "
                 "--speculative-algorithm")
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    # The device's capability matters (and is asked for) only where the opt-in lets a GPU through.
-    capability = torch.cuda.get_device_capability(dev) if cuda and flag(SPARSE_GPU_ENV) else None
     return engine_support.sparse_device_problem(
-        KERNEL_MISSING, cuda=cuda, ds_mla=engine_support.sparse_is_ds_mla(name), capability=capability)
+        KERNEL_MISSING, cuda=dev.type == "cuda", ds_mla=engine_support.sparse_is_ds_mla(name), device=dev)
 
 
 class DSADecode:

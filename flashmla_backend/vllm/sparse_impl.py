@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import AttentionLayer
 
 import flashmla_backend
 from flashmla_backend import engine_support
-from flashmla_backend._env import SPARSE_GPU_ENV, flag
+from flashmla_backend._env import SPARSE_GPU_ENV
 
 from .sparse_builder import FlashMLASparsePluginMetadata
 from .sparse_indices import to_global_indices
@@ -70,9 +70,8 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
         if on_gpu:
             from .sparse_backend import SPARSE_KERNEL_MISSING
 
-            capability = torch.cuda.get_device_capability() if flag(SPARSE_GPU_ENV) else None
             problem = engine_support.sparse_device_problem(SPARSE_KERNEL_MISSING, cuda=True, ds_mla=self.kv_ds_mla,
-                                                           capability=capability)
+                                                           device="cuda")  # the current GPU
             if problem is not None:
                 raise RuntimeError(problem)
 
