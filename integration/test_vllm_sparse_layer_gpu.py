@@ -6,8 +6,9 @@ The backend refuses CUDA devices unless FLASHMLA_BACKEND_SPARSE_GPU is set (READ
 file sets it while its own tests run. Each case is a fake step of tests/test_vllm_sparse_cpu.py (its SparseBatch:
 64-token kernel blocks in a random permutation, block 0 the null block, NaN bytes in every slot no request owns, the
 indexer's top-k positions per query token with its own skips and one stale position past each short request's
-length) on the fp8_ds_mla cache, the one the Hopper sparse kernel reads. Two layers read the same cache bytes and
-the same top-k buffer:
+length) on the fp8_ds_mla cache, the one the Hopper sparse kernel reads. Ours runs first on that buffer (the stale
+positions must be skipped); then, the stale positions set to -1 as vLLM's indexer leaves its buffer (FLASHMLA_SPARSE
+reads whatever slot a position names), two layers read the same cache bytes and the same top-k buffer:
   * ours: the plugin's sparse builder and impl as a vLLM worker builds them (the CPU test's SparsePlugin, here with
     its builder and the indexer's buffer on the GPU), forward_mqa on the sparse decode kernel;
   * vLLM's FLASHMLA_SPARSE: its own builder (per-request index conversion with its Triton kernel, its FlashMLA
@@ -15,8 +16,9 @@ the same top-k buffer:
 Both are compared with flashmla_backend's reference on a compact copy of each request's tokens with the indices
 written out from the positions (the CPU test's SparseBatch.expected: fp32 arithmetic on CPU tensors, no block
 table). Required: every output finite on the real tokens, ours within atol = rtol = 1e-2 of the reference, vLLM's
-too (a check of the test's own inputs), ours no further from the reference than vLLM's by relative norm (x 1.25 +
-1e-3), and the CUDA-graph padding tokens zero. Printed: each backend's max |diff| and relative norm.
+within a relative norm of 1e-2 (a check of the test's own inputs; its bf16-rounded keys put a few elements past the
+element-wise bound), ours no further from the reference than vLLM's by relative norm (x 1.25 + 1e-3), and the
+CUDA-graph padding tokens zero. Printed: each backend's max |diff| and relative norm.
 
 A CUDA-graph case captures our forward_mqa once and replays it after the indexer's buffer and the lengths changed
 in place (the builder's persistent buffers and the schedule it filled ahead), against an eager run and the
@@ -50,6 +52,7 @@ DEVICE = torch.device("cuda", 0)
 KV = "fp8_ds_mla"
 THEIRS_LAYER = "model.layers.0.self_attn.attn_flashmla_sparse"
 REL_RATIO, REL_SLACK = 1.25, 1e-3
+THEIRS_REL_NORM = 1e-2
 
 CASES = {
     # name: (heads, seq_lens, query_lens, KV-manager block size)
@@ -157,11 +160,31 @@ def setup(case: str, seed: int = 0):
     return ours, theirs, batch, common, cache, q
 
 
+def without_stale(batch: sp.SparseBatch) -> torch.Tensor:
+    """The batch's positions with every position at or past its request's length set to -1: the indexer's buffer as
+    vLLM's own indexer leaves it (it never names a token the request has not written; FLASHMLA_SPARSE relies on that
+    and reads such a slot, NaN here, while ours skips it)."""
+    lens = torch.tensor([n for n, s_q in zip(batch.seq_lens, batch.query_lens) for _ in range(s_q)], dtype=torch.int32)
+    positions = batch.positions.clone()
+    rows = positions[: lens.numel()]
+    rows[rows >= lens[:, None]] = -1
+    return positions
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_sparse_forward_matches_flashmla_sparse_and_the_reference(case):
+    """Ours first on the buffer with the stale positions (skipped: the reference is the same), then both backends on
+    the buffer without them."""
     ours, theirs, batch, common, cache, q = setup(case)
     mapped = sum(batch.query_lens)
     ref = batch.expected(ours.scale)[:mapped]
+    out_stale, _ = ours.forward_mqa(q, cache, ours.build_mapped(common))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out_stale[:mapped]).all(), "a stale position was read (it names a NaN slot)"
+    torch.testing.assert_close(out_stale[:mapped].float().cpu(), ref.float(), atol=sp.OUT_ATOL, rtol=sp.OUT_RTOL)
+    clean = without_stale(batch)
+    assert not torch.equal(clean, batch.positions)  # the case has stale positions to remove
+    ours.topk_buffer[: batch.num_tokens] = clean.to(DEVICE)
     out, lse = ours.forward_mqa(q, cache, ours.build_mapped(common))
     torch.cuda.synchronize()
     assert lse is None and out.shape == (batch.num_tokens, ours.num_heads, sp.LATENT) and out.is_cuda
@@ -171,8 +194,11 @@ def test_sparse_forward_matches_flashmla_sparse_and_the_reference(case):
     print(f"\n[{case}] vs the reference: ours max |diff| {e_ours[0]:.3g}, rel-norm {e_ours[1]:.3g}; FLASHMLA_SPARSE "
           f"{e_theirs[0]:.3g}, {e_theirs[1]:.3g}", flush=True)
     assert torch.isfinite(out[:mapped]).all(), "an index landed on a NaN slot (null, spare or stale)"
-    torch.testing.assert_close(ref_out[:mapped].float().cpu(), ref.float(), atol=sp.OUT_ATOL, rtol=sp.OUT_RTOL,
-                               msg=lambda m: f"FLASHMLA_SPARSE against the reference (the test's inputs?): {m}")
+    # vLLM's kernel, a check of the test's own inputs: finite and close by relative norm. Not element by element: it
+    # rounds the dequantized keys to bf16, which on these tokens (spread-out group scales) leaves a few outputs 1-2e-2
+    # off (rel-norm 3.4-5.0e-3 measured on an H200, max |diff| up to 0.031).
+    assert torch.isfinite(ref_out[:mapped]).all(), "FLASHMLA_SPARSE read a NaN slot (the test's inputs?)"
+    assert e_theirs[1] <= THEIRS_REL_NORM, f"FLASHMLA_SPARSE against the reference (the test's inputs?): {e_theirs}"
     torch.testing.assert_close(out[:mapped].float().cpu(), ref.float(), atol=sp.OUT_ATOL, rtol=sp.OUT_RTOL)
     assert e_ours[1] <= REL_RATIO * e_theirs[1] + REL_SLACK
     assert not out[mapped:].any()  # CUDA-graph padding tokens: no indices, zeros
