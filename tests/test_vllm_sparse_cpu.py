@@ -16,6 +16,7 @@ Run them with `bash tests/run.sh --engines` (vLLM in its own environment under .
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -25,7 +26,7 @@ import torch  # noqa: E402
 
 import flashmla_backend  # noqa: E402
 from flashmla_backend import engine_support, fp8_ds_mla, geometry  # noqa: E402
-from flashmla_backend._env import SPARSE_GPU_ENV  # noqa: E402
+from flashmla_backend._env import DEBUG_BREAK_SCALE_ENV, SPARSE_GPU_ENV  # noqa: E402
 from flashmla_backend.reference import sparse_mla_decode_reference  # noqa: E402
 from flashmla_backend.vllm import BACKEND_NAME, register, sparse_choice  # noqa: E402
 from flashmla_backend.vllm.backend import FlashMLAPluginBackend  # noqa: E402
@@ -588,6 +589,19 @@ def test_the_layers_scale_is_used(model):
     plugin, batch, md, out, _ = forward_case(model, "auto", "bfloat16", [100, 900], [1, 1])
     assert (out.float() - batch.expected(HEAD ** -0.5).float()).abs().max() > 0.05
     torch.testing.assert_close(out, batch.expected(plugin.scale), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
+def test_debug_break_scale_hook_breaks_the_sparse_attention(model, monkeypatch):
+    """The test hook the GPU engine tests use to prove they catch wrong attention: the sparse impl then attends with
+    1.5 x the layer's scale (and says so), which the comparison with the reference at the layer's scale catches."""
+    monkeypatch.setenv(DEBUG_BREAK_SCALE_ENV, "1")
+    plugin, batch, md, out, _ = forward_case(model, "auto", "bfloat16", [100, 900], [1, 1])
+    assert math.isclose(plugin.impl.attn_scale, 1.5 * plugin.scale)
+    assert (out.float() - batch.expected(plugin.scale).float()).abs().max() > 0.05
+    torch.testing.assert_close(out, batch.expected(1.5 * plugin.scale), atol=OUT_ATOL, rtol=OUT_RTOL)
+    monkeypatch.setenv(DEBUG_BREAK_SCALE_ENV, "0")
+    plugin, batch, md, out, _ = forward_case(model, "auto", "bfloat16", [100, 900], [1, 1])
+    assert plugin.impl.attn_scale == plugin.scale
 
 
 def test_forward_mqa_matches_vllms_own_sparse_reference(model):

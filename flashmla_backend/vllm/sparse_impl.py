@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import AttentionLayer
 
 import flashmla_backend
 from flashmla_backend import engine_support
-from flashmla_backend._env import SPARSE_GPU_ENV
+from flashmla_backend._env import DEBUG_BREAK_SCALE_ENV, SPARSE_GPU_ENV, debug_break_scale_enabled
 
 from .sparse_builder import FlashMLASparsePluginMetadata
 from .sparse_indices import to_global_indices
@@ -74,6 +74,15 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
                                                            device="cuda")  # the current GPU
             if problem is not None:
                 raise RuntimeError(problem)
+
+        # The test hook of the engine tests (flashmla_backend.vllm: FLASHMLA_BACKEND_DEBUG_BREAK_SCALE): a deliberately
+        # wrong softmax scale, so that a GPU run proves its comparison catches broken attention.
+        self.attn_scale = self.scale
+        if debug_break_scale_enabled():
+            self.attn_scale = self.scale * 1.5
+            logger.warning(
+                "flashmla_backend: %s is set: sparse MLA attention uses a WRONG softmax scale (x1.5). "
+                "This is a test hook; outputs are deliberately incorrect.", DEBUG_BREAK_SCALE_ENV)
 
         global _announced
         if not _announced:
@@ -148,5 +157,5 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
                                "makes one per step for the decode tokens and one for prefill tokens")
         out, _ = flashmla_backend.flash_mla_with_kvcache(
             q, cache, None, None, self.kv_lora_rank, sched_meta, None,
-            softmax_scale=self.scale, causal=False, is_fp8_kvcache=self.kv_ds_mla, indices=indices)
+            softmax_scale=self.attn_scale, causal=False, is_fp8_kvcache=self.kv_ds_mla, indices=indices)
         return out
