@@ -523,11 +523,12 @@ def test_serve_64_concurrent_completions(kv, checkpoint):
     assert not problems, f"server log: {'; '.join(problems)}"
 
 
-def serve_64_concurrent(checkpoint: Path, kv: str, name: str, extra_args: tuple[str, ...] = ()) -> str:
-    """Starts `vllm serve` on the checkpoint with our backend (extra_args appended to its command line), sends
-    SERVE_REQUESTS concurrent greedy completions with ignore_eos, asserts that each returns all its tokens, stops
-    the server and returns its log ($FLASHMLA_BACKEND_RUN_DIR/<name>.log). test_vllm_dcp_gpu.py serves TP 2 + DCP 2
-    through it."""
+def serve_64_concurrent(checkpoint: Path, kv: str, name: str, extra_args: tuple[str, ...] = (),
+                        env_extra: dict | None = None) -> str:
+    """Starts `vllm serve` on the checkpoint with our backend (extra_args appended to its command line, env_extra
+    added to its environment), sends SERVE_REQUESTS concurrent greedy completions with ignore_eos, asserts that each
+    returns all its tokens, stops the server and returns its log ($FLASHMLA_BACKEND_RUN_DIR/<name>.log).
+    test_vllm_dcp_gpu.py serves TP 2 + DCP 2 through it, test_vllm_sparse_engine_gpu.py DeepSeek-V3.2."""
     port = harness.free_port()
     base = f"http://127.0.0.1:{port}"
     harness.RUN_DIR.mkdir(parents=True, exist_ok=True)
@@ -536,7 +537,7 @@ def serve_64_concurrent(checkpoint: Path, kv: str, name: str, extra_args: tuple[
            "CUSTOM", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
            "--gpu-memory-utilization", "0.5", "--max-num-seqs", "64", "--served-model-name", "tiny",
            "--kv-cache-dtype", kv, *extra_args]
-    env = harness.engine_env()
+    env = harness.engine_env(env_extra)
     env.pop(FP8_MODE_ENV, None)
     print(f"\n[serve] start: {' '.join(cmd)} (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
