@@ -9,11 +9,13 @@ attention kernels alone differ the other way (benchmarks/RESULTS.md), this scrip
 the kernels a step launches or outside them. Each config runs in its own process with the benchmark's model, prompts
 and engine arguments (bench_vllm_throughput.engine_kwargs, one GPU: no --dcp), vLLM's engine core in the same process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, so that torch.profiler sees the GPU work), CUDA graphs as in the benchmark. After a
-warm-up it profiles two generations, 1 token and 1 + --steps tokens per prompt (the same prefill in both), with
-torch.profiler's CUDA activity; a kernel's decode time is its device time in the second minus the first, divided by
---steps. Printed per config: wall ms per decode step (the in-process engine's; the benchmark's multiprocess engine may
-differ), the kernels' µs per step summed ("busy"), and the kernels by µs per step; then one table with the kernels of
-all configs side by side (the top --top of each). Results: $FLASHMLA_BACKEND_RUN_DIR/profile-decode.json (--results).
+warm-up generation it adds every prompt to the engine and steps it until each request has its first token and
+WARM_STEPS more (the prefill stays outside), then profiles --steps engine steps of the whole batch decoding with
+torch.profiler's CUDA activity (decode_window: every request must gain the same number of tokens in them, else the
+run fails). A kernel's figure is its device time in that window divided by the tokens each request gained (one a
+decode step). Printed per config: wall ms per decode step (the in-process engine's; the benchmark's multiprocess
+engine may differ), the kernels' µs per step summed ("busy"), and the kernels by µs per step; then one table with the
+kernels of all configs side by side (the top --top of each). Results: $FLASHMLA_BACKEND_RUN_DIR/profile-decode.json (--results).
 """
 from __future__ import annotations
 
@@ -41,16 +43,57 @@ def kernel_totals(prof) -> dict[str, tuple[float, int]]:
     return totals
 
 
-def decode_per_step(short: dict[str, tuple[float, int]], long: dict[str, tuple[float, int]],
-                    steps: int) -> dict[str, dict]:
-    """Per kernel: µs and launches per decode step, from the 1-token run (short) and the 1 + steps run (long)."""
-    out = {}
-    for name, (t_long, n_long) in long.items():
-        t_short, n_short = short.get(name, (0.0, 0))
-        us, launches = (t_long - t_short) / steps, (n_long - n_short) / steps
-        if us > 0 or launches > 0:
-            out[name] = {"us": us, "launches": launches}
-    return out
+WARM_STEPS = 4          # decode steps every request has taken before the profiled window
+MAX_SETUP_STEPS = 100_000
+
+
+def per_step(totals: dict[str, tuple[float, int]], steps: int) -> dict[str, dict]:
+    """Per kernel: µs and launches per decode step, from a profile of `steps` decode steps."""
+    return {name: {"us": t / steps, "launches": n / steps} for name, (t, n) in totals.items() if t > 0 or n > 0}
+
+
+class TokenCounts:
+    """The generated-token count of each profiled request, updated from the engine's step() outputs (cumulative
+    outputs: len(outputs[0].token_ids) is the count so far)."""
+
+    def __init__(self, engine, request_ids: list[str]):
+        self.engine = engine
+        self.tokens = dict.fromkeys(request_ids, 0)
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            if out.request_id not in self.tokens:
+                continue
+            if out.finished:
+                raise RuntimeError(f"request {out.request_id} finished while being profiled: its max_tokens is too low")
+            self.tokens[out.request_id] = len(out.outputs[0].token_ids)
+
+
+def decode_window(engine, request_ids: list[str], steps: int, profiler, sync, warm_steps: int = WARM_STEPS):
+    """Steps `engine` until every request has its first token and warm_steps more (prefill and warm-up stay outside
+    the window), then `steps` steps inside `profiler` (a context manager; sync() around them). Returns (wall seconds
+    of the window, tokens each request gained in it). Raises when the requests gained different counts or none: the
+    window was not steps of the whole batch decoding."""
+    counts = TokenCounts(engine, request_ids)
+    taken = 0
+    while min(counts.tokens.values()) < 1 + warm_steps:
+        counts.step()
+        taken += 1
+        if taken > MAX_SETUP_STEPS:
+            raise RuntimeError(f"the requests did not all reach {1 + warm_steps} tokens in {MAX_SETUP_STEPS} steps")
+    before = dict(counts.tokens)
+    sync()
+    with profiler:
+        t = time.perf_counter()
+        for _ in range(steps):
+            counts.step()
+        sync()
+        wall = time.perf_counter() - t
+    gained = {r: counts.tokens[r] - before[r] for r in request_ids}
+    kinds = sorted(set(gained.values()))
+    if len(kinds) != 1 or kinds[0] < 1:
+        raise RuntimeError(f"the requests gained {kinds} tokens in the {steps} profiled steps: not one decode batch")
+    return wall, kinds[0]
 
 
 def short_name(name: str, width: int = 70) -> str:
@@ -108,30 +151,26 @@ def worker(args) -> int:
     from vllm.inputs import TokensPrompt
 
     cfg = bench.parse_config(args.worker)
-    args.dcp, args.kv_cache_memory_bytes, args.output_len = 1, None, args.steps + 1
+    args.dcp, args.kv_cache_memory_bytes = 1, None
+    args.output_len = 1 + WARM_STEPS + args.steps + 16  # no request finishes inside the window
     prompts = [TokensPrompt(prompt_token_ids=ids)
                for ids in bench.token_prompts(args.model, args.num_prompts, args.prompt_len, args.seed)]
     llm = LLM(**bench.engine_kwargs(cfg, args))
-
-    def generate(max_tokens: int) -> float:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-        torch.cuda.synchronize()
-        t = time.time()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-        return time.time() - t
-
-    generate(8)   # warm-up outside the profile
-    runs = {}
-    for n in (1, args.steps + 1):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            wall = generate(n)
-        runs[n] = (wall, kernel_totals(prof))
-        print(f"[profile] {cfg.label}: {n} token(s) a prompt in {wall:.2f} s, {len(runs[n][1])} kernels", flush=True)
-    (w1, short), (wn, long) = runs[1], runs[args.steps + 1]
-    rec = {"config": cfg.label, "steps": args.steps, "wall_ms_per_step": (wn - w1) / args.steps * 1e3,
-           "kernels": decode_per_step(short, long, args.steps), "gpu": torch.cuda.get_device_name()}
+    warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    llm.generate(prompts, warm, use_tqdm=False)  # compilation and graph capture outside the profile
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    ids = [f"profile-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    wall, tokens = decode_window(engine, ids, args.steps, prof, torch.cuda.synchronize)
+    engine.abort_request(ids)
+    print(f"[profile] {cfg.label}: {args.steps} steps of {len(ids)} decoding requests in {wall:.3f} s, {tokens} "
+          f"token(s) each", flush=True)
+    rec = {"config": cfg.label, "steps": args.steps, "tokens_per_request": tokens,
+           "wall_ms_per_step": wall / tokens * 1e3, "kernels": per_step(kernel_totals(prof), tokens),
+           "gpu": torch.cuda.get_device_name()}
     Path(args.worker_out).write_text(json.dumps(rec))
     return 0
 

@@ -1,6 +1,6 @@
 """CPU tests of integration/profile_vllm_decode.py (where a vLLM decode step's GPU time goes): the kernel totals of a
-profile, the per-step decode difference, the names and tables it prints, and the driver with the engine processes
-stood in for (no vLLM, no GPU)."""
+profile, the decode window (with vLLM's engine stood in for), the names and tables it prints, and the driver with the
+engine processes stood in for (no vLLM, no GPU)."""
 from __future__ import annotations
 
 import importlib.util
@@ -37,11 +37,68 @@ def test_kernel_totals_keeps_device_events_and_adds_repeated_keys():
     assert prof.kernel_totals(fake) == {"sm90_decode_kernel": (400.0, 6), "combine_kernel": (40.0, 4)}
 
 
-def test_decode_per_step_subtracts_the_prefill_run():
-    short = {"prefill": (1000.0, 8), "decode": (10.0, 8)}
-    long = {"prefill": (1000.0, 8), "decode": (1290.0, 136), "combine": (256.0, 128)}
-    got = prof.decode_per_step(short, long, 128)
+def test_per_step_divides_by_the_steps():
+    got = prof.per_step({"decode": (1280.0, 128), "combine": (256.0, 128), "idle": (0.0, 0)}, 128)
     assert got == {"decode": {"us": 10.0, "launches": 1.0}, "combine": {"us": 2.0, "launches": 1.0}}
+
+
+class FakeEngine:
+    """engine.step() as vLLM's in-process LLMEngine gives it: RequestOutputs with cumulative token ids, for the
+    requests that got tokens in the step. `plan` lists, per step, how many tokens each request gets (the prefill:
+    nothing for a while, then one a step); finished_at makes a request finish at that many tokens."""
+
+    def __init__(self, ids, prefill_steps, finished_at=None, skip=None):
+        self.ids, self.prefill_steps, self.finished_at, self.skip = ids, prefill_steps, finished_at, skip or {}
+        self.n = dict.fromkeys(ids, 0)
+        self.calls = 0
+
+    def step(self):
+        self.calls += 1
+        outs = []
+        for i, rid in enumerate(self.ids):
+            if self.calls <= self.prefill_steps[i] or self.calls in self.skip.get(rid, ()):
+                continue
+            self.n[rid] += 1
+            done = self.finished_at is not None and self.n[rid] >= self.finished_at
+            outs.append(SimpleNamespace(request_id=rid, finished=done,
+                                        outputs=[SimpleNamespace(token_ids=list(range(self.n[rid])))]))
+        outs.append(SimpleNamespace(request_id="someone-else", finished=True, outputs=[SimpleNamespace(token_ids=[1])]))
+        return outs
+
+
+class Window:
+    def __init__(self, engine):
+        self.engine, self.calls_at = engine, []
+
+    def __enter__(self):
+        self.calls_at.append(self.engine.calls)
+
+    def __exit__(self, *exc):
+        self.calls_at.append(self.engine.calls)
+
+
+def test_decode_window_profiles_only_steps_of_the_whole_batch_decoding():
+    ids = ["a", "b", "c"]
+    engine = FakeEngine(ids, prefill_steps=[1, 5, 9])   # requests finish their prefill at different steps
+    window, syncs = Window(engine), []
+    wall, tokens = prof.decode_window(engine, ids, 16, window, lambda: syncs.append(engine.calls), warm_steps=4)
+    assert tokens == 16 and wall >= 0
+    # The last request's first token came at step 10, its 5th at step 14: the window is steps 15-30.
+    assert window.calls_at == [14, 30] and syncs == [14, 30]
+
+
+def test_decode_window_fails_when_the_requests_gain_different_counts():
+    ids = ["a", "b"]
+    engine = FakeEngine(ids, prefill_steps=[0, 0], skip={"b": {9}})   # b misses a step inside the window
+    with pytest.raises(RuntimeError, match=r"gained \[7, 8\] tokens"):
+        prof.decode_window(engine, ids, 8, Window(engine), lambda: None, warm_steps=0)
+
+
+def test_decode_window_fails_when_a_request_finishes_inside_it():
+    ids = ["a"]
+    engine = FakeEngine(ids, prefill_steps=[0], finished_at=10)
+    with pytest.raises(RuntimeError, match="finished while being profiled"):
+        prof.decode_window(engine, ids, 16, Window(engine), lambda: None, warm_steps=2)
 
 
 def test_short_name_drops_templates_and_arguments():
