@@ -24,8 +24,8 @@ query mode chosen by FLASHMLA_BACKEND_FP8_MODE (flashmla_backend.engine_support 
 Supported vLLM versions: see flashmla_backend.vllm._compat.
 
 Test hook: FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 multiplies the softmax scale by 1.5 in this plugin's
-decode path and in its sparse attention (DeepSeek-V3.2) only (nothing else reads it). It exists so that the end-to-end comparison tests can
-prove they detect wrong attention; never set it otherwise. Ablation hook:
+decode path and in its sparse attention (DeepSeek-V3.2) only (nothing else reads it). It exists so that
+the end-to-end comparison tests can prove they detect wrong attention; never set it otherwise. Ablation hook:
 FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL=1 makes the plugin's decode call vLLM's own FlashMLA kernel instead of
 flashmla_backend's (16-bit cache, no decode context parallelism; the rest of the plugin unchanged), for the engine
 test that tells a kernel difference from an engine-path one; never set it otherwise.
