@@ -1,4 +1,4 @@
-"""Engine-level GPU tests: vLLM 0.26 serving a random-weight DeepSeek-V3.2 model (sparse attention) on our sparse decode.
+"""Engine-level GPU tests: vLLM 0.26 serving a random-weight DeepSeek-V3.2 model (sparse attention) on our decode.
 
     python -m pytest integration/test_vllm_sparse_engine_gpu.py -v -s      (a Hopper GPU, vLLM 0.26.0 with its DeepGEMM)
 
