@@ -16,6 +16,8 @@ Commands (each prints its plan first, one progress line per engine process, and 
     python integration/bench_vllm_throughput.py --dcp 2 --configs CUSTOM:auto,FLASHMLA:auto --rounds 4
         decode context parallelism: every engine at tensor_parallel_size 2 + decode_context_parallel_size 2, so
         each needs 2 GPUs (see "Decode context parallelism" below)
+    python integration/bench_vllm_throughput.py --model integration/models/tiny-deepseek-v32-h128-8layer --rounds 2
+        a DeepSeek-V3.2 model (sparse attention): default configs CUSTOM:fp8,FLASHMLA_SPARSE:fp8 (see "Sparse models")
     python integration/bench_vllm_throughput.py --dry-run [other options]
         prints the plan (processes in order, rough time) and starts nothing
     python integration/bench_vllm_throughput.py --table-from RUN.json [RUN2.json ...]
@@ -62,6 +64,15 @@ line; rows of DCP N > 1 read "CONFIG (DCP N)", and ratios are taken against the 
 results of different DCP sizes merged with --table-from stay apart). Not with --capacity (its cap is sized for one
 GPU holding the whole batch).
 
+Sparse models: a --model whose config.json says model_type deepseek_v32 (DeepSeek-V3.2: vLLM's indexer picks the
+tokens each query attends) runs the sparse backends: ours (CUSTOM, with FLASHMLA_BACKEND_SPARSE_GPU=1 in its
+environment, its log checked for our sparse attention on the fp8_ds_mla cache) and vLLM's FLASHMLA_SPARSE, both on the
+fp8 cache, which vLLM stores as fp8_ds_mla for these models (the plugin refuses a 16-bit sparse cache on GPUs, and the
+sparse backends have no FP8 query modes). Not with --capacity or --dcp. vLLM's indexer needs its vendored DeepGEMM
+(integration/README.md). integration/models/tiny-deepseek-v32-h128-8layer is the default shape's model as
+DeepSeek-V3.2 (8 layers, 128 heads, index_topk 2048 as in the real model): at the default 7000-token prompts every
+decode step attends 2048 tokens a request.
+
 Capacity (--capacity): vLLM's KV cache is capped with kv_cache_memory_bytes (LLM(...) argument, ignores
 gpu_memory_utilization) at --capacity-headroom (1.05) x the bytes an FP8 cache needs for the whole batch,
 prompts x (prompt_len + output_len) tokens, each request rounded up to 256-token blocks (override:
@@ -96,17 +107,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+import harness
 
 DEFAULT_BACKENDS = "CUSTOM,FLASHMLA,FLASH_ATTN_MLA,TRITON_MLA"
 DEFAULT_CAPACITY_CONFIGS = "CUSTOM:fp8:accurate,CUSTOM:auto"
+DEFAULT_SPARSE_CONFIGS = "CUSTOM:fp8,FLASHMLA_SPARSE:fp8"   # a DeepSeek-V3.2 --model (see "Sparse models" above)
 MODEL_DIR = harness.MODELS / "tiny-deepseek-v3-h128-8layer"
 KV_DTYPES = ("auto", "fp8")
 FP8_MODES = ("accurate", "fast")
 FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
-REFERENCES = ("FLASHMLA:fp8", "CUSTOM:auto")      # the throughput table's ratio columns
+SPARSE_GPU_ENV = "FLASHMLA_BACKEND_SPARSE_GPU"   # flashmla_backend._env's names (the driver does not import the package)
+REFERENCES = ("FLASHMLA:fp8", "FLASHMLA_SPARSE:fp8", "CUSTOM:auto")   # the throughput table's ratio columns
 CAPACITY_REFERENCE = "CUSTOM:auto"
 OUR_LOG_LINE = "MLA decode attention runs on flashmla_backend"
+OUR_SPARSE_LOG_LINE = "sparse MLA attention (DeepSeek-V3.2 indexer) runs on flashmla_backend"
 LATENT_BYTES_PER_TOKEN = 576                       # kv_lora_rank 512 + rope 64, one byte each in e4m3
 CAPACITY_BLOCK_ROUNDING = 256                      # largest KV block size: each request rounded up to it
 # Rough H100 figures at the default shape, for the plan line only.
@@ -122,6 +136,7 @@ class Config:
     backend: str
     kv: str = "auto"
     mode: str | None = None
+    sparse: bool = False   # the model is DeepSeek-V3.2 (sparse attention); not part of the label
 
     @property
     def label(self) -> str:
@@ -136,8 +151,9 @@ class Config:
         return self.kv == "fp8"
 
 
-def parse_config(item: str, default_kv: str = "auto") -> Config:
-    """BACKEND[:KVDTYPE[:MODE]] -> Config; KVDTYPE defaults to default_kv, CUSTOM with fp8 to mode accurate."""
+def parse_config(item: str, default_kv: str = "auto", sparse: bool = False) -> Config:
+    """BACKEND[:KVDTYPE[:MODE]] -> Config; KVDTYPE defaults to default_kv, CUSTOM with fp8 to mode accurate. sparse:
+    for a DeepSeek-V3.2 model, whose sparse backend has no query modes and on a GPU reads only the fp8 cache."""
     parts = [p.strip() for p in item.strip().split(":")]
     if not parts[0] or len(parts) > 3 or any(not p for p in parts):
         raise ValueError(f"config {item!r}: expected BACKEND[:KVDTYPE[:MODE]], e.g. CUSTOM:fp8:fast or FLASHMLA:auto")
@@ -148,6 +164,14 @@ def parse_config(item: str, default_kv: str = "auto") -> Config:
     if kv not in KV_DTYPES:
         raise ValueError(f"config {item!r}: KV-cache dtype {kv!r}; expected one of {', '.join(KV_DTYPES)}")
     mode = parts[2].lower() if len(parts) > 2 else None
+    if sparse:
+        if mode is not None:
+            raise ValueError(f"config {item!r}: a DeepSeek-V3.2 model's sparse attention has no FP8 query modes "
+                             f"(give BACKEND:fp8)")
+        if backend == "CUSTOM" and kv != "fp8":
+            raise ValueError(f"config {item!r}: our sparse decode kernel reads the fp8_ds_mla cache (CUSTOM:fp8); a "
+                             f"16-bit sparse cache is refused on GPUs")
+        return Config(backend, kv, None, sparse=True)
     if mode is not None:
         if mode not in FP8_MODES:
             raise ValueError(f"config {item!r}: mode {mode!r}; expected one of {', '.join(FP8_MODES)}")
@@ -159,8 +183,8 @@ def parse_config(item: str, default_kv: str = "auto") -> Config:
     return Config(backend, kv, mode)
 
 
-def parse_configs(text: str, default_kv: str = "auto") -> list[Config]:
-    configs = [parse_config(item, default_kv) for item in text.split(",") if item.strip()]
+def parse_configs(text: str, default_kv: str = "auto", sparse: bool = False) -> list[Config]:
+    configs = [parse_config(item, default_kv, sparse) for item in text.split(",") if item.strip()]
     if not configs:
         raise ValueError("no configs given")
     labels = [c.label for c in configs]
@@ -179,11 +203,15 @@ def round_orders(configs: list[Config], rounds: int, first_round: int = 1) -> li
 
 
 def config_env(cfg: Config, base: dict | None = None) -> dict:
-    """The engine process's environment: the harness's, with FLASHMLA_BACKEND_FP8_MODE only for CUSTOM with fp8."""
+    """The engine process's environment: the harness's, with FLASHMLA_BACKEND_FP8_MODE only for CUSTOM with fp8, and
+    FLASHMLA_BACKEND_SPARSE_GPU=1 for CUSTOM on a sparse model (without it the plugin's sparse backend refuses GPUs)."""
     env = dict(harness.engine_env() if base is None else base)
     env.pop(FP8_MODE_ENV, None)
+    env.pop(SPARSE_GPU_ENV, None)
     if cfg.mode:
         env[FP8_MODE_ENV] = cfg.mode
+    if cfg.sparse and cfg.backend == "CUSTOM":
+        env[SPARSE_GPU_ENV] = "1"
     return env
 
 
@@ -191,6 +219,12 @@ def custom_log_problem(log: str, cfg: Config, dcp: int = 1) -> str | None:
     """None when a CUSTOM run's log shows our decode (and, with fp8, the FP8 cache in the requested mode; with
     dcp > 1, decode context parallelism)."""
     if cfg.backend != "CUSTOM":
+        return None
+    if cfg.sparse:
+        sparse = [line for line in log.splitlines() if OUR_SPARSE_LOG_LINE in line]
+        if not any("fp8_ds_mla" in line for line in sparse):
+            return (f"{cfg.label}: the log does not show flashmla_backend's sparse attention on the fp8_ds_mla cache "
+                    f"({OUR_SPARSE_LOG_LINE!r})")
         return None
     ours = [line for line in log.splitlines() if OUR_LOG_LINE in line]
     if not ours:
@@ -607,8 +641,21 @@ def resolve(args) -> list[Config]:
     if args.dcp > 1 and args.capacity:
         raise ValueError("--dcp does not combine with --capacity (the capped cache is sized for one GPU holding the "
                          "whole batch)")
-    text = args.configs or args.backends or (DEFAULT_CAPACITY_CONFIGS if args.capacity else DEFAULT_BACKENDS)
-    return parse_configs(text, args.kv_cache_dtype)
+    sparse = is_sparse_model(args.model)
+    if sparse and (args.capacity or args.dcp > 1):
+        raise ValueError(f"--model {args.model} is a DeepSeek-V3.2 (sparse attention) model: no --capacity or --dcp "
+                         f"runs for it (the plugin's sparse backend refuses decode context parallelism)")
+    default = DEFAULT_SPARSE_CONFIGS if sparse else DEFAULT_CAPACITY_CONFIGS if args.capacity else DEFAULT_BACKENDS
+    return parse_configs(args.configs or args.backends or default, args.kv_cache_dtype, sparse)
+
+
+def is_sparse_model(model_dir: str) -> bool:
+    """Whether --model is a DeepSeek-V3.2-architecture model (sparse attention: model_type deepseek_v32)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("model_type") == "deepseek_v32"
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model_dir}: cannot read {path} ({e})") from e
 
 
 def visible_cuda_devices() -> int:

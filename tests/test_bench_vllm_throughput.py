@@ -134,6 +134,59 @@ def test_custom_log_problem():
     assert "16-bit run" in bench.custom_log_problem(f"{OURS}, FP8 KV cache, mode accurate", Config("CUSTOM"))
 
 
+# ---- sparse models (DeepSeek-V3.2) ----------------------------------------------------------------
+
+V32 = str(INTEGRATION / "models" / "tiny-deepseek-v32-h128-8layer")
+OURS_SPARSE = ("INFO [sparse_impl.py:86] flashmla_backend: sparse MLA attention (DeepSeek-V3.2 indexer) runs on "
+               "flashmla_backend 0.1.0 (the Hopper sparse decode kernel, ...), 128 heads per rank, scale 0.07, KV cache "
+               "fp8_ds_mla (656-byte tokens).")
+
+
+def test_the_env_names_are_the_packages():
+    from flashmla_backend._env import SPARSE_GPU_ENV
+
+    assert bench.SPARSE_GPU_ENV == SPARSE_GPU_ENV
+    assert bench.FP8_MODE_ENV == "FLASHMLA_BACKEND_FP8_MODE"
+
+
+def test_a_v32_model_runs_the_sparse_configs():
+    assert bench.is_sparse_model(V32) and not bench.is_sparse_model(str(bench.MODEL_DIR))
+    configs = bench.resolve(_args(["--model", V32]))
+    assert [c.label for c in configs] == ["CUSTOM:fp8", "FLASHMLA_SPARSE:fp8"] and all(c.sparse for c in configs)
+    assert [c.label for c in bench.resolve(_args(["--model", V32, "--backends", "CUSTOM,FLASHMLA_SPARSE",
+                                                  "--kv-cache-dtype", "fp8"]))] == ["CUSTOM:fp8", "FLASHMLA_SPARSE:fp8"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--configs", "CUSTOM:fp8:fast"], "no FP8 query modes"),
+    (["--configs", "CUSTOM:auto"], "reads the fp8_ds_mla cache"),
+    (["--backends", "CUSTOM"], "reads the fp8_ds_mla cache"),
+    (["--capacity"], "no --capacity or --dcp"),
+    (["--dcp", "2"], "no --capacity or --dcp"),
+])
+def test_a_v32_model_refuses_what_its_sparse_backend_cannot_run(argv, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        bench.resolve(_args(["--model", V32] + argv))
+
+
+def test_an_unreadable_model_is_named(tmp_path):
+    with pytest.raises(ValueError, match=re.escape(f"--model {tmp_path}: cannot read")):
+        bench.resolve(_args(["--model", str(tmp_path)]))
+
+
+def test_sparse_env_and_log_check():
+    ours, theirs = Config("CUSTOM", "fp8", sparse=True), Config("FLASHMLA_SPARSE", "fp8", sparse=True)
+    base = {"PATH": "/bin", bench.SPARSE_GPU_ENV: "1", bench.FP8_MODE_ENV: "fast"}
+    assert bench.config_env(ours, base)[bench.SPARSE_GPU_ENV] == "1" and bench.FP8_MODE_ENV not in bench.config_env(
+        ours, base)
+    assert bench.SPARSE_GPU_ENV not in bench.config_env(theirs, base)     # only our backend reads it
+    assert bench.SPARSE_GPU_ENV not in bench.config_env(Config("CUSTOM", "fp8", "accurate"), base)   # dense model
+    assert bench.custom_log_problem(OURS_SPARSE, ours) is None
+    assert "sparse attention on the fp8_ds_mla cache" in bench.custom_log_problem(OURS, ours)   # the dense line only
+    assert "sparse attention" in bench.custom_log_problem(OURS_SPARSE.replace("fp8_ds_mla", "bfloat16"), ours)
+    assert bench.custom_log_problem("nothing", theirs) is None
+
+
 # ---- capacity -----------------------------------------------------------------------------------
 
 def test_capacity_bytes_hold_the_batch_in_fp8_and_about_half_in_bf16():
