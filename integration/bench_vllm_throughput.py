@@ -107,7 +107,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness
+import harness  # noqa: E402
 
 DEFAULT_BACKENDS = "CUSTOM,FLASHMLA,FLASH_ATTN_MLA,TRITON_MLA"
 DEFAULT_CAPACITY_CONFIGS = "CUSTOM:fp8:accurate,CUSTOM:auto"
@@ -505,7 +505,7 @@ def worker(args) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    cfg = parse_config(args.worker)
+    cfg = parse_config(args.worker, sparse=is_sparse_model(args.model))
     prompts = [TokensPrompt(prompt_token_ids=ids)
                for ids in token_prompts(args.model, args.num_prompts, args.prompt_len, args.seed)]
     kwargs = engine_kwargs(cfg, args)
