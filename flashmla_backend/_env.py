@@ -37,3 +37,13 @@ def debug_break_scale_enabled(draft_runner: bool = False) -> bool:
     if not flag(DEBUG_BREAK_SCALE_ENV):
         return False
     return draft_runner or os.environ[DEBUG_BREAK_SCALE_ENV].strip().lower() != "draft"
+
+
+def debug_break_scale_factor(attention: str, log, draft_runner: bool = False) -> float:
+    """The test hook's factor on an attention backend's softmax scale: 1.5 when DEBUG_BREAK_SCALE_ENV applies to it
+    (debug_break_scale_enabled), with a warning on `log` naming `attention`; else 1.0."""
+    if not debug_break_scale_enabled(draft_runner):
+        return 1.0
+    log.warning("flashmla_backend: %s is set: %s uses a WRONG softmax scale (x1.5). This is a test hook; outputs are "
+                "deliberately incorrect.", DEBUG_BREAK_SCALE_ENV, attention)
+    return 1.5

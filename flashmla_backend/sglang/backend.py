@@ -43,7 +43,7 @@ import flashmla_backend
 from flashmla_backend import engine_support
 from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE, ROPE_DIM
 
-from .._env import DEBUG_BREAK_SCALE_ENV, debug_break_scale_enabled
+from .._env import debug_break_scale_factor
 from . import _compat
 from .metadata import MODE_DECODE, MODE_DRAFT_EXTEND, MODE_TARGET_VERIFY, DecodeMetadata, DecodeMetadataBuilder
 
@@ -210,12 +210,9 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             where = f"kernel '{kernel_or_reason}' on {torch.cuda.get_device_name(device)}"
         else:
             where = "the PyTorch reference (no CUDA device)"
-        self.decode_scale_factor = 1.0
-        if debug_break_scale_enabled(draft_runner=self.is_draft_runner):
-            self.decode_scale_factor = 1.5
-            logger.warning("flashmla_backend: %s is set: %s decode attention uses a WRONG softmax scale (x1.5). "
-                           "This is a test hook; outputs are deliberately incorrect.", DEBUG_BREAK_SCALE_ENV,
-                           "the draft model's" if self.is_draft_runner else "the")
+        self.decode_scale_factor = debug_break_scale_factor(
+            "the draft model's decode attention" if self.is_draft_runner else "the decode attention", logger,
+            draft_runner=self.is_draft_runner)
         global _announced
         if not _announced:
             _announced = True

@@ -38,7 +38,7 @@ from vllm.v1.attention.backend import AttentionLayer, AttentionType
 import flashmla_backend
 from flashmla_backend import engine_support
 
-from .._env import DEBUG_BREAK_SCALE_ENV, DEBUG_VLLM_DECODE_KERNEL_ENV, debug_break_scale_enabled, flag
+from .._env import DEBUG_VLLM_DECODE_KERNEL_ENV, debug_break_scale_factor, flag
 from .builder import FlashMLAPluginMetadata
 
 logger = logging.getLogger("vllm.flashmla_backend")
@@ -129,12 +129,7 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
         else:
             where = "the PyTorch reference (no CUDA device)"
 
-        self.decode_scale = self.scale
-        if debug_break_scale_enabled():
-            self.decode_scale = self.scale * 1.5
-            logger.warning(
-                "flashmla_backend: %s is set: decode attention uses a WRONG softmax scale (x1.5). "
-                "This is a test hook; outputs are deliberately incorrect.", DEBUG_BREAK_SCALE_ENV)
+        self.decode_scale = self.scale * debug_break_scale_factor("decode attention", logger)
 
         # The ablation hook (DEBUG_VLLM_DECODE_KERNEL_ENV): decode on vLLM's FlashMLA kernel instead of ours.
         self.vllm_decode_ops = vllm_flashmla_ops(self.kv_fp8) if flag(DEBUG_VLLM_DECODE_KERNEL_ENV) else None

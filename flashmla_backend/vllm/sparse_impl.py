@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import AttentionLayer
 
 import flashmla_backend
 from flashmla_backend import engine_support
-from flashmla_backend._env import DEBUG_BREAK_SCALE_ENV, SPARSE_GPU_ENV, debug_break_scale_enabled
+from flashmla_backend._env import SPARSE_GPU_ENV, debug_break_scale_factor
 
 from .sparse_builder import FlashMLASparsePluginMetadata
 from .sparse_indices import to_global_indices
@@ -77,12 +77,7 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
 
         # The test hook of the engine tests (flashmla_backend.vllm: FLASHMLA_BACKEND_DEBUG_BREAK_SCALE): a deliberately
         # wrong softmax scale, so that a GPU run proves its comparison catches broken attention.
-        self.attn_scale = self.scale
-        if debug_break_scale_enabled():
-            self.attn_scale = self.scale * 1.5
-            logger.warning(
-                "flashmla_backend: %s is set: sparse MLA attention uses a WRONG softmax scale (x1.5). "
-                "This is a test hook; outputs are deliberately incorrect.", DEBUG_BREAK_SCALE_ENV)
+        self.attn_scale = self.scale * debug_break_scale_factor("sparse MLA attention", logger)
 
         global _announced
         if not _announced:
