@@ -44,6 +44,7 @@ FP8_CASES = [
 SPARSE_CASES = [
     SparseCase(b=3, s_q=2, h_q=128, topk=200, num_pages=8, topk_length=[200, 77, 0], sink=True, seed=30),
     SparseCase(b=2, s_q=1, h_q=16, topk=40, page_size=1, num_pages=150, skipped=0.5, seed=31),
+    SparseCase(b=48, s_q=3, h_q=64, topk=130, num_pages=6, topk_length=[(37 * i) % 131 for i in range(48)], seed=32),
 ]
 FP8_MODES = {"bf16 q": (torch.bfloat16, False), "fp16 q": (torch.float16, False), "e4m3 q": (torch.bfloat16, True)}
 

@@ -227,7 +227,7 @@ def test_sparse_protocol_model_accepts_the_kernel_schedule():
 @pytest.mark.parametrize("mutation", ["transposer ignores vt_empty", "row sums read early",
                                       "factors read before vt_full", "half 0 released before its P V",
                                       "half 1 read before vt_full", "pairs read after their half's release",
-                                      "p slot rewritten early"])
+                                      "p slot rewritten early", "first q half read before it was written"])
 def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation):
     with pytest.raises(sparse_model.ProtocolError):
         for seed in range(60):

@@ -30,6 +30,10 @@ CASES = [
     SparseCase(b=2, s_q=3, h_q=32, topk=100, page_size=17, num_pages=20, ds_dtype=torch.int8, skipped=0.6, seed=14),
     SparseCase(b=2, s_q=1, h_q=128, topk=64, num_pages=4, ds_dtype=torch.float8_e4m3fn, skipped=1.0, seed=15),
     SparseCase(b=40, s_q=1, h_q=128, topk=512, num_pages=400, skipped=0.05, seed=16),
+    # 144 rows on 132 CTA columns: CTAs with several row pieces of 0-3 blocks, where warpgroup 0 loads each later
+    # row piece's Q tile alone while warpgroup 1 finishes the one before
+    SparseCase(b=48, s_q=3, h_q=64, topk=130, num_pages=6, topk_length=[(37 * i) % 131 for i in range(48)],
+               sink=True, seed=17),
 ]
 
 

@@ -57,17 +57,11 @@ enum DebugFlags : int {
   kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; measured: no change)
 };
 
-// The named barrier of all 256 consumer threads.
-constexpr uint32_t kBarConsumers = 0;
 // Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (a warp of a consumer warpgroup once a
 // group's P V of the half completed: a half holds two groups, each read by its own P V, lead.cuh).
 constexpr uint32_t kVtFullArrivals = kTransposeWarps;
 constexpr uint32_t kGroupsPerVtHalf = 2;
 constexpr uint32_t kVtEmptyArrivals = 4 * kGroupsPerVtHalf;
-
-__device__ __forceinline__ void consumers_sync() {
-  NamedBarrier(kNumConsumerThreads, kBarConsumers).arrive_and_wait_unaligned();
-}
 
 // The mbarrier waits of the dense FP8 kernel (the producer's trap after FMLA_SM90_WAIT_TIMEOUT_NS, the consumers' do
 // not: decode_fp8/producer.cuh says why), with the retries' suspend-time hint of the launch (suspend_hint: 0, the
@@ -86,17 +80,20 @@ __device__ __forceinline__ void producer_wait(Barrier& bar, uint32_t parity, uin
 }
 
 // ------------------------------------------------------------------------------------------------
-// The Q tile of a row: the 256 consumer threads, thread t: head 64 m + t / 4, latent group t % 4 (128 channels) and
-// rope channels 16 (t % 4) .. + 15. q ~ s_r (hi + lo), s_r = 2^ceil(log2(amax / 448)) over the head's latent part
-// (qk.cuh's header); heads past h_q get zeros.
+// The Q tile of a row, written by q_slot_split from q_slot_load's registers, one slot t (0..255) at a time: head
+// 64 m + t / 4, latent group t % 4 (128 channels) and rope channels 16 (t % 4) .. + 15. q ~ s_r (hi + lo),
+// s_r = 2^ceil(log2(amax / 448)) over the head's latent part (qk.cuh's header); heads past h_q get zeros. Only
+// warpgroup 0 reads the tile (its Q K^T), so only the CTA's first row piece is loaded by both warpgroups (slots tid);
+// warpgroup 0 loads every later one alone (slots t and t + 128): copied into the tile by cp.async once its last Q K^T
+// of the row piece before is complete, split in place after that row piece's stores (lead.cuh).
 // ------------------------------------------------------------------------------------------------
-template <class SS>
-__device__ __forceinline__ void load_q_tile(const DecodeParams& p, SS& ss, int req, int m_block, int tid) {
-  const int r = tid >> 2, qq = tid & 3;
-  const int h = m_block * kTileRows + r;
-  const bool valid = h < p.num_heads_q;
+struct QSlot {
   uint4 lat[16], rope[2];
-  if (valid) {
+};
+
+__device__ __forceinline__ void q_slot_load(const DecodeParams& p, int req, int m_block, int t, QSlot& q) {
+  const int h = m_block * kTileRows + (t >> 2), qq = t & 3;
+  if (h < p.num_heads_q) {
     const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const cutlass::bfloat16_t*>(p.q) +
                                                       int64_t(req) * p.q_stride_b + int64_t(h) * p.q_stride_h) +
                        16 * qq;
@@ -105,49 +102,98 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& p, SS& ss, int r
                               int64_t(h) * p.q_pe_stride_h) +
                           2 * qq;
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 16; ++i) lat[i] = __ldg(src + i);
-    rope[0] = __ldg(src_pe);
-    rope[1] = __ldg(src_pe + 1);
+    for (int i = 0; i < 16; ++i) q.lat[i] = __ldg(src + i);
+    q.rope[0] = __ldg(src_pe);
+    q.rope[1] = __ldg(src_pe + 1);
   } else {
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 16; ++i) lat[i] = make_uint4(0, 0, 0, 0);
-    rope[0] = rope[1] = make_uint4(0, 0, 0, 0);
+    for (int i = 0; i < 16; ++i) q.lat[i] = make_uint4(0, 0, 0, 0);
+    q.rope[0] = q.rope[1] = make_uint4(0, 0, 0, 0);
   }
-  float amax = 0.f;
+}
+
+// Slot t's 16-bit q copied by cp.async (no commit) into the bytes its terms go to: latent channels 16 c .. + 7 of
+// the slot's group where chunk c's hi term goes, 16 c + 8 .. + 15 where its lo term goes, the rope chunks where they
+// stay (zeros for heads past h_q). Two e4m3 terms are as many bytes as the 16-bit q, so the tile holds it exactly, and
+// q_slot_read gives the thread back its own bytes as q_slot_load's registers: the split needs no barrier before it.
+template <class SS>
+__device__ __forceinline__ void q_slot_copy(const DecodeParams& p, SS& ss, int req, int m_block, int t) {
+  const int r = t >> 2, qq = t & 3;
+  const int h = m_block * kTileRows + r;
+  const bool valid = h < p.num_heads_q;
+  const cutlass::bfloat16_t* src =
+      reinterpret_cast<const cutlass::bfloat16_t*>(p.q) + (valid ? int64_t(req) * p.q_stride_b + int64_t(h) * p.q_stride_h : 0) + 128 * qq;
+  const cutlass::bfloat16_t* src_pe = reinterpret_cast<const cutlass::bfloat16_t*>(p.q_pe) +
+                                      (valid ? int64_t(req) * p.q_pe_stride_b + int64_t(h) * p.q_pe_stride_h : 0) + 16 * qq;
+  const uint32_t lat = cute::cast_smem_ptr_to_uint(ss.q_latent), rope = cute::cast_smem_ptr_to_uint(ss.q_rope);
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < 8; ++c) {
+    const uint32_t off = lat + gather_chunk_offset(r, 8 * qq + c);
+    decode::cp_async_16(off, src + 16 * c, valid);
+    decode::cp_async_16(off + kLatentBytes, src + 16 * c + 8, valid);
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < 2; ++c) decode::cp_async_16(rope + sw128_offset(r, 2 * qq + c), src_pe + 8 * c, valid);
+}
+template <class SS>
+__device__ __forceinline__ void q_slot_read(SS& ss, int t, QSlot& q) {
+  const int r = t >> 2, qq = t & 3;
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < 8; ++c) {
+    const uint32_t off = gather_chunk_offset(r, 8 * qq + c);
+    q.lat[2 * c] = *reinterpret_cast<const uint4*>(ss.q_latent + off);
+    q.lat[2 * c + 1] = *reinterpret_cast<const uint4*>(ss.q_latent + kLatentBytes + off);
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < 2; ++c) q.rope[c] = *reinterpret_cast<const uint4*>(ss.q_rope + sw128_offset(r, 2 * qq + c));
+}
+
+// The two e4m3 terms of two bf16 (one word, the low half first) times inv, a power of two: y = x inv (exact, |y| <=
+// 448), hi = e4m3(y), lo = e4m3(y - hi), in the low and high byte of their 16 bits. y - hi is taken in fp16, where it
+// is exact: y has 8 significant bits and hi is y to 4, so the difference needs at most 5 bits above y's last one; y
+// itself is exact in fp16 down to 2^-14, and below that both terms round to zero either way. Two instructions a pair
+// fewer than widening hi back to fp32 for the difference (the same terms bit for bit, but for the sign of a zero lo).
+__device__ __forceinline__ void split_bf16x2(uint32_t w, float inv, uint32_t& hi, uint32_t& lo) {
+  const float y0 = __uint_as_float(w << 16) * inv, y1 = __uint_as_float(w & 0xffff0000u) * inv;
+  uint16_t h, l;
+  uint32_t y16, hb, d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(y1), "f"(y0));
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y16) : "f"(y1), "f"(y0));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hb) : "h"(h));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(y16), "r"(hb));
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(l) : "r"(d));
+  hi = h;
+  lo = l;
+}
+
+template <class SS>
+__device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int t, const QSlot& q) {
+  const int r = t >> 2, qq = t & 3;
+  // max |x| over the head's 512 latent values (four slots): bf16 pairs, |.| and max (NaN dropped, as fmaxf does)
+  __nv_bfloat162 m2 = __float2bfloat162_rn(0.f);
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < 16; ++i) {
-    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&lat[i]);
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&q.lat[i]);
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 4; ++k) {
-      const float2 f = __bfloat1622float2(v[k]);
-      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-    }
+    for (int k = 0; k < 4; ++k) m2 = __hmax2(m2, __habs2(v[k]));
   }
+  float amax = fmaxf(__low2float(m2), __high2float(m2));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   const float s = amax > 0.f ? exp2f(ceilf(log2f(amax / decode_fp8::kE4m3Max))) : 1.f;
   const float inv = 1.f / s;
   CUTLASS_PRAGMA_UNROLL
-  for (int c = 0; c < 8; ++c) {  // chunk 8 qq + c: 16 latent channels
-    float x[16];
-    CUTLASS_PRAGMA_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&lat[2 * c + half]);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(v[k]);
-        x[8 * half + 2 * k] = f.x * inv;
-        x[8 * half + 2 * k + 1] = f.y * inv;
-      }
-    }
+  for (int c = 0; c < 8; ++c) {  // chunk 8 qq + c: 16 latent channels, words 2 k and 2 k + 1 of them in word k
+    const uint32_t w[8] = {q.lat[2 * c].x,     q.lat[2 * c].y,     q.lat[2 * c].z,     q.lat[2 * c].w,
+                           q.lat[2 * c + 1].x, q.lat[2 * c + 1].y, q.lat[2 * c + 1].z, q.lat[2 * c + 1].w};
     uint32_t hi[4], lo[4];
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < 4; ++k) {
-      hi[k] = decode_fp8::f32x4_to_e4m3x4(x[4 * k], x[4 * k + 1], x[4 * k + 2], x[4 * k + 3]);
-      float b[4];
-      decode_fp8::e4m3x4_to_f32x4(hi[k], b);
-      lo[k] = decode_fp8::f32x4_to_e4m3x4(x[4 * k] - b[0], x[4 * k + 1] - b[1], x[4 * k + 2] - b[2],
-                                          x[4 * k + 3] - b[3]);
+      uint32_t h0, l0, h1, l1;
+      split_bf16x2(w[2 * k], inv, h0, l0);
+      split_bf16x2(w[2 * k + 1], inv, h1, l1);
+      hi[k] = h0 | (h1 << 16);
+      lo[k] = l0 | (l1 << 16);
     }
     const uint32_t off = gather_chunk_offset(r, 8 * qq + c);
     *reinterpret_cast<uint4*>(ss.q_latent + off) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
@@ -156,7 +202,7 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& p, SS& ss, int r
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < 2; ++c) {  // rope chunk 2 qq + c: 8 channels, divided by s (a power of two: exact)
     uint4 o;
-    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&rope[c]);
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&q.rope[c]);
     __nv_bfloat162* w = reinterpret_cast<__nv_bfloat162*>(&o);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < 4; ++k) {
@@ -168,6 +214,11 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& p, SS& ss, int r
   if (qq == 0) ss.row_scale_log2[r] = p.scale_log2 * s;
 }
 
+// Named barriers of the consumer warpgroups: the CTA's first Q tile (warpgroup 1 arrives after its half, warpgroup 0
+// waits for it), and warpgroup 0's own once it loaded a later tile alone.
+constexpr uint32_t kBarFirstQ = 0;
+constexpr uint32_t kBarLeadQ = 1;
+
 // A consumer thread's two accumulator rows (a 64-row accumulator's rows g and g + 8 of its warp's 16): their place in
 // the M tile (row_in_tile: the Q tile's and the shared row arrays' index) and among the query rows (rows).
 __device__ __forceinline__ void thread_rows(int tid_in_wg, int m_block, int (&row_in_tile)[2], int (&rows)[2]) {
@@ -176,15 +227,6 @@ __device__ __forceinline__ void thread_rows(int tid_in_wg, int m_block, int (&ro
   row_in_tile[1] = row_in_tile[0] + 8;
   rows[0] = m_block * kTileRows + row_in_tile[0];
   rows[1] = m_block * kTileRows + row_in_tile[1];
-}
-
-// The start of a row piece in the consumer warpgroups (all 256 threads): the Q tile of row `req`, made visible to the
-// tensor cores, and a barrier before the first wgmma reads it.
-template <class SS>
-__device__ __forceinline__ void begin_row_piece(const DecodeParams& p, SS& ss, int req, int m_block, int tid) {
-  load_q_tile(p, ss, req, m_block, tid);
-  cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
-  consumers_sync();
 }
 
 // The blocks of request piece w that hold counted entries (topk_length cuts a row; params.h), and the end of the

@@ -46,9 +46,9 @@ struct alignas(1024) LeadStorage {
   alignas(1024) uint8_t vt[2][decode_fp8::kVtHalfBytes];    // V^T half h of every block
   alignas(16) uint8_t p16[kPSlots][kP16Bytes];              // P of block g in slot g % kPSlots, by thread
   float sc[kPSlots][kTileRows];                             // the rows' factor of block g: exp2(m_before - m_after)
+  float rsum[kPSlots][kTileRows];                           // the rows' final sums, with a row piece's last block
   uint64_t mask[kStages];                                   // block g's mask in slot mask_slot(g)
   float row_scale_log2[kTileRows];
-  float row_sum[kTileRows];                                 // the rows' final sums (warpgroup 0 -> 1)
   // The block in stage s (common.cuh: block_group_factors): its words' s F pairs of group g, [g][q][a] (f16x2), and
   // (ratio, F) of group g.
   alignas(16) uint32_t sf[kStages][kGroups][4][8];
@@ -96,10 +96,16 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
   typename QkTypes::TiledMmaLatent mma_s;
   typename PvTypes::TiledMma mma_o;
+  {  // the first row piece's Q tile: heads 0..31 here, 32..63 in warpgroup 1 (common.cuh: q_slot_split)
+    QSlot q;
+    q_slot_load(p, begin_req, m_block, tid_in_wg, q);
+    q_slot_split(p, ss, tid_in_wg, q);
+    cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
+    NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_and_wait_unaligned();
+  }
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    begin_row_piece(p, ss, req, m_block, tid);
     const float sl2[2] = {ss.row_scale_log2[row_in_tile[0]], ss.row_scale_log2[row_in_tile[1]]};
 
     Tensor o = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 0
@@ -113,9 +119,17 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     Tensor t0 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     Tensor t1 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S, t0, t1, [] {});
+    const bool next = req < end_req;
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
+      // The row piece's last Q K^T is complete: the next one's 16-bit q goes into the tile now, its latency under this
+      // block's work and the epilogue (split in place after the stores)
+      if (next && blk + 1 == nblk) {
+        q_slot_copy(p, ss, req + 1, m_block, tid_in_wg);
+        q_slot_copy(p, ss, req + 1, m_block, tid_in_wg + kWgThreads);
+        decode::cp_async_commit();
+      }
 
       // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
       float sc[2];
@@ -129,6 +143,13 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       if ((lane & 3) == 0) {
         ss.sc[c][row_in_tile[0]] = sc[0];
         ss.sc[c][row_in_tile[1]] = sc[1];
+      }
+      if (blk + 1 == nblk) {  // the rows' sums go with the last block's P (warpgroup 1 needs no barrier for them)
+        const float s0 = decode::quad_sum(l[0]), s1 = decode::quad_sum(l[1]);
+        if ((lane & 3) == 0) {
+          ss.rsum[c][row_in_tile[0]] = s0;
+          ss.rsum[c][row_in_tile[1]] = s1;
+        }
       }
       warp_arrive(ss.p_full[c], lane);
 
@@ -168,20 +189,32 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       }
     }
 
-    // ---- epilogue: the rows' sums for warpgroup 1 ----
+    // ---- epilogue, and the next row piece's Q tile, made by this warpgroup alone: warpgroup 1 never reads the
+    // tile, so neither waits for the other here (warpgroup 1 finishes its last block while this one starts the next
+    // row piece) ----
     if (req == end_req) pdl_launch_dependents();
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) l[v] = decode::quad_sum(l[v]);
-    if ((lane & 3) == 0) {
-      ss.row_sum[row_in_tile[0]] = l[0];
-      ss.row_sum[row_in_tile[1]] = l[1];
-    }
-    consumers_sync();  // row sums written; both warpgroups past their last wgmma of the row
     float inv[2];
     inv_out(F, l, inv);
     store_group(p, w, 0, rows, lane, o, inv);
     store_lse(p, w, rows, lane, l, m);
-    consumers_sync();  // the Q tile and row_sum are rewritten by the next row piece
+    if (next) {
+      if (nblk == 0) {  // no block: not copied yet
+        q_slot_copy(p, ss, req + 1, m_block, tid_in_wg);
+        q_slot_copy(p, ss, req + 1, m_block, tid_in_wg + kWgThreads);
+        decode::cp_async_commit();
+      }
+      decode::cp_async_wait_all();  // this thread's own copies: the split reads only them
+#pragma unroll 1
+      for (int k = 0; k < 2; ++k) {
+        QSlot q;
+        q_slot_read(ss, tid_in_wg + k * kWgThreads, q);
+        q_slot_split(p, ss, tid_in_wg + k * kWgThreads, q);
+      }
+      cutlass::arch::fence_view_async_shared();
+      NamedBarrier(kWgThreads, kBarLeadQ).arrive_and_wait_unaligned();
+    }
   }
 }
 
@@ -214,10 +247,16 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
   thread_rows(tid_in_wg, m_block, row_in_tile, rows);
 
   typename PvTypes::TiledMma mma_o;
+  {  // heads 32..63 of the first row piece's Q tile (lead_loop); warpgroup 0 waits for them, this one does not
+    QSlot q;
+    q_slot_load(p, begin_req, m_block, kWgThreads + tid_in_wg, q);
+    q_slot_split(p, ss, kWgThreads + tid_in_wg, q);
+    cutlass::arch::fence_view_async_shared();
+    NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_unaligned();
+  }
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    begin_row_piece(p, ss, req, m_block, tid);
 
     Tensor o1 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 1
     Tensor o2 = partition_fragment_C(mma_o, Shape<Int<kTileRows>, Int<128>>{});  // O of group 2
@@ -226,6 +265,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
     clear(o2);
     clear(o3);
     float F[3] = {0.f, 0.f, 0.f};
+    float l[2] = {0.f, 0.f};  // the rows' final sums, from the last block's P slot (0 without a block)
 
     int stop;
     const int nblk = counted_blocks(p, w, stop);
@@ -235,6 +275,10 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       // ---- the rows' factor of block g from warpgroup 0 (its P stays in slot c until the last group's words) ----
       consumer_wait(ss.p_full[c], (g / kPSlots) & 1u, hint);
       const float sc[2] = {ss.sc[c][row_in_tile[0]], ss.sc[c][row_in_tile[1]]};
+      if (blk + 1 == nblk) {
+        l[0] = ss.rsum[c][row_in_tile[0]];
+        l[1] = ss.rsum[c][row_in_tile[1]];
+      }
 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes all of them); O rescaled ----
       consumer_wait(ss.vt_full[0], g & 1u, hint);
@@ -260,10 +304,6 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
 
     // ---- epilogue ----
     if (req == end_req) pdl_launch_dependents();
-    consumers_sync();  // warpgroup 0 wrote the rows' sums
-    float l[2];
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) l[v] = ss.row_sum[row_in_tile[v]];
     float inv[2];
     inv_out(F[0], l, inv);
     store_group(p, w, 1, rows, lane, o1, inv);
@@ -271,7 +311,6 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
     store_group(p, w, 2, rows, lane, o2, inv);
     inv_out(F[2], l, inv);
     store_group(p, w, 3, rows, lane, o3, inv);
-    consumers_sync();
   }
 }
 

@@ -16,7 +16,9 @@ read by warpgroup 0's P V of group 0, which completes under the next block's Q K
 half 1 by warpgroup 1's of groups 2 and 3: two readers each, one vt_empty arrival a warp and group), a block's group
 factors (transposer warp w writes those of groups 2 w, 2 w + 1: warp 0's are read by both warpgroups, warp 1's by
 warpgroup 1; no barrier of their own, the stage's vt_full publishes them and its empty frees them), a P slot (read
-by warpgroup 1 until its last group's words) or the rows' sums.
+by warpgroup 1 until its last group's words), the rows' sums (written by warpgroup 0 with a row piece's last P,
+read by warpgroup 1 between that slot's p_full and p_empty) or the Q tile (warpgroup 0 its only reader; warpgroup 1
+writes half of the CTA's first one only, behind a named barrier that warpgroup 0 alone waits on).
 Warpgroup 1 does not hold the stage (no arrival on its empty barrier): the factors and pairs it reads until group 3's
 words are rewritten for block g + 2 only after the transposer warps' half 1 of block g + 1, which waited for
 warpgroup 1's group 3 P V of block g; the model reads them that long and finds no early rewrite.
@@ -95,13 +97,6 @@ def transposer_agent(w: int, blocks: int, mutation=None):
         yield ("arrive", "empty", s)
 
 
-def rendezvous(bar: str):
-    """A named barrier that both consumer warpgroups sync on: this warpgroup's arrival, then its wait for the
-    other's arrival at the same generation."""
-    yield ("both_arrive", bar)
-    yield ("both_wait", bar)
-
-
 def warps_arrive(bar: str, i: int):
     for _ in range(CONSUMER_WARPS):
         yield ("arrive", bar, i)
@@ -129,23 +124,34 @@ def pv_group(half: int, g: int):
 
 
 # ---- the consumer warpgroups (lead.cuh: lead_loop, follow_loop) ---------------------------------------------------
-def lead_qk(g: int):
+def lead_qk(g: int, row: int):
     s = g % STAGES
     yield ("wait", "full", s, g // STAGES)
+    for half in (0, 1):                     # the Q tile's heads 0..31 and 32..63, read by the product alone
+        yield ("read_begin", ("q", half), row)
+        yield ("read_end", ("q", half), row)
     yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
 def lead_consumer(rows: list[int], p_slots: int, mutation=None):
     g = 0
+    yield ("write", ("q", 0), 0, "q")               # the first row piece's Q tile: this warpgroup's heads,
+    yield ("both_arrive", "first_q")                # then a wait for warpgroup 1's (kBarFirstQ)
+    if mutation != "first q half read before it was written":
+        yield ("both_wait", "first_q")
     for row, n in enumerate(rows):
-        yield from rendezvous("consumers")          # the Q tile written
         if n:
-            yield from lead_qk(g)
+            yield from lead_qk(g, row)
         for blk in range(n):
             s, c = g % STAGES, g % p_slots
+            if blk + 1 == n and row + 1 < len(rows):   # the row piece's last Q K^T done: the next Q tile's copy
+                yield ("write", ("q", 0), row + 1, "q")
+                yield ("write", ("q", 1), row + 1, "q")
             if g >= p_slots and mutation != "p slot rewritten early":
                 yield ("wait", "p_empty", c, g // p_slots - 1)
             yield ("write", ("p16", c), g, "one")   # P and the rows' factor
+            if blk + 1 == n:
+                yield ("write", ("rsum", c), g, "one")   # the rows' sums, with the row piece's last P
             yield from warps_arrive("p_full", c)
             yield from factors_and_vt(0, g, mutation)
             yield ("read_end", ("stage", s), g)
@@ -153,7 +159,7 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None):
             # P V of group 0, issued before the next block's Q K^T and released after its first wait
             yield ("read_begin", ("vt", 0), g)
             if blk + 1 < n:
-                yield from lead_qk(g + 1)
+                yield from lead_qk(g + 1, row)
             if mutation == "half 0 released before its P V":
                 yield from warps_arrive("vt_empty", 0)
                 yield ("read_end", ("vt", 0), g)
@@ -161,19 +167,27 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None):
                 yield ("read_end", ("vt", 0), g)
                 yield from warps_arrive("vt_empty", 0)
             g += 1
-        yield ("write", "rowsum", row, "one")
-        yield from rendezvous("consumers")          # the rows' sums written
-        yield from rendezvous("consumers")          # past the epilogue
+        if row + 1 < len(rows) and n == 0:          # the next row piece's Q tile, this warpgroup alone
+            yield ("write", ("q", 0), row + 1, "q")
+            yield ("write", ("q", 1), row + 1, "q")
 
 
 def follow_consumer(rows: list[int], p_slots: int, mutation=None):
     g = 0
+    yield ("write", ("q", 1), 0, "q")               # heads 32..63 of the first Q tile, and no wait
+    yield ("both_arrive", "first_q")
     for row, n in enumerate(rows):
-        yield from rendezvous("consumers")
-        for _ in range(n):
+        for blk in range(n):
             s, c = g % STAGES, g % p_slots
+            last = blk + 1 == n
+            if last and mutation == "row sums read early":
+                yield ("read_begin", ("rsum", c), g)
+                yield ("read_end", ("rsum", c), g)
             yield ("wait", "p_full", c, g // p_slots)
             yield ("read_begin", ("p16", c), g)     # the rows' factor now, P by chunks until group 3's words
+            if last and mutation != "row sums read early":
+                yield ("read_begin", ("rsum", c), g)   # the rows' sums of the row piece
+                yield ("read_end", ("rsum", c), g)
             yield from factors_and_vt(1, g, mutation)   # the factors and pairs of groups 1..3, read until their words
             yield ("read_end", ("fac", s, 0), g)     # group 1's words
             yield from pv_group(0, g)               # group 1
@@ -188,13 +202,6 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None):
             if mutation == "pairs read after their half's release":
                 yield ("read_end", ("fac", s, 1), g)
             g += 1
-        if mutation != "row sums read early":
-            yield from rendezvous("consumers")
-        yield ("read_begin", "rowsum", row)
-        yield ("read_end", "rowsum", row)
-        yield from rendezvous("consumers")
-        if mutation == "row sums read early":
-            yield from rendezvous("consumers")
 
 
 def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
@@ -213,8 +220,10 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
     # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
     # warp 0's factors are read by both warpgroups, warp 1's by warpgroup 1.
-    readers = {"stage": counts["warps"] + 1, "vt": 2, "fac0": 2, "fac1": 1, "one": 1}
-    both = {"consumers"}   # named barriers both warpgroups sync on (rendezvous above)
+    # The Q tile is rewritten by its one reader (warpgroup 0) in program order; a row piece without blocks never
+    # reads it, so its writes check only for reads in progress and the reads for the row they expect.
+    readers = {"stage": counts["warps"] + 1, "vt": 2, "fac0": 2, "fac1": 1, "one": 1, "q": 0}
+    both = {"first_q"}   # named barriers of both warpgroups
     gen = {(b, w): 0 for b in both for w in ("wg0", "wg1")}
 
     def ready(name, op) -> bool:
