@@ -24,6 +24,9 @@ constexpr int kFixedOverheadBlocks = 5;
 // pieces a b = 1 batch of 128 blocks runs 64 parts instead of 128 at the same time per part, with half the splits
 // to combine (docs/perf/journal.md, 2026-11-27 evening, has the 16-bit and FP8 timings).
 constexpr int kMinPartBlocks = 2;
+// The sparse kernel takes a piece's blocks one at a time, so its schedule's parts may hold a single block: at b = 1
+// twice the CTAs on half the blocks each (SchedParams::min_part_blocks; docs/perf/journal.md has the timings).
+constexpr int kSparseMinPartBlocks = 1;
 constexpr int kSchedMetaInts = 8;     // int32 per metadata row
 
 // One row of tile_scheduler_metadata [num_sm_parts, 8] int32; one row per sm part.
@@ -48,6 +51,7 @@ struct SchedParams {
   int32_t* num_splits;      // [batch + 1] out: prefix sum of splits per request, num_splits[0] = 0
   int batch;                // >= 1
   int num_sm_parts;         // >= 1
+  int min_part_blocks;      // >= 1: kMinPartBlocks for the dense kernels, kSparseMinPartBlocks for the sparse one
   void* stream;             // cudaStream_t
 };
 

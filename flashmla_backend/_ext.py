@@ -19,7 +19,8 @@ def _load():
     exported = dict(_C.schedule_constants)
     wrong = geometry.mismatches(exported)
     for name, value in (("fixed_overhead_blocks", scheduler.FIXED_OVERHEAD_BLOCKS),  # the CPU mirror's cost model
-                        ("min_part_blocks", scheduler.MIN_PART_BLOCKS)):
+                        ("min_part_blocks", scheduler.MIN_PART_BLOCKS),
+                        ("sparse_min_part_blocks", scheduler.SPARSE_MIN_PART_BLOCKS)):
         if exported.get(name) != value:
             wrong.append(f"{name}: compiled {exported.get(name)!r}, Python {value!r}")
     if wrong:  # a stale build from other sources: refuse it rather than compute with the wrong shapes

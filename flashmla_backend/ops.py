@@ -37,10 +37,11 @@ def _out_dtype(q: torch.Tensor) -> torch.dtype:
 
 # ---- get_mla_metadata -------------------------------------------------------------------------
 
-def _metadata_impl(cache_seqlens: torch.Tensor, num_sm_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _metadata_impl(cache_seqlens: torch.Tensor, num_sm_parts: int,
+                   min_part_blocks: int = scheduler.MIN_PART_BLOCKS) -> tuple[torch.Tensor, torch.Tensor]:
     b = cache_seqlens.shape[0]
     if cache_seqlens.device.type != "cuda":
-        return scheduler.schedule(cache_seqlens, num_sm_parts)
+        return scheduler.schedule(cache_seqlens, num_sm_parts, min_part_blocks)
     meta = torch.empty((num_sm_parts, META_INTS), dtype=torch.int32, device=cache_seqlens.device)
     num_splits = torch.empty((b + 1,), dtype=torch.int32, device=cache_seqlens.device)
     if b == 0:
@@ -49,8 +50,8 @@ def _metadata_impl(cache_seqlens: torch.Tensor, num_sm_parts: int) -> tuple[torc
         num_splits.zero_()
         return meta, num_splits
     idx = cache_seqlens.device.index
-    _ext.ext().tile_scheduler(cache_seqlens.data_ptr(), b, num_sm_parts, meta.data_ptr(), num_splits.data_ptr(),
-                              idx, _raw_stream(cache_seqlens.device))
+    _ext.ext().tile_scheduler(cache_seqlens.data_ptr(), b, num_sm_parts, min_part_blocks, meta.data_ptr(),
+                              num_splits.data_ptr(), idx, _raw_stream(cache_seqlens.device))
     return meta, num_splits
 
 
@@ -399,7 +400,7 @@ def _fill_sparse_schedule(meta: FlashMLASchedMeta, config, rows: int, topk: int,
     # holds for any topk_length, also in the replays of a captured graph.
     lengths = torch.full((rows,), topk, dtype=torch.int32, device=dev)
     parts = scheduler.num_sm_parts(device.sm_count(dev), 1, h_q)
-    tile_md, splits = _metadata_impl(lengths, parts)
+    tile_md, splits = _metadata_impl(lengths, parts, scheduler.SPARSE_MIN_PART_BLOCKS)
     meta.tile_scheduler_metadata, meta.num_splits, meta.sparse_lengths = tile_md, splits, lengths
     meta.config, meta.have_initialized = config, True
 

@@ -33,6 +33,7 @@ from .geometry import BLOCK_M, META_INTS, PAGE_SIZE
 
 FIXED_OVERHEAD_BLOCKS = 5
 MIN_PART_BLOCKS = 2   # P and piece mode's grain are at least this (csrc/params.h: kMinPartBlocks says why)
+SPARSE_MIN_PART_BLOCKS = 1   # the sparse kernel's schedules (csrc/params.h: kSparseMinPartBlocks)
 PIECE_MODE_MAX_BATCH = 256
 WHOLE_SLACK_PERCENT = 3
 
@@ -43,8 +44,10 @@ def num_sm_parts(sm_count: int, num_heads_k: int, num_q_tokens_per_head_k: int) 
     return max(1, sm_count // num_heads_k // m_tiles)
 
 
-def schedule(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (tile_scheduler_metadata [num_parts, 8] int32, num_splits [b + 1] int32) on the CPU."""
+def schedule(cache_seqlens: torch.Tensor, num_parts: int,
+             min_part_blocks: int = MIN_PART_BLOCKS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (tile_scheduler_metadata [num_parts, 8] int32, num_splits [b + 1] int32) on the CPU; min_part_blocks:
+    the smallest P and piece grain (MIN_PART_BLOCKS, or SPARSE_MIN_PART_BLOCKS for the sparse kernel)."""
     lengths = [max(int(v), 0) for v in cache_seqlens.tolist()]
     b = len(lengths)
     meta = torch.zeros((num_parts, META_INTS), dtype=torch.int32)
@@ -59,9 +62,9 @@ def schedule(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor,
     for nb in blocks:
         starts.append(total)
         total += nb + FIXED_OVERHEAD_BLOCKS
-    per_part = max(MIN_PART_BLOCKS, -(-(total - FIXED_OVERHEAD_BLOCKS) // num_parts))
+    per_part = max(min_part_blocks, -(-(total - FIXED_OVERHEAD_BLOCKS) // num_parts))
 
-    pieces = _piece_mode_split_counts(blocks, num_parts, per_part)
+    pieces = _piece_mode_split_counts(blocks, num_parts, per_part, min_part_blocks)
     if pieces is not None:
         part = 0
         for i, (nb, s) in enumerate(zip(blocks, pieces)):
@@ -142,7 +145,8 @@ def _whole_mode_parts(starts: list[int], blocks: list[int], per_part: int, num_p
     return parts
 
 
-def _piece_mode_split_counts(blocks: list[int], num_parts: int, per_part: int) -> list[int] | None:
+def _piece_mode_split_counts(blocks: list[int], num_parts: int, per_part: int,
+                             min_part_blocks: int) -> list[int] | None:
     """Split counts s_i of piece mode (module docstring), or None when the line model is to be used."""
     if len(blocks) > min(num_parts, PIECE_MODE_MAX_BATCH):
         return None
@@ -156,7 +160,7 @@ def _piece_mode_split_counts(blocks: list[int], num_parts: int, per_part: int) -
     if count(per_part) > num_parts:
         return None
     # smallest grain whose piece count fits; none below ceil(sum(blocks) / num_parts) can (count >= sum / grain)
-    lo, hi = max(MIN_PART_BLOCKS, min(per_part, -(-sum(blocks) // num_parts))), per_part
+    lo, hi = max(min_part_blocks, min(per_part, -(-sum(blocks) // num_parts))), per_part
     while lo < hi:
         mid = (lo + hi) // 2
         if count(mid) <= num_parts:

@@ -60,6 +60,7 @@ def test_schedule_constants_match_python():
     assert c["block_m"] == scheduler.BLOCK_M
     assert c["fixed_overhead_blocks"] == scheduler.FIXED_OVERHEAD_BLOCKS
     assert c["min_part_blocks"] == scheduler.MIN_PART_BLOCKS
+    assert c["sparse_min_part_blocks"] == scheduler.SPARSE_MIN_PART_BLOCKS
     assert c["meta_ints"] == scheduler.META_INTS
     assert (c["head_dim_k"], c["head_dim_v"]) == (geometry.HEAD_DIM_K, geometry.HEAD_DIM_V)
 
@@ -269,7 +270,7 @@ def test_ops_sparse_path_sets_every_decode_field(monkeypatch):
     """The sparse path (ops._sparse_decode_cuda, params.h's sparse mapping) sets every ARG field too, nothing else,
     with the mapping's values: one row a query token, one KV head, the index rows and topk_length passed through."""
     import torch
-    from flashmla_backend import FlashMLASchedMeta, geometry, ops
+    from flashmla_backend import FlashMLASchedMeta, geometry, ops, scheduler
 
     calls = []
     fake = types.SimpleNamespace(DecodeArgs=_RecordingArgs, mla_decode=calls.append)
@@ -277,9 +278,11 @@ def test_ops_sparse_path_sets_every_decode_field(monkeypatch):
     monkeypatch.setattr(ops.device, "sm_count", lambda dev: 132)
     monkeypatch.setattr(ops, "_raw_stream", lambda dev: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(ops, "_metadata_impl", lambda lengths, parts: (torch.zeros((parts, 8), dtype=torch.int32),
-                                                                       torch.zeros((lengths.shape[0] + 1,),
-                                                                                   dtype=torch.int32)))
+    def fake_metadata(lengths, parts, min_part_blocks):
+        assert min_part_blocks == scheduler.SPARSE_MIN_PART_BLOCKS
+        return torch.zeros((parts, 8), dtype=torch.int32), torch.zeros((lengths.shape[0] + 1,), dtype=torch.int32)
+
+    monkeypatch.setattr(ops, "_metadata_impl", fake_metadata)
 
     b, s_q, h_q, topk = 2, 3, 128, 100
     q = torch.zeros((b, s_q, h_q, geometry.HEAD_DIM_K), dtype=torch.bfloat16)

@@ -9,7 +9,8 @@ from flashmla_backend import _ext, geometry, scheduler
 
 def _fake_module(**changes):
     constants = dict(geometry.EXPORTED, fixed_overhead_blocks=scheduler.FIXED_OVERHEAD_BLOCKS,
-                     min_part_blocks=scheduler.MIN_PART_BLOCKS)
+                     min_part_blocks=scheduler.MIN_PART_BLOCKS,
+                     sparse_min_part_blocks=scheduler.SPARSE_MIN_PART_BLOCKS)
     constants.update(changes)
     return types.SimpleNamespace(__file__="/nowhere/_C.so", schedule_constants=constants, cuda_runtime_version=13000)
 
@@ -33,7 +34,8 @@ def test_matching_constants_load(with_module):
 
 
 @pytest.mark.parametrize("name,value", [("head_dim_k", 656), ("page_size", 32), ("meta_ints", 16),
-                                        ("fixed_overhead_blocks", 4), ("min_part_blocks", 1)])
+                                        ("fixed_overhead_blocks", 4), ("min_part_blocks", 1),
+                                        ("sparse_min_part_blocks", 2)])
 def test_other_constants_refused(with_module, name, value):
     with_module(_fake_module(**{name: value}))
     assert not _ext.available()

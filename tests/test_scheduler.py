@@ -34,7 +34,8 @@ LENGTH_SETS = [
 PARTS = [1, 3, 66, 132]
 
 
-def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_splits: torch.Tensor) -> None:
+def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_splits: torch.Tensor,
+                     min_part_blocks: int = scheduler.MIN_PART_BLOCKS) -> None:
     b = len(lengths)
     assert meta.shape == (parts, 8) and meta.dtype == torch.int32
     assert num_splits.shape == (b + 1,) and num_splits.dtype == torch.int32
@@ -42,7 +43,7 @@ def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_spl
     covered = [[0] * nb for nb in blocks]
     owners = [[] for _ in range(b)]  # (part, split index) per piece, in part order
     total = sum(nb + OVH for nb in blocks)
-    per_part = max(scheduler.MIN_PART_BLOCKS, -(-(total - OVH) // parts))
+    per_part = max(min_part_blocks, -(-(total - OVH) // parts))
     # Line model and piece mode: a part costs at most P + overhead. Whole-request mode (no request cut) may go
     # WHOLE_SLACK_PERCENT % over that.
     limit = per_part + OVH
@@ -71,11 +72,24 @@ def check_invariants(lengths: list[int], parts: int, meta: torch.Tensor, num_spl
     assert int(num_splits[0]) == 0 and int(num_splits[-1]) <= b + parts
 
 
+MIN_PART_BLOCKS = [scheduler.MIN_PART_BLOCKS, scheduler.SPARSE_MIN_PART_BLOCKS]
+
+
+@pytest.mark.parametrize("min_part_blocks", MIN_PART_BLOCKS)
 @pytest.mark.parametrize("parts", PARTS)
 @pytest.mark.parametrize("lengths", LENGTH_SETS, ids=lambda l: f"b{len(l)}")
-def test_mirror_invariants(lengths, parts):
-    meta, num_splits = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), parts)
-    check_invariants(lengths, parts, meta, num_splits)
+def test_mirror_invariants(lengths, parts, min_part_blocks):
+    meta, num_splits = scheduler.schedule(torch.tensor(lengths, dtype=torch.int32), parts, min_part_blocks)
+    check_invariants(lengths, parts, meta, num_splits, min_part_blocks)
+
+
+def test_sparse_schedules_take_one_block_pieces():
+    """The sparse kernel's schedule (SPARSE_MIN_PART_BLOCKS = 1): a row of 8 blocks on 66 parts is 8 one-block
+    pieces, where the dense kernels' minimum gives 4 pieces of two."""
+    lengths = torch.tensor([8 * PAGE], dtype=torch.int32)
+    _, dense = scheduler.schedule(lengths, 66)
+    _, sparse = scheduler.schedule(lengths, 66, scheduler.SPARSE_MIN_PART_BLOCKS)
+    assert (int(dense[1]), int(sparse[1])) == (4, 8)
 
 
 @pytest.mark.parametrize("length,parts,busy", [(8192, 66, 64), (8192, 132, 64), (8192 * 2, 66, 64),
@@ -183,14 +197,15 @@ def test_public_metadata_on_cpu_uses_the_mirror():
 # ---- GPU ---------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("min_part_blocks", MIN_PART_BLOCKS)
 @pytest.mark.parametrize("parts", PARTS)
 @pytest.mark.parametrize("lengths", LENGTH_SETS + [[-3, 7, 0]], ids=lambda l: f"b{len(l)}")
-def test_gpu_kernel_matches_mirror(lengths, parts):
+def test_gpu_kernel_matches_mirror(lengths, parts, min_part_blocks):
     from flashmla_backend import ops
 
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    meta, num_splits = ops._metadata_impl(seqlens.cuda(), parts)
-    want_meta, want_splits = scheduler.schedule(seqlens, parts)
+    meta, num_splits = ops._metadata_impl(seqlens.cuda(), parts, min_part_blocks)
+    want_meta, want_splits = scheduler.schedule(seqlens, parts, min_part_blocks)
     assert torch.equal(meta.cpu(), want_meta), (meta.cpu()[:8], want_meta[:8])
     assert torch.equal(num_splits.cpu(), want_splits)
 

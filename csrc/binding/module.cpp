@@ -152,7 +152,7 @@ void mla_decode(const DecodeArgs& args) {
   run_combine(p);
 }
 
-void tile_scheduler(std::uintptr_t seqlens, int batch, int num_sm_parts, std::uintptr_t metadata,
+void tile_scheduler(std::uintptr_t seqlens, int batch, int num_sm_parts, int min_part_blocks, std::uintptr_t metadata,
                     std::uintptr_t num_splits, int device, std::uintptr_t stream) {
   DeviceGuard guard(device);
   SchedParams p{};
@@ -161,6 +161,7 @@ void tile_scheduler(std::uintptr_t seqlens, int batch, int num_sm_parts, std::ui
   p.num_splits = as_ptr<int32_t>(num_splits);
   p.batch = batch;
   p.num_sm_parts = num_sm_parts;
+  p.min_part_blocks = min_part_blocks;
   p.stream = as_ptr<void>(stream);
   run_tile_scheduler(p);
 }
@@ -201,7 +202,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("mla_decode", &mla_decode, py::arg("args"),
         "Split-KV decode followed by the combine kernel, asynchronously on args.stream.");
   m.def("tile_scheduler", &tile_scheduler, py::arg("seqlens"), py::arg("batch"), py::arg("num_sm_parts"),
-        py::arg("metadata"), py::arg("num_splits"), py::arg("device"), py::arg("stream"),
+        py::arg("min_part_blocks"), py::arg("metadata"), py::arg("num_splits"), py::arg("device"), py::arg("stream"),
         "Fills tile-scheduler metadata [num_sm_parts, 8] and num_splits [batch + 1] on the GPU.");
   m.def("device_info", &device_info, py::arg("device"));
   m.def("portable_decode_smem_bytes", &portable_decode_smem_bytes);
@@ -228,6 +229,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("schedule_constants") = py::dict(py::arg("page_size") = kPageSize, py::arg("block_m") = kBlockM,
                                           py::arg("fixed_overhead_blocks") = kFixedOverheadBlocks,
                                           py::arg("min_part_blocks") = kMinPartBlocks,
+                                          py::arg("sparse_min_part_blocks") = kSparseMinPartBlocks,
                                           py::arg("meta_ints") = kSchedMetaInts,
                                           py::arg("head_dim_k") = kHeadDimK, py::arg("head_dim_v") = kHeadDimV);
 }

@@ -4,7 +4,8 @@
 // The model (mirrored bit for bit by flashmla_backend/scheduler.py, which the tests compare):
 //   request i costs w_i = nb_i + kFixedOverheadBlocks units, nb_i = ceil(max(len_i, 0) / kPageSize);
 //   requests are laid end to end on a line of T = sum(w_i) units, request i at [C_i, C_i + w_i);
-//   part p starts at unit u_p = p * P, P = max(kMinPartBlocks, ceil((T - kFixedOverheadBlocks) / num_sm_parts))
+//   part p starts at unit u_p = p * P, P = max(M, ceil((T - kFixedOverheadBlocks) / num_sm_parts)), M the launch's
+//   min_part_blocks (params.h: kMinPartBlocks for the dense kernels, which take blocks in pairs; kSparseMinPartBlocks)
 //   (u_p >= T: empty part). The last request's trailing overhead is left out of P: the last part always
 //   runs to the end of the batch, and counting it made b = 1 with 128 blocks on 66 parts take P = 3
 //   (43 parts busy) instead of P = 2 (64 parts busy), measurably slower (docs/perf/journal.md).
@@ -16,7 +17,7 @@
 //   A part starting at (i, k) with 0 < k < nb_i cuts request i: each cut adds one split.
 //
 // Piece mode (batch <= min(num_sm_parts, 256); flashmla_backend/scheduler.py states it in full): request i is
-// cut into s_i = max(1, ceil(nb_i / G)) nearly equal pieces, G the smallest grain in [kMinPartBlocks, P] with
+// cut into s_i = max(1, ceil(nb_i / G)) nearly equal pieces, G the smallest grain in [M, P] with
 // sum s_i <= num_sm_parts (if G = P does not fit: the line model), one piece per part in request order, the remaining
 // parts empty. A piece has at most G <= P blocks, so a part costs at most P + overhead as in the line model,
 // and a request that fits in one part stays whole.
@@ -133,7 +134,7 @@ __device__ bool try_piece_mode(const SchedParams& p, int per_part) {
   };
   if (count(per_part) > parts) return false;
   // Smallest grain <= per_part whose piece count fits; none below ceil(nb_sum / parts) can (count >= nb_sum / grain).
-  int lo = static_cast<int>(max(static_cast<long long>(kMinPartBlocks),
+  int lo = static_cast<int>(max(static_cast<long long>(p.min_part_blocks),
                                 min(static_cast<long long>(per_part), ceil_div_ll(nb_sum, parts)))),
       hi = per_part;
   while (lo < hi) {
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
   total = warp_sum(total);
   widest = __reduce_max_sync(kFullMask, widest);
   const long long spread = total - kFixedOverheadBlocks;  // >= 0: batch >= 1
-  const long long per_part = max(static_cast<long long>(kMinPartBlocks), ceil_div_ll(spread, parts));
+  const long long per_part = max(static_cast<long long>(p.min_part_blocks), ceil_div_ll(spread, parts));
 
   if (batch <= parts && batch <= kPieceModeMaxBatch && try_piece_mode(p, static_cast<int>(per_part))) return;
   if (within_whole_bound(widest, per_part) && try_whole_mode(p, per_part)) return;
@@ -311,6 +312,8 @@ __global__ void __launch_bounds__(32, 1) tile_scheduler_kernel(SchedParams p) {
 void run_tile_scheduler(const SchedParams& params) {
   FMLA_HOST_CHECK(params.batch >= 1, "tile scheduler needs batch >= 1, got " << params.batch);
   FMLA_HOST_CHECK(params.num_sm_parts >= 1, "tile scheduler needs num_sm_parts >= 1, got " << params.num_sm_parts);
+  FMLA_HOST_CHECK(params.min_part_blocks >= 1,
+                  "tile scheduler needs min_part_blocks >= 1, got " << params.min_part_blocks);
   tile_scheduler_kernel<<<1, 32, 0, static_cast<cudaStream_t>(params.stream)>>>(params);
   FMLA_CHECK_LAUNCH("tile_scheduler_kernel");
 }
