@@ -24,6 +24,7 @@
 #include "sm90/decode_fp8/config.h"
 #include "sm90/decode_fp8/mainloop.cuh"  // warp_arrive, p16_fragment, store_p, load_p_chunk
 #include "sm90/decode_fp8/producer.cuh"  // FMLA_SM90_WAIT_TIMEOUT_NS
+#include "sm90/decode_fp8/q_tile.cuh"    // split_e4m3x2
 #include "sm90/sparse_fp8/gather.cuh"
 #include "sm90/sparse_fp8/layout.h"
 #include "sm90/sparse_fp8/pv.cuh"
@@ -148,24 +149,6 @@ __device__ __forceinline__ void q_slot_read(SS& ss, int t, QSlot& q) {
   for (int c = 0; c < 2; ++c) q.rope[c] = *reinterpret_cast<const uint4*>(ss.q_rope + sw128_offset(r, 2 * qq + c));
 }
 
-// The two e4m3 terms of two bf16 (one word, the low half first) times inv, a power of two: y = x inv (exact, |y| <=
-// 448), hi = e4m3(y), lo = e4m3(y - hi), in the low and high byte of their 16 bits. y - hi is taken in fp16, where it
-// is exact: y has 8 significant bits and hi is y to 4, so the difference needs at most 5 bits above y's last one; y
-// itself is exact in fp16 down to 2^-14, and below that both terms round to zero either way. Two instructions a pair
-// fewer than widening hi back to fp32 for the difference (the same terms bit for bit, but for the sign of a zero lo).
-__device__ __forceinline__ void split_bf16x2(uint32_t w, float inv, uint32_t& hi, uint32_t& lo) {
-  const float y0 = __uint_as_float(w << 16) * inv, y1 = __uint_as_float(w & 0xffff0000u) * inv;
-  uint16_t h, l;
-  uint32_t y16, hb, d;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(y1), "f"(y0));
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y16) : "f"(y1), "f"(y0));
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hb) : "h"(h));
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(y16), "r"(hb));
-  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(l) : "r"(d));
-  hi = h;
-  lo = l;
-}
-
 template <class SS>
 __device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int t, const QSlot& q) {
   const int r = t >> 2, qq = t & 3;
@@ -188,10 +171,12 @@ __device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int 
                            q.lat[2 * c + 1].x, q.lat[2 * c + 1].y, q.lat[2 * c + 1].z, q.lat[2 * c + 1].w};
     uint32_t hi[4], lo[4];
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < 4; ++k) {  // decode_fp8::split_e4m3x2: the difference in fp16
       uint32_t h0, l0, h1, l1;
-      split_bf16x2(w[2 * k], inv, h0, l0);
-      split_bf16x2(w[2 * k + 1], inv, h1, l1);
+      decode_fp8::split_e4m3x2(__uint_as_float(w[2 * k] << 16) * inv, __uint_as_float(w[2 * k] & 0xffff0000u) * inv,
+                               h0, l0);
+      decode_fp8::split_e4m3x2(__uint_as_float(w[2 * k + 1] << 16) * inv,
+                               __uint_as_float(w[2 * k + 1] & 0xffff0000u) * inv, h1, l1);
       hi[k] = h0 | (h1 << 16);
       lo[k] = l0 | (l1 << 16);
     }

@@ -20,7 +20,7 @@
 
 #include "sm90/decode_fp8/layout.h"
 #include "sm90/decode_fp8/producer.cuh"  // ldsm_x4_trans, unit_words, stsm_x4
-#include "sm90/decode_fp8/q_tile.cuh"    // f32x4_to_e4m3x4, e4m3x4_to_f32x4
+#include "sm90/decode_fp8/q_tile.cuh"    // f32x4_to_e4m3x4
 #include "sm90/sparse_fp8/layout.h"
 
 namespace flashmla_backend::sm90::sparse_fp8 {
