@@ -95,7 +95,7 @@ ATTR = "_flashmla_backend_dsa_decode"
 KERNEL_MISSING = (
     "flashmla_backend: the DSA decode does not run on GPUs yet: flashmla_backend's Hopper sparse decode kernel reads "
     "the fp8_e4m3 656-byte cache (not the bfloat16 one) through its API, has not yet been validated inside SGLang, "
-    f"and is slower than FlashMLA's at small batches and short top-k. Unset {DSA_DECODE_ENV} to serve this model "
+    f"and is slower than FlashMLA's at short top-k (512). Unset {DSA_DECODE_ENV} to serve this model "
     "with SGLang's own DSA decode (--dsa-decode-backend flashmla_kv / flashmla_sparse / fa3); "
     f"{SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU with --kv-cache-dtype fp8_e4m3, for testing")
 

@@ -35,8 +35,8 @@ from .sparse_impl import FlashMLASparsePluginImpl
 
 SPARSE_KERNEL_MISSING = (
     "flashmla_backend: the plugin's sparse MLA backend (DeepSeek-V3.2 indexer attention) does not run on GPUs yet: "
-    "flashmla_backend's Hopper sparse decode kernel reads the fp8_ds_mla cache (not the 16-bit one) through its "
-    "API, has not yet been validated inside vLLM, and is slower than FlashMLA's at small batches and short top-k. "
+    "flashmla_backend's Hopper sparse decode kernel reads the fp8_ds_mla cache (not the 16-bit one), has served "
+    "only a tiny test model inside vLLM, and is slower than FlashMLA's at short top-k (512). "
     "Serve this model with vLLM's own sparse backends (leave --attention-backend unset, or FLASHMLA_SPARSE); "
     f"{SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU with --kv-cache-dtype fp8 / fp8_ds_mla, for testing")
 
