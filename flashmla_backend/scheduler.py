@@ -5,7 +5,8 @@ The model, in short (the kernel's header comment has the full statement; the tim
 are in docs/perf/journal.md):
   request i costs w_i = ceil(len_i / PAGE_SIZE) + FIXED_OVERHEAD_BLOCKS units (geometry: PAGE_SIZE, BLOCK_M,
   META_INTS); requests are laid end to end, request i on [C_i, C_i + w_i); part p starts at unit p * P,
-  P = max(MIN_PART_BLOCKS, ceil((T - FIXED_OVERHEAD_BLOCKS) / num_sm_parts)): the last request's trailing
+  P = max(M, ceil((T - FIXED_OVERHEAD_BLOCKS) / num_sm_parts)), M = min_part_blocks (MIN_PART_BLOCKS, or
+  SPARSE_MIN_PART_BLOCKS for the sparse kernel's schedules): the last request's trailing
   overhead needs no part of its own (the last part always runs to the end of the batch), so b = 1 with 128
   blocks on 66 parts gets P = 2 (64 parts of 2 blocks), not ceil(133 / 66) = 3 (43 parts of 3 blocks).
   Unit C_i + k is the position (i, k) when k < nb_i or k == 0 (a request's first unit is its start, even
@@ -13,7 +14,7 @@ are in docs/perf/journal.md):
   Part p covers the positions from its start to the next part's start.
 Piece mode (batch <= min(num_sm_parts, PIECE_MODE_MAX_BATCH)): each part computes at most one piece of one
 request. Request i is cut into s_i = max(1, ceil(nb_i / G)) nearly equal pieces (q, r = divmod(nb_i, s_i);
-piece j: blocks [j q + min(j, r), (j + 1) q + min(j + 1, r))), G the smallest grain in [MIN_PART_BLOCKS, P]
+piece j: blocks [j q + min(j, r), (j + 1) q + min(j + 1, r))), G the smallest grain in [M, P]
 with sum s_i <= num_sm_parts (if G = P does not fit, the line model is used); pieces go to parts in order (request by
 request), the remaining parts are empty. A piece has at most G <= P blocks, so no part costs more than the
 line model's bound (P + overhead), and no request that fits in one part is cut: 128 requests of 128 blocks

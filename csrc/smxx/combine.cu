@@ -309,8 +309,9 @@ void launch_combine(const DecodeParams& p) {
   if (ctas < kFewCtas && p.num_sm_parts >= kManySplits * p.batch) {
     // Most splits one request can have: every part but one per other request, and no more than its blocks in
     // parts of the schedule's smallest size (params.h: kMinPartBlocks, kSparseMinPartBlocks for sparse decode; plus
-    // one for a part boundary inside its overhead), block_table's width bounding its blocks. Beyond 8 x 17 (more than 136 splits) combine_splits_kernel takes several rounds; a
-    // request with more splits than the kernel's bound is combined correctly, in more rounds.
+    // one for a part boundary inside its overhead), block_table's width bounding its blocks. Beyond 8 x 17 (more
+    // than 136 splits) combine_splits_kernel takes several rounds; a request with more splits than the kernel's bound
+    // is combined correctly, in more rounds.
     const int min_blocks = p.indices != nullptr ? kSparseMinPartBlocks : kMinPartBlocks;
     const int max_splits = std::min(p.num_sm_parts - p.batch + 1,
                                     (p.max_pages_per_seq + min_blocks - 1) / min_blocks + 1);

@@ -122,10 +122,10 @@ __device__ __forceinline__ void q_slot_copy(const DecodeParams& p, SS& ss, int r
   const int r = t >> 2, qq = t & 3;
   const int h = m_block * kTileRows + r;
   const bool valid = h < p.num_heads_q;
-  const cutlass::bfloat16_t* src =
-      reinterpret_cast<const cutlass::bfloat16_t*>(p.q) + (valid ? int64_t(req) * p.q_stride_b + int64_t(h) * p.q_stride_h : 0) + 128 * qq;
-  const cutlass::bfloat16_t* src_pe = reinterpret_cast<const cutlass::bfloat16_t*>(p.q_pe) +
-                                      (valid ? int64_t(req) * p.q_pe_stride_b + int64_t(h) * p.q_pe_stride_h : 0) + 16 * qq;
+  const int64_t row = valid ? int64_t(req) * p.q_stride_b + int64_t(h) * p.q_stride_h : 0;
+  const int64_t row_pe = valid ? int64_t(req) * p.q_pe_stride_b + int64_t(h) * p.q_pe_stride_h : 0;
+  const cutlass::bfloat16_t* src = reinterpret_cast<const cutlass::bfloat16_t*>(p.q) + row + 128 * qq;
+  const cutlass::bfloat16_t* src_pe = reinterpret_cast<const cutlass::bfloat16_t*>(p.q_pe) + row_pe + 16 * qq;
   const uint32_t lat = cute::cast_smem_ptr_to_uint(ss.q_latent), rope = cute::cast_smem_ptr_to_uint(ss.q_rope);
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < 8; ++c) {
