@@ -385,3 +385,19 @@ def test_accurate_vregs_tile_many_requests(monkeypatch):
 def test_accurate_vregs_tile_per_request_descales_and_graph_replay(monkeypatch):
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
     _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), "bf16q", 9, 13)
+
+
+# FLASHMLA_BACKEND_FP8_DEBUG bit 2048 (kDebugQCopyUnrolled, a measurement switch): a CTA's first Q copy with its loops
+# unrolled moves the same bytes to the same places, so the results are bitwise the default's, at b = 1 (one copy a
+# CTA) and with several requests a CTA (later copies rolled), in each mode.
+@pytest.mark.parametrize("mode", ["bf16q", "fp16q", "e4m3q"])
+@pytest.mark.parametrize("case", [Case(lengths=[8192], h_q=128), Case(lengths=[1, 65, 700, 4000], s_q=2, h_q=128),
+                                  Case(lengths=[37 * i % 2100 for i in range(40)], h_q=64, seed=3)], ids=str)
+def test_unrolled_first_q_copy_is_bitwise_the_default(monkeypatch, case, mode):
+    case = Case(**{**case.__dict__, "dtype": torch.float16 if mode == "fp16q" else torch.bfloat16})
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
+    monkeypatch.delenv("FLASHMLA_BACKEND_FP8_DEBUG", raising=False)
+    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "2048")
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)

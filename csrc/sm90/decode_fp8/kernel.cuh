@@ -64,10 +64,12 @@ __device__ __forceinline__ void consumers_sync() {
 // The request loop of consumer warpgroup kWG. Each warpgroup runs its own copy (the output accumulator is
 // declared inside): with one loop and a run-time choice of the main loop, ptxas merged the two warpgroups'
 // accumulators, serialized every wgmma and kept O in local memory.
+// q_unrolled: the CTA's first Q copy with its loops unrolled (kDebugQCopyUnrolled, a measurement; at b = 1 it is the
+// only one). The later ones are issued while O is live, where the unrolled loops made ptxas spill the fast mode.
 template <class T, int kWG>
 __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T::SharedStorage& ss,
                                               const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
-                                              int hk, int tid, int lane) {
+                                              int hk, int tid, int lane, bool q_unrolled) {
   const int tid_in_wg = tid % kThreadsPerWarpGroup;
   const uint32_t q_addr = cute::cast_smem_ptr_to_uint(ss.q.data());
 
@@ -84,7 +86,11 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
 
   typename OAccOf<T>::type tOrO;  // 128 fp32
 
-  issue_q_copy<T>(p, begin_req, m_block, hk, q_addr, tid);
+  if (q_unrolled) {
+    issue_q_copy<T, true>(p, begin_req, m_block, hk, q_addr, tid);
+  } else {
+    issue_q_copy<T>(p, begin_req, m_block, hk, q_addr, tid);
+  }
   uint32_t g_base = 0;
 
   CUTLASS_PRAGMA_NO_UNROLL
@@ -197,10 +203,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   } else if (wg == 0) {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    consumer_loop<T, 0>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
+    consumer_loop<T, 0>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane, debug & kDebugQCopyUnrolled);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    consumer_loop<T, 1>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
+    consumer_loop<T, 1>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane, debug & kDebugQCopyUnrolled);
   }
   // The shared transposition: no CTA leaves while the peer may still arrive on its barriers (the consumers' last
   // releases) or read its shared memory (the last bulk copies, consumed by the peer before it gets here).

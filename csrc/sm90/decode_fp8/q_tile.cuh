@@ -51,7 +51,10 @@ __device__ __forceinline__ const QIn* q_row_src(const DecodeParams& p, int req, 
 // group go where the split puts its hi and lo terms (chunk_offset(r, c) and that + lo_delta), so that the Q region
 // holds the 16-bit q exactly (two terms of e4m3 are as many bytes). The thread that copies a group splits it
 // (split_q16_row): it reads and overwrites only its own bytes, so the split needs no barrier before it. No commit.
-template <class QIn, int kTileRows = kBlockM, class ChunkOffset>
+// kUnrolled (FLASHMLA_BACKEND_FP8_DEBUG bit kDebugQCopyUnrolled, a measurement): the loop unrolled, each copy with
+// address registers of its own. Rolled, an `LDGSTS` waits to read its address registers before the next iteration
+// may overwrite them: the ncu profile at b = 1 h_q 128 put 17% of the accurate kernel's warp samples on this loop.
+template <class QIn, int kTileRows = kBlockM, bool kUnrolled = false, class ChunkOffset>
 __device__ __forceinline__ void issue_q16_row_copy(const DecodeParams& p, int req, int m_block, int hk, int r,
                                                    int part, uint32_t q_addr, uint32_t lo_delta,
                                                    ChunkOffset&& chunk_offset) {
@@ -61,12 +64,18 @@ __device__ __forceinline__ void issue_q16_row_copy(const DecodeParams& p, int re
   const QIn* q_src = q_row_src<QIn, kTileRows>(p, req, m_block, hk, r, 16 * part);
   const QIn* pe_src = q_row_src<QIn, kTileRows>(p, req, m_block, hk, r, kHeadDimV + 16 * part);
   const bool valid = q_src != nullptr;
-#pragma unroll 1
-  for (int k = 0; k < kQGroupsPerThread; ++k) {
+  const auto group = [&](int k) CUTLASS_LAMBDA_FUNC_INLINE {
     const QIn* src = !valid ? reinterpret_cast<const QIn*>(p.q) : k < kQGroupsPerThread - 1 ? q_src + 64 * k : pe_src;
     const uint32_t dst = q_addr + chunk_offset(r, part + 4 * k);
     decode::cp_async_16(dst, src, valid);
     decode::cp_async_16(dst + lo_delta, src + 8, valid);
+  };
+  if constexpr (kUnrolled) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kQGroupsPerThread; ++k) group(k);
+  } else {
+#pragma unroll 1
+    for (int k = 0; k < kQGroupsPerThread; ++k) group(k);
   }
 }
 
@@ -93,23 +102,32 @@ __device__ __forceinline__ bool q16_row_thread(int tid) {
 //   e4m3 q: the tile's 2304 16-byte chunks, 9 per consumer thread, where the product reads them. The caller waits
 //   (cp_async_wait_all), fences the async proxy and synchronizes the consumers before the first wgmma.
 //   16-bit q: issue_q16_row_copy, thread tid into row tid / 4 where the split puts its terms (q16_chunk_offset).
-template <class T>
+//   kUnrolled: the loops unrolled (issue_q16_row_copy says why that is measured).
+template <class T, bool kUnrolled = false>
 __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int m_block, int hk, uint32_t q_addr,
                                              int tid) {
   if constexpr (T::kQFp8) {
     constexpr int kChunksPerRow = kHeadDimK / 16;  // 36
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kNumConsumerThreads) {
+    constexpr int kChunks = kBlockM * kChunksPerRow;
+    static_assert(kChunks % kNumConsumerThreads == 0, "9 chunks a consumer thread");
+    const auto chunk = [&](int idx) CUTLASS_LAMBDA_FUNC_INLINE {
       const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
       const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
       decode::cp_async_16(q_addr + tile_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
+    };
+    if constexpr (kUnrolled) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kChunks / kNumConsumerThreads; ++k) chunk(tid + k * kNumConsumerThreads);
+    } else {
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int idx = tid; idx < kChunks; idx += kNumConsumerThreads) chunk(idx);
     }
   } else {
     static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two terms");
     if (q16_row_thread<T>(tid)) {
-      issue_q16_row_copy<typename T::QIn, T::kTileRows>(p, req, m_block, hk, tid >> 2, tid & 3, q_addr,
-                                                        kQ16LoDelta<T>,
-                                                        [](int r, int c) { return q16_chunk_offset<T>(r, c); });
+      issue_q16_row_copy<typename T::QIn, T::kTileRows, kUnrolled>(
+          p, req, m_block, hk, tid >> 2, tid & 3, q_addr, kQ16LoDelta<T>,
+          [](int r, int c) { return q16_chunk_offset<T>(r, c); });
     }
   }
   decode::cp_async_commit();
