@@ -278,6 +278,7 @@ def test_ops_sparse_path_sets_every_decode_field(monkeypatch):
     monkeypatch.setattr(ops.device, "sm_count", lambda dev: 132)
     monkeypatch.setattr(ops, "_raw_stream", lambda dev: 0)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
     def fake_metadata(lengths, parts, min_part_blocks):
         assert min_part_blocks == scheduler.SPARSE_MIN_PART_BLOCKS
         return torch.zeros((parts, 8), dtype=torch.int32), torch.zeros((lengths.shape[0] + 1,), dtype=torch.int32)
