@@ -133,6 +133,50 @@ __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int
   decode::cp_async_commit();
 }
 
+// The Q tile by TMA (kDebugQTma, a measurement; launch.cuh: make_q_tensor_maps, q_tma_applies): one thread puts the
+// tile's 4 KB pieces where issue_q_copy's cp.async would, completing on ss.q_full (one phase a tile; the caller's
+// thread waits for parity (tiles before) & 1). The maps, fastest dimension first:
+//   16-bit q: (8 elements, 64 eight-element chunks read with traversal stride 2, h_q, s_q, b), box (8, 8 -> 4 chunks,
+//     B_h, B_s, 1): from chunk 8 p + t the four chunks 8 p + t, + 2, + 4, + 6 of every row, i.e. the hi (t = 0) or lo
+//     (t = 1) halves of piece p's 16-column groups, a 64-byte row each, swizzled as the e4m3 tile: term tile t, piece
+//     p, as the in-place split expects; q_pe the same over its 8 chunks for piece 8.
+//   e4m3 q: (512 elements, h_q, s_q, b), box (64, B_h, B_s, 1): piece p from column 64 p; q_pe (64, ...) piece 8.
+// B_h = min(ngroups, 64), B_s = 64 / B_h: tile row r is query token r / ngroups, head r % ngroups of KV head hk; past
+// s_q the box reads out of bounds (zeros), as the cp.async copy zero-fills rows past q_rows.
+template <class T>
+__device__ __forceinline__ void issue_q_tma(const DecodeParams& p, const CUtensorMap* tmap_q,
+                                            const CUtensorMap* tmap_q_pe, typename T::SharedStorage& ss, int req,
+                                            int m_block, int hk) {
+  static_assert(!T::kStackedTerms, "the stacked tile keeps cp.async");
+  const int row0 = m_block * kBlockM;
+  const int s0 = row0 / p.ngroups, h0 = hk * p.ngroups + row0 % p.ngroups;
+  uint8_t* q = ss.q.data();
+  uint64_t* bar = reinterpret_cast<uint64_t*>(&ss.q_full);
+  const uint64_t hint = decode::kEvictNormal;
+  cutlass::arch::fence_view_async_shared();  // the last tile's split (generic stores) before these async writes
+  ss.q_full.arrive_and_expect_tx(uint32_t(T::kQTiles * kTileBytes));
+  if constexpr (T::kQFp8) {
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int j = 0; j < kNumVPieces; ++j) {
+      cute::SM90_TMA_LOAD_4D::copy(tmap_q, bar, hint, q + j * kPieceBytes, j * kPieceCols, h0, s0, req);
+    }
+    cute::SM90_TMA_LOAD_4D::copy(tmap_q_pe, bar, hint, q + kNumVPieces * kPieceBytes, 0, h0, s0, req);
+  } else {
+    static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two terms");
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int u = 0; u < 2 * kNumVPieces; ++u) {
+      const int t = u & 1, j = u >> 1;
+      cute::SM90_TMA_LOAD_5D::copy(tmap_q, bar, hint, q + t * kTileBytes + j * kPieceBytes, 0, 8 * j + t, h0, s0,
+                                   req);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < 2; ++t) {
+      cute::SM90_TMA_LOAD_5D::copy(tmap_q_pe, bar, hint, q + t * kTileBytes + kNumVPieces * kPieceBytes, 0, t, h0,
+                                   s0, req);
+    }
+  }
+}
+
 // Two floats to two e4m3 (x0 in the low byte), satfinite, round to nearest even.
 __device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float x0, float x1) {
   uint16_t d;
