@@ -64,13 +64,16 @@ inline QTensorMaps make_q_tensor_maps(const DecodeParams& p, int debug) {
   const int64_t esize = T::kQFp8 ? 1 : 2;
   constexpr int kRopeCols = kHeadDimK - kHeadDimV;  // q_pe's columns
   // A size-1 dimension's stride is anything in torch; the map gets the contiguous one there.
-  const auto stride = [&](int64_t st, int extent, int64_t contiguous) { return (extent == 1 ? contiguous : st) * esize; };
-  const int64_t qh = stride(p.q_stride_h, p.num_heads_q, kHeadDimV), qs = stride(p.q_stride_s, p.seqlen_q,
-                                                                                 int64_t(p.num_heads_q) * kHeadDimV);
-  const int64_t qb = stride(p.q_stride_b, p.batch, int64_t(p.seqlen_q) * p.num_heads_q * kHeadDimV);
-  const int64_t peh = stride(p.q_pe_stride_h, p.num_heads_q, kRopeCols), pes = stride(
-      p.q_pe_stride_s, p.seqlen_q, int64_t(p.num_heads_q) * kRopeCols);
-  const int64_t peb = stride(p.q_pe_stride_b, p.batch, int64_t(p.seqlen_q) * p.num_heads_q * kRopeCols);
+  const auto stride = [&](int64_t st, int extent, int64_t contiguous) {
+    return (extent == 1 ? contiguous : st) * esize;
+  };
+  const int64_t heads = p.num_heads_q, tokens = int64_t(p.seqlen_q) * p.num_heads_q;
+  const int64_t qh = stride(p.q_stride_h, p.num_heads_q, kHeadDimV);
+  const int64_t qs = stride(p.q_stride_s, p.seqlen_q, heads * kHeadDimV);
+  const int64_t qb = stride(p.q_stride_b, p.batch, tokens * kHeadDimV);
+  const int64_t peh = stride(p.q_pe_stride_h, p.num_heads_q, kRopeCols);
+  const int64_t pes = stride(p.q_pe_stride_s, p.seqlen_q, heads * kRopeCols);
+  const int64_t peb = stride(p.q_pe_stride_b, p.batch, tokens * kRopeCols);
   for (int64_t v : {qh, qs, qb, peh, pes, peb}) {
     if (v % 16 != 0) return m;
   }
@@ -261,7 +264,8 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
     cfg.attrs = attrs;
     cfg.numAttrs = 2;
     const QTensorMaps qm = make_q_tensor_maps<T>(p, debug);
-    FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap, qm.q, qm.q_pe, qm.on ? debug : debug & ~int(kDebugQTma)));
+    const int kdebug = qm.on ? debug : debug & ~int(kDebugQTma);
+    FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap, qm.q, qm.q_pe, kdebug));
     FMLA_CHECK_LAUNCH("sm90_fp8_decode_kernel (2-CTA clusters)");
   } else {
     const QTensorMaps qm = make_q_tensor_maps<T>(p, debug);

@@ -133,7 +133,7 @@ __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int
   decode::cp_async_commit();
 }
 
-// The Q tile by TMA (kDebugQTma, a measurement; launch.cuh: make_q_tensor_maps, q_tma_applies): one thread puts the
+// The Q tile by TMA (kDebugQTma, a measurement; launch.cuh: make_q_tensor_maps, where it applies): one thread puts the
 // tile's 4 KB pieces where issue_q_copy's cp.async would, completing on ss.q_full (one phase a tile; the caller's
 // thread waits for parity (tiles before) & 1). The maps, fastest dimension first:
 //   16-bit q: (8 elements, 64 eight-element chunks read with traversal stride 2, h_q, s_q, b), box (8, 8 -> 4 chunks,
