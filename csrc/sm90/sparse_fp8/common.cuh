@@ -199,6 +199,16 @@ __device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int 
   if (qq == 0) ss.row_scale_log2[r] = p.scale_log2 * s;
 }
 
+// The CTA's first Q tile, slots t of one warpgroup (both warpgroups make it, lead.cuh), from global memory through
+// registers, made visible to the tensor cores; the caller's named barrier follows.
+template <class SS>
+__device__ __forceinline__ void first_q_tile_slot(const DecodeParams& p, SS& ss, int req, int m_block, int t) {
+  QSlot q;
+  q_slot_load(p, req, m_block, t, q);
+  q_slot_split(p, ss, t, q);
+  cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
+}
+
 // Named barriers of the consumer warpgroups: the CTA's first Q tile (warpgroup 1 arrives after its half, warpgroup 0
 // waits for it), and warpgroup 0's own once it loaded a later tile alone.
 constexpr uint32_t kBarFirstQ = 0;

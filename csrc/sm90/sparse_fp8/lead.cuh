@@ -96,13 +96,16 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
   typename QkTypes::TiledMmaLatent mma_s;
   typename PvTypes::TiledMma mma_o;
-  {  // the first row piece's Q tile: heads 0..31 here, 32..63 in warpgroup 1 (common.cuh: q_slot_split)
-    QSlot q;
-    q_slot_load(p, begin_req, m_block, tid_in_wg, q);
-    q_slot_split(p, ss, tid_in_wg, q);
-    cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
-    NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_and_wait_unaligned();
-  }
+  // The first row piece's Q tile: heads 0..31 here, 32..63 in warpgroup 1 (common.cuh: q_slot_split).
+  first_q_tile_slot(p, ss, begin_req, m_block, tid_in_wg);
+  NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_and_wait_unaligned();
+  // The 16-bit q of row piece req's Q tile into the tile by cp.async (this warpgroup's slots t and t + 128), one
+  // commit group; split in place after the row piece before it.
+  const auto copy_q_tile = [&](int req) CUTLASS_LAMBDA_FUNC_INLINE {
+    q_slot_copy(p, ss, req, m_block, tid_in_wg);
+    q_slot_copy(p, ss, req, m_block, tid_in_wg + kWgThreads);
+    decode::cp_async_commit();
+  };
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -125,11 +128,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       const int c = int(g % kPSlots);
       // The row piece's last Q K^T is complete: the next one's 16-bit q goes into the tile now, its latency under this
       // block's work and the epilogue (split in place after the stores)
-      if (next && blk + 1 == nblk) {
-        q_slot_copy(p, ss, req + 1, m_block, tid_in_wg);
-        q_slot_copy(p, ss, req + 1, m_block, tid_in_wg + kWgThreads);
-        decode::cp_async_commit();
-      }
+      if (next && blk + 1 == nblk) copy_q_tile(req + 1);
 
       // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
       float sc[2];
@@ -200,11 +199,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     store_group(p, w, 0, rows, lane, o, inv);
     store_lse(p, w, rows, lane, l, m);
     if (next) {
-      if (nblk == 0) {  // no block: not copied yet
-        q_slot_copy(p, ss, req + 1, m_block, tid_in_wg);
-        q_slot_copy(p, ss, req + 1, m_block, tid_in_wg + kWgThreads);
-        decode::cp_async_commit();
-      }
+      if (nblk == 0) copy_q_tile(req + 1);  // no block: not copied yet
       decode::cp_async_wait_all();  // this thread's own copies: the split reads only them
 #pragma unroll 1
       for (int k = 0; k < 2; ++k) {
@@ -247,13 +242,9 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
   thread_rows(tid_in_wg, m_block, row_in_tile, rows);
 
   typename PvTypes::TiledMma mma_o;
-  {  // heads 32..63 of the first row piece's Q tile (lead_loop); warpgroup 0 waits for them, this one does not
-    QSlot q;
-    q_slot_load(p, begin_req, m_block, kWgThreads + tid_in_wg, q);
-    q_slot_split(p, ss, kWgThreads + tid_in_wg, q);
-    cutlass::arch::fence_view_async_shared();
-    NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_unaligned();
-  }
+  // Heads 32..63 of the first row piece's Q tile (lead_loop); warpgroup 0 waits for them, this one does not.
+  first_q_tile_slot(p, ss, begin_req, m_block, kWgThreads + tid_in_wg);
+  NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_unaligned();
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
