@@ -9,8 +9,7 @@ csrc/sm90/decode_fp8/decode.h (1 skips the V transposition, or the accurate mode
 wrong and only its time means something; 4 runs the fast mode's other pipeline plan than the one the shape gets; 16
 runs the accurate mode's other tile at <= 32 query rows a KV head: keys on M or 64 rows; 32 the fast mode's other
 tile at <= 16 rows; 64 the KV tensor map's other L2 promotion; 1024 the accurate mode's V-in-registers tile where
-the two-term 64-row tile runs; 2048 a CTA's first Q copy with its loops unrolled; 4096 the Q copies by TMA). Each
-call is captured in a CUDA graph and its
+the two-term 64-row tile runs). Each call is captured in a CUDA graph and its
 replays timed with triton.testing.do_bench (median). One line per (shape, mode, debug value) with the time,
 FlashMLA-FP8's time and the relative difference of the outputs from FlashMLA-FP8's (the fast mode reads the same
 e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's quantization), then one JSON line per shape.

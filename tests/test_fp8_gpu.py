@@ -385,27 +385,3 @@ def test_accurate_vregs_tile_many_requests(monkeypatch):
 def test_accurate_vregs_tile_per_request_descales_and_graph_replay(monkeypatch):
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
     _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), "bf16q", 9, 13)
-
-
-# The Q copy's measurement switches (FLASHMLA_BACKEND_FP8_DEBUG): bit 2048 (kDebugQCopyUnrolled) unrolls a CTA's first
-# Q copy, bit 4096 (kDebugQTma) copies every Q tile by TMA where the launch can make the maps (64-row tiles whose rows
-# are whole KV-head groups: ngroups 32, 64 or 128 below; 96 falls back to cp.async). Both put the same bytes in the same
-# places, so the results are bitwise the default's: at b = 1 (one copy a CTA), with several requests a CTA, boxes of
-# two query tokens (32 rows a KV head), two KV heads, in each mode.
-Q_COPY_CASES = [Case(lengths=[8192], h_q=128), Case(lengths=[1, 65, 700, 4000], s_q=2, h_q=128),
-                Case(lengths=[1, 65, 700, 4000], s_q=2, h_q=128, h_kv=2),
-                Case(lengths=[37 * i % 2100 for i in range(40)], h_q=64, seed=3),
-                Case(lengths=[5, 16, 17, 640, 3000], s_q=16, h_q=32), Case(lengths=[300, 2000], s_q=3, h_q=96)]
-
-
-@pytest.mark.parametrize("debug", ["2048", "4096"])
-@pytest.mark.parametrize("mode", ["bf16q", "fp16q", "e4m3q"])
-@pytest.mark.parametrize("case", Q_COPY_CASES, ids=str)
-def test_q_copy_switches_are_bitwise_the_default(monkeypatch, case, mode, debug):
-    case = Case(**{**case.__dict__, "dtype": torch.float16 if mode == "fp16q" else torch.bfloat16})
-    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q", k_gain=0.7)
-    monkeypatch.delenv("FLASHMLA_BACKEND_FP8_DEBUG", raising=False)
-    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", debug)
-    out, lse = run_fp8_decode(inp, case, dq, dk)
-    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)) and torch.equal(lse, want_lse)

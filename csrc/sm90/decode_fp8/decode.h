@@ -57,10 +57,6 @@ enum DebugFlags : int {
   kDebugVRegs = 1024,            // the accurate mode's two-term 64-row tile: the V-in-registers tile (vregs.h) instead
                                  // of the one whose producer widens V; the same results within the mode's error (bit
                                  // 1 does not apply to it)
-  kDebugQCopyUnrolled = 2048,    // a CTA's first Q copy with its loops unrolled (kernel.cuh, q_tile.cuh:
-                                 // issue_q16_row_copy); the same results
-  kDebugQTma = 4096,             // the 64-row tiles' Q copies by TMA (q_tile.cuh: issue_q_tma) where the launch can
-                                 // make the tensor maps (launch.cuh: make_q_tensor_maps); the same results
 };
 // The accurate mode's tiles (dispatch.cu): the keys-on-M tile serves at most 16 query rows a KV head (s_q h_q / h_kv),
 // the stacked Q tile is the default at 17..32 rows (and at 33..64 with one (request, KV head) pair), and it runs 3 KV

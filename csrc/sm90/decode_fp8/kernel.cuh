@@ -64,21 +64,10 @@ __device__ __forceinline__ void consumers_sync() {
 // The request loop of consumer warpgroup kWG. Each warpgroup runs its own copy (the output accumulator is
 // declared inside): with one loop and a run-time choice of the main loop, ptxas merged the two warpgroups'
 // accumulators, serialized every wgmma and kept O in local memory.
-// q_unrolled: the CTA's first Q copy with its loops unrolled (kDebugQCopyUnrolled, a measurement; at b = 1 it is the
-// only one). The later ones are issued while O is live, where the unrolled loops made ptxas spill the fast mode.
-// q_tma: every Q copy by TMA instead (kDebugQTma, a measurement: q_tile.cuh, issue_q_tma), issued by thread 0 and
-// waited for on ss.q_full; the launch passes the bit only where it made the maps.
 template <class T, int kWG>
 __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T::SharedStorage& ss,
                                               const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
-                                              int hk, int tid, int lane, bool q_unrolled, bool q_tma,
-                                              const CUtensorMap* tmap_q, const CUtensorMap* tmap_q_pe) {
-  q_tma = q_tma && !T::kStackedTerms;  // the stacked tile keeps cp.async (the launch does not ask it)
-  const auto issue_tma = [&](int req) CUTLASS_LAMBDA_FUNC_INLINE {
-    if constexpr (!T::kStackedTerms) {
-      if (tid == 0) issue_q_tma<T>(p, tmap_q, tmap_q_pe, ss, req, m_block, hk);
-    }
-  };
+                                              int hk, int tid, int lane) {
   const int tid_in_wg = tid % kThreadsPerWarpGroup;
   const uint32_t q_addr = cute::cast_smem_ptr_to_uint(ss.q.data());
 
@@ -95,13 +84,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
 
   typename OAccOf<T>::type tOrO;  // 128 fp32
 
-  if (q_tma) {
-    issue_tma(begin_req);
-  } else if (q_unrolled) {
-    issue_q_copy<T, true>(p, begin_req, m_block, hk, q_addr, tid);
-  } else {
-    issue_q_copy<T>(p, begin_req, m_block, hk, q_addr, tid);
-  }
+  issue_q_copy<T>(p, begin_req, m_block, hk, q_addr, tid);
   uint32_t g_base = 0;
 
   CUTLASS_PRAGMA_NO_UNROLL
@@ -112,11 +95,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     if constexpr (IsVRegs<T>::value) {
       if (tid < kBlockM) ss.row_off[tid] = vregs_row_offset(p, w, m_block, hk, tid);
     }
-    if (q_tma) {
-      consumer_wait(ss.q_full, uint32_t(req - begin_req) & 1u);  // one phase a tile
-    } else {
-      decode::cp_async_wait_all();
-    }
+    decode::cp_async_wait_all();
     if constexpr (!T::kQFp8) split_q_tile<T>(q_addr, ss.q_scale, tid);
     cutlass::arch::fence_view_async_shared();  // Q written by cp.async / st.shared, read by wgmma
     consumers_sync();
@@ -146,11 +125,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     // Both consumer warpgroups are past their last wgmma: the Q tile may be overwritten.
     consumers_sync();
     if (req < end_req) {
-      if (q_tma) {
-        issue_tma(req + 1);
-      } else {
-        issue_q_copy<T>(p, req + 1, m_block, hk, q_addr, tid);
-      }
+      issue_q_copy<T>(p, req + 1, m_block, hk, q_addr, tid);
     } else {
       pdl_launch_dependents();
     }
@@ -172,7 +147,6 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
 template <class T>
 __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_fp8_decode_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv,
-                           const __grid_constant__ CUtensorMap tmap_q, const __grid_constant__ CUtensorMap tmap_q_pe,
                            int debug) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using SharedStorage = typename T::SharedStorage;
@@ -223,12 +197,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   } else if (wg == 0) {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    consumer_loop<T, 0>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane, debug & kDebugQCopyUnrolled,
-                        debug & kDebugQTma, &tmap_q, &tmap_q_pe);
+    consumer_loop<T, 0>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    consumer_loop<T, 1>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane, debug & kDebugQCopyUnrolled,
-                        debug & kDebugQTma, &tmap_q, &tmap_q_pe);
+    consumer_loop<T, 1>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
   }
   // The shared transposition: no CTA leaves while the peer may still arrive on its barriers (the consumers' last
   // releases) or read its shared memory (the last bulk copies, consumed by the peer before it gets here).

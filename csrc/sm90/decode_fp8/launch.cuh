@@ -46,69 +46,6 @@ inline CUtensorMap make_kv_tensor_map(const DecodeParams& p, int debug) {
   return tmap;
 }
 
-// The Q tile by TMA (kDebugQTma, a measurement; q_tile.cuh: issue_q_tma has the maps' dimensions and boxes): the
-// maps over q and q_pe, and whether the call can use them. It can for the 64-row tiles (not the stacked one) where a
-// box holds whole rows of one KV head's group (ngroups a multiple of 64 or a divisor of it) and q, q_pe and their
-// strides are 16-byte aligned; elsewhere the kernel gets the bit cleared and copies with cp.async.
-struct QTensorMaps {
-  CUtensorMap q{};
-  CUtensorMap q_pe{};
-  bool on = false;
-};
-
-template <class T>
-inline QTensorMaps make_q_tensor_maps(const DecodeParams& p, int debug) {
-  QTensorMaps m;
-  if (!(debug & kDebugQTma) || T::kStackedTerms) return m;
-  if (p.ngroups % kBlockM != 0 && kBlockM % p.ngroups != 0) return m;
-  const int64_t esize = T::kQFp8 ? 1 : 2;
-  constexpr int kRopeCols = kHeadDimK - kHeadDimV;  // q_pe's columns
-  // A size-1 dimension's stride is anything in torch; the map gets the contiguous one there.
-  const auto stride = [&](int64_t st, int extent, int64_t contiguous) {
-    return (extent == 1 ? contiguous : st) * esize;
-  };
-  const int64_t heads = p.num_heads_q, tokens = int64_t(p.seqlen_q) * p.num_heads_q;
-  const int64_t qh = stride(p.q_stride_h, p.num_heads_q, kHeadDimV);
-  const int64_t qs = stride(p.q_stride_s, p.seqlen_q, heads * kHeadDimV);
-  const int64_t qb = stride(p.q_stride_b, p.batch, tokens * kHeadDimV);
-  const int64_t peh = stride(p.q_pe_stride_h, p.num_heads_q, kRopeCols);
-  const int64_t pes = stride(p.q_pe_stride_s, p.seqlen_q, heads * kRopeCols);
-  const int64_t peb = stride(p.q_pe_stride_b, p.batch, tokens * kRopeCols);
-  for (int64_t v : {qh, qs, qb, peh, pes, peb}) {
-    if (v % 16 != 0) return m;
-  }
-  if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0 || reinterpret_cast<uintptr_t>(p.q_pe) % 16 != 0) return m;
-  const cuuint32_t bh = cuuint32_t(p.ngroups < kBlockM ? p.ngroups : kBlockM), bs = cuuint32_t(kBlockM) / bh;
-  const auto encode = [&](CUtensorMap* map, const void* base, cuuint64_t cols, int64_t sh, int64_t ss, int64_t sb) {
-    CUresult res;
-    if constexpr (T::kQFp8) {  // (cols, h_q, s_q, b), box (64, bh, bs, 1)
-      const cuuint64_t dims[4] = {cols, cuuint64_t(p.num_heads_q), cuuint64_t(p.seqlen_q), cuuint64_t(p.batch)};
-      const cuuint64_t strides[3] = {cuuint64_t(sh), cuuint64_t(ss), cuuint64_t(sb)};
-      const cuuint32_t box[4] = {cuuint32_t(kPieceCols), bh, bs, 1u};
-      const cuuint32_t elem[4] = {1u, 1u, 1u, 1u};
-      res = decode::get_encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides,
-                                       box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
-                                       CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    } else {  // (8, cols / 8 chunks, h_q, s_q, b), box (8, 8 with traversal stride 2 -> 4 chunks, bh, bs, 1)
-      const cuuint64_t dims[5] = {8u, cols / 8, cuuint64_t(p.num_heads_q), cuuint64_t(p.seqlen_q),
-                                  cuuint64_t(p.batch)};
-      const cuuint64_t strides[4] = {16u, cuuint64_t(sh), cuuint64_t(ss), cuuint64_t(sb)};
-      const cuuint32_t box[5] = {8u, 8u, bh, bs, 1u};
-      const cuuint32_t elem[5] = {1u, 2u, 1u, 1u, 1u};
-      res = decode::get_encode_tiled()(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 5, const_cast<void*>(base), dims, strides,
-                                       box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
-                                       CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    }
-    FMLA_HOST_CHECK(res == CUDA_SUCCESS, "FLASHMLA_BACKEND_FP8_DEBUG=" << int(kDebugQTma)
-                                             << ": cuTensorMapEncodeTiled failed for the Q tile (CUresult " << int(res)
-                                             << "; byte strides head " << sh << ", token " << ss << ", request " << sb
-                                             << ")");
-  };
-  encode(&m.q, p.q, cuuint64_t(kHeadDimV), qh, qs, qb);
-  encode(&m.q_pe, p.q_pe, cuuint64_t(kRopeCols), peh, pes, peb);
-  m.on = true;
-  return m;
-}
 
 template <Variant V>
 struct VariantTraits;
@@ -225,9 +162,8 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
       // scheduler's metadata names request pieces, whatever the tiles).
       DecodeParams q = p;
       q.num_m_blocks = (p.q_rows + T::kTileRows - 1) / T::kTileRows;
-      const CUtensorMap none{};  // the stacked tile copies q with cp.async (make_q_tensor_maps)
       decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel",
-                                    q, q, make_kv_tensor_map(q, debug), none, none, debug & ~int(kDebugQTma));
+                                    q, q, make_kv_tensor_map(q, debug), debug);
       return;
     }
   }
@@ -263,14 +199,11 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
     cfg.stream = static_cast<cudaStream_t>(p.stream);
     cfg.attrs = attrs;
     cfg.numAttrs = 2;
-    const QTensorMaps qm = make_q_tensor_maps<T>(p, debug);
-    const int kdebug = qm.on ? debug : debug & ~int(kDebugQTma);
-    FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap, qm.q, qm.q_pe, kdebug));
+    FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, tmap, debug));
     FMLA_CHECK_LAUNCH("sm90_fp8_decode_kernel (2-CTA clusters)");
   } else {
-    const QTensorMaps qm = make_q_tensor_maps<T>(p, debug);
     decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel", p,
-                                  p, tmap, qm.q, qm.q_pe, qm.on ? debug : debug & ~int(kDebugQTma));
+                                  p, tmap, debug);
   }
 }
 

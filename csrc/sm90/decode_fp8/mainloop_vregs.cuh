@@ -378,7 +378,6 @@ __device__ __forceinline__ void init_pipeline_barriers_vregs(typename T::SharedS
     for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
     ss.kv_empty[s].init(kKvEmptyArrivalsVRegs);
   }
-  ss.q_full.init(1);
   cutlass::arch::fence_barrier_init();
 }
 

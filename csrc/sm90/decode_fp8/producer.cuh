@@ -185,7 +185,6 @@ __device__ __forceinline__ void init_pipeline_barriers(typename T::SharedStorage
     for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
     ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kKvEmptyArrivals);
   }
-  if constexpr (!T::kKeysOnM) ss.q_full.init(1);
   CUTLASS_PRAGMA_UNROLL
   for (int b = 0; b < T::kVtSlots; ++b) {
     bool copied = false;

@@ -51,10 +51,7 @@ __device__ __forceinline__ const QIn* q_row_src(const DecodeParams& p, int req, 
 // group go where the split puts its hi and lo terms (chunk_offset(r, c) and that + lo_delta), so that the Q region
 // holds the 16-bit q exactly (two terms of e4m3 are as many bytes). The thread that copies a group splits it
 // (split_q16_row): it reads and overwrites only its own bytes, so the split needs no barrier before it. No commit.
-// kUnrolled (FLASHMLA_BACKEND_FP8_DEBUG bit kDebugQCopyUnrolled, a measurement): the loop unrolled, each copy with
-// address registers of its own. Rolled, an `LDGSTS` waits to read its address registers before the next iteration
-// may overwrite them: the ncu profile at b = 1 h_q 128 put 17% of the accurate kernel's warp samples on this loop.
-template <class QIn, int kTileRows = kBlockM, bool kUnrolled = false, class ChunkOffset>
+template <class QIn, int kTileRows = kBlockM, class ChunkOffset>
 __device__ __forceinline__ void issue_q16_row_copy(const DecodeParams& p, int req, int m_block, int hk, int r,
                                                    int part, uint32_t q_addr, uint32_t lo_delta,
                                                    ChunkOffset&& chunk_offset) {
@@ -64,18 +61,12 @@ __device__ __forceinline__ void issue_q16_row_copy(const DecodeParams& p, int re
   const QIn* q_src = q_row_src<QIn, kTileRows>(p, req, m_block, hk, r, 16 * part);
   const QIn* pe_src = q_row_src<QIn, kTileRows>(p, req, m_block, hk, r, kHeadDimV + 16 * part);
   const bool valid = q_src != nullptr;
-  const auto group = [&](int k) CUTLASS_LAMBDA_FUNC_INLINE {
+#pragma unroll 1
+  for (int k = 0; k < kQGroupsPerThread; ++k) {
     const QIn* src = !valid ? reinterpret_cast<const QIn*>(p.q) : k < kQGroupsPerThread - 1 ? q_src + 64 * k : pe_src;
     const uint32_t dst = q_addr + chunk_offset(r, part + 4 * k);
     decode::cp_async_16(dst, src, valid);
     decode::cp_async_16(dst + lo_delta, src + 8, valid);
-  };
-  if constexpr (kUnrolled) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kQGroupsPerThread; ++k) group(k);
-  } else {
-#pragma unroll 1
-    for (int k = 0; k < kQGroupsPerThread; ++k) group(k);
   }
 }
 
@@ -102,79 +93,26 @@ __device__ __forceinline__ bool q16_row_thread(int tid) {
 //   e4m3 q: the tile's 2304 16-byte chunks, 9 per consumer thread, where the product reads them. The caller waits
 //   (cp_async_wait_all), fences the async proxy and synchronizes the consumers before the first wgmma.
 //   16-bit q: issue_q16_row_copy, thread tid into row tid / 4 where the split puts its terms (q16_chunk_offset).
-//   kUnrolled: the loops unrolled (issue_q16_row_copy says why that is measured).
-template <class T, bool kUnrolled = false>
+template <class T>
 __device__ __forceinline__ void issue_q_copy(const DecodeParams& p, int req, int m_block, int hk, uint32_t q_addr,
                                              int tid) {
   if constexpr (T::kQFp8) {
     constexpr int kChunksPerRow = kHeadDimK / 16;  // 36
-    constexpr int kChunks = kBlockM * kChunksPerRow;
-    static_assert(kChunks % kNumConsumerThreads == 0, "9 chunks a consumer thread");
-    const auto chunk = [&](int idx) CUTLASS_LAMBDA_FUNC_INLINE {
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int idx = tid; idx < kBlockM * kChunksPerRow; idx += kNumConsumerThreads) {
       const int r = idx / kChunksPerRow, c = idx % kChunksPerRow;
       const auto* src = q_row_src<cutlass::float_e4m3_t>(p, req, m_block, hk, r, 16 * c);
       decode::cp_async_16(q_addr + tile_chunk_offset(r, c), src != nullptr ? src : p.q, src != nullptr);
-    };
-    if constexpr (kUnrolled) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kChunks / kNumConsumerThreads; ++k) chunk(tid + k * kNumConsumerThreads);
-    } else {
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int idx = tid; idx < kChunks; idx += kNumConsumerThreads) chunk(idx);
     }
   } else {
     static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two terms");
     if (q16_row_thread<T>(tid)) {
-      issue_q16_row_copy<typename T::QIn, T::kTileRows, kUnrolled>(
-          p, req, m_block, hk, tid >> 2, tid & 3, q_addr, kQ16LoDelta<T>,
-          [](int r, int c) { return q16_chunk_offset<T>(r, c); });
+      issue_q16_row_copy<typename T::QIn, T::kTileRows>(p, req, m_block, hk, tid >> 2, tid & 3, q_addr,
+                                                        kQ16LoDelta<T>,
+                                                        [](int r, int c) { return q16_chunk_offset<T>(r, c); });
     }
   }
   decode::cp_async_commit();
-}
-
-// The Q tile by TMA (kDebugQTma, a measurement; launch.cuh: make_q_tensor_maps, where it applies): one thread puts the
-// tile's 4 KB pieces where issue_q_copy's cp.async would, completing on ss.q_full (one phase a tile; the caller's
-// thread waits for parity (tiles before) & 1). The maps, fastest dimension first:
-//   16-bit q: (8 elements, 64 eight-element chunks read with traversal stride 2, h_q, s_q, b), box (8, 8 -> 4 chunks,
-//     B_h, B_s, 1): from chunk 8 p + t the four chunks 8 p + t, + 2, + 4, + 6 of every row, i.e. the hi (t = 0) or lo
-//     (t = 1) halves of piece p's 16-column groups, a 64-byte row each, swizzled as the e4m3 tile: term tile t, piece
-//     p, as the in-place split expects; q_pe the same over its 8 chunks for piece 8.
-//   e4m3 q: (512 elements, h_q, s_q, b), box (64, B_h, B_s, 1): piece p from column 64 p; q_pe (64, ...) piece 8.
-// B_h = min(ngroups, 64), B_s = 64 / B_h: tile row r is query token r / ngroups, head r % ngroups of KV head hk; past
-// s_q the box reads out of bounds (zeros), as the cp.async copy zero-fills rows past q_rows.
-template <class T>
-__device__ __forceinline__ void issue_q_tma(const DecodeParams& p, const CUtensorMap* tmap_q,
-                                            const CUtensorMap* tmap_q_pe, typename T::SharedStorage& ss, int req,
-                                            int m_block, int hk) {
-  static_assert(!T::kStackedTerms, "the stacked tile keeps cp.async");
-  const int row0 = m_block * kBlockM;
-  const int s0 = row0 / p.ngroups, h0 = hk * p.ngroups + row0 % p.ngroups;
-  uint8_t* q = ss.q.data();
-  uint64_t* bar = reinterpret_cast<uint64_t*>(&ss.q_full);
-  const uint64_t hint = decode::kEvictNormal;
-  cutlass::arch::fence_view_async_shared();  // the last tile's split (generic stores) before these async writes
-  ss.q_full.arrive_and_expect_tx(uint32_t(T::kQTiles * kTileBytes));
-  if constexpr (T::kQFp8) {
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int j = 0; j < kNumVPieces; ++j) {
-      cute::SM90_TMA_LOAD_4D::copy(tmap_q, bar, hint, q + j * kPieceBytes, j * kPieceCols, h0, s0, req);
-    }
-    cute::SM90_TMA_LOAD_4D::copy(tmap_q_pe, bar, hint, q + kNumVPieces * kPieceBytes, 0, h0, s0, req);
-  } else {
-    static_assert(T::kQTerms == 2, "the 16-bit q's bytes fill two terms");
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int u = 0; u < 2 * kNumVPieces; ++u) {
-      const int t = u & 1, j = u >> 1;
-      cute::SM90_TMA_LOAD_5D::copy(tmap_q, bar, hint, q + t * kTileBytes + j * kPieceBytes, 0, 8 * j + t, h0, s0,
-                                   req);
-    }
-    CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < 2; ++t) {
-      cute::SM90_TMA_LOAD_5D::copy(tmap_q_pe, bar, hint, q + t * kTileBytes + kNumVPieces * kPieceBytes, 0, t, h0,
-                                   s0, req);
-    }
-  }
 }
 
 // Two floats to two e4m3 (x0 in the low byte), satfinite, round to nearest even.

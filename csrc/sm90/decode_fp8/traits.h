@@ -192,7 +192,6 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
     // in its consumer warpgroup (4 warps); see kVtEmptyCopies.
     cutlass::arch::ClusterTransactionBarrier kv_full[kStages][kNumPieces];
     cutlass::arch::ClusterBarrier kv_empty[kStages];
-    cutlass::arch::ClusterTransactionBarrier q_full;  // kDebugQTma: a request's Q tile landed (q_tile.cuh)
     cutlass::arch::ClusterBarrier vt_full[kVtSlots];
     cutlass::arch::ClusterBarrier vt_empty[kVtSlots][kVtEmptyCopies];
   };

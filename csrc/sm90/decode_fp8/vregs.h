@@ -96,7 +96,6 @@ struct TraitsVR {
     // (the owner's Q K^T and every warp's V reads).
     cutlass::arch::ClusterTransactionBarrier kv_full[kStages][kNumPieces];
     cutlass::arch::ClusterBarrier kv_empty[kStages];
-    cutlass::arch::ClusterTransactionBarrier q_full;  // kDebugQTma: a request's Q tile landed (q_tile.cuh)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
   static_assert(kSmemBytes <= kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
