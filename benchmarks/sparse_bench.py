@@ -16,7 +16,8 @@ requests (flashmla_backend's sparse reference on the exactly dequantized tokens,
 shape.
 
 `--debug 0,1,16` times ours once per value of FLASHMLA_BACKEND_SPARSE_DEBUG (the kernel's measurement
-switches, read by its launcher at every launch: README's environment table), in the same process, on the same inputs
+switches, read by its launcher at every launch: README's environment table; the kernel reads them itself, so values
+other than 0 need a build configured with FLASHMLA_BACKEND_MEASURE=1, docs/build.md), in the same process, on the same inputs
 and beside the same FlashMLA time: the lines and JSON keys are then ours[<value>] and ours_d<value>_*.
 
 `--kernel-times` also prints, for each implementation, the device time of every kernel one call launches (the

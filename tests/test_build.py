@@ -46,6 +46,8 @@ def test_extension_targets():
     assert C.portable_decode_smem_bytes() > 48 * 1024
     if REQUIRE and "90a" in archs:  # CI builds everything (FLASHMLA_BACKEND_SM90_KERNEL=0 leaves it out)
         assert C.sm90_compiled()
+    if REQUIRE:  # CI's build is a default one: the kernels' own measurement switches compiled out (docs/build.md)
+        assert C.measure_build() is False
     if shutil.which("cuobjdump"):
         listing = subprocess.run(["cuobjdump", "--list-elf", str(path)], capture_output=True, text=True).stdout
         for arch in archs:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import flashmla_backend as fb
+from flashmla_backend import _ext
 from fp8kit import (ACCURATE_LSE, dequantized, descale_table, fp8_inputs, out_tolerance, rel_norm,
                     run_fp8_decode, sm90_fp8_problem)
 from kit import D_V, Case, brute_force_fp64
@@ -330,6 +331,27 @@ def test_the_removed_kernel_switch_is_refused(monkeypatch, value, mode):
     monkeypatch.delenv("FLASHMLA_BACKEND_FP8_KERNEL")
     out, _ = run_fp8_decode(inp, case, dq, dk)
     assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
+def test_the_in_kernel_switch_needs_a_measurement_build(monkeypatch, mode):
+    """Bit 1 (V not moved) is read inside the kernel: a default build compiled it out and refuses it, naming the build
+    setting, rather than time a kernel that ignores it; a measurement build runs it (its results are wrong by design)
+    and with the bit cleared gives the default's bits."""
+    case = Case(lengths=[100, 300], h_q=16)
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q")
+    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "17")  # bit 1 beside a host-side bit (16: the other tile)
+    if _ext.ext().measure_build():
+        run_fp8_decode(inp, case, dq, dk)
+        torch.cuda.synchronize()
+    else:
+        with pytest.raises(RuntimeError, match=r"FLASHMLA_BACKEND_FP8_DEBUG=17 sets bit\(s\) 1, .*"
+                                               r"FLASHMLA_BACKEND_MEASURE=1"):
+            run_fp8_decode(inp, case, dq, dk)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "0")
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
 
 
 @pytest.mark.parametrize("value", ["tensorcore", "auto", ""])

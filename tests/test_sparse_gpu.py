@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashmla_backend as fb
-from flashmla_backend import device
+from flashmla_backend import _ext, device
 from kit import D_V, compare
 from sparsekit import SparseCase, make_sparse_inputs, naive_sparse_fp64
 
@@ -42,10 +42,20 @@ def _sm90():
         pytest.skip("the sparse kernel runs on sm_90 GPUs")
 
 
-# The kernel as it runs (FLASHMLA_BACKEND_SPARSE_DEBUG unset), and with its mbarrier waits retrying with a
-# suspend-time hint (bit 256; the launcher reads the variable at every launch): the same arithmetic in another timing,
-# so the same results bit for bit.
-VARIANTS = {"default": None, "suspend_hint": "256"}
+
+def _measure_build():
+    """Whether the compiled module keeps the kernels' own measurement switches (FLASHMLA_BACKEND_MEASURE=1)."""
+    try:
+        return bool(_ext.ext().measure_build())
+    except _ext.ExtensionNotBuiltError:  # no compiled module: every test here skips
+        return False
+
+
+# The kernel as it runs (FLASHMLA_BACKEND_SPARSE_DEBUG unset), and, in a measurement build (docs/build.md), with its
+# mbarrier waits retrying with a suspend-time hint (bit 256; the launcher reads the variable at every launch): the same
+# arithmetic in another timing, so the same results bit for bit.
+SUSPEND_HINT = "256"
+VARIANTS = {"default": None, **({"suspend_hint": SUSPEND_HINT} if _measure_build() else {})}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
@@ -90,12 +100,19 @@ def test_sparse_kernel_matches_fp64(case, variant, record_errors):
 
 
 def test_the_suspend_hint_changes_no_result(monkeypatch):
+    """In a measurement build, bitwise the default; in a default build the switch is compiled out and refused."""
     _sm90()
+    if not _measure_build():
+        inp = make_sparse_inputs(CASES[1])
+        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", SUSPEND_HINT)
+        with pytest.raises(RuntimeError, match="FLASHMLA_BACKEND_SPARSE_DEBUG=256.*FLASHMLA_BACKEND_MEASURE=1"):
+            _run(inp)
+        return
     for case in (CASES[1], CASES[2], CASES[6]):
         inp = make_sparse_inputs(case)
         monkeypatch.delenv("FLASHMLA_BACKEND_SPARSE_DEBUG", raising=False)
         out, lse = _run(inp)
-        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", VARIANTS["suspend_hint"])
+        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", SUSPEND_HINT)
         out2, lse2 = _run(inp)
         assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), f"{case}: out differs"
         assert torch.equal(lse, lse2), f"{case}: lse differs"

@@ -13,6 +13,7 @@
 
 #include "../common/check.h"
 #include "../common/check_params.h"
+#include "../common/measure.h"
 #include "../launch.h"
 #include "../params.h"
 #ifdef FLASHMLA_BACKEND_WITH_SM90
@@ -123,6 +124,9 @@ bool sm90_compiled() {
 #endif
 }
 
+// Whether this build has the in-kernel measurement switches (FLASHMLA_BACKEND_MEASURE=1; common/measure.h).
+bool measure_build() { return kMeasureBuild; }
+
 void mla_decode(const DecodeArgs& args) {
   DecodeParams p = args.params;
   derive_decode_params(p);
@@ -207,6 +211,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("device_info", &device_info, py::arg("device"));
   m.def("portable_decode_smem_bytes", &portable_decode_smem_bytes);
   m.def("sm90_compiled", &sm90_compiled);
+  m.def("measure_build", &measure_build);
 #ifdef FLASHMLA_BACKEND_WITH_SM90
   m.def("sm90_decode_smem_bytes", &sm90_decode_smem_bytes);
 #endif

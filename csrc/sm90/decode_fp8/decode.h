@@ -58,6 +58,9 @@ enum DebugFlags : int {
                                  // of the one whose producer widens V; the same results within the mode's error (bit
                                  // 1 does not apply to it)
 };
+// The bits the kernel reads itself (the rest choose a kernel or a plan on the host): compiled only into a measurement
+// build (common/measure.h).
+constexpr int kInKernelDebugBits = kDebugNoTranspose;
 // The accurate mode's tiles (dispatch.cu): the keys-on-M tile serves at most 16 query rows a KV head (s_q h_q / h_kv),
 // the stacked Q tile is the default at 17..32 rows (and at 33..64 with one (request, KV head) pair), and it runs 3 KV
 // stages from a batch's worth of pairs.

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "common/check.h"
+#include "common/measure.h"
 #include "params.h"
 #include "sm90/decode_fp8/decode.h"
 
@@ -23,9 +24,17 @@ static void refuse_fp8_kernel_env() {
 
 // FLASHMLA_BACKEND_FP8_DEBUG: measurement switches of the tensor-core kernel (DebugFlags in decode.h, bits); unset or
 // 0 in normal use. Read once per call, here.
+// The bits the kernel itself reads exist only in a measurement build (common/measure.h); elsewhere they are refused.
 static int sm90_fp8_debug_flags() {
   const char* v = std::getenv("FLASHMLA_BACKEND_FP8_DEBUG");
-  return v == nullptr ? 0 : std::atoi(v);
+  const int debug = v == nullptr ? 0 : std::atoi(v);
+  const int in_kernel = debug & sm90::decode_fp8::kInKernelDebugBits;
+  FMLA_HOST_CHECK(kMeasureBuild || in_kernel == 0,
+                  "FLASHMLA_BACKEND_FP8_DEBUG=" << debug << " sets bit(s) " << in_kernel
+                                                << ", which the kernel reads itself and this build compiled out; "
+                                                   "configure the build with FLASHMLA_BACKEND_MEASURE=1 to measure "
+                                                   "them (docs/build.md), or clear them");
+  return debug;
 }
 
 namespace sm90::decode_fp8 {

@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "common/device.cuh"
+#include "common/measure.h"
 #include "params.h"
 #include "sm90/decode/softmax.cuh"    // update_max
 #include "sm90/decode/tile_work.cuh"  // RequestPiece
@@ -599,10 +600,11 @@ __device__ __forceinline__ void km_consumer_loop(const DecodeParams& p, typename
 template <class T, bool kAhead>
 __global__ void __launch_bounds__(T::kNumThreads, 1)
     sm90_fp8_decode_km_kernel(const __grid_constant__ DecodeParams params, const __grid_constant__ CUtensorMap tmap_kv,
-                              int debug) {
+                              int debug_arg) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using SharedStorage = typename T::SharedStorage;
   const DecodeParams& p = params;
+  const int debug = kMeasureBuild ? debug_arg : 0;  // common/measure.h
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = cute::cast_smem_ptr_to_uint(smem_raw);
   SharedStorage& ss =

@@ -19,6 +19,7 @@
 // the combine.
 #pragma once
 
+#include "common/measure.h"
 #include "sm90/sparse_fp8/common.cuh"
 #include "sm90/sparse_fp8/lead.cuh"
 
@@ -27,10 +28,11 @@ namespace flashmla_backend::sm90::sparse_fp8 {
 constexpr int kSmemBytes = int(sizeof(LeadStorage)) + 1024;
 
 __global__ void __launch_bounds__(kNumThreads, 1)
-    sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug) {
+    sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug_arg) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using SS = LeadStorage;
   const DecodeParams& p = params;
+  const int debug = kMeasureBuild ? debug_arg : 0;  // common/measure.h
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = cute::cast_smem_ptr_to_uint(smem_raw);
   SS& ss = *reinterpret_cast<SS*>(smem_raw + ((1024 - (raw_addr % 1024)) % 1024));

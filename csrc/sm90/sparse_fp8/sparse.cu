@@ -5,6 +5,7 @@
 
 #include "common/check.h"
 #include "common/check_params.h"
+#include "common/measure.h"
 #include "launch.h"
 #include "params.h"
 #include "sm90/sparse_fp8/decode.h"
@@ -12,11 +13,18 @@
 
 namespace flashmla_backend {
 
-// FLASHMLA_BACKEND_SPARSE_DEBUG: measurement switches of the kernel (kernel.cuh: DebugFlags, bits); unset or 0 for
-// normal use. Read at every launch (a captured graph keeps the value of its capture).
+// FLASHMLA_BACKEND_SPARSE_DEBUG: measurement switches of the kernel (common.cuh: DebugFlags, bits); unset or 0 for
+// normal use. Read at every launch (a captured graph keeps the value of its capture). The kernel reads every bit
+// itself, so they exist only in a measurement build (common/measure.h); elsewhere they are refused.
 static int sparse_debug_flags() {
   const char* v = std::getenv("FLASHMLA_BACKEND_SPARSE_DEBUG");
-  return v != nullptr ? std::atoi(v) : 0;
+  const int debug = v != nullptr ? std::atoi(v) : 0;
+  FMLA_HOST_CHECK(kMeasureBuild || debug == 0,
+                  "FLASHMLA_BACKEND_SPARSE_DEBUG=" << debug
+                                                   << ": the sparse kernel's measurement switches are compiled out of "
+                                                      "this build; configure it with FLASHMLA_BACKEND_MEASURE=1 to "
+                                                      "measure them (docs/build.md), or unset the variable");
+  return debug;
 }
 
 void run_sm90_sparse_decode(const DecodeParams& p) {
