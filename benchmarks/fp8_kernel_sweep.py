@@ -7,7 +7,7 @@ side by side, against vLLM's FlashMLA-FP8 on the same e4m3 bytes, in one process
 --debug lists values of FLASHMLA_BACKEND_FP8_DEBUG: 0 for normal use, else a sum of the bits of DebugFlags in
 csrc/sm90/decode_fp8/decode.h (1 skips the V transposition, or the accurate mode's widening of V, so its results are
 wrong and only its time means something; the kernel reads this bit itself, so it needs a build configured with
-FLASHMLA_BACKEND_MEASURE=1, docs/build.md; 4 runs the fast mode's other pipeline plan than the one the shape gets; 16
+FLASHMLA_BACKEND_MEASURE=1, docs/build.md; 4 runs the fast mode's other pipeline plan (2 KV stages); 16
 runs the accurate mode's other tile at <= 32 query rows a KV head: keys on M or 64 rows; 32 the fast mode's other
 tile at <= 16 rows; 64 the KV tensor map's other L2 promotion; 1024 the accurate mode's V-in-registers tile where
 the two-term 64-row tile runs). Each call is captured in a CUDA graph and its

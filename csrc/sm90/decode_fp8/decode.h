@@ -39,7 +39,7 @@ void run_decode_kernel(const DecodeParams& params, int debug);
 // Measurement switches (FLASHMLA_BACKEND_FP8_DEBUG): benchmarks/fp8_kernel_sweep.py times them side by side.
 enum DebugFlags : int {
   kDebugNoTranspose = 1,       // the transposer waits and arrives but moves no data: wrong results, its time without it
-  kDebugOtherFastPlan = 4,     // the fast mode runs the other pipeline plan than the shape's (same results)
+  kDebugOtherFastPlan = 4,     // the fast mode runs its other pipeline plan (2 KV stages; dispatch.cu) (same results)
   kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
                                  // (at <= 16 rows the stacked Q tile for keys on M, at 17..32 the two-term 64-row tile
