@@ -313,6 +313,23 @@ def test_few_rows_per_request_descales_and_graph_replay(monkeypatch, mode, debug
                                          13)
 
 
+# The fast mode's 64-row tile has two pipeline plans (csrc/sm90/decode_fp8/dispatch.cu): 3 KV stages, the default at
+# every M-tile count, and 2 KV stages with deeper V^T rings (FLASHMLA_BACKEND_FP8_DEBUG bit 4). Only the buffering
+# differs, so the other plan gives the default's bits: at two, four, eight and 180 M tiles per (request, KV head),
+# splits included.
+OTHER_FAST_PLAN = "4"
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3], CASES[4], CASES[8]], ids=str)
+def test_fast_other_plan_is_bitwise_the_default(monkeypatch, case):
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
+    want_out, want_lse = run_fp8_decode(inp, case, dq, dk)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", OTHER_FAST_PLAN)
+    out, lse = run_fp8_decode(inp, case, dq, dk)
+    assert torch.equal(out.view(torch.int16), want_out.view(torch.int16)), f"{case}: out differs"
+    assert torch.equal(lse, want_lse), f"{case}: lse differs"
+
+
 # ---- the removed kernel switch ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["widen", "fast"])
 @pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
