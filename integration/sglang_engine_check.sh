@@ -26,6 +26,15 @@
 # the bf16 steps are, the broken-scale run must fail that judgment, serve-fp8 also checks the server log for the
 # plugin's FP8 line and its default-scale line (the tiny checkpoints carry no KV-cache scales). Step groups:
 # "fp8" (the FP8 steps), "all" (the default steps, then the FP8 steps).
+# DeepSeek-V3.2 (group "dsa", not in "all"): the tiny V3.2 checkpoint (integration/models/tiny-deepseek-v32, SGLang's
+# own indexer) on SGLang's DSA backend with --kv-cache-dtype fp8_e4m3 (656-byte fp8_ds_mla tokens), both sides:
+#   dsa-ours     FLASHMLA_BACKEND_DSA_DECODE=1 FLASHMLA_BACKEND_SPARSE_GPU=1: flashmla_backend's sparse decode in
+#                SGLang's decode (the log must show the plugin's DSA line)
+#   dsa-ref      SGLang's own DSA decode, --dsa-decode-backend flashmla_kv (its FlashMLA; needs sgl_kernel's
+#                flashmla_ops); the plugin's DSA line must be absent
+#   dsa-compare  dsa-ours vs dsa-ref judged by the fp32 model as the FP8 steps are
+#   dsa-broken   dsa-ours with a 1.5x softmax scale: must fail that judgment
+#   dsa-serve    launch_server with our DSA decode + 64 concurrent requests, the DSA line in its log
 # Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s). Exit code 0 only if every step held.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -36,17 +45,21 @@ cd "$ROOT/integration" || exit 1
 T=${SGLANG_RUN_TIMEOUT:-240}
 BF16_STEPS=(ours triton baseline compare broken mtp serve)
 FP8_STEPS=("${BF16_STEPS[@]/%/-fp8}")
+DSA_STEPS=(dsa-ours dsa-ref dsa-compare dsa-broken dsa-serve)
 STEPS=()
 for s in "$@"; do
   case $s in
     fp8) STEPS+=("${FP8_STEPS[@]}") ;;
+    dsa) STEPS+=("${DSA_STEPS[@]}") ;;
     all) STEPS+=("${BF16_STEPS[@]}" "${FP8_STEPS[@]}") ;;
     *) STEPS+=("$s") ;;
   esac
 done
 [ ${#STEPS[@]} -gt 0 ] || STEPS=("${BF16_STEPS[@]}")
 for s in "${STEPS[@]}"; do
-  case ${s%-fp8} in ours|triton|baseline|compare|broken|mtp|serve) ;; *) echo "unknown step '$s'" >&2; exit 2;; esac
+  case ${s%-fp8} in ours|triton|baseline|compare|broken|mtp|serve|dsa-ours|dsa-ref|dsa-compare|dsa-broken|dsa-serve) ;;
+    *) echo "unknown step '$s'" >&2; exit 2;; esac
+  case $s in dsa-*-fp8) echo "unknown step '$s' (the DSA steps run the FP8 cache already)" >&2; exit 2;; esac
 done
 
 say() { echo "[sglang_engine_check] $* ($(date +%T))"; }
@@ -81,8 +94,42 @@ cmp() { python3 sglang_run.py compare "$@"; }
 tie() { [ -f "$OUT/calibration$X.json" ] && echo --tie-gap-from "$OUT/calibration$X.json"; }
 ADJ=(--fp32-model "$CKPT" --prompts "$OUT/prompts.json")
 
+# DeepSeek-V3.2: its checkpoint (made on first use), the environments of our decode and of SGLang's own.
+ck32() { python3 -c "import harness; print(harness.tiny_checkpoint(harness.MODELS / 'tiny-deepseek-v32' / 'config.json', mtp=False))" | tail -1; }
+DSA_OURS_ENV=(FLASHMLA_BACKEND_DSA_DECODE=1 FLASHMLA_BACKEND_SPARSE_GPU=1)
+DSA_KV=(--kv-cache-dtype fp8_e4m3)
+dsa_run() {  # name [sglang_run options...] [-- env...]: a V3.2 run, then its log checked for whose decode ran
+  local name=$1; shift
+  local envs=() a
+  for a in "$@"; do [ "$a" = -- ] && envs=() && continue; envs+=("$a"); done
+  MODEL=$CK32 run "$name" dsa "$@" && env "${envs[@]}" python3 sglang_run.py logcheck --backend dsa "$OUT/$name.log"
+}
+
 status=0
 for s in "${STEPS[@]}"; do
+  case $s in
+    dsa-*)
+      CK32=${CK32:-$(ck32)} || { status=1; continue; }
+      case $s in
+        dsa-ours) dsa_run dsa-ours "${DSA_KV[@]}" -- "${DSA_OURS_ENV[@]}" FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 ||
+                    status=1 ;;
+        dsa-ref) dsa_run dsa-ref "${DSA_KV[@]}" --dsa-decode-backend flashmla_kv -- FLASHMLA_BACKEND_DSA_DECODE=0 ||
+                   status=1 ;;
+        dsa-compare)
+          { need dsa-ours dsa-ref &&
+            cmp "$OUT/dsa-ours.json" "$OUT/dsa-ref.json" --fp32-model "$CK32" --prompts "$OUT/prompts.json"; } ||
+            status=1 ;;
+        dsa-broken)
+          { dsa_run dsa-broken "${DSA_KV[@]}" -- "${DSA_OURS_ENV[@]}" FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 &&
+            need dsa-ref && cmp "$OUT/dsa-broken.json" "$OUT/dsa-ref.json" --expect disagree --fp32-model "$CK32" \
+              --prompts "$OUT/prompts.json"; } || status=1 ;;
+        dsa-serve)
+          say "dsa-serve"
+          env "${DSA_OURS_ENV[@]}" timeout $((T + 360)) python3 sglang_run.py serve --model "$CK32" --backend dsa \
+            --log "$OUT/dsa-serve.log" "${DSA_KV[@]}" || status=1 ;;
+      esac
+      continue ;;
+  esac
   # X: the result-name suffix of the step's KV-cache format, KV: the sglang_run.py options that select it.
   if [ "$s" != "${s%-fp8}" ]; then X=-fp8; KV=(--kv-cache-dtype fp8_e4m3); else X=; KV=(); fi
   case ${s%-fp8} in

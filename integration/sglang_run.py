@@ -7,6 +7,9 @@
     python integration/sglang_run.py calibrate a.json,b.json [c.json,d.json ...] --out calib.json
     python integration/sglang_run.py serve --model DIR --log serve.log [--requests 64] [--kv-cache-dtype fp8_e4m3] \
         [--dcp 2]
+    FLASHMLA_BACKEND_DSA_DECODE=1 FLASHMLA_BACKEND_SPARSE_GPU=1 python integration/sglang_run.py run \
+        --model V32_DIR --backend dsa --kv-cache-dtype fp8_e4m3 --prompts prompts.json --out dsa-ours.json
+    python integration/sglang_run.py logcheck --backend dsa dsa-ours.log
 
 prompts.json: a list of prompts, each a list of token ids. The result has the same format as
 integration/vllm_run.py's ({"outputs": [{"token_ids": [...], "logprobs": [{"<id>": logprob, ...}, ...]}]}),
@@ -25,6 +28,13 @@ its default-scale line.
 
 --dcp N (serve): TP N + DCP N on N GPUs (SGLang's --dcp-size), the backend as decode backend and flashinfer for
 prefill; the server log must also show the plugin's DCP routing line.
+
+DeepSeek-V3.2 (run, serve): --backend dsa is SGLang's DSA attention backend (indexer, prefill, KV writes SGLang's);
+--dsa-decode-backend picks SGLang's own decode kernel for it (flashmla_kv: its FlashMLA, the reference). With
+FLASHMLA_BACKEND_DSA_DECODE=1 (and, on a GPU, FLASHMLA_BACKEND_SPARSE_GPU=1) in the environment the plugin's hooks
+put flashmla_backend's sparse decode in its place (flashmla_backend/sglang/dsa.py). `logcheck --backend dsa LOG`
+(run with the same environment as the run) and `serve` require the plugin's DSA line in the log with the variable
+set, and its absence without it.
 """
 from __future__ import annotations
 
@@ -40,6 +50,26 @@ HERE = Path(__file__).resolve().parent
 ENTRY_POINT = "flashmla_backend = flashmla_backend.sglang:register"
 # Below this mean accept length (tokens per verification step) the drafts carry too little signal to judge.
 MIN_INFORMATIVE_ACCEPT = 1.3
+# The plugin's start-up line when SGLang's DSA decode runs on flashmla_backend (flashmla_backend/sglang/dsa.py).
+DSA_LOG_LINE = "SGLang's DSA decode runs on flashmla_backend"
+
+
+def _dsa_decode_requested() -> bool:
+    from flashmla_backend._env import DSA_DECODE_ENV, flag
+
+    return flag(DSA_DECODE_ENV)
+
+
+def _dsa_log_problem(backend: str, log_text: str) -> str | None:
+    """With --backend dsa: whose decode the log shows against the one asked for (None when they match)."""
+    if backend != "dsa":
+        return None
+    want, seen = _dsa_decode_requested(), DSA_LOG_LINE in log_text
+    if want and not seen:
+        return f"FLASHMLA_BACKEND_DSA_DECODE is set but the log lacks {DSA_LOG_LINE!r}: SGLang's own decode ran"
+    if seen and not want:
+        return f"the log shows {DSA_LOG_LINE!r} without FLASHMLA_BACKEND_DSA_DECODE: the reference is not SGLang's own"
+    return None
 
 
 def _declare_entry_point(run_dir: Path) -> None:
@@ -73,6 +103,8 @@ def run(args) -> int:
         extra["triton_attention_num_kv_splits"] = args.kv_splits
     if args.kv_cache_dtype != "auto":  # the default runs as before: SGLang's own default
         extra["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.dsa_decode_backend:
+        extra["dsa_decode_backend"] = args.dsa_decode_backend
     engine = sglang.Engine(model_path=args.model, attention_backend=args.backend, skip_tokenizer_init=True,
                            sampling_backend="pytorch", grammar_backend="none", mem_fraction_static=0.5,
                            disable_cuda_graph=args.disable_cuda_graph,
@@ -102,6 +134,8 @@ def run(args) -> int:
                         "spec_accept_length": meta.get("spec_accept_length")})
     result = {"backend": args.backend, "sglang_version": sglang.__version__, "options": extra,
               "init_s": init_s, "generate_s": gen_s, "outputs": outputs}
+    if args.backend == "dsa":
+        result["dsa_decode"] = "flashmla_backend" if _dsa_decode_requested() else "sglang"
     accept = [o["spec_accept_length"] for o in outputs if o["spec_accept_length"] is not None]
     if args.mtp:
         if len(accept) != len(outputs):
@@ -214,6 +248,8 @@ def launch_server_cmd(args, port: int) -> list[str]:
            "--context-length", "4096", "--sampling-backend", "pytorch", "--grammar-backend", "none"]
     if args.kv_cache_dtype != "auto":
         cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if args.dsa_decode_backend:
+        cmd += ["--dsa-decode-backend", args.dsa_decode_backend]
     return cmd
 
 
@@ -285,7 +321,10 @@ def serve(args) -> int:
                 print(f"[sglang_run] serve: log shows the FP8 KV cache: {fp8_logged}; default-scale lines: "
                       f"{default_scale_lines} (one per scheduler process expected)", flush=True)
                 ours_logged = ours_logged and fp8_logged and default_scale_lines >= 1
-        ok = not bad and (ours_logged or args.backend != "flashmla_backend")
+        dsa_problem = _dsa_log_problem(args.backend, log_text)
+        if args.backend == "dsa":
+            print(f"[sglang_run] serve: DSA decode in the log: {dsa_problem or 'as asked'}", flush=True)
+        ok = not bad and (ours_logged or args.backend != "flashmla_backend") and dsa_problem is None
     except Exception as e:  # noqa: BLE001 - reported with the server log's tail
         print(f"[sglang_run] serve failed: {e}\n" + "".join(log_path.read_text().splitlines(True)[-30:]), flush=True)
     finally:
@@ -298,6 +337,12 @@ def serve(args) -> int:
                 proc.wait(10)
         print(f"[sglang_run] serve: server stopped (exit code {proc.returncode})", flush=True)
     return 0 if ok else 1
+
+
+def logcheck(args) -> int:
+    problem = _dsa_log_problem(args.backend, Path(args.log).read_text(errors="replace"))
+    print(f"[sglang_run] {args.log}: {problem or 'the decode the environment asked for'}", flush=True)
+    return 1 if problem else 0
 
 
 def main(argv=None) -> int:
@@ -315,6 +360,7 @@ def main(argv=None) -> int:
                    help="speculative decoding with the checkpoint's MTP layer: STEPS draft steps, topk 1")
     r.add_argument("--kv-splits", type=int, default=0, help="triton_attention_num_kv_splits (triton backend)")
     r.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (default auto; fp8_e4m3: FP8)")
+    r.add_argument("--dsa-decode-backend", help="with --backend dsa: SGLang's DSA decode kernel (e.g. flashmla_kv)")
     c = sub.add_parser("compare")
     c.add_argument("ours")
     c.add_argument("ref")
@@ -335,10 +381,15 @@ def main(argv=None) -> int:
     s.add_argument("--log", required=True)
     s.add_argument("--start-timeout", type=float, default=300)
     s.add_argument("--kv-cache-dtype", default="auto", help="SGLang's --kv-cache-dtype (default auto; fp8_e4m3: FP8)")
+    s.add_argument("--dsa-decode-backend", help="with --backend dsa: SGLang's DSA decode kernel (e.g. flashmla_kv)")
     s.add_argument("--dcp", type=int, default=1, metavar="N",
                    help="TP N + DCP N (SGLang's --dcp-size, N GPUs): the backend decodes, flashinfer prefills")
+    g = sub.add_parser("logcheck", help="a run's log shows the DSA decode its environment asked for")
+    g.add_argument("log")
+    g.add_argument("--backend", required=True)
     args = ap.parse_args(argv)
-    return {"run": run, "compare": compare, "calibrate": calibrate, "serve": serve}[args.cmd](args)
+    commands = {"run": run, "compare": compare, "calibrate": calibrate, "serve": serve, "logcheck": logcheck}
+    return commands[args.cmd](args)
 
 
 if __name__ == "__main__":

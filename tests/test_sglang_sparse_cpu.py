@@ -604,3 +604,93 @@ def test_backends_not_adopted_keep_sglangs_decode(dsa_hooks, monkeypatch):
     with pytest.raises(ImportError):   # SGLang's own kernel call, as in the test above
         run_decode(backend, batch, q, monkeypatch)
     assert calls == []
+
+
+# ---- integration/sglang_run.py's DeepSeek-V3.2 runs (sglang_engine_check.sh, group dsa) ----------------------------
+
+def _sglang_run():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+    import sglang_run
+
+    return sglang_run
+
+
+def test_dsa_serve_command_parses_with_this_sglang():
+    """`sglang_run.py serve --backend dsa --dsa-decode-backend flashmla_kv`: this SGLang's own argument parser reads
+    the DSA backend, SGLang's decode kernel and the FP8 cache from the command."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    sglang_run = _sglang_run()
+    args = SimpleNamespace(model="/tmp/m", backend="dsa", kv_cache_dtype="fp8_e4m3", dcp=1,
+                           dsa_decode_backend="flashmla_kv")
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(sglang_run.launch_server_cmd(args, 30000)[3:])
+    assert (ns.attention_backend, ns.dsa_decode_backend, ns.kv_cache_dtype) == ("dsa", "flashmla_kv", "fp8_e4m3")
+    ns = parser.parse_args(sglang_run.launch_server_cmd(SimpleNamespace(**{**vars(args), "dsa_decode_backend": None}),
+                                                        30000)[3:])
+    assert ns.attention_backend == "dsa" and ns.dsa_decode_backend is None   # ours: SGLang resolves its own choice
+
+
+def test_dsa_run_engine_arguments_are_this_sglangs_server_arguments(tmp_path, monkeypatch):
+    """`run --backend dsa --dsa-decode-backend flashmla_kv --kv-cache-dtype fp8_e4m3`: the sglang.Engine it starts
+    (a stand-in recording its arguments) gets fields of this SGLang's ServerArgs, the DSA backend and SGLang's decode
+    kernel among them, and the result says whose decode ran."""
+    import json
+
+    import sglang
+    from sglang.srt.server_args import ServerArgs
+
+    sglang_run = _sglang_run()
+    import sglang_dcp_run
+
+    seen = {}
+
+    class Engine:
+        def __init__(self, **kw):
+            seen.update(kw)
+
+        def generate(self, input_ids, **kw):
+            return [{"meta_info": {"output_token_logprobs": [(-0.5, 7, "")], "output_top_logprobs": [[(-0.5, 7, "")]]}}
+                    for _ in input_ids]
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(sglang, "Engine", Engine, raising=False)
+    monkeypatch.setattr(sglang_run, "_declare_entry_point", lambda run_dir: None)
+    (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3]]))
+    out = tmp_path / "ref.json"
+    monkeypatch.delenv(dsa.DSA_DECODE_ENV, raising=False)
+    assert sglang_run.main(["run", "--model", "/tmp/m", "--backend", "dsa", "--prompts", str(tmp_path / "prompts.json"),
+                            "--out", str(out), "--kv-cache-dtype", "fp8_e4m3", "--dsa-decode-backend",
+                            "flashmla_kv"]) == 0
+    assert set(seen) <= sglang_dcp_run.server_arg_names(ServerArgs), set(seen) - sglang_dcp_run.server_arg_names(
+        ServerArgs)
+    assert (seen["attention_backend"], seen["dsa_decode_backend"], seen["kv_cache_dtype"]) == (
+        "dsa", "flashmla_kv", "fp8_e4m3")
+    assert json.loads(out.read_text())["dsa_decode"] == "sglang"
+
+
+def test_dsa_logcheck_follows_the_environment(tmp_path, monkeypatch, capsys):
+    """`logcheck --backend dsa LOG`: our decode's start-up line required with FLASHMLA_BACKEND_DSA_DECODE set and
+    refused without it (a reference run that our decode replaced); the line is the one adopt() logs."""
+    sglang_run = _sglang_run()
+    assert sglang_run.DSA_LOG_LINE in inspect.getsource(dsa.adopt)
+    ours = tmp_path / "ours.log"
+    ours.write_text(f"INFO flashmla_backend: {sglang_run.DSA_LOG_LINE} 0.1 sparse decode (...)\n")
+    theirs = tmp_path / "ref.log"
+    theirs.write_text("INFO SGLang's own decode\n")
+    for env, log, rc in [("1", ours, 0), ("1", theirs, 1), ("0", ours, 1), ("0", theirs, 0), (None, theirs, 0)]:
+        if env is None:
+            monkeypatch.delenv(dsa.DSA_DECODE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(dsa.DSA_DECODE_ENV, env)
+        assert sglang_run.main(["logcheck", "--backend", "dsa", str(log)]) == rc, (env, log.name)
+        assert sglang_run.main(["logcheck", "--backend", "flashmla_backend", str(log)]) == 0  # dense runs: no check
+    assert "SGLang's own decode ran" in capsys.readouterr().out
