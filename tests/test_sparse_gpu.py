@@ -42,7 +42,6 @@ def _sm90():
         pytest.skip("the sparse kernel runs on sm_90 GPUs")
 
 
-
 def _measure_build():
     """Whether the compiled module keeps the kernels' own measurement switches (FLASHMLA_BACKEND_MEASURE=1)."""
     try:
