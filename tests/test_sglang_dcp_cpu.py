@@ -139,7 +139,8 @@ def test_dcp_serve_command_parses_with_this_sglang():
     import sglang_run
 
     def parsed(dcp):
-        args = SimpleNamespace(model="/tmp/m", backend=BACKEND_NAME, kv_cache_dtype="auto", dcp=dcp)
+        args = SimpleNamespace(model="/tmp/m", backend=BACKEND_NAME, kv_cache_dtype="auto", dcp=dcp,
+                               dsa_decode_backend=None)
         cmd = sglang_run.launch_server_cmd(args, 30000)
         assert cmd[1:3] == ["-m", "sglang.launch_server"]
         parser = argparse.ArgumentParser()
