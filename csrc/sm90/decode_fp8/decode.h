@@ -12,8 +12,8 @@ void run_sm90_fp8_decode(const DecodeParams& params);
 
 namespace sm90::decode_fp8 {
 enum class Variant {
-  kFastE4m3Q,        // e4m3 q (one term), P one term, bf16 out; 2 KV stages, V^T rings 2 + 4: three or more M tiles
-  kFastE4m3QStream,  // the same with 3 KV stages and V^T rings 2 + 2: one or two M tiles
+  kFastE4m3Q,        // e4m3 q (one term), P one term, bf16 out; 2 KV stages, V^T rings 2 + 4 (FP8_DEBUG bit 4 only)
+  kFastE4m3QStream,  // the same with 3 KV stages and V^T rings 2 + 2: the fast mode's default
   kFastE4m3QCluster, // kFastE4m3QStream as 2-CTA clusters over the two M tiles, sharing the V transposition
   kAccurateBF16, // bf16 q split in two e4m3 terms for Q K^T, P V in fp16 (traits.h: kPvF16), bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms for Q K^T, P V in fp16, fp16 out

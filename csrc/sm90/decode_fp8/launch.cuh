@@ -58,10 +58,11 @@ template <>
 struct VariantTraits<Variant::kFastE4m3Q> {
   using type = Traits<cutlass::float_e4m3_t, 1, 2, 2, 4, 208, 88>;
 };
-// With one or two M tiles (h_q s_q / h_kv <= 128) 3 KV stages and V^T rings of 2 + 2 (the shared memory of both
-// plans is ~210 KB) measured faster once the transposer and the rescale got lighter: 1-4% at b128 h_q 16, 32 and
-// 128, on the varlen h_q 128 batch and at b = 1; 1% slower on the varlen h_q 16 batch, and at s_q 2 with h_q 128
-// (four M tiles, which keep the other plan). docs/perf/journal.md, 2026-11-27, has the repeated A/B.
+// 3 KV stages and V^T rings of 2 + 2 (the shared memory of both plans is ~210 KB), the fast mode's plan at every M-tile
+// count (dispatch.cu): on an H100 faster once the transposer and the rescale got lighter, 1-4% at b128 h_q 16, 32 and
+// 128, on the varlen h_q 128 batch and at b = 1, 1% slower at four M tiles (s_q 2, h_q 128); on an H200 without the
+// kernels' in-kernel switches also 2-3% faster at four and eight M tiles (docs/perf/journal.md, 2026-11-27 and
+// 2026-11-30).
 template <>
 struct VariantTraits<Variant::kFastE4m3QStream> {
   using type = Traits<cutlass::float_e4m3_t, 1, 3, 2, 2, 208, 88>;
