@@ -98,6 +98,17 @@ template <>
 struct VariantTraits<Variant::kAccurateStackedBF16> {
   using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true>;
 };
+// The accurate mode's two widening tiles with half of the widening on the integer pipe (Traits::kWidenSplitPipes; a
+// measurement, FLASHMLA_BACKEND_FP8_DEBUG bit 2048): the conversion unit's 16 lanes a clock an SM make the widening of
+// a block's 32 K values at least 1,024 cycles on it alone, about the time the widening was measured to cost.
+template <>
+struct VariantTraits<Variant::kAccurateBF16SplitPipes> {
+  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, false, true>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateStackedBF16SplitPipes> {
+  using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, true>;
+};
 template <>
 struct VariantTraits<Variant::kAccurateStackedBF16Left2> {
   using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 1, 224, 56, false, true, true>;
