@@ -95,7 +95,10 @@ tie() { [ -f "$OUT/calibration$X.json" ] && echo --tie-gap-from "$OUT/calibratio
 ADJ=(--fp32-model "$CKPT" --prompts "$OUT/prompts.json")
 
 # DeepSeek-V3.2: its checkpoint (made on first use), the environments of our decode and of SGLang's own.
-ck32() { python3 -c "import harness; print(harness.tiny_checkpoint(harness.MODELS / 'tiny-deepseek-v32' / 'config.json', mtp=False))" | tail -1; }
+ck32() {
+  python3 -c "import harness; print(harness.tiny_checkpoint(harness.MODELS / 'tiny-deepseek-v32' / 'config.json', mtp=False))" |
+    tail -1
+}
 DSA_OURS_ENV=(FLASHMLA_BACKEND_DSA_DECODE=1 FLASHMLA_BACKEND_SPARSE_GPU=1)
 DSA_KV=(--kv-cache-dtype fp8_e4m3)
 dsa_run() {  # name [sglang_run options...] [-- env...]: a V3.2 run, then its log checked for whose decode ran
