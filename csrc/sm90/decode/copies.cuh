@@ -135,12 +135,18 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2_alu(uint32_t w) {
   asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(d) : "r"(0x5C005C00u));  // x 256 in both halves
   return d;
 }
-// 8 e4m3 values to 8 fp16 with half of the pairs on the conversion unit and half on the integer pipe
-// (e4m3x2_to_f16x2_alu): the conversion unit's throughput (16 lanes a clock an SM) bounds a widening that uses it
-// alone.
-__device__ __forceinline__ uint4 e4m3x8_to_f16x8_split_pipes(uint32_t lo, uint32_t hi) {
-  return make_uint4(e4m3x2_to_f16x2(uint16_t(lo)), e4m3x2_to_f16x2_alu<0x3424u>(lo), e4m3x2_to_f16x2(uint16_t(hi)),
-                    e4m3x2_to_f16x2_alu<0x3424u>(hi));
+// 8 e4m3 values to 8 fp16 with kAluPairs of the four pairs on the integer pipe (e4m3x2_to_f16x2_alu) and the rest on
+// the conversion unit, whose throughput (16 lanes a clock an SM) bounds a widening that uses it alone. The same values
+// for every kAluPairs (0: e4m3x8_to_f16x8).
+template <int kAluPairs>
+__device__ __forceinline__ uint4 e4m3x8_to_f16x8_pipes(uint32_t lo, uint32_t hi) {
+  static_assert(kAluPairs >= 0 && kAluPairs <= 4, "four pairs");
+  uint4 d;
+  d.y = kAluPairs >= 1 ? e4m3x2_to_f16x2_alu<0x3424u>(lo) : e4m3x2_to_f16x2(uint16_t(lo >> 16));
+  d.w = kAluPairs >= 2 ? e4m3x2_to_f16x2_alu<0x3424u>(hi) : e4m3x2_to_f16x2(uint16_t(hi >> 16));
+  d.x = kAluPairs >= 3 ? e4m3x2_to_f16x2_alu<0x1404u>(lo) : e4m3x2_to_f16x2(uint16_t(lo));
+  d.z = kAluPairs >= 4 ? e4m3x2_to_f16x2_alu<0x1404u>(hi) : e4m3x2_to_f16x2(uint16_t(hi));
+  return d;
 }
 
 // ------------------------------------------------------------------------------------------------
