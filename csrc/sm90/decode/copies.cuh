@@ -141,6 +141,7 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2_alu(uint32_t w) {
 template <int kAluPairs>
 __device__ __forceinline__ uint4 e4m3x8_to_f16x8_pipes(uint32_t lo, uint32_t hi) {
   static_assert(kAluPairs >= 0 && kAluPairs <= 4, "four pairs");
+  if constexpr (kAluPairs == 0) return e4m3x8_to_f16x8(lo, hi);  // the default kernels' code as it was
   uint4 d;
   d.y = kAluPairs >= 1 ? e4m3x2_to_f16x2_alu<0x3424u>(lo) : e4m3x2_to_f16x2(uint16_t(lo >> 16));
   d.w = kAluPairs >= 2 ? e4m3x2_to_f16x2_alu<0x3424u>(hi) : e4m3x2_to_f16x2(uint16_t(hi >> 16));
