@@ -143,11 +143,13 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
         ss.sc[c][row_in_tile[0]] = sc[0];
         ss.sc[c][row_in_tile[1]] = sc[1];
       }
-      if (blk + 1 == nblk) {  // the rows' sums go with the last block's P (warpgroup 1 needs no barrier for them)
-        const float s0 = decode::quad_sum(l[0]), s1 = decode::quad_sum(l[1]);
+      if (blk + 1 == nblk) {  // the rows' final sums (a quad's parts added) go with the last block's P (warpgroup 1
+                              // needs no barrier for them); l is not added to after this
+        l[0] = decode::quad_sum(l[0]);
+        l[1] = decode::quad_sum(l[1]);
         if ((lane & 3) == 0) {
-          ss.rsum[c][row_in_tile[0]] = s0;
-          ss.rsum[c][row_in_tile[1]] = s1;
+          ss.rsum[c][row_in_tile[0]] = l[0];
+          ss.rsum[c][row_in_tile[1]] = l[1];
         }
       }
       warp_arrive(ss.p_full[c], lane);
@@ -192,9 +194,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     // tile, so neither waits for the other here (warpgroup 1 finishes its last block while this one starts the next
     // row piece) ----
     if (req == end_req) pdl_launch_dependents();
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < 2; ++v) l[v] = decode::quad_sum(l[v]);
-    float inv[2];
+    float inv[2];  // l: the rows' final sums, added up in the last block (0 without a block)
     inv_out(F, l, inv);
     store_group(p, w, 0, rows, lane, o, inv);
     store_lse(p, w, rows, lane, l, m);
