@@ -26,8 +26,10 @@
 # the bf16 steps are, the broken-scale run must fail that judgment, serve-fp8 also checks the server log for the
 # plugin's FP8 line and its default-scale line (the tiny checkpoints carry no KV-cache scales). Step groups:
 # "fp8" (the FP8 steps), "all" (the default steps, then the FP8 steps).
-# DeepSeek-V3.2 (group "dsa", not in "all"): the tiny V3.2 checkpoint (integration/models/tiny-deepseek-v32, SGLang's
-# own indexer) on SGLang's DSA backend with --kv-cache-dtype fp8_e4m3 (656-byte fp8_ds_mla tokens), both sides:
+# DeepSeek-V3.2 (group "dsa", not in "all"): the tiny V3.2 checkpoint (integration/models/tiny-deepseek-v32-topk2048:
+# SGLang 0.5.17's indexer asserts a top-k of 2048; SGLang's own indexer) on SGLang's DSA backend with --kv-cache-dtype
+# fp8_e4m3 (656-byte fp8_ds_mla tokens), both sides, on prompts of 1..4000 tokens (prompts-dsa.json: five of them
+# longer than 2048, so read sparsely):
 #   dsa-ours     FLASHMLA_BACKEND_DSA_DECODE=1 FLASHMLA_BACKEND_SPARSE_GPU=1: flashmla_backend's sparse decode in
 #                SGLang's decode (the log must show the plugin's DSA line)
 #   dsa-ref      SGLang's own DSA decode, --dsa-decode-backend flashmla_kv (its FlashMLA; needs sgl_kernel's
@@ -80,7 +82,7 @@ run() {  # name backend [sglang_run options...] [-- env...]
   [ $# -gt 0 ] && shift && envs=("$@")
   say "run $name ($backend ${opts[*]} ${envs[*]})"
   env "${envs[@]}" timeout "$T" python3 sglang_run.py run --model "${MODEL:-$CKPT}" --backend "$backend" \
-    --prompts "$OUT/prompts.json" --out "$OUT/$name.json" --max-tokens 48 --logprobs 5 "${opts[@]}" \
+    --prompts "${PROMPTS:-$OUT/prompts.json}" --out "$OUT/$name.json" --max-tokens 48 --logprobs 5 "${opts[@]}" \
     > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -E "sglang_run|MLA decode attention runs on|FP8 KV cache with the default scale" "$OUT/$name.log" | tail -5
@@ -94,10 +96,19 @@ cmp() { python3 sglang_run.py compare "$@"; }
 tie() { [ -f "$OUT/calibration$X.json" ] && echo --tie-gap-from "$OUT/calibration$X.json"; }
 ADJ=(--fp32-model "$CKPT" --prompts "$OUT/prompts.json")
 
-# DeepSeek-V3.2: its checkpoint (made on first use), the environments of our decode and of SGLang's own.
+# DeepSeek-V3.2: its checkpoint (made on first use), its prompts, the environments of our decode and of SGLang's own.
 ck32() {
-  python3 -c "import harness; print(harness.tiny_checkpoint(harness.MODELS / 'tiny-deepseek-v32' / 'config.json', mtp=False))" |
+  python3 -c "import harness; print(harness.tiny_checkpoint(harness.MODELS / 'tiny-deepseek-v32-topk2048' / 'config.json', mtp=False))" |
     tail -1
+}
+DSA_PROMPTS=$OUT/prompts-dsa.json
+DSA_PROMPT_LENS="1, 17, 64, 300, 1000, 2047, 2049, 2500, 3000, 4000"
+dsa_prompts() {
+  [ -f "$DSA_PROMPTS" ] || python3 -c "
+import random, json
+rng = random.Random(1234)
+json.dump([[rng.randrange(2, 1024) for _ in range(n)] for n in [$DSA_PROMPT_LENS]], open('$DSA_PROMPTS', 'w'))
+"
 }
 DSA_OURS_ENV=(FLASHMLA_BACKEND_DSA_DECODE=1 FLASHMLA_BACKEND_SPARSE_GPU=1)
 DSA_KV=(--kv-cache-dtype fp8_e4m3)
@@ -105,14 +116,14 @@ dsa_run() {  # name [sglang_run options...] [-- env...]: a V3.2 run, then its lo
   local name=$1; shift
   local envs=() a
   for a in "$@"; do [ "$a" = -- ] && envs=() && continue; envs+=("$a"); done
-  MODEL=$CK32 run "$name" dsa "$@" && env "${envs[@]}" python3 sglang_run.py logcheck --backend dsa "$OUT/$name.log"
+  MODEL=$CK32 PROMPTS=$DSA_PROMPTS run "$name" dsa "$@" && env "${envs[@]}" python3 sglang_run.py logcheck --backend dsa "$OUT/$name.log"
 }
 
 status=0
 for s in "${STEPS[@]}"; do
   case $s in
     dsa-*)
-      CK32=${CK32:-$(ck32)} || { status=1; continue; }
+      CK32=${CK32:-$(ck32)} && dsa_prompts || { status=1; continue; }
       case $s in
         dsa-ours) dsa_run dsa-ours "${DSA_KV[@]}" -- "${DSA_OURS_ENV[@]}" FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 ||
                     status=1 ;;
@@ -120,12 +131,12 @@ for s in "${STEPS[@]}"; do
                    status=1 ;;
         dsa-compare)
           { need dsa-ours dsa-ref &&
-            cmp "$OUT/dsa-ours.json" "$OUT/dsa-ref.json" --fp32-model "$CK32" --prompts "$OUT/prompts.json"; } ||
+            cmp "$OUT/dsa-ours.json" "$OUT/dsa-ref.json" --fp32-model "$CK32" --prompts "$DSA_PROMPTS"; } ||
             status=1 ;;
         dsa-broken)
           { dsa_run dsa-broken "${DSA_KV[@]}" -- "${DSA_OURS_ENV[@]}" FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 &&
             need dsa-ref && cmp "$OUT/dsa-broken.json" "$OUT/dsa-ref.json" --expect disagree --fp32-model "$CK32" \
-              --prompts "$OUT/prompts.json"; } || status=1 ;;
+              --prompts "$DSA_PROMPTS"; } || status=1 ;;
         dsa-serve)
           say "dsa-serve"
           env "${DSA_OURS_ENV[@]}" timeout $((T + 360)) python3 sglang_run.py serve --model "$CK32" --backend dsa \
