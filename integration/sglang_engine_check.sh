@@ -37,7 +37,9 @@
 #   dsa-compare  dsa-ours vs dsa-ref judged by the fp32 model as the FP8 steps are
 #   dsa-broken   dsa-ours with a 1.5x softmax scale: must fail that judgment
 #   dsa-serve    launch_server with our DSA decode + 64 concurrent requests, the DSA line in its log
-# Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s). Exit code 0 only if every step held.
+# Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s; 480 s for the DSA runs: the first V3.2 start
+# on a machine spends about 150 s compiling SGLang's kernels while it captures the prefill CUDA graphs, later ones
+# about 40 s). Exit code 0 only if every step held.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT=${OUT:-/tmp/flashmla_backend_sglang}
@@ -45,6 +47,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 cd "$ROOT/integration" || exit 1
 T=${SGLANG_RUN_TIMEOUT:-240}
+T_DSA=${SGLANG_RUN_TIMEOUT:-480}
 BF16_STEPS=(ours triton baseline compare broken mtp serve)
 FP8_STEPS=("${BF16_STEPS[@]/%/-fp8}")
 DSA_STEPS=(dsa-ours dsa-ref dsa-compare dsa-broken dsa-serve)
@@ -116,7 +119,7 @@ dsa_run() {  # name [sglang_run options...] [-- env...]: a V3.2 run, then its lo
   local name=$1; shift
   local envs=() a
   for a in "$@"; do [ "$a" = -- ] && envs=() && continue; envs+=("$a"); done
-  MODEL=$CK32 PROMPTS=$DSA_PROMPTS run "$name" dsa "$@" && env "${envs[@]}" python3 sglang_run.py logcheck --backend dsa "$OUT/$name.log"
+  T=$T_DSA MODEL=$CK32 PROMPTS=$DSA_PROMPTS run "$name" dsa "$@" && env "${envs[@]}" python3 sglang_run.py logcheck --backend dsa "$OUT/$name.log"
 }
 
 status=0
@@ -139,7 +142,7 @@ for s in "${STEPS[@]}"; do
               --prompts "$DSA_PROMPTS"; } || status=1 ;;
         dsa-serve)
           say "dsa-serve"
-          env "${DSA_OURS_ENV[@]}" timeout $((T + 360)) python3 sglang_run.py serve --model "$CK32" --backend dsa \
+          env "${DSA_OURS_ENV[@]}" timeout $((T_DSA + 360)) python3 sglang_run.py serve --model "$CK32" --backend dsa --start-timeout "$T_DSA" \
             --log "$OUT/dsa-serve.log" "${DSA_KV[@]}" || status=1 ;;
       esac
       continue ;;
