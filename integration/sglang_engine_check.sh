@@ -37,9 +37,9 @@
 #   dsa-compare  dsa-ours vs dsa-ref judged by the fp32 model as the FP8 steps are
 #   dsa-broken   dsa-ours with a 1.5x softmax scale: must fail that judgment
 #   dsa-serve    launch_server with our DSA decode + 64 concurrent requests, the DSA line in its log
-# Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s; 480 s for the DSA runs: the first V3.2 start
-# on a machine spends about 150 s compiling SGLang's kernels while it captures the prefill CUDA graphs, later ones
-# about 40 s). Exit code 0 only if every step held.
+# Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s; 480 s for the DSA runs: on an H200 the first
+# V3.2 start of a machine took 212 s, 164 of them capturing the prefill CUDA graphs, the next start 42 s, which
+# reads as first-use compilation). Exit code 0 only if every step held.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT=${OUT:-/tmp/flashmla_backend_sglang}
