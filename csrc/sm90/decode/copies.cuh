@@ -122,33 +122,6 @@ __device__ __forceinline__ uint4 e4m3x8_to_f16x8(uint32_t lo, uint32_t hi) {
   return make_uint4(e4m3x2_to_f16x2(uint16_t(lo)), e4m3x2_to_f16x2(uint16_t(lo >> 16)), e4m3x2_to_f16x2(uint16_t(hi)),
                     e4m3x2_to_f16x2(uint16_t(hi >> 16)));
 }
-// The same pair conversion without the conversion unit (integer and fp16 pipes): the two e4m3 bytes of w that kSel
-// picks (0x1404: bytes 0, 1; 0x3424: bytes 2, 3) into the high bytes of the two halves (__byte_perm), then each
-// byte's sign to bit 15 and its exponent and mantissa one bit lower, into the fp16 exponent and mantissa fields: that
-// reads as the value x 2^-8 (the bias 15 against e4m3's 7), subnormals included, and x 2^8 (exact: a power of two,
-// the result normal) gives the value. Exact for every e4m3 value but NaN, which becomes +-480 (cvt keeps NaN; the
-// kernels zero the unused keys before either).
-template <uint32_t kSel>
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_alu(uint32_t w) {
-  const uint32_t x = __byte_perm(w, 0u, kSel);
-  uint32_t d = ((x >> 1) & 0x3F803F80u) | (x & 0x80008000u);
-  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(d) : "r"(0x5C005C00u));  // x 256 in both halves
-  return d;
-}
-// 8 e4m3 values to 8 fp16 with kAluPairs of the four pairs on the integer pipe (e4m3x2_to_f16x2_alu) and the rest on
-// the conversion unit, whose throughput (16 lanes a clock an SM) bounds a widening that uses it alone. The same values
-// for every kAluPairs (0: e4m3x8_to_f16x8).
-template <int kAluPairs>
-__device__ __forceinline__ uint4 e4m3x8_to_f16x8_pipes(uint32_t lo, uint32_t hi) {
-  static_assert(kAluPairs >= 0 && kAluPairs <= 4, "four pairs");
-  if constexpr (kAluPairs == 0) return e4m3x8_to_f16x8(lo, hi);  // the default kernels' code as it was
-  uint4 d;
-  d.y = kAluPairs >= 1 ? e4m3x2_to_f16x2_alu<0x3424u>(lo) : e4m3x2_to_f16x2(uint16_t(lo >> 16));
-  d.w = kAluPairs >= 2 ? e4m3x2_to_f16x2_alu<0x3424u>(hi) : e4m3x2_to_f16x2(uint16_t(hi >> 16));
-  d.x = kAluPairs >= 3 ? e4m3x2_to_f16x2_alu<0x1404u>(lo) : e4m3x2_to_f16x2(uint16_t(lo));
-  d.z = kAluPairs >= 4 ? e4m3x2_to_f16x2_alu<0x1404u>(hi) : e4m3x2_to_f16x2(uint16_t(hi));
-  return d;
-}
 
 // ------------------------------------------------------------------------------------------------
 // KV blocks (TMA)

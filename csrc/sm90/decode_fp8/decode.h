@@ -31,12 +31,6 @@ enum class Variant {
   // 16-bit q, the two-term 64-row tile with P V as O^T = V^T P^T, V widened in the consumers' registers (vregs.h)
   kAccurateVRegsBF16,
   kAccurateVRegsFP16,
-  // bf16 q, the two-term 64-row tile and the stacked tile's 3-stage plan with 2 or 3 of each 4 pairs of V's widening
-  // on the integer pipe (traits.h: kWidenAluPairs; FLASHMLA_BACKEND_FP8_DEBUG bits 2048 / 4096, a measurement)
-  kAccurateBF16Alu2,
-  kAccurateBF16Alu3,
-  kAccurateStackedBF16Alu2,
-  kAccurateStackedBF16Alu3,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -63,10 +57,6 @@ enum DebugFlags : int {
   kDebugVRegs = 1024,            // the accurate mode's two-term 64-row tile: the V-in-registers tile (vregs.h) instead
                                  // of the one whose producer widens V; the same results within the mode's error (bit
                                  // 1 does not apply to it)
-  kDebugWidenAluHalf = 2048,     // the accurate mode with a bf16 q, on the two-term 64-row tile or the stacked tile's
-                                 // 3-stage plan: half of V's widening on the integer pipe (traits.h: kWidenAluPairs);
-                                 // the same results. Refused where the call runs another tile
-  kDebugWidenAluThreeQuarters = 4096,  // the same with three quarters of it on the integer pipe (not with 2048)
 };
 // The bits the kernel reads itself (the rest choose a kernel or a plan on the host): compiled only into a measurement
 // build (common/measure.h).

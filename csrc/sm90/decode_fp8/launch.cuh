@@ -98,26 +98,6 @@ template <>
 struct VariantTraits<Variant::kAccurateStackedBF16> {
   using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true>;
 };
-// The accurate mode's two widening tiles with 2 or 3 of each 4 pairs of the widening on the integer pipe
-// (Traits::kWidenAluPairs; a measurement, FLASHMLA_BACKEND_FP8_DEBUG bits 2048 / 4096): the conversion unit's 16 lanes
-// a clock an SM make the widening of a block's 32 K values at least 1,024 cycles on it alone, about the time the
-// widening was measured to cost.
-template <>
-struct VariantTraits<Variant::kAccurateBF16Alu2> {
-  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, false, 2>;
-};
-template <>
-struct VariantTraits<Variant::kAccurateBF16Alu3> {
-  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, false, 3>;
-};
-template <>
-struct VariantTraits<Variant::kAccurateStackedBF16Alu2> {
-  using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, 2>;
-};
-template <>
-struct VariantTraits<Variant::kAccurateStackedBF16Alu3> {
-  using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, 3>;
-};
 template <>
 struct VariantTraits<Variant::kAccurateStackedBF16Left2> {
   using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 1, 224, 56, false, true, true>;

@@ -297,9 +297,8 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
 // columns, 128-byte rows, 128B swizzle; layout.h: v16_offset): a lane takes 16-byte chunk lane % 4 of key 8 i +
 // lane / 4 (i = 0..7) and writes the two fp16 chunks of those 16 columns. A quarter warp reads two whole 64-byte
 // rows and writes two chunks of 8 different 128-byte bank rows: no bank conflicts. kMask: keys at and past `valid`
-// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN). kAluPairs: that many
-// of each four pairs converted on the integer pipe (Traits::kWidenAluPairs), the same values.
-template <bool kMask, int kAluPairs = 0>
+// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN).
+template <bool kMask>
 __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_piece, int valid, int lane) {
   constexpr int kBatch = 4;  // chunks in flight
   const int c = lane & 3;
@@ -316,8 +315,7 @@ __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_pie
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < kBatch; ++k) {
       const int r = 8 * (i0 + k) + (lane >> 2);
-      uint4 lo = decode::e4m3x8_to_f16x8_pipes<kAluPairs>(v[k].x, v[k].y);
-      uint4 hi = decode::e4m3x8_to_f16x8_pipes<kAluPairs>(v[k].z, v[k].w);
+      uint4 lo = decode::e4m3x8_to_f16x8(v[k].x, v[k].y), hi = decode::e4m3x8_to_f16x8(v[k].z, v[k].w);
       if constexpr (kMask) {
         if (r >= valid) lo = hi = make_uint4(0, 0, 0, 0);
       }
@@ -339,8 +337,8 @@ __device__ __forceinline__ void widen_pair(typename T::SharedStorage& ss, uint32
     const int j = 2 * pair + jj;
     wait_barrier(ss.kv_full[stage][j], parity);
     if (debug & kDebugNoTranspose) continue;
-    widen_piece<kMask, T::kWidenAluPairs>(stage_addr + j * kPieceBytes,
-                                          v_addr + (j % (2 * T::kVSlotPairs)) * kV16PieceBytes, valid, lane);
+    widen_piece<kMask>(stage_addr + j * kPieceBytes, v_addr + (j % (2 * T::kVSlotPairs)) * kV16PieceBytes, valid,
+                       lane);
   }
 }
 

@@ -81,15 +81,12 @@ struct VRings {
 // stacked_term_row), one Q K^T product instead of two; a consumer thread's two accumulator rows are then one query
 // row (the hi and lo scores, added in fp32 and kept in both), so P V computes each output row twice and the
 // epilogue writes one of them (kOutRowsPerThread). The Q tile is 36 KB instead of 72.
-// kWidenAluPairs (kPvF16 only; a measurement, FLASHMLA_BACKEND_FP8_DEBUG bits 2048 and 4096): the producer widens
-// that many of each four pairs of V values on the integer pipe instead of the conversion unit (decode/copies.cuh:
-// e4m3x8_to_f16x8_pipes), the same fp16 values.
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
           int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false,
-          bool kStackedTerms_ = false, int kWidenAluPairs_ = 0>
+          bool kStackedTerms_ = false>
 struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   using Rings = VRings<kStages_, 2, kVtLeft_, kVtRight_>;
   using Rings::kVtEmptyCopies;
@@ -115,8 +112,6 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
                 "V^T rings of two halves or more (one or more for the fp16 V of kPvF16)");
   static_assert(!kPvF16 || (!kQFp8 && kQTerms == 2), "fp16 P V is the accurate mode's: a 16-bit q in two terms");
   static constexpr bool kStackedTerms = kStackedTerms_;
-  static constexpr int kWidenAluPairs = kWidenAluPairs_;
-  static_assert(kWidenAluPairs == 0 || kPvF16, "only the accurate mode widens V");
   static_assert(!kStackedTerms || kPvF16, "the stacked Q tile holds the accurate mode's two terms");
   static constexpr int kQTiles = kStackedTerms ? 1 : kQTerms;             // (64, 576) e4m3 tiles of Q
   static constexpr int kTileRows = kStackedTerms ? kBlockM / 2 : kBlockM;  // query rows of an M tile

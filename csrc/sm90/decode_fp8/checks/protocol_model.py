@@ -37,12 +37,12 @@ class ProtocolError(AssertionError):
 
 def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, bool]]:
     """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in launch.cuh (the
-    last is Traits' kPvF16, after the registers and kShareVt; kStackedTerms, after it, changes where Q's rows live, and
-    kWidenAluPairs (0..4), after that, how V is converted, neither the protocol)."""
+    last is Traits' kPvF16, after the registers and kShareVt; kStackedTerms, after it, changes where Q's rows live, not
+    the protocol)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
                        r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?"
-                       r"(?:,\s*(?:true|false))?(?:,\s*[0-4])?>", text)
+                       r"(?:,\s*(?:true|false))?>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
     declared = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<", text)
