@@ -146,7 +146,11 @@ def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
     assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16",
                              "kAccurateStackedBF16", "kAccurateStackedBF16Left2", "kAccurateStackedFP16",
-                             "kAccurateStackedFP16Left2"}
+                             "kAccurateStackedFP16Left2", "kAccurateBF16ByRows", "kAccurateStackedBF16ByRows"}
+    # the widening by rows: its siblings' stages and rings, its own arrival counts (run with by_rows)
+    assert fp8_model.read_by_rows_variants() == {"kAccurateBF16ByRows", "kAccurateStackedBF16ByRows"}
+    assert variants["kAccurateBF16ByRows"] == variants["kAccurateBF16"]
+    assert variants["kAccurateStackedBF16ByRows"] == variants["kAccurateStackedBF16"]
     assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False)
     assert variants["kAccurateBF16"] == (2, 2, 1, 1, True) == variants["kAccurateFP16"]
     assert variants["kAccurateStackedBF16"] == (2, 3, 1, 1, True) == variants["kAccurateStackedFP16"]
@@ -156,6 +160,22 @@ def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     arrivals = fp8_model.read_arrivals()
     assert arrivals["kNumVPairs"] == 4 and arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumVPairs"]
     assert arrivals["kVtFullArrivals"] == 2 and arrivals["kVtEmptyArrivals"] == 4
+    assert arrivals["kVtFullArrivalsByRows"] == arrivals["kNumTransposeWarps"] == 3
+    assert arrivals["kKvEmptyArrivalsByRows"] == 4 + 2 * arrivals["kNumTransposeWarps"]
+
+
+@pytest.mark.parametrize("name, count", [("kVtFullArrivalsByRows", 2), ("kVtFullArrivalsByRows", 4),
+                                         ("kKvEmptyArrivalsByRows", 8)])
+def test_fp8_protocol_model_rejects_wrong_by_rows_counts(fp8_model, name, count):
+    """The widening by rows with an arrival count of the pair scheme (or one too many): a half read before its last
+    warp wrote it, a stage rewritten before every warp read it, or a hang."""
+    arrivals = dict(fp8_model.read_arrivals())
+    arrivals[name] = count
+    with pytest.raises(fp8_model.ProtocolError):
+        for seed in range(40):
+            for reqs in ([9, 4, 7], [5]):
+                fp8_model.run(reqs, 2, (1, 1), arrivals=arrivals, seed=seed, f16pv=True, by_rows=True,
+                              starve=[None, "copy", "wg0", "wg1", "transposer0"][seed % 5])
 
 
 def test_fp8_protocol_model_refuses_a_variant_it_cannot_read(fp8_model, tmp_path):
@@ -176,6 +196,15 @@ def test_fp8_protocol_model_rejects_a_broken_schedule(fp8_model, mutation):
         for seed in range(40):
             for stages, rings in ((2, (2, 4)), (2, (2, 2)), (3, (2, 3))):
                 fp8_model.run([9, 4, 7], stages, rings, seed=seed, mutation=mutation)
+
+
+@pytest.mark.parametrize("mutation", ["copy ignores kv_empty", "transposer ignores vt_empty",
+                                      "transposer does not release the stage"])
+def test_fp8_protocol_model_rejects_a_broken_by_rows_schedule(fp8_model, mutation):
+    with pytest.raises(fp8_model.ProtocolError):
+        for seed in range(40):
+            for stages in (2, 3):
+                fp8_model.run([9, 4, 7], stages, (1, 1), seed=seed, mutation=mutation, f16pv=True, by_rows=True)
 
 
 def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):

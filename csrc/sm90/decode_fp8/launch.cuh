@@ -98,6 +98,17 @@ template <>
 struct VariantTraits<Variant::kAccurateStackedBF16> {
   using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true>;
 };
+// The accurate mode's two widening tiles with V widened by rows (Traits::kWidenByRows; a measurement,
+// FLASHMLA_BACKEND_FP8_DEBUG bit 2048): a consumer warpgroup waits for the next block's fp16 V half right after it
+// released the slot, so the widening's latency is on its path; by rows, a third of a half's four pieces a warp.
+template <>
+struct VariantTraits<Variant::kAccurateBF16ByRows> {
+  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, false, true>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateStackedBF16ByRows> {
+  using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, true>;
+};
 template <>
 struct VariantTraits<Variant::kAccurateStackedBF16Left2> {
   using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 1, 224, 56, false, true, true>;

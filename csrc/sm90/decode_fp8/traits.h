@@ -84,9 +84,15 @@ struct VRings {
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
+// kWidenByRows (kPvF16 only; a measurement, FLASHMLA_BACKEND_FP8_DEBUG bit 2048): each of the producer's three
+// widening warps widens its third of the keys of every piece of a half, the left half then the right one, instead of
+// whole pairs of pieces round-robin (producer.cuh: widen_loop_by_rows); the same fp16 V. A consumer warpgroup waits
+// for its half right after its previous P V released the slot (mainloop_f16pv.cuh), so the time from release to the
+// half being written is on its path: a third of four pieces a warp instead of a pair (two pieces), or two pairs where
+// one warp got both of a block's pairs of that half.
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
           int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false,
-          bool kStackedTerms_ = false>
+          bool kStackedTerms_ = false, bool kWidenByRows_ = false>
 struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   using Rings = VRings<kStages_, 2, kVtLeft_, kVtRight_>;
   using Rings::kVtEmptyCopies;
@@ -113,6 +119,8 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static_assert(!kPvF16 || (!kQFp8 && kQTerms == 2), "fp16 P V is the accurate mode's: a 16-bit q in two terms");
   static constexpr bool kStackedTerms = kStackedTerms_;
   static_assert(!kStackedTerms || kPvF16, "the stacked Q tile holds the accurate mode's two terms");
+  static constexpr bool kWidenByRows = kWidenByRows_;
+  static_assert(!kWidenByRows || kPvF16, "only the accurate mode widens V");
   static constexpr int kQTiles = kStackedTerms ? 1 : kQTerms;             // (64, 576) e4m3 tiles of Q
   static constexpr int kTileRows = kStackedTerms ? kBlockM / 2 : kBlockM;  // query rows of an M tile
   static constexpr int kOutRowsPerThread = kStackedTerms ? 1 : 2;         // output rows of a thread's accumulator
@@ -209,6 +217,10 @@ constexpr int kNumVPairs = kNumVPieces / 2;                 // 4 pairs a block, 
 constexpr uint32_t kKvEmptyArrivals = 4 + kNumVPairs;       // owner warpgroup's warps + the block's pairs
 constexpr uint32_t kVtFullArrivals = kNumVPairs / 2;        // the half's pairs
 constexpr uint32_t kVtEmptyArrivals = 4;                    // the warps of the consumer warpgroup reading the half
+// With the widening by rows (Traits::kWidenByRows) every widening warp arrives once a half: on the half's vt_full and
+// on the stage's kv_empty.
+constexpr uint32_t kKvEmptyArrivalsByRows = 4 + 2 * kNumTransposeWarps;
+constexpr uint32_t kVtFullArrivalsByRows = kNumTransposeWarps;
 // With the shared transposition (Traits::kShareVt) a CTA transposes the two pairs of its own half of each block; the
 // other half's slot is written by the peer CTA's bulk copy, whose sender arrives once (with the expected bytes), and
 // peer_empty counts the warps of the peer's consumer warpgroup that read the copy.

@@ -1,0 +1,7 @@
+// sm90 FP8 tensor-core decode kernel, bf16 q (accurate mode), the two-term 64-row tile with V widened by rows (a
+// measurement: FLASHMLA_BACKEND_FP8_DEBUG bit 2048; traits.h: kWidenByRows).
+#include "sm90/decode_fp8/launch.cuh"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+template void run_decode_kernel<Variant::kAccurateBF16ByRows>(const DecodeParams& params, int debug);
+}  // namespace flashmla_backend::sm90::decode_fp8

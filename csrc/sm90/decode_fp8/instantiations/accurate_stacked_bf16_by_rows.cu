@@ -1,0 +1,7 @@
+// sm90 FP8 tensor-core decode kernel, bf16 q (accurate mode), the stacked Q tile's 3-stage plan with V widened by rows
+// (a measurement: FLASHMLA_BACKEND_FP8_DEBUG bit 2048; traits.h: kWidenByRows).
+#include "sm90/decode_fp8/launch.cuh"
+
+namespace flashmla_backend::sm90::decode_fp8 {
+template void run_decode_kernel<Variant::kAccurateStackedBF16ByRows>(const DecodeParams& params, int debug);
+}  // namespace flashmla_backend::sm90::decode_fp8
