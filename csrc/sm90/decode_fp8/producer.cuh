@@ -184,14 +184,17 @@ __device__ __forceinline__ void init_pipeline_barriers(typename T::SharedStorage
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
     ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared
-                                    : (T::kWidenByRows ? kKvEmptyArrivalsByRows : kKvEmptyArrivals));
+                                    : (T::kWidenSteps > 0 ? kKvEmptyArrivalsByRows : kKvEmptyArrivals));
   }
   CUTLASS_PRAGMA_UNROLL
   for (int b = 0; b < T::kVtSlots; ++b) {
     bool copied = false;
     if constexpr (T::kShareVt) copied = uint32_t(T::vt_half_of_slot(b)) != cluster_rank();
-    ss.vt_full[b].init(copied ? kVtFullArrivalsCopied
-                              : (T::kWidenByRows ? kVtFullArrivalsByRows : uint32_t(T::kVSlotPairs)));
+    CUTLASS_PRAGMA_UNROLL
+    for (int t = 0; t < T::kVtFullSteps; ++t) {
+      ss.vt_full[b * T::kVtFullSteps + t].init(
+          copied ? kVtFullArrivalsCopied : (T::kWidenSteps > 0 ? kVtFullArrivalsByRows : uint32_t(T::kVSlotPairs)));
+    }
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
     if constexpr (T::kShareVt) {
@@ -331,18 +334,20 @@ __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_pie
   }
 }
 
-// The widening by rows (Traits::kWidenByRows): warp tw's share of piece j, the row groups i = i0, i0 + 3, i0 + 6 (< 8)
-// of widen_piece's eight (keys 8 i + lane / 4) with i0 = (tw + j) % 3, so that a half's four pieces give each of the
-// three warps 10 or 11 of their 32 row groups. All loads of the share first, then the conversions and stores.
+// The widening by rows (Traits::kWidenSteps 1, 2 or 4): warp tw's share of piece j is the row groups i = i0, i0 + 3,
+// i0 + 6 (< 8) of widen_piece's eight (keys 8 i + lane / 4, the lane's 16-byte chunk lane % 4) with i0 = (tw + j) % 3,
+// so that a half's four pieces give each of the three warps 10 or 11 of their 32 row groups; a step widens those in
+// [lo, hi) (the step's keys). Loads of the share first, then the conversions and stores.
 template <bool kMask>
-__device__ __forceinline__ void widen_piece_rows(uint32_t src_piece, uint32_t dst_piece, int valid, int lane, int i0) {
+__device__ __forceinline__ void widen_piece_rows(uint32_t src_piece, uint32_t dst_piece, int valid, int lane, int i0,
+                                                 int lo, int hi) {
   constexpr int kMaxGroups = 3;
   const int c = lane & 3;
   uint4 v[kMaxGroups];
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < kMaxGroups; ++k) {
     const int i = i0 + 3 * k;
-    if (i < 8) {
+    if (i >= lo && i < hi) {
       const int r = 8 * i + (lane >> 2);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                    : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
@@ -352,35 +357,48 @@ __device__ __forceinline__ void widen_piece_rows(uint32_t src_piece, uint32_t ds
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < kMaxGroups; ++k) {
     const int i = i0 + 3 * k;
-    if (i < 8) {
+    if (i >= lo && i < hi) {
       const int r = 8 * i + (lane >> 2);
-      uint4 lo = decode::e4m3x8_to_f16x8(v[k].x, v[k].y), hi = decode::e4m3x8_to_f16x8(v[k].z, v[k].w);
+      uint4 w0 = decode::e4m3x8_to_f16x8(v[k].x, v[k].y), w1 = decode::e4m3x8_to_f16x8(v[k].z, v[k].w);
       if constexpr (kMask) {
-        if (r >= valid) lo = hi = make_uint4(0, 0, 0, 0);
+        if (r >= valid) w0 = w1 = make_uint4(0, 0, 0, 0);
       }
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c)), "r"(lo.x),
-                   "r"(lo.y), "r"(lo.z), "r"(lo.w)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c)), "r"(w0.x),
+                   "r"(w0.y), "r"(w0.z), "r"(w0.w)
                    : "memory");
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c + 1)),
-                   "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w)
+                   "r"(w1.x), "r"(w1.y), "r"(w1.z), "r"(w1.w)
                    : "memory");
     }
   }
 }
 
+// One half of block g by rows: per step (Traits::kWidenSteps; 8 / kWidenSteps row groups, in key order) the warp's
+// rows of the half's four pieces, then a fence for wgmma's async proxy and one arrival on the step's vt_full barrier.
 template <class T, bool kMask>
 __device__ __forceinline__ void widen_half_rows(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t v_addr,
-                                                int stage, uint32_t parity, int half, int valid, int tw, int lane,
-                                                int debug) {
+                                                int stage, uint32_t parity, int half, uint32_t slot, int valid,
+                                                int tw, int lane, int debug) {
+  constexpr int kSteps = T::kWidenSteps, kGroups = 8 / kSteps;
+  const int i0_half = (tw + half) % 3;  // (tw + j) % 3 of the half's first piece j = 4 half
   CUTLASS_PRAGMA_UNROLL
-  for (int jj = 0; jj < kVPiecesPerHalf; ++jj) {
-    const int j = kVPiecesPerHalf * half + jj;
-    wait_barrier(ss.kv_full[stage][j], parity);
-    if (debug & kDebugNoTranspose) continue;
-    widen_piece_rows<kMask>(stage_addr + j * kPieceBytes, v_addr + jj * kV16PieceBytes, valid, lane, (tw + j) % 3);
+  for (int jj = 0; jj < kVPiecesPerHalf; ++jj) wait_barrier(ss.kv_full[stage][kVPiecesPerHalf * half + jj], parity);
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < kSteps; ++t) {
+    int i0 = i0_half;
+    CUTLASS_PRAGMA_UNROLL
+    for (int jj = 0; jj < kVPiecesPerHalf; ++jj) {
+      const int j = kVPiecesPerHalf * half + jj;
+      if (!(debug & kDebugNoTranspose)) {
+        widen_piece_rows<kMask>(stage_addr + j * kPieceBytes, v_addr + jj * kV16PieceBytes, valid, lane, i0,
+                                kGroups * t, kGroups * (t + 1));
+      }
+      i0 = i0 == 2 ? 0 : i0 + 1;
+    }
+    cutlass::arch::fence_view_async_shared();  // the fp16 V is read by wgmma (async proxy)
+    __syncwarp();
+    if (lane == 0) ss.vt_full[slot * T::kVtFullSteps + t].arrive();
   }
-  cutlass::arch::fence_view_async_shared();  // the fp16 V is read by wgmma (async proxy)
-  __syncwarp();
 }
 
 template <class T, bool kMask>
@@ -458,9 +476,9 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
   });
 }
 
-// The widening by rows (Traits::kWidenByRows): every widening warp takes every block's halves in order (left, then
-// right), each after its slot's release, and widens its rows of the half's four pieces (widen_half_rows), then
-// arrives once on the half's vt_full and on the stage's kv_empty (traits.h: kVtFullArrivalsByRows,
+// The widening by rows (Traits::kWidenSteps 1 or 4): every widening warp takes every block's halves in order (left,
+// then right), each after its slot's release, widens its units of the half step by step, arriving on the step's
+// vt_full barrier after each, then arrives once on the stage's kv_empty (traits.h: kVtFullArrivalsByRows,
 // kKvEmptyArrivalsByRows).
 template <class T>
 __device__ __forceinline__ void widen_loop_by_rows(const DecodeParams& p, typename T::SharedStorage& ss,
@@ -480,14 +498,11 @@ __device__ __forceinline__ void widen_loop_by_rows(const DecodeParams& p, typena
       if (use > 0) wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
       const uint32_t v_addr = vt_addr0 + slot * T::kVSlotBytes;
       if (valid < kBlockN) {
-        widen_half_rows<T, true>(ss, stage_addr, v_addr, stage, parity, h, valid, tw, lane, debug);
+        widen_half_rows<T, true>(ss, stage_addr, v_addr, stage, parity, h, slot, valid, tw, lane, debug);
       } else {
-        widen_half_rows<T, false>(ss, stage_addr, v_addr, stage, parity, h, valid, tw, lane, debug);
+        widen_half_rows<T, false>(ss, stage_addr, v_addr, stage, parity, h, slot, valid, tw, lane, debug);
       }
-      if (lane == 0) {
-        ss.vt_full[slot].arrive();
-        ss.kv_empty[stage].arrive();
-      }
+      if (lane == 0) ss.kv_empty[stage].arrive();
     }
   });
 }
@@ -500,7 +515,8 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
     transpose_loop_shared<T>(p, ss, meta, begin_req, end_req, m_block, tw, lane, debug);
     return;
   }
-  if constexpr (T::kWidenByRows) {
+  if constexpr (T::kWidenSteps > 0) {
+    static_assert(kNumTransposeWarps == 3, "the widening by rows shares rows among three warps");
     widen_loop_by_rows<T>(p, ss, meta, begin_req, end_req, m_block, tw, lane, debug);
     return;
   }

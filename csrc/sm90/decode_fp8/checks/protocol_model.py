@@ -38,14 +38,16 @@ class ProtocolError(AssertionError):
 def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, bool]]:
     """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in launch.cuh (the
     last is Traits' kPvF16, after the registers and kShareVt; kStackedTerms, after it, changes where Q's rows live, not
-    the protocol; kWidenByRows, after that, changes the widening warps' part: read_by_rows_variants)."""
+    the protocol; kWidenSteps, after that, changes the widening warps' part: read_by_rows_variants)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
                        r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?"
-                       r"(?:,\s*(?:true|false)){0,2}>", text)
+                       r"(?:,\s*(?:true|false))?(?:,\s*[0-9]+)?>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
-    declared = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<", text)
+    # Every specialization but the V-in-registers tile's (read_vregs_variants), however it is written.
+    declared = [name for name, body in re.findall(r"struct VariantTraits<Variant::(\w+)>\s*\{([^}]*)\}", text)
+                if "TraitsVR<" not in body and "TraitsKM<" not in body]
     if len(declared) != len(found):
         missed = sorted(set(declared) - {f[0] for f in found})
         raise ProtocolError(f"VariantTraits of {launch_cuh} the model cannot read (new Traits arguments?): {missed}")
@@ -53,15 +55,16 @@ def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, in
             for name, a, c, d, e, _share, f16 in found}
 
 
-def read_by_rows_variants(launch_cuh: Path = LAUNCH_CUH) -> set[str]:
-    """The variants whose Traits widen V by rows (kWidenByRows, Traits' eleventh argument, true): every widening warp
-    takes every half of every block (producer.cuh: widen_loop_by_rows)."""
+def read_by_rows_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, int]:
+    """{variant: steps} of the variants whose Traits widen V by rows (kWidenSteps, Traits' eleventh argument, > 0):
+    every widening warp takes every half of every block, in that many steps of keys, each announced on its own vt_full
+    barrier that the P V waits for (producer.cuh: widen_loop_by_rows, mainloop.cuh: pv_block)."""
     text = launch_cuh.read_text()
-    out = set()
+    out = {}
     for name, args in re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<([^>]*)>", text):
         parts = [a.strip() for a in args.split(",")]
-        if len(parts) == 11 and parts[10] == "true":
-            out.add(name)
+        if len(parts) == 11 and int(parts[10]) > 0:
+            out[name] = int(parts[10])
     return out
 
 
@@ -117,9 +120,10 @@ class VtRings:
     and vt_empty_of: the release of use u of a slot goes to the slot's barrier u % kVtEmptyCopies, as completion
     u // kVtEmptyCopies of it."""
 
-    def __init__(self, left: int, right: int, stages: int):
+    def __init__(self, left: int, right: int, stages: int, steps: int = 1):
         self.ring = (left, right)
         self.copies = vt_empty_copies(stages, left, right)
+        self.steps = steps  # vt_full barriers a slot (the widening by rows in steps of keys: slot * steps + t)
 
     def slot(self, h: int, g: int) -> int:
         return g % self.ring[0] if h == 0 else self.ring[0] + g % self.ring[1]
@@ -236,7 +240,7 @@ def copy_agent(blocks, kS, mutation=None):
 
 
 def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None, by_rows=False):
-    if by_rows:  # every warp widens its rows of every half, the left one first
+    if by_rows:  # every warp widens its rows of every half, the left one first, step by step
         for g in range(blocks):
             for h in (0, 1):
                 slot, use = vt.slot(h, g), vt.use(h, g)
@@ -245,9 +249,10 @@ def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutati
                     yield ("wait", "vt_empty", bar, n)
                 yield ("wait", "kv_full", g % kS, g // kS)
                 yield ("read_begin", ("kv", g % kS), g)
-                yield ("write", ("vt", slot), g, "vt")
+                for t in range(vt.steps):
+                    yield ("write", ("vt", slot, t), g, "vt")
+                    yield ("arrive", "vt_full", slot * vt.steps + t)
                 yield ("read_end", ("kv", g % kS), g)
-                yield ("arrive", "vt_full", slot)
                 if mutation != "transposer does not release the stage":
                     yield ("arrive", "kv_empty", g % kS)
         return
@@ -260,7 +265,7 @@ def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutati
                 yield ("wait", "vt_empty", bar, n)
             yield ("wait", "kv_full", g % kS, g // kS)
             yield ("read_begin", ("kv", g % kS), g)
-            yield ("write", ("vt", slot), g, "vt")
+            yield ("write", ("vt", slot, 0), g, "vt")
             yield ("read_end", ("kv", g % kS), g)
             yield ("arrive", "vt_full", slot)
             if mutation != "transposer does not release the stage":
@@ -282,12 +287,15 @@ def qk_done(g, kS):
 
 
 def pv_issue(g, h, vt: VtRings):
-    yield ("wait", "vt_full", vt.slot(h, g), vt.use(h, g))
-    yield ("read_begin", ("vt", vt.slot(h, g)), g)
+    # With steps of keys, each step's wgmmas are issued after that step's own vt_full (pv_block).
+    for t in range(vt.steps):
+        yield ("wait", "vt_full", vt.slot(h, g) * vt.steps + t, vt.use(h, g))
+        yield ("read_begin", ("vt", vt.slot(h, g), t), g)
 
 
 def pv_done(g, h, vt: VtRings):
-    yield ("read_end", ("vt", vt.slot(h, g)), g)
+    for t in range(vt.steps):
+        yield ("read_end", ("vt", vt.slot(h, g), t), g)
     for _ in range(CONSUMER_WARPS):
         yield ("arrive", "vt_empty", vt.empty(vt.slot(h, g), vt.use(h, g))[0])
 
@@ -448,7 +456,7 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, v
                         yield from qk(g0 + 3, kS)   # its nine pieces are waited for before the batch is issued
                     yield from pv_done(g0 + 1, wg, kVt)
                     if mutation == "early vt_empty":
-                        yield ("read_end", ("vt", kVt.slot(1, g0)), g0)
+                        yield ("read_end", ("vt", kVt.slot(1, g0), 0), g0)
                     else:
                         yield from pv_done(g0, wg, kVt)
                     if nxt:
@@ -460,10 +468,11 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, v
 
 def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
-        f16pv: bool = False, starve: str | None = None, vregs: bool = False, by_rows: bool = False) -> None:
+        f16pv: bool = False, starve: str | None = None, vregs: bool = False, by_rows: int = 0) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
     agent that moves only when no other can (the interleavings where one role lags far behind the others). vregs: the
-    V-in-registers tile (no transposer warps; vt_rings unused). by_rows: the widening by rows (its arrival counts)."""
+    V-in-registers tile (no transposer warps; vt_rings unused). by_rows: the widening by rows in that many steps of
+    keys (its arrival counts, one vt_full barrier a step)."""
     arrivals = dict(read_arrivals() if arrivals is None else arrivals)
     if vregs:
         arrivals["kKvEmptyArrivals"] = read_vregs_kv_empty_arrivals()
@@ -471,7 +480,7 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         arrivals["kKvEmptyArrivals"] = arrivals["kKvEmptyArrivalsByRows"]
         arrivals["kVtFullArrivals"] = arrivals["kVtFullArrivalsByRows"]
     sim = Sim(stages, arrivals)
-    vt = VtRings(*vt_rings, stages)
+    vt = VtRings(*vt_rings, stages, by_rows or 1)
     blocks = sum(padded_blocks(n) for n in requests)
     agents = {"copy": copy_agent(blocks, stages, mutation)}
     if not vregs:
@@ -527,7 +536,7 @@ def check_all(seeds: int = 30) -> int:
         for reqs in sequences:
             for seed in range(seeds):
                 run(reqs, stages, (left, right), seed=seed, f16pv=f16pv,
-                    starve=starved[seed % len(starved)], by_rows=name in by_rows)
+                    starve=starved[seed % len(starved)], by_rows=by_rows.get(name, 0))
                 runs += 1
     for name, stages in read_vregs_variants().items():
         for reqs in sequences:
