@@ -476,7 +476,7 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
   });
 }
 
-// The widening by rows (Traits::kWidenSteps 1 or 4): every widening warp takes every block's halves in order (left,
+// The widening by rows (Traits::kWidenSteps 1 or 2): every widening warp takes every block's halves in order (left,
 // then right), each after its slot's release, widens its units of the half step by step, arriving on the step's
 // vt_full barrier after each, then arrives once on the stage's kv_empty (traits.h: kVtFullArrivalsByRows,
 // kKvEmptyArrivalsByRows).

@@ -85,7 +85,7 @@ struct VRings {
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 // kWidenSteps (kPvF16 only; measurements, FLASHMLA_BACKEND_FP8_DEBUG bits 2048 / 4096): 0, the producer's three
-// widening warps take whole pairs of V pieces round-robin; 1 or 4, the widening by rows (producer.cuh:
+// widening warps take whole pairs of V pieces round-robin; 1, 2 or 4, the widening by rows (producer.cuh:
 // widen_loop_by_rows): every widening warp widens its share of the (piece, 8-key row group) units of every half, left
 // half then right, so that a half is written a third of its work after its release rather than a pair (two pieces) or
 // two pairs after it; with 2 or 4 steps the units go in order of keys, 32 or 16 keys of the half's 256 columns a step,
@@ -225,7 +225,7 @@ constexpr int kNumVPairs = kNumVPieces / 2;                 // 4 pairs a block, 
 constexpr uint32_t kKvEmptyArrivals = 4 + kNumVPairs;       // owner warpgroup's warps + the block's pairs
 constexpr uint32_t kVtFullArrivals = kNumVPairs / 2;        // the half's pairs
 constexpr uint32_t kVtEmptyArrivals = 4;                    // the warps of the consumer warpgroup reading the half
-// With the widening by rows (Traits::kWidenSteps 1 or 4) every widening warp arrives once a half on the stage's
+// With the widening by rows (Traits::kWidenSteps > 0) every widening warp arrives once a half on the stage's
 // kv_empty and once a step on the half's vt_full barrier of that step.
 constexpr uint32_t kKvEmptyArrivalsByRows = 4 + 2 * kNumTransposeWarps;
 constexpr uint32_t kVtFullArrivalsByRows = kNumTransposeWarps;
