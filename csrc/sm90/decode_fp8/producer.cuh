@@ -303,6 +303,29 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
 // lane / 4 (i = 0..7) and writes the two fp16 chunks of those 16 columns. A quarter warp reads two whole 64-byte
 // rows and writes two chunks of 8 different 128-byte bank rows: no bank conflicts. kMask: keys at and past `valid`
 // are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN).
+// One lane's 16-byte chunk c of key row r of a V piece: loaded (64B swizzle), and widened into its two fp16 chunks
+// of the fp16 piece (128B swizzle), zeros for keys at and past `valid` when kMask.
+__device__ __forceinline__ uint4 load_v_chunk(uint32_t src_piece, int r, int c) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(src_piece + sw64_offset(r, c)));
+  return v;
+}
+template <bool kMask>
+__device__ __forceinline__ void store_widened_chunk(uint32_t dst_piece, int r, int c, int valid, const uint4& v) {
+  uint4 lo = decode::e4m3x8_to_f16x8(v.x, v.y), hi = decode::e4m3x8_to_f16x8(v.z, v.w);
+  if constexpr (kMask) {
+    if (r >= valid) lo = hi = make_uint4(0, 0, 0, 0);
+  }
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c)), "r"(lo.x),
+               "r"(lo.y), "r"(lo.z), "r"(lo.w)
+               : "memory");
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c + 1)), "r"(hi.x),
+               "r"(hi.y), "r"(hi.z), "r"(hi.w)
+               : "memory");
+}
+
 template <bool kMask>
 __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_piece, int valid, int lane) {
   constexpr int kBatch = 4;  // chunks in flight
@@ -311,26 +334,9 @@ __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_pie
   for (int i0 = 0; i0 < 8; i0 += kBatch) {
     uint4 v[kBatch];
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kBatch; ++k) {
-      const int r = 8 * (i0 + k) + (lane >> 2);
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
-                   : "r"(src_piece + sw64_offset(r, c)));
-    }
+    for (int k = 0; k < kBatch; ++k) v[k] = load_v_chunk(src_piece, 8 * (i0 + k) + (lane >> 2), c);
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kBatch; ++k) {
-      const int r = 8 * (i0 + k) + (lane >> 2);
-      uint4 lo = decode::e4m3x8_to_f16x8(v[k].x, v[k].y), hi = decode::e4m3x8_to_f16x8(v[k].z, v[k].w);
-      if constexpr (kMask) {
-        if (r >= valid) lo = hi = make_uint4(0, 0, 0, 0);
-      }
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c)), "r"(lo.x),
-                   "r"(lo.y), "r"(lo.z), "r"(lo.w)
-                   : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c + 1)),
-                   "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w)
-                   : "memory");
-    }
+    for (int k = 0; k < kBatch; ++k) store_widened_chunk<kMask>(dst_piece, 8 * (i0 + k) + (lane >> 2), c, valid, v[k]);
   }
 }
 
@@ -347,29 +353,12 @@ __device__ __forceinline__ void widen_piece_rows(uint32_t src_piece, uint32_t ds
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < kMaxGroups; ++k) {
     const int i = i0 + 3 * k;
-    if (i >= lo && i < hi) {
-      const int r = 8 * i + (lane >> 2);
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
-                   : "r"(src_piece + sw64_offset(r, c)));
-    }
+    if (i >= lo && i < hi) v[k] = load_v_chunk(src_piece, 8 * i + (lane >> 2), c);
   }
   CUTLASS_PRAGMA_UNROLL
   for (int k = 0; k < kMaxGroups; ++k) {
     const int i = i0 + 3 * k;
-    if (i >= lo && i < hi) {
-      const int r = 8 * i + (lane >> 2);
-      uint4 w0 = decode::e4m3x8_to_f16x8(v[k].x, v[k].y), w1 = decode::e4m3x8_to_f16x8(v[k].z, v[k].w);
-      if constexpr (kMask) {
-        if (r >= valid) w0 = w1 = make_uint4(0, 0, 0, 0);
-      }
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c)), "r"(w0.x),
-                   "r"(w0.y), "r"(w0.z), "r"(w0.w)
-                   : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c + 1)),
-                   "r"(w1.x), "r"(w1.y), "r"(w1.z), "r"(w1.w)
-                   : "memory");
-    }
+    if (i >= lo && i < hi) store_widened_chunk<kMask>(dst_piece, 8 * i + (lane >> 2), c, valid, v[k]);
   }
 }
 
