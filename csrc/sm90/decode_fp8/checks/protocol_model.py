@@ -240,34 +240,22 @@ def copy_agent(blocks, kS, mutation=None):
 
 
 def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None, by_rows=False):
-    if by_rows:  # every warp widens its rows of every half, the left one first, step by step
-        for g in range(blocks):
-            for h in (0, 1):
-                slot, use = vt.slot(h, g), vt.use(h, g)
-                if use > 0 and mutation != "transposer ignores vt_empty":
-                    bar, n = vt.empty(slot, use - 1)
-                    yield ("wait", "vt_empty", bar, n)
-                yield ("wait", "kv_full", g % kS, g // kS)
-                yield ("read_begin", ("kv", g % kS), g)
-                for t in range(vt.steps):
-                    yield ("write", ("vt", slot, t), g, "vt")
-                    yield ("arrive", "vt_full", slot * vt.steps + t)
-                yield ("read_end", ("kv", g % kS), g)
-                if mutation != "transposer does not release the stage":
-                    yield ("arrive", "kv_empty", g % kS)
-        return
     for g in range(blocks):
-        for pair in range((tw + warps - g % warps) % warps, pairs, warps):  # round-robin, shifted by one per block
-            h = pair // (pairs // 2)
+        if by_rows:  # every warp widens its rows of every half, the left one first, step by step (vt.steps)
+            halves = [0, 1]
+        else:  # pairs of pieces round-robin, shifted by one per block; a pair is one step of its half
+            halves = [pair // (pairs // 2) for pair in range((tw + warps - g % warps) % warps, pairs, warps)]
+        for h in halves:
             slot, use = vt.slot(h, g), vt.use(h, g)
             if use > 0 and mutation != "transposer ignores vt_empty":
                 bar, n = vt.empty(slot, use - 1)
                 yield ("wait", "vt_empty", bar, n)
             yield ("wait", "kv_full", g % kS, g // kS)
             yield ("read_begin", ("kv", g % kS), g)
-            yield ("write", ("vt", slot, 0), g, "vt")
+            for t in range(vt.steps):
+                yield ("write", ("vt", slot, t), g, "vt")
+                yield ("arrive", "vt_full", slot * vt.steps + t)
             yield ("read_end", ("kv", g % kS), g)
-            yield ("arrive", "vt_full", slot)
             if mutation != "transposer does not release the stage":
                 yield ("arrive", "kv_empty", g % kS)
 
