@@ -100,8 +100,8 @@ struct VariantTraits<Variant::kAccurateStackedBF16> {
 };
 // The accurate mode's two widening tiles with V widened by rows, in one step or in key steps that the P V waits for
 // one by one (Traits::kWidenSteps; measurements, FLASHMLA_BACKEND_FP8_DEBUG bits 2048 / 4096): a consumer
-// warpgroup waits for the next block's fp16 V half right after it released the slot, so the widening's latency is
-// on its path.
+// warpgroup waits for the next block's fp16 V half right after it released the slot, so the widening's latency may
+// be on its path (docs/perf/journal.md, 2026-11-30, 02:26: the reading these variants test).
 template <>
 struct VariantTraits<Variant::kAccurateBF16ByRows> {
   using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, false, 1>;

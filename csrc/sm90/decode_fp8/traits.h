@@ -94,7 +94,7 @@ struct VRings {
 // (The variants take 2 steps: the two-term 64-row tile's plan has 40 bytes left, where 4 steps need six more
 // barriers, 48 bytes, and on the stacked tile 4 steps spilled 160 bytes in the producer against 44 with 2.)
 // A consumer warpgroup waits for its half right after its previous P V released the slot (mainloop_f16pv.cuh), so the
-// time from the release to the data is on its path.
+// time from the release to the data may be on its path (what these measurements test).
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
           int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false,
           bool kStackedTerms_ = false, int kWidenSteps_ = 0>
