@@ -69,13 +69,15 @@ done
 
 say() { echo "[sglang_engine_check] $* ($(date +%T))"; }
 CKPT=$(python3 -c "import harness; print(harness.tiny_checkpoint(mtp=True))" | tail -1) || exit 1
-if [ ! -f "$OUT/prompts.json" ]; then
-  python3 -c "
+# A prompts file (made once): random token ids, one prompt of each length of the Python expression $2.
+write_prompts() {
+  [ -f "$1" ] || python3 -c "
 import random, json, test_vllm_engine_gpu as t
 rng = random.Random(1234)
-json.dump([[rng.randrange(2, 1024) for _ in range(n)] for n in t.PROMPT_LENS], open('$OUT/prompts.json', 'w'))
-" || exit 1
-fi
+json.dump([[rng.randrange(2, 1024) for _ in range(n)] for n in $2], open('$1', 'w'))
+"
+}
+write_prompts "$OUT/prompts.json" t.PROMPT_LENS || exit 1
 say "checkpoint $CKPT (with its MTP layer), prompts $OUT/prompts.json, steps ${STEPS[*]}"
 
 run() {  # name backend [sglang_run options...] [-- env...]
@@ -105,28 +107,22 @@ ck32() {
     tail -1
 }
 DSA_PROMPTS=$OUT/prompts-dsa.json
-DSA_PROMPT_LENS="1, 17, 64, 300, 1000, 2047, 2049, 2500, 3000, 4000"
-dsa_prompts() {
-  [ -f "$DSA_PROMPTS" ] || python3 -c "
-import random, json
-rng = random.Random(1234)
-json.dump([[rng.randrange(2, 1024) for _ in range(n)] for n in [$DSA_PROMPT_LENS]], open('$DSA_PROMPTS', 'w'))
-"
-}
+DSA_PROMPT_LENS="[1, 17, 64, 300, 1000, 2047, 2049, 2500, 3000, 4000]"
 DSA_OURS_ENV=(FLASHMLA_BACKEND_DSA_DECODE=1 FLASHMLA_BACKEND_SPARSE_GPU=1)
 DSA_KV=(--kv-cache-dtype fp8_e4m3)
 dsa_run() {  # name [sglang_run options...] [-- env...]: a V3.2 run, then its log checked for whose decode ran
   local name=$1; shift
   local envs=() a
   for a in "$@"; do [ "$a" = -- ] && envs=() && continue; envs+=("$a"); done
-  T=$T_DSA MODEL=$CK32 PROMPTS=$DSA_PROMPTS run "$name" dsa "$@" && env "${envs[@]}" python3 sglang_run.py logcheck --backend dsa "$OUT/$name.log"
+  T=$T_DSA MODEL=$CK32 PROMPTS=$DSA_PROMPTS run "$name" dsa "$@" &&
+    env "${envs[@]}" python3 sglang_run.py logcheck --backend dsa "$OUT/$name.log"
 }
 
 status=0
 for s in "${STEPS[@]}"; do
   case $s in
     dsa-*)
-      CK32=${CK32:-$(ck32)} && dsa_prompts || { status=1; continue; }
+      CK32=${CK32:-$(ck32)} && write_prompts "$DSA_PROMPTS" "$DSA_PROMPT_LENS" || { status=1; continue; }
       case $s in
         dsa-ours) dsa_run dsa-ours "${DSA_KV[@]}" -- "${DSA_OURS_ENV[@]}" FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 ||
                     status=1 ;;
@@ -142,8 +138,8 @@ for s in "${STEPS[@]}"; do
               --prompts "$DSA_PROMPTS"; } || status=1 ;;
         dsa-serve)
           say "dsa-serve"
-          env "${DSA_OURS_ENV[@]}" timeout $((T_DSA + 360)) python3 sglang_run.py serve --model "$CK32" --backend dsa --start-timeout "$T_DSA" \
-            --log "$OUT/dsa-serve.log" "${DSA_KV[@]}" || status=1 ;;
+          env "${DSA_OURS_ENV[@]}" timeout $((T_DSA + 360)) python3 sglang_run.py serve --model "$CK32" --backend dsa \
+            --start-timeout "$T_DSA" --log "$OUT/dsa-serve.log" "${DSA_KV[@]}" || status=1 ;;
       esac
       continue ;;
   esac

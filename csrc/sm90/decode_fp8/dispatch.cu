@@ -80,7 +80,7 @@ bool fast_keys_on_m_by_default(const DecodeParams& p) {
 // 64-row tile. FLASHMLA_BACKEND_FP8_DEBUG: bit 16 runs the other tile at <= 32 rows (keys on M <-> stacked up to 16
 // rows, stacked <-> the 64-row tile at 17..32), bit 512 past 32 rows (stacked <-> the 64-row tile), bit 256 the
 // stacked tile's other plan, bit 1024 the V-in-registers tile for the two-term 64-row one, bits 2048 / 4096 (a bf16 q
-// only: kByRows) the widening by rows in one step / in four k16 steps where the tile is the two-term one or the
+// only: kByRows) the widening by rows in one step / in two steps of keys where the tile is the two-term one or the
 // stacked 3-stage plan.
 template <sm90::decode_fp8::Variant kKeysOnM, sm90::decode_fp8::Variant kStacked,
           sm90::decode_fp8::Variant kStackedLeft2, sm90::decode_fp8::Variant kTwoTerms,

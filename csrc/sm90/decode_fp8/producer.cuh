@@ -298,11 +298,6 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
 // ------------------------------------------------------------------------------------------------
 // The accurate mode's fp16 V (Traits::kPvF16): widened, not transposed
 // ------------------------------------------------------------------------------------------------
-// V piece j (64 keys x 64 columns, e4m3, 64B swizzle) to fp16 piece j % 4 of its half's buffer (64 keys x 64
-// columns, 128-byte rows, 128B swizzle; layout.h: v16_offset): a lane takes 16-byte chunk lane % 4 of key 8 i +
-// lane / 4 (i = 0..7) and writes the two fp16 chunks of those 16 columns. A quarter warp reads two whole 64-byte
-// rows and writes two chunks of 8 different 128-byte bank rows: no bank conflicts. kMask: keys at and past `valid`
-// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN).
 // One lane's 16-byte chunk c of key row r of a V piece: loaded (64B swizzle), and widened into its two fp16 chunks
 // of the fp16 piece (128B swizzle), zeros for keys at and past `valid` when kMask.
 __device__ __forceinline__ uint4 load_v_chunk(uint32_t src_piece, int r, int c) {
@@ -326,6 +321,11 @@ __device__ __forceinline__ void store_widened_chunk(uint32_t dst_piece, int r, i
                : "memory");
 }
 
+// V piece j (64 keys x 64 columns, e4m3, 64B swizzle) to fp16 piece j % 4 of its half's buffer (64 keys x 64
+// columns, 128-byte rows, 128B swizzle; layout.h: v16_offset): a lane takes 16-byte chunk lane % 4 of key 8 i +
+// lane / 4 (i = 0..7) and writes the two fp16 chunks of those 16 columns. A quarter warp reads two whole 64-byte
+// rows and writes two chunks of 8 different 128-byte bank rows: no bank conflicts. kMask: keys at and past `valid`
+// are written as zeros (unused slots may hold NaN; P is 0 there, and 0 x NaN would be NaN).
 template <bool kMask>
 __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_piece, int valid, int lane) {
   constexpr int kBatch = 4;  // chunks in flight
