@@ -146,14 +146,7 @@ def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
     assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16",
                              "kAccurateStackedBF16", "kAccurateStackedBF16Left2", "kAccurateStackedFP16",
-                             "kAccurateStackedFP16Left2", "kAccurateBF16ByRows", "kAccurateStackedBF16ByRows",
-                             "kAccurateBF16KeySteps", "kAccurateStackedBF16KeySteps"}
-    # the widening by rows: its siblings' stages and rings, its own arrival counts and steps (run with by_rows)
-    assert fp8_model.read_by_rows_variants() == {"kAccurateBF16ByRows": 1, "kAccurateStackedBF16ByRows": 1,
-                                                 "kAccurateBF16KeySteps": 2, "kAccurateStackedBF16KeySteps": 2}
-    assert variants["kAccurateBF16ByRows"] == variants["kAccurateBF16KeySteps"] == variants["kAccurateBF16"]
-    stacked = variants["kAccurateStackedBF16"]
-    assert variants["kAccurateStackedBF16ByRows"] == variants["kAccurateStackedBF16KeySteps"] == stacked
+                             "kAccurateStackedFP16Left2"}
     assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False)
     assert variants["kAccurateBF16"] == (2, 2, 1, 1, True) == variants["kAccurateFP16"]
     assert variants["kAccurateStackedBF16"] == (2, 3, 1, 1, True) == variants["kAccurateStackedFP16"]
@@ -163,23 +156,6 @@ def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     arrivals = fp8_model.read_arrivals()
     assert arrivals["kNumVPairs"] == 4 and arrivals["kKvEmptyArrivals"] == 4 + arrivals["kNumVPairs"]
     assert arrivals["kVtFullArrivals"] == 2 and arrivals["kVtEmptyArrivals"] == 4
-    assert arrivals["kVtFullArrivalsByRows"] == arrivals["kNumTransposeWarps"] == 3
-    assert arrivals["kKvEmptyArrivalsByRows"] == 4 + 2 * arrivals["kNumTransposeWarps"]
-
-
-@pytest.mark.parametrize("steps", [1, 4])
-@pytest.mark.parametrize("name, count", [("kVtFullArrivalsByRows", 2), ("kVtFullArrivalsByRows", 4),
-                                         ("kKvEmptyArrivalsByRows", 8)])
-def test_fp8_protocol_model_rejects_wrong_by_rows_counts(fp8_model, name, count, steps):
-    """The widening by rows with an arrival count of the pair scheme (or one too many): a half read before its last
-    warp wrote it, a stage rewritten before every warp read it, or a hang."""
-    arrivals = dict(fp8_model.read_arrivals())
-    arrivals[name] = count
-    with pytest.raises(fp8_model.ProtocolError):
-        for seed in range(40):
-            for reqs in ([9, 4, 7], [5]):
-                fp8_model.run(reqs, 2, (1, 1), arrivals=arrivals, seed=seed, f16pv=True, by_rows=steps,
-                              starve=[None, "copy", "wg0", "wg1", "transposer0"][seed % 5])
 
 
 def test_fp8_protocol_model_refuses_a_variant_it_cannot_read(fp8_model, tmp_path):
@@ -188,7 +164,7 @@ def test_fp8_protocol_model_refuses_a_variant_it_cannot_read(fp8_model, tmp_path
     launch = tmp_path / "launch.cuh"
     launch.write_text(fp8_model.LAUNCH_CUH.read_text().replace(
         "Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true>",
-        "Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, kSteps, 7>"))
+        "Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, 7>"))
     with pytest.raises(fp8_model.ProtocolError, match="kAccurateStackedBF16"):
         fp8_model.read_variants(launch)
 
@@ -212,30 +188,6 @@ def test_fp8_protocol_model_rejects_a_broken_schedule(fp8_model, mutation):
         for seed in range(40):
             for stages, rings in ((2, (2, 4)), (2, (2, 2)), (3, (2, 3))):
                 fp8_model.run([9, 4, 7], stages, rings, seed=seed, mutation=mutation)
-
-
-@pytest.mark.parametrize("steps", [1, 2, 4])
-@pytest.mark.parametrize("mutation", ["copy ignores kv_empty", "transposer ignores vt_empty",
-                                      "transposer does not release the stage"])
-def test_fp8_protocol_model_rejects_a_broken_by_rows_schedule(fp8_model, mutation, steps):
-    with pytest.raises(fp8_model.ProtocolError):
-        for seed in range(40):
-            for stages in (2, 3):
-                fp8_model.run([9, 4, 7], stages, (1, 1), seed=seed, mutation=mutation, f16pv=True, by_rows=steps)
-
-
-def test_fp8_protocol_model_checks_each_key_step(fp8_model, monkeypatch):
-    """The P V waits for every step's barrier before reading that step (pv_block): a model whose consumer waits only
-    for the first step reads steps the widening warps have not written yet."""
-    def first_step_only(g, h, vt):
-        yield ("wait", "vt_full", vt.slot(h, g) * vt.steps, vt.use(h, g))
-        for t in range(vt.steps):
-            yield ("read_begin", ("vt", vt.slot(h, g), t), g)
-    monkeypatch.setattr(fp8_model, "pv_issue", first_step_only)
-    with pytest.raises(fp8_model.ProtocolError, match="reads block"):
-        for seed in range(60):
-            fp8_model.run([9, 4, 7], 2, (1, 1), seed=seed, f16pv=True, by_rows=4,
-                          starve=[None, "transposer0", "transposer1", "transposer2"][seed % 4])
 
 
 def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):

@@ -31,12 +31,6 @@ enum class Variant {
   // 16-bit q, the two-term 64-row tile with P V as O^T = V^T P^T, V widened in the consumers' registers (vregs.h)
   kAccurateVRegsBF16,
   kAccurateVRegsFP16,
-  // bf16 q, the two-term 64-row tile and the stacked tile's 3-stage plan with V widened by rows, in one step or in
-  // steps of keys (traits.h: kWidenSteps; FLASHMLA_BACKEND_FP8_DEBUG bits 2048 / 4096, measurements)
-  kAccurateBF16ByRows,
-  kAccurateStackedBF16ByRows,
-  kAccurateBF16KeySteps,
-  kAccurateStackedBF16KeySteps,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -63,11 +57,6 @@ enum DebugFlags : int {
   kDebugVRegs = 1024,            // the accurate mode's two-term 64-row tile: the V-in-registers tile (vregs.h) instead
                                  // of the one whose producer widens V; the same results within the mode's error (bit
                                  // 1 does not apply to it)
-  kDebugWidenByRows = 2048,      // the accurate mode with a bf16 q, on the two-term 64-row tile or the stacked tile's
-                                 // 3-stage plan: each widening warp widens its third of every half's rows (traits.h:
-                                 // kWidenSteps = 1); the same results. Refused where the call runs another tile
-  kDebugWidenByKeySteps = 4096,  // the same in two steps of 32 keys of the half, each announced on its own barrier
-                                 // and waited for by the P V just before its wgmmas (kWidenSteps = 2); not with 2048
 };
 // The bits the kernel reads itself (the rest choose a kernel or a plan on the host): compiled only into a measurement
 // build (common/measure.h).

@@ -79,53 +79,24 @@ bool fast_keys_on_m_by_default(const DecodeParams& p) {
 // The accurate mode's tile for one q dtype: keys on M (R = 16), the stacked Q tile in its two plans, or the two-term
 // 64-row tile. FLASHMLA_BACKEND_FP8_DEBUG: bit 16 runs the other tile at <= 32 rows (keys on M <-> stacked up to 16
 // rows, stacked <-> the 64-row tile at 17..32), bit 512 past 32 rows (stacked <-> the 64-row tile), bit 256 the
-// stacked tile's other plan, bit 1024 the V-in-registers tile for the two-term 64-row one, bits 2048 / 4096 (a bf16 q
-// only: kByRows) the widening by rows in one step / in two steps of keys where the tile is the two-term one or the
-// stacked 3-stage plan.
+// stacked tile's other plan, bit 1024 the V-in-registers tile for the two-term 64-row one.
 template <sm90::decode_fp8::Variant kKeysOnM, sm90::decode_fp8::Variant kStacked,
           sm90::decode_fp8::Variant kStackedLeft2, sm90::decode_fp8::Variant kTwoTerms,
-          sm90::decode_fp8::Variant kVRegs, sm90::decode_fp8::Variant kStackedByRows,
-          sm90::decode_fp8::Variant kTwoTermsByRows, sm90::decode_fp8::Variant kStackedKeySteps,
-          sm90::decode_fp8::Variant kTwoTermsKeySteps, bool kByRows>
+          sm90::decode_fp8::Variant kVRegs>
 static void run_accurate(const DecodeParams& params, int debug) {
   namespace d = sm90::decode_fp8;
-  constexpr int kRowsBits = d::kDebugWidenByRows | d::kDebugWidenByKeySteps;
-  const int rows = debug & kRowsBits;
-  const auto refuse_by_rows = [&](const char* runs) {
-    FMLA_HOST_CHECK(rows == 0, "FLASHMLA_BACKEND_FP8_DEBUG bit " << rows
-                                   << " (V widened by rows) applies to a bf16 q on the two-term 64-row tile or the "
-                                      "stacked tile's 3-stage plan; this call "
-                                   << runs << ": clear the bit");
-  };
-  FMLA_HOST_CHECK(rows != kRowsBits, "FLASHMLA_BACKEND_FP8_DEBUG: bits " << int(d::kDebugWidenByRows) << " and "
-                                                                          << int(d::kDebugWidenByKeySteps)
-                                                                          << " ask for two widenings by rows: set one");
-  if (!kByRows) refuse_by_rows("has an fp16 q");
   const bool other = debug & (params.q_rows <= 32 ? d::kDebugOtherAccurateTile : d::kDebugStackedManyRows);
   const bool stacked = d::stacked_terms_by_default(params) != other;
   if (stacked) {
     if (d::stacked_three_stages(params) != bool(debug & d::kDebugStackedOtherPlan)) {
-      if (rows == d::kDebugWidenByRows) {
-        d::run_decode_kernel<kStackedByRows>(params, debug);
-      } else if (rows == d::kDebugWidenByKeySteps) {
-        d::run_decode_kernel<kStackedKeySteps>(params, debug);
-      } else {
-        d::run_decode_kernel<kStacked>(params, debug);
-      }
+      d::run_decode_kernel<kStacked>(params, debug);
     } else {
-      refuse_by_rows("runs the stacked tile's 2-stage plan");
       d::run_decode_kernel<kStackedLeft2>(params, debug);
     }
   } else if (d::keys_on_m_applies(params)) {
-    refuse_by_rows("runs the keys-on-M tile");
     d::run_decode_kernel<kKeysOnM>(params, debug);
   } else if (debug & d::kDebugVRegs) {
-    refuse_by_rows("runs the V-in-registers tile");
     d::run_decode_kernel<kVRegs>(params, debug);
-  } else if (rows == d::kDebugWidenByRows) {
-    d::run_decode_kernel<kTwoTermsByRows>(params, debug);
-  } else if (rows == d::kDebugWidenByKeySteps) {
-    d::run_decode_kernel<kTwoTermsKeySteps>(params, debug);
   } else {
     d::run_decode_kernel<kTwoTerms>(params, debug);
   }
@@ -162,14 +133,11 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   switch (params.dtype) {
     case DType::kBF16:
       run_accurate<Variant::kAccurateKmBF16R16, Variant::kAccurateStackedBF16, Variant::kAccurateStackedBF16Left2,
-                   Variant::kAccurateBF16, Variant::kAccurateVRegsBF16, Variant::kAccurateStackedBF16ByRows,
-                   Variant::kAccurateBF16ByRows, Variant::kAccurateStackedBF16KeySteps,
-                   Variant::kAccurateBF16KeySteps, true>(params, debug);
+                   Variant::kAccurateBF16, Variant::kAccurateVRegsBF16>(params, debug);
       return;
     case DType::kFP16:
       run_accurate<Variant::kAccurateKmFP16R16, Variant::kAccurateStackedFP16, Variant::kAccurateStackedFP16Left2,
-                   Variant::kAccurateFP16, Variant::kAccurateVRegsFP16, Variant::kAccurateStackedFP16,
-                   Variant::kAccurateFP16, Variant::kAccurateStackedFP16, Variant::kAccurateFP16, false>(params, debug);
+                   Variant::kAccurateFP16, Variant::kAccurateVRegsFP16>(params, debug);
       return;
   }
   FMLA_HOST_CHECK(false, "sm90 FP8 decode: unsupported dtype " << int(params.dtype));

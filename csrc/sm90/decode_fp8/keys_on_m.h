@@ -66,8 +66,6 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   // What producer.cuh reads of its Traits (traits.h explains each): the accurate mode's fp16 V, or the fast mode's
   // V^T with eight ldmatrix in flight (units_in_flight: the producer is not held to few registers here).
   static constexpr bool kPvF16 = !kQFp8;
-  static constexpr int kWidenSteps = 0;  // traits.h: Traits::kWidenSteps
-  static constexpr int kVtFullSteps = 1;
   static constexpr bool kShareVt = false;
   static constexpr bool kKeysOnM = true;
   // No setmaxnreg: only units_in_flight reads it.

@@ -98,28 +98,6 @@ template <>
 struct VariantTraits<Variant::kAccurateStackedBF16> {
   using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true>;
 };
-// The accurate mode's two widening tiles with V widened by rows, in one step or in key steps that the P V waits for
-// one by one (Traits::kWidenSteps; measurements, FLASHMLA_BACKEND_FP8_DEBUG bits 2048 / 4096): a consumer
-// warpgroup waits for the next block's fp16 V half right after it released the slot, so the widening's latency may
-// be on its path (docs/perf/journal.md, 2026-11-30, 02:26: the reading these variants test).
-template <>
-struct VariantTraits<Variant::kAccurateBF16ByRows> {
-  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, false, 1>;
-};
-template <>
-struct VariantTraits<Variant::kAccurateStackedBF16ByRows> {
-  using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, 1>;
-};
-// (2 steps of 32 keys: 4 would not fit the two-term tile's shared-memory plan, and spilled more in the producer of
-// the stacked one: traits.h.)
-template <>
-struct VariantTraits<Variant::kAccurateBF16KeySteps> {
-  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, false, true, false, 2>;
-};
-template <>
-struct VariantTraits<Variant::kAccurateStackedBF16KeySteps> {
-  using type = Traits<cutlass::bfloat16_t, 2, 3, 1, 1, 224, 56, false, true, true, 2>;
-};
 template <>
 struct VariantTraits<Variant::kAccurateStackedBF16Left2> {
   using type = Traits<cutlass::bfloat16_t, 2, 2, 2, 1, 224, 56, false, true, true>;

@@ -250,8 +250,7 @@ __device__ __forceinline__ void fold_stacked_terms(Frag& s) {
 }
 
 // O_half += P V_half of block g (its V^T half kHalf: value columns [256 kHalf, 256 kHalf + 256) in the order of
-// layout.h); one commit group (with Traits::kVtFullSteps > 1 one a widening step: a wait of warpgroup_wait<N> for the
-// product still finds every group issued before the last one done).
+// layout.h); one commit group.
 template <class T, int kHalf, class FragO>
 __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss, uint32_t g, PFrag<T>& P,
                                          FragO& tOrO) {
@@ -268,37 +267,17 @@ __device__ __forceinline__ void pv_block(int tid, typename T::SharedStorage& ss,
   warpgroup_fence_operand(tOrO);
   warpgroup_arrive();
   Tensor tOrP = P.tensor();
-  if constexpr (T::kVtFullSteps > 1) {
-    // The widening by rows in key steps (traits.h: kWidenSteps): each step's keys of the half (kPerStep k16 steps)
-    // are announced on their own barrier (wait_vt waited for step 0): each step is its own batch, issued once its
-    // keys are written.
-    constexpr int kK16 = decltype(size<2>(tOrV))::value;
-    constexpr int kPerStep = kK16 / T::kVtFullSteps;
-    static_assert(kPerStep * T::kVtFullSteps == kK16, "whole k16 steps of the fp16 V half a widening step");
-    const uint32_t bar0 = T::vt_slot(kHalf, g) * T::kVtFullSteps, parity = T::vt_use(kHalf, g) & 1u;
-    CUTLASS_PRAGMA_UNROLL
-    for (int kb = 0; kb < kK16; ++kb) {
-      if (kb > 0 && kb % kPerStep == 0) {
-        warpgroup_commit_batch();
-        consumer_wait(ss.vt_full[bar0 + kb / kPerStep], parity);
-        warpgroup_arrive();
-      }
-      cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
-    }
-  } else {
-    CUTLASS_PRAGMA_UNROLL
-    for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
-  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(tOrV); ++kb) cute::gemm(mma, tOrP(_, _, kb), tOrV(_, _, kb), tOrO);
   warpgroup_commit_batch();
   warpgroup_fence_operand(tOrO);
   P.fence();
 }
 
-// V^T half kHalf of block g: wait until it is written (with Traits::kVtFullSteps > 1 its first step; pv_block waits
-// for the others); release it once this warpgroup's P V of it completed.
+// V^T half kHalf of block g: wait until it is written; release it once this warpgroup's P V of it completed.
 template <class T, int kHalf>
 __device__ __forceinline__ void wait_vt(typename T::SharedStorage& ss, uint32_t g) {
-  consumer_wait(ss.vt_full[T::vt_slot(kHalf, g) * T::kVtFullSteps], T::vt_use(kHalf, g) & 1u);
+  consumer_wait(ss.vt_full[T::vt_slot(kHalf, g)], T::vt_use(kHalf, g) & 1u);
 }
 // With the shared transposition (Traits::kShareVt) the half of the other cluster rank was copied here by the peer
 // CTA, which is told instead (its peer_empty), one arrival per warp.

@@ -183,18 +183,13 @@ __device__ __forceinline__ void init_pipeline_barriers(typename T::SharedStorage
   for (int s = 0; s < T::kStages; ++s) {
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
-    ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared
-                                    : (T::kWidenSteps > 0 ? kKvEmptyArrivalsByRows : kKvEmptyArrivals));
+    ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kKvEmptyArrivals);
   }
   CUTLASS_PRAGMA_UNROLL
   for (int b = 0; b < T::kVtSlots; ++b) {
     bool copied = false;
     if constexpr (T::kShareVt) copied = uint32_t(T::vt_half_of_slot(b)) != cluster_rank();
-    CUTLASS_PRAGMA_UNROLL
-    for (int t = 0; t < T::kVtFullSteps; ++t) {
-      ss.vt_full[b * T::kVtFullSteps + t].init(
-          copied ? kVtFullArrivalsCopied : (T::kWidenSteps > 0 ? kVtFullArrivalsByRows : uint32_t(T::kVSlotPairs)));
-    }
+    ss.vt_full[b].init(copied ? kVtFullArrivalsCopied : uint32_t(T::kVSlotPairs));
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
     if constexpr (T::kShareVt) {
@@ -298,29 +293,6 @@ __device__ __forceinline__ void transpose_pair(typename T::SharedStorage& ss, ui
 // ------------------------------------------------------------------------------------------------
 // The accurate mode's fp16 V (Traits::kPvF16): widened, not transposed
 // ------------------------------------------------------------------------------------------------
-// One lane's 16-byte chunk c of key row r of a V piece: loaded (64B swizzle), and widened into its two fp16 chunks
-// of the fp16 piece (128B swizzle), zeros for keys at and past `valid` when kMask.
-__device__ __forceinline__ uint4 load_v_chunk(uint32_t src_piece, int r, int c) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(src_piece + sw64_offset(r, c)));
-  return v;
-}
-template <bool kMask>
-__device__ __forceinline__ void store_widened_chunk(uint32_t dst_piece, int r, int c, int valid, const uint4& v) {
-  uint4 lo = decode::e4m3x8_to_f16x8(v.x, v.y), hi = decode::e4m3x8_to_f16x8(v.z, v.w);
-  if constexpr (kMask) {
-    if (r >= valid) lo = hi = make_uint4(0, 0, 0, 0);
-  }
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c)), "r"(lo.x),
-               "r"(lo.y), "r"(lo.z), "r"(lo.w)
-               : "memory");
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c + 1)), "r"(hi.x),
-               "r"(hi.y), "r"(hi.z), "r"(hi.w)
-               : "memory");
-}
-
 // V piece j (64 keys x 64 columns, e4m3, 64B swizzle) to fp16 piece j % 4 of its half's buffer (64 keys x 64
 // columns, 128-byte rows, 128B swizzle; layout.h: v16_offset): a lane takes 16-byte chunk lane % 4 of key 8 i +
 // lane / 4 (i = 0..7) and writes the two fp16 chunks of those 16 columns. A quarter warp reads two whole 64-byte
@@ -334,59 +306,26 @@ __device__ __forceinline__ void widen_piece(uint32_t src_piece, uint32_t dst_pie
   for (int i0 = 0; i0 < 8; i0 += kBatch) {
     uint4 v[kBatch];
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kBatch; ++k) v[k] = load_v_chunk(src_piece, 8 * (i0 + k) + (lane >> 2), c);
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kBatch; ++k) store_widened_chunk<kMask>(dst_piece, 8 * (i0 + k) + (lane >> 2), c, valid, v[k]);
-  }
-}
-
-// The widening by rows (Traits::kWidenSteps 1, 2 or 4): warp tw's share of piece j is the row groups i = i0, i0 + 3,
-// i0 + 6 (< 8) of widen_piece's eight (keys 8 i + lane / 4, the lane's 16-byte chunk lane % 4) with i0 = (tw + j) % 3,
-// so that a half's four pieces give each of the three warps 10 or 11 of their 32 row groups; a step widens those in
-// [lo, hi) (the step's keys). Loads of the share first, then the conversions and stores.
-template <bool kMask>
-__device__ __forceinline__ void widen_piece_rows(uint32_t src_piece, uint32_t dst_piece, int valid, int lane, int i0,
-                                                 int lo, int hi) {
-  constexpr int kMaxGroups = 3;
-  const int c = lane & 3;
-  uint4 v[kMaxGroups];
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < kMaxGroups; ++k) {
-    const int i = i0 + 3 * k;
-    if (i >= lo && i < hi) v[k] = load_v_chunk(src_piece, 8 * i + (lane >> 2), c);
-  }
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < kMaxGroups; ++k) {
-    const int i = i0 + 3 * k;
-    if (i >= lo && i < hi) store_widened_chunk<kMask>(dst_piece, 8 * i + (lane >> 2), c, valid, v[k]);
-  }
-}
-
-// One half of block g by rows: per step (Traits::kWidenSteps; 8 / kWidenSteps row groups, in key order) the warp's
-// rows of the half's four pieces, then a fence for wgmma's async proxy and one arrival on the step's vt_full barrier.
-template <class T, bool kMask>
-__device__ __forceinline__ void widen_half_rows(typename T::SharedStorage& ss, uint32_t stage_addr, uint32_t v_addr,
-                                                int stage, uint32_t parity, int half, uint32_t slot, int valid,
-                                                int tw, int lane, int debug) {
-  constexpr int kSteps = T::kWidenSteps, kGroups = 8 / kSteps;
-  const int i0_half = (tw + half) % 3;  // (tw + j) % 3 of the half's first piece j = 4 half
-  CUTLASS_PRAGMA_UNROLL
-  for (int jj = 0; jj < kVPiecesPerHalf; ++jj) wait_barrier(ss.kv_full[stage][kVPiecesPerHalf * half + jj], parity);
-  CUTLASS_PRAGMA_UNROLL
-  for (int t = 0; t < kSteps; ++t) {
-    int i0 = i0_half;
-    CUTLASS_PRAGMA_UNROLL
-    for (int jj = 0; jj < kVPiecesPerHalf; ++jj) {
-      const int j = kVPiecesPerHalf * half + jj;
-      if (!(debug & kDebugNoTranspose)) {
-        widen_piece_rows<kMask>(stage_addr + j * kPieceBytes, v_addr + jj * kV16PieceBytes, valid, lane, i0,
-                                kGroups * t, kGroups * (t + 1));
-      }
-      i0 = i0 == 2 ? 0 : i0 + 1;
+    for (int k = 0; k < kBatch; ++k) {
+      const int r = 8 * (i0 + k) + (lane >> 2);
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                   : "r"(src_piece + sw64_offset(r, c)));
     }
-    cutlass::arch::fence_view_async_shared();  // the fp16 V is read by wgmma (async proxy)
-    __syncwarp();
-    if (lane == 0) ss.vt_full[slot * T::kVtFullSteps + t].arrive();
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kBatch; ++k) {
+      const int r = 8 * (i0 + k) + (lane >> 2);
+      uint4 lo = decode::e4m3x8_to_f16x8(v[k].x, v[k].y), hi = decode::e4m3x8_to_f16x8(v[k].z, v[k].w);
+      if constexpr (kMask) {
+        if (r >= valid) lo = hi = make_uint4(0, 0, 0, 0);
+      }
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c)), "r"(lo.x),
+                   "r"(lo.y), "r"(lo.z), "r"(lo.w)
+                   : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst_piece + sw128_offset(r, 2 * c + 1)),
+                   "r"(hi.x), "r"(hi.y), "r"(hi.z), "r"(hi.w)
+                   : "memory");
+    }
   }
 }
 
@@ -465,48 +404,12 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
   });
 }
 
-// The widening by rows (Traits::kWidenSteps 1 or 2): every widening warp takes every block's halves in order (left,
-// then right), each after its slot's release, widens its units of the half step by step, arriving on the step's
-// vt_full barrier after each, then arrives once on the stage's kv_empty (traits.h: kVtFullArrivalsByRows,
-// kKvEmptyArrivalsByRows).
-template <class T>
-__device__ __forceinline__ void widen_loop_by_rows(const DecodeParams& p, typename T::SharedStorage& ss,
-                                                   const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
-                                                   int tw, int lane, int debug) {
-  static_assert(T::kPvF16 && !T::kShareVt && T::kVSlotPairs == 2, "two halves of fp16 V, this CTA's own");
-  const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());
-  const uint32_t vt_addr0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
-  for_each_block<T>(p, meta, begin_req, end_req, m_block, [&](const RequestPiece& w, int b, uint32_t g) {
-    const int stage = int(stage_of(g, T::kStages));
-    const uint32_t parity = (g / T::kStages) & 1u;
-    const int valid = w.stop_eff - (w.first_page + b) * kBlockN;  // keys of the block any row may see (<= 0: none)
-    const uint32_t stage_addr = kv_addr + stage * kTileBytes;
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
-      if (use > 0) wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
-      const uint32_t v_addr = vt_addr0 + slot * T::kVSlotBytes;
-      if (valid < kBlockN) {
-        widen_half_rows<T, true>(ss, stage_addr, v_addr, stage, parity, h, slot, valid, tw, lane, debug);
-      } else {
-        widen_half_rows<T, false>(ss, stage_addr, v_addr, stage, parity, h, slot, valid, tw, lane, debug);
-      }
-      if (lane == 0) ss.kv_empty[stage].arrive();
-    }
-  });
-}
-
 template <class T>
 __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T::SharedStorage& ss,
                                                const SchedMetaRow& meta, int begin_req, int end_req, int m_block,
                                                int tw, int lane, int debug) {
   if constexpr (T::kShareVt) {
     transpose_loop_shared<T>(p, ss, meta, begin_req, end_req, m_block, tw, lane, debug);
-    return;
-  }
-  if constexpr (T::kWidenSteps > 0) {
-    static_assert(kNumTransposeWarps == 3, "the widening by rows shares rows among three warps");
-    widen_loop_by_rows<T>(p, ss, meta, begin_req, end_req, m_block, tw, lane, debug);
     return;
   }
   const uint32_t kv_addr = cute::cast_smem_ptr_to_uint(ss.kv.data());

@@ -84,20 +84,9 @@ struct VRings {
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
-// kWidenSteps (kPvF16 only; measurements, FLASHMLA_BACKEND_FP8_DEBUG bits 2048 / 4096): 0, the producer's three
-// widening warps take whole pairs of V pieces round-robin; 1, 2 or 4, the widening by rows (producer.cuh:
-// widen_loop_by_rows): every widening warp widens its share of the (piece, 8-key row group) units of every half, left
-// half then right, so that a half is written a third of its work after its release rather than a pair (two pieces) or
-// two pairs after it; with 2 or 4 steps the units go in order of keys, 32 or 16 keys of the half's 256 columns a step,
-// each step with its own vt_full barrier, and the consumer's P V waits for each step just before that step's wgmmas
-// (mainloop.cuh: pv_block), so the widening of a half overlaps its own P V. Same fp16 V, same sums, so the same bits.
-// (The variants take 2 steps: the two-term 64-row tile's plan has 40 bytes left, where 4 steps need six more
-// barriers, 48 bytes, and on the stacked tile 4 steps spilled 160 bytes in the producer against 44 with 2.)
-// A consumer warpgroup waits for its half right after its previous P V released the slot (mainloop_f16pv.cuh), so the
-// time from the release to the data may be on its path (what these measurements test).
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
           int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false,
-          bool kStackedTerms_ = false, int kWidenSteps_ = 0>
+          bool kStackedTerms_ = false>
 struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   using Rings = VRings<kStages_, 2, kVtLeft_, kVtRight_>;
   using Rings::kVtEmptyCopies;
@@ -124,11 +113,6 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static_assert(!kPvF16 || (!kQFp8 && kQTerms == 2), "fp16 P V is the accurate mode's: a 16-bit q in two terms");
   static constexpr bool kStackedTerms = kStackedTerms_;
   static_assert(!kStackedTerms || kPvF16, "the stacked Q tile holds the accurate mode's two terms");
-  static constexpr int kWidenSteps = kWidenSteps_;
-  static_assert(kWidenSteps == 0 || kWidenSteps == 1 || kWidenSteps == 2 || kWidenSteps == 4,
-                "pairs, or by rows in 1, 2 or 4 steps");
-  static_assert(kWidenSteps == 0 || kPvF16, "only the accurate mode widens V");
-  static constexpr int kVtFullSteps = kWidenSteps > 1 ? kWidenSteps : 1;  // vt_full barriers a slot
   static constexpr int kQTiles = kStackedTerms ? 1 : kQTerms;             // (64, 576) e4m3 tiles of Q
   static constexpr int kTileRows = kStackedTerms ? kBlockM / 2 : kBlockM;  // query rows of an M tile
   static constexpr int kOutRowsPerThread = kStackedTerms ? 1 : 2;         // output rows of a thread's accumulator
@@ -208,7 +192,7 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
     // in its consumer warpgroup (4 warps); see kVtEmptyCopies.
     cutlass::arch::ClusterTransactionBarrier kv_full[kStages][kNumPieces];
     cutlass::arch::ClusterBarrier kv_empty[kStages];
-    cutlass::arch::ClusterBarrier vt_full[kVtSlots * kVtFullSteps];  // slot s, step t: s * kVtFullSteps + t
+    cutlass::arch::ClusterBarrier vt_full[kVtSlots];
     cutlass::arch::ClusterBarrier vt_empty[kVtSlots][kVtEmptyCopies];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
@@ -225,10 +209,6 @@ constexpr int kNumVPairs = kNumVPieces / 2;                 // 4 pairs a block, 
 constexpr uint32_t kKvEmptyArrivals = 4 + kNumVPairs;       // owner warpgroup's warps + the block's pairs
 constexpr uint32_t kVtFullArrivals = kNumVPairs / 2;        // the half's pairs
 constexpr uint32_t kVtEmptyArrivals = 4;                    // the warps of the consumer warpgroup reading the half
-// With the widening by rows (Traits::kWidenSteps > 0) every widening warp arrives once a half on the stage's
-// kv_empty and once a step on the half's vt_full barrier of that step.
-constexpr uint32_t kKvEmptyArrivalsByRows = 4 + 2 * kNumTransposeWarps;
-constexpr uint32_t kVtFullArrivalsByRows = kNumTransposeWarps;
 // With the shared transposition (Traits::kShareVt) a CTA transposes the two pairs of its own half of each block; the
 // other half's slot is written by the peer CTA's bulk copy, whose sender arrives once (with the expected bytes), and
 // peer_empty counts the warps of the peer's consumer warpgroup that read the copy.

@@ -46,7 +46,6 @@ struct TraitsVR {
   // qk_block (mainloop.cuh) takes the small q term first when kPvF16 (P V on 16-bit tensor cores, as here).
   static constexpr bool kPvF16 = true;
   static constexpr bool kStackedTerms = false;
-  static constexpr int kWidenSteps = 0;  // traits.h: Traits::kWidenSteps
   static constexpr bool kShareVt = false;
   static constexpr bool kKeysOnM = false;
   static constexpr bool kVRegs = true;

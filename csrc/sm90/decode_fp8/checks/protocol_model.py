@@ -38,14 +38,14 @@ class ProtocolError(AssertionError):
 def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, bool]]:
     """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in launch.cuh (the
     last is Traits' kPvF16, after the registers and kShareVt; kStackedTerms, after it, changes where Q's rows live, not
-    the protocol; kWidenSteps, after that, changes the widening warps' part: read_by_rows_variants)."""
+    the protocol)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
                        r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?"
-                       r"(?:,\s*(?:true|false))?(?:,\s*[0-9]+)?>", text)
+                       r"(?:,\s*(?:true|false))?>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
-    # Every specialization but the V-in-registers tile's (read_vregs_variants), however it is written.
+    # Every specialization but the V-in-registers tile's and the keys-on-M tile's, however it is written.
     declared = [name for name, body in re.findall(r"struct VariantTraits<Variant::(\w+)>\s*\{([^}]*)\}", text)
                 if "TraitsVR<" not in body and "TraitsKM<" not in body]
     if len(declared) != len(found):
@@ -53,19 +53,6 @@ def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, in
         raise ProtocolError(f"VariantTraits of {launch_cuh} the model cannot read (new Traits arguments?): {missed}")
     return {name: (int(a), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true")
             for name, a, c, d, e, _share, f16 in found}
-
-
-def read_by_rows_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, int]:
-    """{variant: steps} of the variants whose Traits widen V by rows (kWidenSteps, Traits' eleventh argument, > 0):
-    every widening warp takes every half of every block, in that many steps of keys, each announced on its own vt_full
-    barrier that the P V waits for (producer.cuh: widen_loop_by_rows, mainloop.cuh: pv_block)."""
-    text = launch_cuh.read_text()
-    out = {}
-    for name, args in re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<([^>]*)>", text):
-        parts = [a.strip() for a in args.split(",")]
-        if len(parts) == 11 and int(parts[10]) > 0:
-            out[name] = int(parts[10])
-    return out
 
 
 def read_vregs_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, int]:
@@ -90,8 +77,7 @@ V_PIECES = 8  # config.h: kNumVPieces, the 512 value columns in pieces of 64
 
 
 def read_arrivals(traits_h: Path = TRAITS_H) -> dict[str, int]:
-    """kKvEmptyArrivals, kVtFullArrivals, kVtEmptyArrivals and the widening by rows' kKvEmptyArrivalsByRows,
-    kVtFullArrivalsByRows of traits.h (kNumTransposeWarps, kNumVPairs substituted)."""
+    """kKvEmptyArrivals, kVtFullArrivals, kVtEmptyArrivals of traits.h (kNumTransposeWarps, kNumVPairs substituted)."""
     text = traits_h.read_text()
     warps = re.search(r"constexpr int kNumTransposeWarps = (\d+);", text)
     pairs = re.search(r"constexpr int kNumVPairs = ([^;]+);", text)
@@ -100,8 +86,7 @@ def read_arrivals(traits_h: Path = TRAITS_H) -> dict[str, int]:
     env = {"kNumTransposeWarps": int(warps.group(1)), "kNumVPieces": V_PIECES}
     env["kNumVPairs"] = int(eval(pairs.group(1), {}, dict(env)))  # noqa: S307 (a constant expression of traits.h)
     out = {}
-    for name in ("kKvEmptyArrivals", "kVtFullArrivals", "kVtEmptyArrivals", "kKvEmptyArrivalsByRows",
-                 "kVtFullArrivalsByRows"):
+    for name in ("kKvEmptyArrivals", "kVtFullArrivals", "kVtEmptyArrivals"):
         m = re.search(rf"constexpr uint32_t {name} = ([^;]+);", text)
         if not m:
             raise ProtocolError(f"{name} not found in {traits_h}")
@@ -120,10 +105,9 @@ class VtRings:
     and vt_empty_of: the release of use u of a slot goes to the slot's barrier u % kVtEmptyCopies, as completion
     u // kVtEmptyCopies of it."""
 
-    def __init__(self, left: int, right: int, stages: int, steps: int = 1):
+    def __init__(self, left: int, right: int, stages: int):
         self.ring = (left, right)
         self.copies = vt_empty_copies(stages, left, right)
-        self.steps = steps  # vt_full barriers a slot (the widening by rows in steps of keys: slot * steps + t)
 
     def slot(self, h: int, g: int) -> int:
         return g % self.ring[0] if h == 0 else self.ring[0] + g % self.ring[1]
@@ -239,23 +223,19 @@ def copy_agent(blocks, kS, mutation=None):
         yield ("arrive", "kv_full", x % kS)
 
 
-def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None, by_rows=False):
+def transposer_agent(tw, blocks, kS, vt: VtRings, warps: int, pairs: int, mutation=None):
     for g in range(blocks):
-        if by_rows:  # every warp widens its rows of every half, the left one first, step by step (vt.steps)
-            halves = [0, 1]
-        else:  # pairs of pieces round-robin, shifted by one per block; a pair is one step of its half
-            halves = [pair // (pairs // 2) for pair in range((tw + warps - g % warps) % warps, pairs, warps)]
-        for h in halves:
+        for pair in range((tw + warps - g % warps) % warps, pairs, warps):  # round-robin, shifted by one per block
+            h = pair // (pairs // 2)
             slot, use = vt.slot(h, g), vt.use(h, g)
             if use > 0 and mutation != "transposer ignores vt_empty":
                 bar, n = vt.empty(slot, use - 1)
                 yield ("wait", "vt_empty", bar, n)
             yield ("wait", "kv_full", g % kS, g // kS)
             yield ("read_begin", ("kv", g % kS), g)
-            for t in range(vt.steps):
-                yield ("write", ("vt", slot, t), g, "vt")
-                yield ("arrive", "vt_full", slot * vt.steps + t)
+            yield ("write", ("vt", slot), g, "vt")
             yield ("read_end", ("kv", g % kS), g)
+            yield ("arrive", "vt_full", slot)
             if mutation != "transposer does not release the stage":
                 yield ("arrive", "kv_empty", g % kS)
 
@@ -275,15 +255,12 @@ def qk_done(g, kS):
 
 
 def pv_issue(g, h, vt: VtRings):
-    # With steps of keys, each step's wgmmas are issued after that step's own vt_full (pv_block).
-    for t in range(vt.steps):
-        yield ("wait", "vt_full", vt.slot(h, g) * vt.steps + t, vt.use(h, g))
-        yield ("read_begin", ("vt", vt.slot(h, g), t), g)
+    yield ("wait", "vt_full", vt.slot(h, g), vt.use(h, g))
+    yield ("read_begin", ("vt", vt.slot(h, g)), g)
 
 
 def pv_done(g, h, vt: VtRings):
-    for t in range(vt.steps):
-        yield ("read_end", ("vt", vt.slot(h, g), t), g)
+    yield ("read_end", ("vt", vt.slot(h, g)), g)
     for _ in range(CONSUMER_WARPS):
         yield ("arrive", "vt_empty", vt.empty(vt.slot(h, g), vt.use(h, g))[0])
 
@@ -444,7 +421,7 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, v
                         yield from qk(g0 + 3, kS)   # its nine pieces are waited for before the batch is issued
                     yield from pv_done(g0 + 1, wg, kVt)
                     if mutation == "early vt_empty":
-                        yield ("read_end", ("vt", kVt.slot(1, g0), 0), g0)
+                        yield ("read_end", ("vt", kVt.slot(1, g0)), g0)
                     else:
                         yield from pv_done(g0, wg, kVt)
                     if nxt:
@@ -456,25 +433,21 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, v
 
 def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
-        f16pv: bool = False, starve: str | None = None, vregs: bool = False, by_rows: int = 0) -> None:
+        f16pv: bool = False, starve: str | None = None, vregs: bool = False) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
     agent that moves only when no other can (the interleavings where one role lags far behind the others). vregs: the
-    V-in-registers tile (no transposer warps; vt_rings unused). by_rows: the widening by rows in that many steps of
-    keys (its arrival counts, one vt_full barrier a step)."""
+    V-in-registers tile (no transposer warps; vt_rings unused)."""
     arrivals = dict(read_arrivals() if arrivals is None else arrivals)
     if vregs:
         arrivals["kKvEmptyArrivals"] = read_vregs_kv_empty_arrivals()
-    if by_rows:
-        arrivals["kKvEmptyArrivals"] = arrivals["kKvEmptyArrivalsByRows"]
-        arrivals["kVtFullArrivals"] = arrivals["kVtFullArrivalsByRows"]
     sim = Sim(stages, arrivals)
-    vt = VtRings(*vt_rings, stages, by_rows or 1)
+    vt = VtRings(*vt_rings, stages)
     blocks = sum(padded_blocks(n) for n in requests)
     agents = {"copy": copy_agent(blocks, stages, mutation)}
     if not vregs:
         for w in range(arrivals["kNumTransposeWarps"]):
             agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
-                                                        arrivals["kNumVPairs"], mutation, by_rows)
+                                                        arrivals["kNumVPairs"], mutation)
     for wg in (0, 1):
         agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, mutation, f16pv, vregs)
     # Named barriers: generation counters. scale0 / scale1 / p0 / p0free / p1free: one side arrives, the other syncs;
@@ -483,8 +456,7 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
     consumer_gen = {"wg0": 0, "wg1": 0}
     # Readers a buffer's block must have had before it is rewritten. V-in-registers: a stage is read by its owner's
     # Q K^T and by both warpgroups' V reads; each P tile and each factor array by both warpgroups.
-    kv_readers = 3 if vregs else 1 + (2 * arrivals["kNumTransposeWarps"] if by_rows else arrivals["kNumVPairs"])
-    readers = {"kv": kv_readers, "vt": 1, "p0": 1, "p1": 2, "pt": 2, "scale": 2}
+    readers = {"kv": 3 if vregs else 1 + arrivals["kNumVPairs"], "vt": 1, "p0": 1, "p1": 2, "pt": 2, "scale": 2}
 
     def ready(name, op) -> bool:
         kind = op[0]
@@ -519,12 +491,11 @@ def check_all(seeds: int = 30) -> int:
     sequences = [[n] for n in range(8)] + [[a, b] for a in range(6) for b in range(6)]
     sequences += [[gen.randrange(0, 12) for _ in range(gen.randrange(1, 5))] for _ in range(20)]
     starved = [None, "copy", "wg0", "wg1"] + [f"transposer{w}" for w in range(read_arrivals()["kNumTransposeWarps"])]
-    by_rows = read_by_rows_variants()
     for name, (_, stages, left, right, f16pv) in read_variants().items():
         for reqs in sequences:
             for seed in range(seeds):
                 run(reqs, stages, (left, right), seed=seed, f16pv=f16pv,
-                    starve=starved[seed % len(starved)], by_rows=by_rows.get(name, 0))
+                    starve=starved[seed % len(starved)])
                 runs += 1
     for name, stages in read_vregs_variants().items():
         for reqs in sequences:
