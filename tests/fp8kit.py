@@ -24,8 +24,9 @@ def out_tolerance(q_fp8: bool) -> float:
 
 def rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| over the finite entries of the fp64 reference b (lse is +inf for rows without keys)."""
+    a, b = a.double().cpu(), b.double().cpu()
     m = torch.isfinite(b)
-    return ((a.double().cpu()[m] - b[m]).norm() / b[m].norm().clamp_min(1e-30)).item()
+    return ((a[m] - b[m]).norm() / b[m].norm().clamp_min(1e-30)).item()
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,20 +59,21 @@ def descale_table(descale: torch.Tensor, b: int, h_kv: int, seed: int = 0) -> to
 def dequantized(inp: Inputs, descale_q, descale_k) -> Inputs:
     """The same inputs in float64, FP8 tensors times their descale (unused NaN slots stay NaN). A descale is one value
     or [b, h_kv]: request i's pages of KV head j times descale_k[i, j], its query heads of KV head j times
-    descale_q[i, j] (written out per request and head; every page belongs to one request, as make_inputs makes it)."""
+    descale_q[i, j] (written out per request and head; every page belongs to one request, as make_inputs makes it).
+    The tensors stay on the inputs' device, where brute_force_fp64 then runs."""
     b, _, h_q, _ = inp.q.shape
     h_kv = inp.k_cache.shape[2]
-    q = inp.q.double().cpu()
-    k = inp.k_cache.double().cpu()
+    q = inp.q.to(torch.float64, copy=True)
+    k = inp.k_cache.to(torch.float64, copy=True)
     if descale_q is not None:
-        dq = descale_q.double().cpu()
+        dq = descale_q.double().to(q.device)
         if dq.numel() == 1:
             q = q * dq.reshape(())
         else:
             for i in range(b):
                 for h in range(h_q):
                     q[i, :, h] *= dq[i, h // (h_q // h_kv)]
-    dk = descale_k.double().cpu()
+    dk = descale_k.double().to(k.device)
     if dk.numel() == 1:
         k = k * dk.reshape(())
     else:
@@ -82,8 +84,7 @@ def dequantized(inp: Inputs, descale_q, descale_k) -> Inputs:
                 assert owner.setdefault(page, i) == i, f"page {page} is read by requests {owner[page]} and {i}"
                 for j in range(h_kv):
                     k[page, :, j] *= dk[i, j]
-    return Inputs(q=q, k_cache=k, block_table=inp.block_table.cpu(), cache_seqlens=inp.cache_seqlens.cpu(),
-                  scale=inp.scale)
+    return Inputs(q=q, k_cache=k, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens, scale=inp.scale)
 
 
 def sm90_fp8_problem() -> str | None:

@@ -82,28 +82,38 @@ def make_inputs(case: Case, device: str | torch.device = "cpu") -> Inputs:
 
 
 def brute_force_fp64(inp: Inputs, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention written out per request, head and query token in float64: an oracle independent of
-    flashmla_backend.reference (no einsum grouping, explicit loops)."""
-    q = inp.q.cpu().double()
-    cache = inp.k_cache.cpu().double()
+    """Attention written out per request, KV head and query token in float64: an oracle independent of
+    flashmla_backend.reference (explicit loops, each request's keys gathered token by token from its pages, no
+    einsum). Only the request's first n tokens are read, so NaN in unused slots and any id in unused block-table
+    entries stay out of it. Runs on the inputs' device (float64 on a GPU: the oracle of a large GPU test in a
+    fraction of a second instead of minutes of CPU time)."""
+    dev = inp.q.device
+    q = inp.q.double()
+    cache = inp.k_cache.double()
     b, s_q, h_q, _ = q.shape
     h_kv = cache.shape[2]
-    out = torch.zeros((b, s_q, h_q, D_V), dtype=torch.float64)
-    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
+    group = h_q // h_kv
+    out = torch.zeros((b, s_q, h_q, D_V), dtype=torch.float64, device=dev)
+    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64, device=dev)
+    block_table = inp.block_table.to(dev)
     for i, n in enumerate(inp.cache_seqlens.tolist()):
-        rows = [cache[int(inp.block_table[i, t // PAGE]), t % PAGE] for t in range(n)]  # each [h_kv, D_K]
-        for h in range(h_q):
-            kvh = h // (h_q // h_kv)
-            for s in range(s_q):
-                visible = n if not causal else max(0, min(n, n - s_q + s + 1))
-                if visible == 0:
-                    continue
-                keys = torch.stack([rows[t][kvh] for t in range(visible)])  # [visible, D_K]
-                scores = keys @ q[i, s, h] * inp.scale
-                m = scores.max()
+        if n == 0:
+            continue
+        t = torch.arange(n, device=dev)
+        rows = cache[block_table[i, t // PAGE].long(), t % PAGE]  # [n, h_kv, D_K]: token t of request i
+        for s in range(s_q):
+            visible = n if not causal else max(0, min(n, n - s_q + s + 1))
+            if visible == 0:
+                continue
+            for j in range(h_kv):
+                keys = rows[:visible, j]  # [visible, D_K]
+                heads = slice(j * group, (j + 1) * group)
+                scores = (q[i, s, heads] @ keys.T) * inp.scale  # [group, visible]
+                m = scores.max(dim=1, keepdim=True).values
                 w = torch.exp(scores - m)
-                lse[i, h, s] = m + torch.log(w.sum())
-                out[i, s, h] = (w / w.sum()) @ keys[:, :D_V]
+                total = w.sum(dim=1, keepdim=True)
+                lse[i, heads, s] = (m + torch.log(total)).squeeze(1)
+                out[i, s, heads] = (w / total) @ keys[:, :D_V]
     return out, lse
 
 
