@@ -14,6 +14,11 @@ the two-term 64-row tile runs). Each call is captured in a CUDA graph and its re
 triton.testing.do_bench (median). One line per (shape, mode, debug value) with the
 time, FlashMLA-FP8's time and the relative difference of the outputs from FlashMLA-FP8's (the fast mode reads the
 same e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's quantization), then one JSON line per shape.
+
+--rep 25,100 times everything once per window length, in that order: a kernel near the board's power limit runs at
+a lower clock over 100 ms than over 25 ms (measured: the fast mode 330 against 348-358 µs at b128-sk8192-h128, while
+FlashMLA-FP8 stayed at 421), so a ratio holds for the window it was taken in. --power adds each window's average
+power, SM clock and how often the clock was lowered by power or heat (mla_bench/power.py; needs nvidia-ml-py).
 FlashMLA-FP8 is vLLM 0.26's flash_mla_with_kvcache_fp8 (importable vllm, or the 2 MB package of its FlashMLA on
 PYTHONPATH).
 """
@@ -33,7 +38,11 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated shapes (benchmarks/bench.py syntax)")
     p.add_argument("--modes", default="fast", help="comma-separated: fast (e4m3 q), accurate (bf16 q)")
     p.add_argument("--debug", default="0", help="comma-separated values of FLASHMLA_BACKEND_FP8_DEBUG (default 0)")
-    p.add_argument("--rep", type=int, default=50, help="do_bench rep in ms (default 50)")
+    p.add_argument("--rep", default="50",
+                   help="do_bench rep in ms, or a comma-separated list: each time is then taken once per window, in "
+                        "that order (default 50)")
+    p.add_argument("--power", action="store_true",
+                   help="print each timing window's average power and SM clock (NVML: needs nvidia-ml-py)")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in args.modes if m not in ("fast", "accurate")]
@@ -45,6 +54,12 @@ def parse_args(argv=None):
         p.error(f"--debug: {args.debug!r} is not a comma-separated list of integers")
     if not args.debug or any(d < 0 for d in args.debug):
         p.error("--debug: give one or more integers >= 0")
+    try:
+        args.rep = [int(r) for r in args.rep.split(",") if r]
+    except ValueError:
+        p.error(f"--rep: {args.rep!r} is not a comma-separated list of integers (milliseconds)")
+    if not args.rep or any(r < 1 for r in args.rep):
+        p.error("--rep: give one or more whole milliseconds >= 1")
     return args
 
 
@@ -55,14 +70,28 @@ def main(argv=None):
         print("fp8_kernel_sweep: needs a CUDA GPU", file=sys.stderr)
         return 2
     from mla_bench.timing import graph_replay_us
+    from mla_bench.power import PowerUnavailable, open_monitor
     import flashmla_backend as fb
     from mla_bench.shapes import D_V, one_fp8_case, parse_shapes
     from vllm.v1.attention.ops import flashmla as vllm_flashmla
 
     dev = torch.device("cuda")
 
-    def timeit(fn):
-        return graph_replay_us(fn, 10, args.rep)
+    monitor = None
+    if args.power:
+        try:
+            monitor = open_monitor(dev)
+        except PowerUnavailable as e:
+            print(f"fp8_kernel_sweep: --power: {e}", file=sys.stderr)
+            return 2
+
+    def timeit(fn, rep):
+        t, res = graph_replay_us(fn, 10, rep, power=monitor)
+        return t, res, ("" if monitor is None else f" [{monitor.last.describe()}]"), \
+            ({} if monitor is None else monitor.last.as_dict())
+
+    def window(rep):  # the line's label of a window when several are timed
+        return f" rep={rep}ms" if len(args.rep) > 1 else ""
 
     saved = os.environ.get("FLASHMLA_BACKEND_FP8_DEBUG")
     try:
@@ -71,25 +100,35 @@ def main(argv=None):
             scale = 576 ** -0.5
             rows = shape.s_q * shape.h_q
             sched, splits = vllm_flashmla.get_mla_metadata_dense_fp8(lens, rows, 1)
-            t_peer, (o_peer, _) = timeit(lambda: vllm_flashmla.flash_mla_with_kvcache_fp8(
-                f8.q, f8.k_cache, inp.block_table, lens, D_V, sched, splits, softmax_scale=scale, causal=True,
-                descale_q=f8.descale_q, descale_k=f8.descale_k))
-            o_peer = o_peer.view(shape.b, shape.s_q, shape.h_q, D_V).float()
-            line = {"shape": shape.name, "flashmla_fp8_us": round(t_peer, 1)}
-            for mode in args.modes:
-                q, dq = (f8.q, f8.descale_q) if mode == "fast" else (inp.q, None)
-                for debug in args.debug:
-                    os.environ["FLASHMLA_BACKEND_FP8_DEBUG"] = str(debug)
-                    meta, nsplits = fb.get_mla_metadata(lens, rows, 1, is_fp8_kvcache=True)
-                    t, (out, _) = timeit(lambda: fb.flash_mla_with_kvcache(
-                        q, f8.k_cache, inp.block_table, lens, D_V, meta, nsplits, softmax_scale=scale, causal=True,
-                        is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k))
-                    diff = ((out.float() - o_peer).norm() / o_peer.norm()).item()
-                    key = f"{mode}-{debug}"
-                    line[key + "_us"] = round(t, 1)
-                    line[key + "_diff"] = float(f"{diff:.1e}")
-                    print(f"{shape.name} {mode} debug={debug}: {t:.1f} us (FlashMLA-FP8 {t_peer:.1f} us, "
-                          f"{t_peer / t:.2f}x) output vs FlashMLA-FP8 {diff:.1e}", flush=True)
+            line = {"shape": shape.name}
+            for rep in args.rep:
+                # Per window: the peer first, then ours, each (mode, debug value) in the order given.
+                suffix = "" if len(args.rep) == 1 else f"@{rep}ms"
+                t_peer, (o_peer, _), p_note, p_peer = timeit(lambda: vllm_flashmla.flash_mla_with_kvcache_fp8(
+                    f8.q, f8.k_cache, inp.block_table, lens, D_V, sched, splits, softmax_scale=scale, causal=True,
+                    descale_q=f8.descale_q, descale_k=f8.descale_k), rep)
+                o_peer = o_peer.view(shape.b, shape.s_q, shape.h_q, D_V).float()
+                line["flashmla_fp8_us" + suffix] = round(t_peer, 1)
+                if monitor is not None:
+                    line["flashmla_fp8_power" + suffix] = p_peer
+                    print(f"{shape.name} FlashMLA-FP8{window(rep)}: {t_peer:.1f} us{p_note}", flush=True)
+                for mode in args.modes:
+                    q, dq = (f8.q, f8.descale_q) if mode == "fast" else (inp.q, None)
+                    for debug in args.debug:
+                        os.environ["FLASHMLA_BACKEND_FP8_DEBUG"] = str(debug)
+                        meta, nsplits = fb.get_mla_metadata(lens, rows, 1, is_fp8_kvcache=True)
+                        t, (out, _), note, p_ours = timeit(lambda: fb.flash_mla_with_kvcache(
+                            q, f8.k_cache, inp.block_table, lens, D_V, meta, nsplits, softmax_scale=scale,
+                            causal=True, is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k), rep)
+                        diff = ((out.float() - o_peer).norm() / o_peer.norm()).item()
+                        key = f"{mode}-{debug}{suffix}"
+                        line[key + "_us"] = round(t, 1)
+                        line[key + "_diff"] = float(f"{diff:.1e}")
+                        if monitor is not None:
+                            line[key + "_power"] = p_ours
+                        print(f"{shape.name} {mode} debug={debug}{window(rep)}: {t:.1f} us (FlashMLA-FP8 "
+                              f"{t_peer:.1f} us, {t_peer / t:.2f}x) output vs FlashMLA-FP8 {diff:.1e}{note}",
+                              flush=True)
             print(json.dumps(line), flush=True)
             inp = f8 = None  # released before the next shape (not `del`: the lambdas above name them)
             torch.cuda.empty_cache()

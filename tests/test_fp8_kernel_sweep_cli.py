@@ -12,8 +12,10 @@ import fp8_kernel_sweep as sweep  # noqa: E402
 def test_options_parse():
     a = sweep.parse_args(["--debug", "0,1,4", "--modes", "fast,accurate", "--rep", "7"])
     assert a.debug == [0, 1, 4]
-    assert a.modes == ["fast", "accurate"] and a.rep == 7
-    assert sweep.parse_args([]).debug == [0]
+    assert a.modes == ["fast", "accurate"] and a.rep == [7] and not a.power
+    assert sweep.parse_args([]).debug == [0] and sweep.parse_args([]).rep == [50]
+    a = sweep.parse_args(["--rep", "25,100,25", "--power"])
+    assert a.rep == [25, 100, 25] and a.power
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -22,6 +24,9 @@ def test_options_parse():
     (["--debug", "-1"], "integers >= 0"),
     (["--debug", ","], "integers >= 0"),
     (["--modes", "quick"], "unknown ['quick']"),
+    (["--rep", "25ms"], "--rep: '25ms' is not a comma-separated list of integers"),
+    (["--rep", "0"], "whole milliseconds >= 1"),
+    (["--rep", ","], "whole milliseconds >= 1"),
 ])
 def test_bad_options_name_the_option(argv, words, capsys):
     with pytest.raises(SystemExit) as e:

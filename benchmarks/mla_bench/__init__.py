@@ -3,6 +3,7 @@
 Modules, by role:
   shapes   shape syntax, sequence lengths, random paged inputs, FLOP/byte accounting
   timing   timers, CUDA-graph capture, copy-bandwidth and matmul ceilings
+  power    the GPU's power and SM clock over a timed window (NVML)
   check    the correctness guard against flashmla_backend.reference
   impls    the adapters of the timed implementations (ours, vLLM's FlashMLA / Triton / FA3, FlashInfer, naive PyTorch)
   flashinfer_peer  finding and importing FlashInfer (installed, or a prebuilt bundle) and planning its MLA decode

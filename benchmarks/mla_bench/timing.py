@@ -112,10 +112,11 @@ def rotating(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
     return lambda: next(it)()
 
 
-def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> tuple[float, Any]:
+def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, power: Any = None) -> tuple[float, Any]:
     """fn captured in one CUDA graph (after an eager call and one on a side stream), its replays timed with
     triton.testing.do_bench: (median in µs, what the captured call returned: the graph's output tensors, which
-    every replay rewrites). The FP8 kernel scripts (fp8_kernel_sweep.py, fp8_split_error.py) time each call so."""
+    every replay rewrites). The FP8 kernel scripts (fp8_kernel_sweep.py, fp8_split_error.py) time each call so.
+    power: a mla_bench.power.PowerMonitor; the timing then runs in one of its windows, kept as power.last."""
     import triton.testing
 
     fn()
@@ -129,7 +130,11 @@ def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> t
             res = fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    if power is None:
+        ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    else:
+        with power.window() as power.last:
+            ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return ms * 1e3, res
 
 

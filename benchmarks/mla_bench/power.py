@@ -1,0 +1,136 @@
+"""The GPU's power draw and SM clock over a timed window, read through NVML (the `nvidia-ml-py` package, module
+`pynvml`).
+
+Why: a kernel that keeps the tensor cores busy can reach the board's power limit within a second, and the driver
+then lowers the SM clock. A timing window of 25 ms may end before that and one of 100 ms may not, so two harnesses
+can time the same kernel 5-8% apart while a slower peer, below the limit, times the same in both
+(docs/perf/journal.md). A serving engine runs at the sustained clock. With the window's power and clocks printed
+beside each time, a comparison says at which clock it was made.
+
+    monitor = open_monitor(torch.device("cuda"))     # raises PowerUnavailable, with the reason, where NVML is not
+    with monitor.window() as reading:                 # usable
+        ...timed work...
+    reading.watts, reading.sm_mhz_mean, reading.sm_mhz_min, reading.capped_fraction
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from typing import Any, Iterator, Optional
+
+# NVML's clock-event (throttle) reasons that lower the clock below what the load asks for: the software power cap,
+# hardware slowdown, software and hardware thermal slowdown, the power brake.
+CAP_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+SAMPLE_PERIOD_S = 0.005
+
+
+class PowerUnavailable(RuntimeError):
+    """NVML cannot be read here (the package is missing, or the driver refuses); the message says which."""
+
+
+@dataclasses.dataclass
+class Reading:
+    seconds: float = 0.0
+    watts: Optional[float] = None        # average power over the window (energy counter, else sampled power)
+    sm_mhz_mean: Optional[float] = None  # SM clock, mean and lowest of the samples
+    sm_mhz_min: Optional[float] = None
+    capped_fraction: Optional[float] = None  # share of the samples with a clock-lowering reason (CAP_REASONS)
+    samples: int = 0
+
+    def describe(self) -> str:
+        if not self.samples or self.watts is None:
+            return "power: no samples"
+        return (f"{self.watts:.0f} W, SM {self.sm_mhz_mean:.0f} MHz (min {self.sm_mhz_min:.0f}), "
+                f"clock lowered by power or heat in {100 * self.capped_fraction:.0f}% of {self.samples} samples")
+
+    def as_dict(self) -> dict:
+        return {"watts": None if self.watts is None else round(self.watts, 1),
+                "sm_mhz_mean": None if self.sm_mhz_mean is None else round(self.sm_mhz_mean),
+                "sm_mhz_min": self.sm_mhz_min, "capped_fraction": self.capped_fraction, "samples": self.samples}
+
+
+class PowerMonitor:
+    """Samples one GPU's SM clock and clock-event reasons every `period_s` seconds on a thread while a window is open,
+    and its energy counter (or power) at the window's ends. `nvml` is the pynvml module or a stand-in with the same
+    functions (the tests use one)."""
+
+    def __init__(self, nvml: Any, handle: Any, period_s: float = SAMPLE_PERIOD_S):
+        self.nvml, self.handle, self.period_s = nvml, handle, period_s
+        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        self._reasons = reasons or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+
+    def _energy_mj(self) -> Optional[int]:
+        try:
+            return int(self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
+        except Exception:  # not every board or driver counts energy; the sampled power is used then
+            return None
+
+    @contextlib.contextmanager
+    def window(self) -> Iterator[Reading]:
+        reading = Reading()
+        clocks: list[float] = []
+        capped: list[bool] = []
+        watts: list[float] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while True:
+                clocks.append(float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)))
+                capped.append(bool(int(self._reasons(self.handle)) & CAP_REASONS))
+                watts.append(self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0)
+                if stop.wait(self.period_s):
+                    return
+
+        e0, t0 = self._energy_mj(), time.perf_counter()
+        thread = threading.Thread(target=sample, name="power-monitor", daemon=True)
+        thread.start()
+        try:
+            yield reading
+        finally:
+            stop.set()
+            thread.join()
+            e1, t1 = self._energy_mj(), time.perf_counter()
+            reading.seconds = t1 - t0
+            reading.samples = len(clocks)
+            if clocks:
+                reading.sm_mhz_mean = sum(clocks) / len(clocks)
+                reading.sm_mhz_min = min(clocks)
+                reading.capped_fraction = sum(capped) / len(capped)
+            if e0 is not None and e1 is not None and reading.seconds > 0:
+                reading.watts = (e1 - e0) / 1000.0 / reading.seconds
+            elif watts:
+                reading.watts = sum(watts) / len(watts)
+
+
+def open_monitor(device: Any = None, nvml: Any = None) -> PowerMonitor:
+    """A monitor of the GPU that torch calls `device` (default: the current one), found by its PCI bus id, since
+    NVML numbers GPUs without regard to CUDA_VISIBLE_DEVICES. Raises PowerUnavailable naming what is missing."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError as e:
+            raise PowerUnavailable(f"power readings need NVML's Python binding: pip install nvidia-ml-py ({e})")
+    try:
+        nvml.nvmlInit()
+    except Exception as e:
+        raise PowerUnavailable(f"NVML did not start: {e}")
+    handle = None
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        handle = nvml.nvmlDeviceGetHandleByPciBusId(bus)
+    except Exception:
+        handle = None
+    if handle is None:  # only where that cannot be the wrong GPU
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+        except Exception as e:
+            raise PowerUnavailable(f"NVML found no GPU: {e}")
+        if count != 1:
+            raise PowerUnavailable(f"NVML could not match the CUDA device by its PCI bus id among {count} GPUs")
+        handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    return PowerMonitor(nvml, handle)

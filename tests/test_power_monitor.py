@@ -1,0 +1,141 @@
+"""benchmarks/mla_bench/power.py on the CPU, against a stand-in for NVML: the window's power from the energy counter
+(or from sampled power where the board has no counter), the SM clock's mean and lowest sample, the share of samples
+with a clock-lowering reason, and the errors where NVML cannot be used."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from mla_bench import power  # noqa: E402
+
+
+class FakeNvml:
+    """The NVML calls power.py makes. Energy grows at `watts` with wall time; the SM clock and the reasons cycle."""
+    NVML_CLOCK_SM = 1
+
+    def __init__(self, watts=600.0, clocks=(1980, 1845), reasons=(0x4, 0x0), energy=True, count=1,
+                 init_error=None, by_bus=True):
+        self.watts, self.clocks, self.reasons = watts, clocks, reasons
+        self.energy, self.count, self.init_error, self.by_bus = energy, count, init_error, by_bus
+        self.t0 = time.perf_counter()
+        self.n_clock = self.n_reason = 0
+
+    def nvmlInit(self):
+        if self.init_error:
+            raise RuntimeError(self.init_error)
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus):
+        if not self.by_bus:
+            raise RuntimeError("not found")
+        return ("bus", bus)
+
+    def nvmlDeviceGetCount(self):
+        return self.count
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return ("index", i)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        if not self.energy:
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return int((time.perf_counter() - self.t0) * self.watts * 1000)  # mJ
+
+    def nvmlDeviceGetPowerUsage(self, handle):
+        return int(self.watts * 1000)  # mW
+
+    def nvmlDeviceGetClockInfo(self, handle, which):
+        assert which == self.NVML_CLOCK_SM
+        c = self.clocks[self.n_clock % len(self.clocks)]
+        self.n_clock += 1
+        return c
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        r = self.reasons[self.n_reason % len(self.reasons)]
+        self.n_reason += 1
+        return r
+
+
+def _window(nvml, seconds=0.05):
+    monitor = power.PowerMonitor(nvml, ("index", 0), period_s=0.002)
+    with monitor.window() as reading:
+        time.sleep(seconds)
+    return reading
+
+
+def test_window_reads_power_from_the_energy_counter():
+    r = _window(FakeNvml(watts=612.0))
+    assert r.samples >= 2 and r.seconds >= 0.05
+    assert r.watts == pytest.approx(612.0, rel=0.05)
+    assert r.sm_mhz_min == 1845 and 1845 <= r.sm_mhz_mean <= 1980
+    assert 0.25 <= r.capped_fraction <= 0.75  # every other sample carries the power-cap reason
+    assert r.describe().startswith(f"{r.watts:.0f} W, SM ") and "min 1845" in r.describe()
+    assert set(r.as_dict()) == {"watts", "sm_mhz_mean", "sm_mhz_min", "capped_fraction", "samples"}
+
+
+def test_window_falls_back_to_sampled_power_without_a_counter():
+    r = _window(FakeNvml(watts=450.0, energy=False, reasons=(0x0,)))
+    assert r.watts == pytest.approx(450.0)
+    assert r.capped_fraction == 0.0
+
+
+def test_reasons_that_do_not_lower_the_clock_are_not_counted():
+    # 0x1: the GPU idles (no load), 0x2: application clocks setting; neither is power or heat
+    r = _window(FakeNvml(reasons=(0x1, 0x2)))
+    assert r.capped_fraction == 0.0
+    r = _window(FakeNvml(reasons=(0x8, 0x20, 0x40, 0x80)))
+    assert r.capped_fraction == 1.0
+
+
+def test_the_older_reasons_call_is_used_where_the_newer_is_missing():
+    class Older(FakeNvml):
+        nvmlDeviceGetCurrentClocksEventReasons = None  # absent from older nvidia-ml-py releases
+
+        def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+            return 0x4
+
+    assert _window(Older()).capped_fraction == 1.0
+
+
+def test_open_monitor_without_the_package_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(power.PowerUnavailable, match="pip install nvidia-ml-py"):
+        power.open_monitor()
+
+
+def test_open_monitor_reports_nvml_that_does_not_start():
+    with pytest.raises(power.PowerUnavailable, match="NVML did not start: no driver"):
+        power.open_monitor(nvml=FakeNvml(init_error="no driver"))
+
+
+def test_open_monitor_never_guesses_among_several_gpus(monkeypatch):
+    # torch gives no PCI bus id here (no GPU, or the lookup fails): with one GPU in NVML that one is taken,
+    # with two the monitor refuses rather than watch the wrong one.
+    import torch
+
+    def no_props(*a, **k):
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_props)
+    assert power.open_monitor(nvml=FakeNvml(count=1)).handle == ("index", 0)
+    with pytest.raises(power.PowerUnavailable, match="among 2 GPUs"):
+        power.open_monitor(nvml=FakeNvml(count=2, by_bus=False))
+
+
+def test_open_monitor_matches_the_cuda_device_by_its_bus_id(monkeypatch):
+    import torch
+
+    class Props:
+        pci_domain_id, pci_bus_id, pci_device_id = 0, 0x1B, 0
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: Props())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monitor = power.open_monitor(nvml=FakeNvml(count=8))
+    assert monitor.handle == ("bus", "00000000:1b:00.0")
+
+
+def test_reading_without_samples_says_so():
+    assert power.Reading().describe() == "power: no samples"
