@@ -137,11 +137,11 @@ for s in "${STEPS[@]}"; do
             need dsa-ref && cmp "$OUT/dsa-broken.json" "$OUT/dsa-ref.json" --expect disagree --fp32-model "$CK32" \
               --prompts "$DSA_PROMPTS"; } || status=1 ;;
         dsa-serve)
-          # The server's eager prefills (its warmup among them) of prompts up to 2048 tokens take SGLang's dense
-          # MHA path, which calls sgl_kernel's FA3 library; the GPU machine's SGLang set leaves that library out
-          # (1.1 GB), and the engine runs above never took the path (their prefills replay SGLang's prefill CUDA
-          # graphs, where DSA turns it off). A threshold of 0 keeps the server's prefill on DSA's sparse MLA
-          # path as well; the decode under test is the same either way.
+          # DSA prefills a batch whose sequences are all at most 2048 tokens (outside its prefill CUDA graphs) on
+          # SGLang's dense MHA path, which calls sgl_kernel's FA3 library; the GPU machine's SGLang set leaves that
+          # library out (1.1 GB). The server's warmup is such a batch (one short prompt); the engine runs above,
+          # all prompts at once, up to 4000 tokens, did not take the path. A threshold of 0 keeps the server's
+          # prefill on DSA's sparse MLA path; the decode under test is the same either way.
           say "dsa-serve"
           env "${DSA_OURS_ENV[@]}" SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 timeout $((T_DSA + 360)) python3 sglang_run.py serve --model "$CK32" --backend dsa \
             --start-timeout "$T_DSA" --log "$OUT/dsa-serve.log" "${DSA_KV[@]}" || status=1 ;;
