@@ -350,6 +350,18 @@ def test_the_removed_kernel_switch_is_refused(monkeypatch, value, mode):
     assert not torch.isnan(out).any()
 
 
+@pytest.mark.parametrize("value", ["2048", "4096", "6144", str(1 << 20)])
+@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
+def test_undefined_debug_bits_are_refused(monkeypatch, value, mode):
+    """A FLASHMLA_BACKEND_FP8_DEBUG bit that selects nothing (2048 and 4096 named measurements since removed) fails
+    naming the bits, rather than run the default while a script believes it measures something else."""
+    case = Case(lengths=[100, 300], h_q=16)
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=mode == "e4m3q")
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(int(value) | 4))
+    with pytest.raises(RuntimeError, match=f"sets bit\\(s\\) {value}, which select nothing"):
+        run_fp8_decode(inp, case, dq, dk)
+
+
 @pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
 def test_the_in_kernel_switch_needs_a_measurement_build(monkeypatch, mode):
     """Bit 1 (V not moved) is read inside the kernel: a default build compiled it out and refuses it, naming the build

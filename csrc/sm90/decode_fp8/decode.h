@@ -58,6 +58,11 @@ enum DebugFlags : int {
                                  // of the one whose producer widens V; the same results within the mode's error (bit
                                  // 1 does not apply to it)
 };
+// Every bit above. Others mean nothing and are refused (dispatch.cu), so that a value naming a removed measurement
+// (2048 and 4096 were two of them) is an error rather than a silent run of the default.
+constexpr int kKnownDebugBits = kDebugNoTranspose | kDebugOtherFastPlan | kDebugClusterPlan | kDebugOtherAccurateTile |
+                                kDebugFastKeysOnM | kDebugOtherL2Promotion | kDebugKmOtherOrder |
+                                kDebugStackedOtherPlan | kDebugStackedManyRows | kDebugVRegs;
 // The bits the kernel reads itself (the rest choose a kernel or a plan on the host): compiled only into a measurement
 // build (common/measure.h).
 constexpr int kInKernelDebugBits = kDebugNoTranspose;

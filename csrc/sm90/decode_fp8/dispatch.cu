@@ -28,6 +28,10 @@ static void refuse_fp8_kernel_env() {
 static int sm90_fp8_debug_flags() {
   const char* v = std::getenv("FLASHMLA_BACKEND_FP8_DEBUG");
   const int debug = v == nullptr ? 0 : std::atoi(v);
+  const int unknown = debug & ~sm90::decode_fp8::kKnownDebugBits;
+  FMLA_HOST_CHECK(unknown == 0, "FLASHMLA_BACKEND_FP8_DEBUG=" << debug << " sets bit(s) " << unknown
+                                    << ", which select nothing (the measurement switches are the bits of DebugFlags "
+                                       "in csrc/sm90/decode_fp8/decode.h); clear them");
   const int in_kernel = debug & sm90::decode_fp8::kInKernelDebugBits;
   FMLA_HOST_CHECK(kMeasureBuild || in_kernel == 0,
                   "FLASHMLA_BACKEND_FP8_DEBUG=" << debug << " sets bit(s) " << in_kernel
