@@ -83,10 +83,10 @@ def make_inputs(case: Case, device: str | torch.device = "cpu") -> Inputs:
 
 def brute_force_fp64(inp: Inputs, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention written out per request, KV head and query token in float64: an oracle independent of
-    flashmla_backend.reference (explicit loops, each request's keys gathered token by token from its pages, no
+    flashmla_backend.reference (explicit loops, each request's keys gathered per token through its block table, no
     einsum). Only the request's first n tokens are read, so NaN in unused slots and any id in unused block-table
     entries stay out of it. Runs on the inputs' device (float64 on a GPU: the oracle of a large GPU test in a
-    fraction of a second instead of minutes of CPU time)."""
+    fraction of a second instead of up to a minute of CPU time)."""
     dev = inp.q.device
     q = inp.q.double()
     cache = inp.k_cache.double()
