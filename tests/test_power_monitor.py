@@ -139,3 +139,41 @@ def test_open_monitor_matches_the_cuda_device_by_its_bus_id(monkeypatch):
 
 def test_reading_without_samples_says_so():
     assert power.Reading().describe() == "power: no samples"
+
+
+# ---- the benchmark harness's --power (benchmarks/bench.py) --------------------------------------------------------
+
+def test_with_power_puts_the_window_in_the_timing_and_the_row():
+    from mla_bench import report, run, shapes, timing
+
+    monitor = power.PowerMonitor(FakeNvml(watts=640.0, clocks=(1900,), reasons=(0x4,)), ("index", 0), period_s=0.002)
+
+    def fake_timer(fn, warmup_ms, rep_ms):
+        fn()
+        time.sleep(0.02)
+        return timing.Timing(350.0, 349.0, 351.0, "fake")
+
+    timed = timing.with_power(fake_timer, monitor)
+    assert timed.__name__ == "fake_timer"  # the harness names the timer in its log
+    calls = []
+    t = timed(lambda: calls.append(1), 25, 100)
+    assert calls == [1] and t.median_us == 350.0 and t.method == "fake"
+    assert t.power["watts"] == pytest.approx(640.0, rel=0.1) and t.power["sm_mhz_mean"] == 1900
+    assert t.power["capped_fraction"] == 1.0
+
+    cfg = run.Config(shapes=[], impls=["ours"])
+    work = shapes.count_work([8192] * 4, 16, 1, True, 2)
+    row = run.base_row(shapes.Shape(4, 8192, 16), cfg, work, 1, "ours", "graph")
+    assert {"watts", "sm_mhz", "sm_mhz_min", "clock_capped"} <= set(report.CSV_FIELDS)
+    assert report.power_table([row]) == []  # no --power: no table
+    run.fill_timing(row, t, work, None)
+    assert row["sm_mhz"] == 1900 and row["sm_mhz_min"] == 1900 and row["clock_capped"] == 1.0
+    assert "SM 1900 MHz (min 1900), clock lowered in 100% of samples" in run.progress_line(1, 1, row)
+    table = report.power_table([row])
+    assert table[-1].startswith("| b4-sk8192-h16-sq1 | ours | graph | 350.0 | ") and "1900 / 1900" in table[-1]
+
+
+def test_bench_takes_power():
+    from mla_bench import cli
+
+    assert cli.parse_args(["--power"]).power and not cli.parse_args([]).power

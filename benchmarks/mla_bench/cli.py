@@ -20,7 +20,8 @@ from .impls import ALL_IMPLS, FP8_IMPLS, kv_kind
 from .report import collect_environment, markdown_report, write_outputs
 from .run import Config, log, run_shape
 from .shapes import DEFAULT_L2_BYTES, DEFAULT_SHAPES, DTYPES, QUICK_SHAPES, SHAPE_SYNTAX, Shape, parse_shapes
-from .timing import TIMER_NAMES, measure_ceilings, pick_timer
+from .power import PowerUnavailable, open_monitor
+from .timing import TIMER_NAMES, measure_ceilings, pick_timer, with_power
 
 PROG = "python benchmarks/bench.py"
 
@@ -163,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                         ".peers/flashinfer in this checkout); without either, those rows say unavailable")
     p.add_argument("--max-rotation-gib", type=_arg_positive_float, default=4.0,
                    help="cap on the memory of the rotated input copies, GiB (default 4)")
+    p.add_argument("--power", action="store_true",
+                   help="record each timing window's average power, SM clock and share of samples with the clock "
+                        "lowered by power or heat (NVML: needs nvidia-ml-py); columns watts, sm_mhz, sm_mhz_min, "
+                        "clock_capped")
     return p
 
 
@@ -211,6 +216,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg.l2_bytes = env.get("l2_bytes") or DEFAULT_L2_BYTES
     cfg.sm_count = env["sm_count"]
     timer = pick_timer()
+    if args.power:
+        try:
+            timer = with_power(timer, open_monitor(device))
+        except PowerUnavailable as e:
+            print(f"error: --power: {e}", file=sys.stderr)
+            return 2
     log(f"{env['gpu']} (sm {env['capability']}, {env['sm_count']} SMs, L2 {cfg.l2_bytes / 2 ** 20:.0f} MiB), "
         f"driver {env['driver']}, torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}, "
         f"vLLM {env['vllm']}; timer: {TIMER_NAMES.get(timer.__name__, timer.__name__)}")

@@ -177,6 +177,21 @@ def fp8_tables(cfg: Config, rows: list[dict]) -> list[str]:
     return lines
 
 
+def power_table(rows: list[dict]) -> list[str]:
+    """With --power: each timed row's window, its average power and SM clock (a kernel at the board's power limit runs
+    at a lower clock over a long window; benchmarks/README.md)."""
+    timed = [r for r in rows if r.get("watts") is not None]
+    if not timed:
+        return []
+    lines = ["", "Power and SM clock over each timing window (NVML):", "",
+             "| shape | impl | mode | µs | W | SM MHz (mean / min) | clock lowered by power or heat |",
+             "|---|---|---|---|---|---|---|"]
+    for r in timed:
+        lines.append(f"| {r['shape']} | {r['impl']} | {r['mode']} | {r['us']:.1f} | {r['watts']:.0f} | "
+                     f"{r['sm_mhz']:.0f} / {r['sm_mhz_min']:.0f} | {100 * r['clock_capped']:.0f}% of samples |")
+    return lines
+
+
 def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: list[dict]) -> str:
     lines = [
         f"Date: {env.get('date_utc')}; GPU: {env.get('gpu', 'n/a')} (driver {env.get('driver', 'n/a')}); "
@@ -217,6 +232,7 @@ def markdown_report(env: dict, cfg: Config, ceilings: Optional[Ceilings], rows: 
                      f"{meta['us']:.1f}" if meta and meta["status"] == "ok" else "n/a"]
             lines.append("| " + " | ".join(cells) + " |")
     lines += fp8_tables(cfg, rows)
+    lines += power_table(rows)
     problems = [r for r in rows if r["status"] != "ok" or r["check"] == "WRONG"]
     if problems:
         lines += ["", "Notes:"]

@@ -65,6 +65,7 @@ def base_row(shape: Shape, cfg: Config, work: Work, copies: int, impl: str, mode
         "err_vs_fp8q": None, "speedup_vs_flashmla": None,
         "flops": work.flops, "bytes": work.bytes, "intensity": work.intensity,
         "visible_keys": work.visible_keys, "sum_seqlen": work.sum_seqlen, "copies": copies, "note": "", "tried": "",
+        "watts": None, "sm_mhz": None, "sm_mhz_min": None, "clock_capped": None,
     }
 
 
@@ -124,6 +125,9 @@ def fill_timing(row: dict, timing: Timing, work: Work, ceilings: Optional[Ceilin
     """Put a timing and the metrics derived from it (TFLOP/s, GB/s, fractions of the ceilings) in a row."""
     row.update(us=timing.median_us, us_p20=timing.p20_us, us_p80=timing.p80_us, timer=timing.method)
     row.update(derive_metrics(work, timing.median_us, ceilings))
+    if timing.power:  # --power: the timing window's average power, SM clock and share of clock-lowered samples
+        row.update(watts=timing.power["watts"], sm_mhz=timing.power["sm_mhz_mean"],
+                   sm_mhz_min=timing.power["sm_mhz_min"], clock_capped=timing.power["capped_fraction"])
 
 
 def _sci(x: Optional[float]) -> str:
@@ -145,6 +149,9 @@ def progress_line(i: int, n: int, row: dict) -> str:
             text += f" ({row['check_detail']})"
     if row.get("err_vs_bf16q") is not None or row.get("err_vs_fp8q") is not None:
         text += f"  err vs fp64 ref: {_sci(row.get('err_vs_bf16q'))} (16-bit q), {_sci(row.get('err_vs_fp8q'))} (e4m3 q)"
+    if row.get("watts") is not None:
+        text += (f"  {row['watts']:.0f} W, SM {row['sm_mhz']:.0f} MHz (min {row['sm_mhz_min']:.0f}), clock lowered in "
+                 f"{100 * row['clock_capped']:.0f}% of samples")
     if row["variant"]:
         text += f"  [{row['variant']}]"
     if row["tried"]:

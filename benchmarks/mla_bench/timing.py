@@ -54,6 +54,7 @@ class Timing:
     p20_us: float
     p80_us: float
     method: str
+    power: Optional[dict] = None   # mla_bench.power.Reading.as_dict() of the timing's window, with --power
 
 
 Timer = Callable[[Callable[[], Any], float, float], Timing]
@@ -96,6 +97,17 @@ def time_with_events(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> 
 
 
 TIMER_NAMES = {"time_with_do_bench": "triton.testing.do_bench median", "time_with_events": "CUDA events median"}
+
+
+def with_power(timer: Timer, monitor: Any) -> Timer:
+    """The timer, each of its calls in one window of `monitor` (mla_bench.power.PowerMonitor): the Timing carries the
+    window's power and SM clock."""
+    def timed(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> Timing:
+        with monitor.window() as reading:
+            t = timer(fn, warmup_ms, rep_ms)
+        return dataclasses.replace(t, power=reading.as_dict())
+    timed.__name__ = timer.__name__
+    return timed
 
 
 def pick_timer() -> Timer:
