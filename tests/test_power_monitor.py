@@ -138,7 +138,17 @@ def test_open_monitor_matches_the_cuda_device_by_its_bus_id(monkeypatch):
 
 
 def test_reading_without_samples_says_so():
-    assert power.Reading().describe() == "power: no samples"
+    assert power.Reading().describe() == "power: no readings"
+
+
+def test_a_reading_the_board_refuses_is_left_out():
+    class NoClocks(FakeNvml):
+        def nvmlDeviceGetClockInfo(self, handle, which):
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    r = _window(NoClocks(watts=500.0, reasons=(0x0,)))
+    assert r.sm_mhz_mean is None and r.watts == pytest.approx(500.0, rel=0.05) and r.capped_fraction == 0.0
+    assert r.describe() == f"{r.watts:.0f} W, SM clock n/a, clock lowered by power or heat in 0% of samples"
 
 
 # ---- the benchmark harness's --power (benchmarks/bench.py) --------------------------------------------------------
@@ -168,7 +178,7 @@ def test_with_power_puts_the_window_in_the_timing_and_the_row():
     assert report.power_table([row]) == []  # no --power: no table
     run.fill_timing(row, t, work, None)
     assert row["sm_mhz"] == 1900 and row["sm_mhz_min"] == 1900 and row["clock_capped"] == 1.0
-    assert "SM 1900 MHz (min 1900), clock lowered in 100% of samples" in run.progress_line(1, 1, row)
+    assert "SM 1900 MHz (min 1900), clock lowered by power or heat in 100% of samples" in run.progress_line(1, 1, row)
     table = report.power_table([row])
     assert table[-1].startswith("| b4-sk8192-h16-sq1 | ours | graph | 350.0 | ") and "1900 / 1900" in table[-1]
 

@@ -40,15 +40,25 @@ class Reading:
     samples: int = 0
 
     def describe(self) -> str:
-        if not self.samples or self.watts is None:
-            return "power: no samples"
-        return (f"{self.watts:.0f} W, SM {self.sm_mhz_mean:.0f} MHz (min {self.sm_mhz_min:.0f}), "
-                f"clock lowered by power or heat in {100 * self.capped_fraction:.0f}% of {self.samples} samples")
+        return describe_power(self.watts, self.sm_mhz_mean, self.sm_mhz_min, self.capped_fraction, self.samples)
 
     def as_dict(self) -> dict:
         return {"watts": None if self.watts is None else round(self.watts, 1),
                 "sm_mhz_mean": None if self.sm_mhz_mean is None else round(self.sm_mhz_mean),
                 "sm_mhz_min": self.sm_mhz_min, "capped_fraction": self.capped_fraction, "samples": self.samples}
+
+
+def describe_power(watts: Optional[float], sm_mhz: Optional[float], sm_mhz_min: Optional[float],
+                   capped_fraction: Optional[float], samples: Optional[int] = None) -> str:
+    """A window's readings in words; a reading the board did not give is said to be missing."""
+    if watts is None and sm_mhz is None:
+        return "power: no readings"
+    parts = ["power n/a" if watts is None else f"{watts:.0f} W"]
+    parts.append("SM clock n/a" if sm_mhz is None else f"SM {sm_mhz:.0f} MHz (min {sm_mhz_min:.0f})")
+    if capped_fraction is not None:
+        of = f" of {samples} samples" if samples else " of samples"
+        parts.append(f"clock lowered by power or heat in {100 * capped_fraction:.0f}%{of}")
+    return ", ".join(parts)
 
 
 class PowerMonitor:
@@ -75,11 +85,17 @@ class PowerMonitor:
         watts: list[float] = []
         stop = threading.Event()
 
+        def read(into: list, call) -> None:  # a reading the board refuses is left out, not fatal to the window
+            try:
+                into.append(call())
+            except Exception:
+                pass
+
         def sample() -> None:
             while True:
-                clocks.append(float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)))
-                capped.append(bool(int(self._reasons(self.handle)) & CAP_REASONS))
-                watts.append(self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0)
+                read(clocks, lambda: float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)))
+                read(capped, lambda: bool(int(self._reasons(self.handle)) & CAP_REASONS))
+                read(watts, lambda: self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0)
                 if stop.wait(self.period_s):
                     return
 
@@ -97,6 +113,7 @@ class PowerMonitor:
             if clocks:
                 reading.sm_mhz_mean = sum(clocks) / len(clocks)
                 reading.sm_mhz_min = min(clocks)
+            if capped:
                 reading.capped_fraction = sum(capped) / len(capped)
             if e0 is not None and e1 is not None and reading.seconds > 0:
                 reading.watts = (e1 - e0) / 1000.0 / reading.seconds

@@ -180,15 +180,21 @@ def fp8_tables(cfg: Config, rows: list[dict]) -> list[str]:
 def power_table(rows: list[dict]) -> list[str]:
     """With --power: each timed row's window, its average power and SM clock (a kernel at the board's power limit runs
     at a lower clock over a long window; benchmarks/README.md)."""
-    timed = [r for r in rows if r.get("watts") is not None]
+    timed = [r for r in rows if r.get("watts") is not None or r.get("sm_mhz") is not None]
     if not timed:
         return []
     lines = ["", "Power and SM clock over each timing window (NVML):", "",
              "| shape | impl | mode | µs | W | SM MHz (mean / min) | clock lowered by power or heat |",
              "|---|---|---|---|---|---|---|"]
+
+    def num(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
     for r in timed:
-        lines.append(f"| {r['shape']} | {r['impl']} | {r['mode']} | {r['us']:.1f} | {r['watts']:.0f} | "
-                     f"{r['sm_mhz']:.0f} / {r['sm_mhz_min']:.0f} | {100 * r['clock_capped']:.0f}% of samples |")
+        clock = "n/a" if r["sm_mhz"] is None else f"{r['sm_mhz']:.0f} / {r['sm_mhz_min']:.0f}"
+        capped = "n/a" if r["clock_capped"] is None else f"{100 * r['clock_capped']:.0f}% of samples"
+        lines.append(f"| {r['shape']} | {r['impl']} | {r['mode']} | {num(r['us'], '.1f')} | {num(r['watts'], '.0f')} | "
+                     f"{clock} | {capped} |")
     return lines
 
 

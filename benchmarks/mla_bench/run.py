@@ -13,6 +13,7 @@ import torch
 from .check import AGREE_ROW_REL_TOL, Check, check_indices, compare_outputs, dequantized_reference, rel_norm_error, visible_rows
 from .impls import (ADAPTERS, ALL_IMPLS, FP8_IMPLS, FP8_Q_IMPLS, METADATA_IMPL, PEERS, ImplUnavailable, ShapeContext,
                     Variant, baseline_of, metadata_call)
+from .power import describe_power
 from .shapes import (D_QK, D_V, DEFAULT_L2_BYTES, DTYPES, Shape, Work, bytes_per_copy, count_work,
                      fp8_bytes_per_copy, make_fp8_inputs, make_inputs, make_seqlens, rotation_copies_for)
 from .timing import Ceilings, Timer, Timing, capture_graphs, derive_metrics, rotating
@@ -149,9 +150,8 @@ def progress_line(i: int, n: int, row: dict) -> str:
             text += f" ({row['check_detail']})"
     if row.get("err_vs_bf16q") is not None or row.get("err_vs_fp8q") is not None:
         text += f"  err vs fp64 ref: {_sci(row.get('err_vs_bf16q'))} (16-bit q), {_sci(row.get('err_vs_fp8q'))} (e4m3 q)"
-    if row.get("watts") is not None:
-        text += (f"  {row['watts']:.0f} W, SM {row['sm_mhz']:.0f} MHz (min {row['sm_mhz_min']:.0f}), clock lowered in "
-                 f"{100 * row['clock_capped']:.0f}% of samples")
+    if row.get("watts") is not None or row.get("sm_mhz") is not None:
+        text += "  " + describe_power(row["watts"], row["sm_mhz"], row["sm_mhz_min"], row["clock_capped"])
     if row["variant"]:
         text += f"  [{row['variant']}]"
     if row["tried"]:
