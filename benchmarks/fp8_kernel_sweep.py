@@ -48,19 +48,20 @@ def parse_args(argv=None):
     bad = [m for m in args.modes if m not in ("fast", "accurate")]
     if bad:
         p.error(f"--modes: unknown {bad}; choose from fast, accurate")
-    try:
-        args.debug = [int(d) for d in args.debug.split(",") if d]
-    except ValueError:
-        p.error(f"--debug: {args.debug!r} is not a comma-separated list of integers")
-    if not args.debug or any(d < 0 for d in args.debug):
-        p.error("--debug: give one or more integers >= 0")
-    try:
-        args.rep = [int(r) for r in args.rep.split(",") if r]
-    except ValueError:
-        p.error(f"--rep: {args.rep!r} is not a comma-separated list of integers (milliseconds)")
-    if not args.rep or any(r < 1 for r in args.rep):
-        p.error("--rep: give one or more whole milliseconds >= 1")
+    args.debug = _int_list(p, "--debug", args.debug, 0, "integers")
+    args.rep = _int_list(p, "--rep", args.rep, 1, "whole milliseconds", " (milliseconds)")
     return args
+
+
+def _int_list(p, option, text, minimum, kind, unit=""):
+    """A comma-separated option value as integers >= minimum, or the parser's error naming the option."""
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        p.error(f"{option}: {text!r} is not a comma-separated list of integers{unit}")
+    if not values or any(v < minimum for v in values):
+        p.error(f"{option}: give one or more {kind} >= {minimum}")
+    return values
 
 
 def main(argv=None):

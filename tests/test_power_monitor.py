@@ -63,6 +63,7 @@ def _window(nvml, seconds=0.05):
     monitor = power.PowerMonitor(nvml, ("index", 0), period_s=0.002)
     with monitor.window() as reading:
         time.sleep(seconds)
+    assert monitor.last is reading  # what graph_replay_us's callers read
     return reading
 
 

@@ -68,6 +68,7 @@ class PowerMonitor:
 
     def __init__(self, nvml: Any, handle: Any, period_s: float = SAMPLE_PERIOD_S):
         self.nvml, self.handle, self.period_s = nvml, handle, period_s
+        self.last: Optional[Reading] = None  # the reading of the latest window
         reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
         self._reasons = reasons or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
 
@@ -79,7 +80,8 @@ class PowerMonitor:
 
     @contextlib.contextmanager
     def window(self) -> Iterator[Reading]:
-        reading = Reading()
+        """A window: the reading it yields is filled when it closes, and kept as self.last."""
+        reading = self.last = Reading()
         clocks: list[float] = []
         capped: list[bool] = []
         watts: list[float] = []

@@ -145,7 +145,7 @@ def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, powe
     if power is None:
         ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     else:
-        with power.window() as power.last:
+        with power.window():
             ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return ms * 1e3, res
 
