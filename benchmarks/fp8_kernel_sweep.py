@@ -18,7 +18,11 @@ same e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's quantiza
 --rep 25,100 times everything once per window length, in that order: a kernel near the board's power limit runs at
 a lower clock over 100 ms than over 25 ms (measured: the fast mode 330 against 348-358 µs at b128-sk8192-h128, while
 FlashMLA-FP8 stayed at 421), so a ratio holds for the window it was taken in. --power adds each window's average
-power, SM clock and how often the clock was lowered by power or heat (mla_bench/power.py; needs nvidia-ml-py).
+power, SM clock and how often the clock was lowered by power or heat (mla_bench/power.py; needs nvidia-ml-py),
+and the energy a call (the window's power times the call's time). --sustain 1000 adds, after the --rep windows, one
+window of 1000 ms of replays back to back (no L2 clearing between calls, the mean time a call): the load of a
+serving engine, long enough for the board's energy counter, which the driver updates in steps tens of
+milliseconds apart, so that a 25 ms window may get no power reading at all.
 FlashMLA-FP8 is vLLM 0.26's flash_mla_with_kvcache_fp8 (importable vllm, or the 2 MB package of its FlashMLA on
 PYTHONPATH).
 """
@@ -43,7 +47,12 @@ def parse_args(argv=None):
                         "that order (default 50)")
     p.add_argument("--power", action="store_true",
                    help="print each timing window's average power and SM clock (NVML: needs nvidia-ml-py)")
+    p.add_argument("--sustain", type=int, default=0, metavar="MS",
+                   help="also time MS ms of back-to-back replays per (shape, kernel), after the --rep windows "
+                        "(default 0: none)")
     args = p.parse_args(argv)
+    if args.sustain < 0:
+        p.error(f"--sustain: {args.sustain} is negative; give the milliseconds of back-to-back replays, or 0")
     args.modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in args.modes if m not in ("fast", "accurate")]
     if bad:
@@ -86,13 +95,23 @@ def main(argv=None):
             print(f"fp8_kernel_sweep: --power: {e}", file=sys.stderr)
             return 2
 
-    def timeit(fn, rep):
-        t, res = graph_replay_us(fn, 10, rep, power=monitor)
-        return t, res, ("" if monitor is None else f" [{monitor.last.describe()}]"), \
-            ({} if monitor is None else monitor.last.as_dict())
+    # Each window: (do_bench rep in ms, back to back?). The --rep windows, then the --sustain one.
+    windows = [(rep, False) for rep in args.rep] + ([(args.sustain, True)] if args.sustain else [])
 
-    def window(rep):  # the line's label of a window when several are timed
-        return f" rep={rep}ms" if len(args.rep) > 1 else ""
+    def timeit(fn, win):
+        rep, b2b = win
+        t, res = graph_replay_us(fn, 200 if b2b else 10, rep, power=monitor, back_to_back=b2b)
+        if monitor is None:
+            return t, res, "", {}
+        r = monitor.last
+        energy = "" if r.watts is None else f", {r.watts * t * 1e-3:.0f} mJ a call"
+        return t, res, f" [{r.describe()}{energy}]", r.as_dict()
+
+    def window(win):  # the line's label of a window when several are timed
+        rep, b2b = win
+        if b2b:
+            return f" back-to-back {rep}ms"
+        return f" rep={rep}ms" if len(windows) > 1 else ""
 
     saved = os.environ.get("FLASHMLA_BACKEND_FP8_DEBUG")
     try:
@@ -102,17 +121,17 @@ def main(argv=None):
             rows = shape.s_q * shape.h_q
             sched, splits = vllm_flashmla.get_mla_metadata_dense_fp8(lens, rows, 1)
             line = {"shape": shape.name}
-            for rep in args.rep:
+            for win in windows:
                 # Per window: the peer first, then ours, each (mode, debug value) in the order given.
-                suffix = "" if len(args.rep) == 1 else f"@{rep}ms"
+                suffix = "" if len(windows) == 1 else f"@{'b2b' if win[1] else ''}{win[0]}ms"
                 t_peer, (o_peer, _), p_note, p_peer = timeit(lambda: vllm_flashmla.flash_mla_with_kvcache_fp8(
                     f8.q, f8.k_cache, inp.block_table, lens, D_V, sched, splits, softmax_scale=scale, causal=True,
-                    descale_q=f8.descale_q, descale_k=f8.descale_k), rep)
+                    descale_q=f8.descale_q, descale_k=f8.descale_k), win)
                 o_peer = o_peer.view(shape.b, shape.s_q, shape.h_q, D_V).float()
                 line["flashmla_fp8_us" + suffix] = round(t_peer, 1)
                 if monitor is not None:
                     line["flashmla_fp8_power" + suffix] = p_peer
-                    print(f"{shape.name} FlashMLA-FP8{window(rep)}: {t_peer:.1f} us{p_note}", flush=True)
+                    print(f"{shape.name} FlashMLA-FP8{window(win)}: {t_peer:.1f} us{p_note}", flush=True)
                 for mode in args.modes:
                     q, dq = (f8.q, f8.descale_q) if mode == "fast" else (inp.q, None)
                     for debug in args.debug:
@@ -120,14 +139,14 @@ def main(argv=None):
                         meta, nsplits = fb.get_mla_metadata(lens, rows, 1, is_fp8_kvcache=True)
                         t, (out, _), note, p_ours = timeit(lambda: fb.flash_mla_with_kvcache(
                             q, f8.k_cache, inp.block_table, lens, D_V, meta, nsplits, softmax_scale=scale,
-                            causal=True, is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k), rep)
+                            causal=True, is_fp8_kvcache=True, descale_q=dq, descale_k=f8.descale_k), win)
                         diff = ((out.float() - o_peer).norm() / o_peer.norm()).item()
                         key = f"{mode}-{debug}{suffix}"
                         line[key + "_us"] = round(t, 1)
                         line[key + "_diff"] = float(f"{diff:.1e}")
                         if monitor is not None:
                             line[key + "_power"] = p_ours
-                        print(f"{shape.name} {mode} debug={debug}{window(rep)}: {t:.1f} us (FlashMLA-FP8 "
+                        print(f"{shape.name} {mode} debug={debug}{window(win)}: {t:.1f} us (FlashMLA-FP8 "
                               f"{t_peer:.1f} us, {t_peer / t:.2f}x) output vs FlashMLA-FP8 {diff:.1e}{note}",
                               flush=True)
             print(json.dumps(line), flush=True)

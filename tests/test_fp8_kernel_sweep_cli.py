@@ -15,7 +15,8 @@ def test_options_parse():
     assert a.modes == ["fast", "accurate"] and a.rep == [7] and not a.power
     assert sweep.parse_args([]).debug == [0] and sweep.parse_args([]).rep == [50]
     a = sweep.parse_args(["--rep", "25,100,25", "--power"])
-    assert a.rep == [25, 100, 25] and a.power
+    assert a.rep == [25, 100, 25] and a.power and a.sustain == 0
+    assert sweep.parse_args(["--sustain", "1000"]).sustain == 1000
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -27,6 +28,8 @@ def test_options_parse():
     (["--rep", "25ms"], "--rep: '25ms' is not a comma-separated list of integers"),
     (["--rep", "0"], "whole milliseconds >= 1"),
     (["--rep", ","], "whole milliseconds >= 1"),
+    (["--sustain", "-5"], "--sustain: -5 is negative"),
+    (["--sustain", "1s"], "--sustain: invalid int value"),
 ])
 def test_bad_options_name_the_option(argv, words, capsys):
     with pytest.raises(SystemExit) as e:

@@ -77,6 +77,30 @@ def test_window_reads_power_from_the_energy_counter():
     assert set(r.as_dict()) == {"watts", "sm_mhz_mean", "sm_mhz_min", "capped_fraction", "samples"}
 
 
+class SteppedCounter(FakeNvml):
+    """An energy counter the driver updates in steps `step_s` apart, as on an H200 (tens of milliseconds)."""
+
+    def __init__(self, step_s=0.02, **kw):
+        super().__init__(**kw)
+        self.step_s = step_s
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle):
+        t = time.perf_counter() - self.t0
+        return int((t // self.step_s) * self.step_s * self.watts * 1000)
+
+
+def test_power_is_taken_between_the_counters_updates():
+    # Ends of the window would give 0 W or a step too many; the updates inside it give the power.
+    r = _window(SteppedCounter(step_s=0.02, watts=580.0), seconds=0.2)
+    assert r.watts == pytest.approx(580.0, rel=0.1)
+
+
+def test_a_window_shorter_than_two_updates_gets_no_power():
+    r = _window(SteppedCounter(step_s=0.5, watts=580.0), seconds=0.05)
+    assert r.watts is None and r.sm_mhz_mean is not None
+    assert r.describe().startswith("power n/a, SM ")
+
+
 def test_window_falls_back_to_sampled_power_without_a_counter():
     r = _window(FakeNvml(watts=450.0, energy=False, reasons=(0x0,)))
     assert r.watts == pytest.approx(450.0)

@@ -33,7 +33,8 @@ class PowerUnavailable(RuntimeError):
 @dataclasses.dataclass
 class Reading:
     seconds: float = 0.0
-    watts: Optional[float] = None        # average power over the window (energy counter, else sampled power)
+    watts: Optional[float] = None        # average power over the window (energy counter, else sampled power); None
+                                         # where the window held fewer than two of the counter's updates
     sm_mhz_mean: Optional[float] = None  # SM clock, mean and lowest of the samples
     sm_mhz_min: Optional[float] = None
     capped_fraction: Optional[float] = None  # share of the samples with a clock-lowering reason (CAP_REASONS)
@@ -63,8 +64,14 @@ def describe_power(watts: Optional[float], sm_mhz: Optional[float], sm_mhz_min: 
 
 class PowerMonitor:
     """Samples one GPU's SM clock and clock-event reasons every `period_s` seconds on a thread while a window is open,
-    and its energy counter (or power) at the window's ends. `nvml` is the pynvml module or a stand-in with the same
-    functions (the tests use one)."""
+    and its energy counter (or, on a board without one, its power) at every sample. `nvml` is the pynvml module or a
+    stand-in with the same functions (the tests use one).
+
+    The energy counter does not count continuously: the driver adds to it in steps (tens of milliseconds apart on
+    an H200), so its difference over a window shorter than a few steps is zero or a step too many (a 25 ms window
+    read 0 W, or 949 W on a 700 W board). The power is therefore taken between the first and the last update
+    seen inside the window: the energy the counter gained from one to the other over the time between them. A
+    window that holds fewer than two updates gets no power (None) rather than a wrong one."""
 
     def __init__(self, nvml: Any, handle: Any, period_s: float = SAMPLE_PERIOD_S):
         self.nvml, self.handle, self.period_s = nvml, handle, period_s
@@ -85,7 +92,9 @@ class PowerMonitor:
         clocks: list[float] = []
         capped: list[bool] = []
         watts: list[float] = []
+        updates: list[tuple[float, int]] = []  # (time first seen, value) of each energy counter value after the first
         stop = threading.Event()
+        has_counter = self._energy_mj() is not None
 
         def read(into: list, call) -> None:  # a reading the board refuses is left out, not fatal to the window
             try:
@@ -94,14 +103,22 @@ class PowerMonitor:
                 pass
 
         def sample() -> None:
+            first = self._energy_mj() if has_counter else None
+            last = first
             while True:
+                if has_counter:
+                    e = self._energy_mj()
+                    if e is not None and last is not None and e != last:
+                        updates.append((time.perf_counter(), e))
+                    last = e if e is not None else last
+                else:
+                    read(watts, lambda: self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0)
                 read(clocks, lambda: float(self.nvml.nvmlDeviceGetClockInfo(self.handle, self.nvml.NVML_CLOCK_SM)))
                 read(capped, lambda: bool(int(self._reasons(self.handle)) & CAP_REASONS))
-                read(watts, lambda: self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0)
                 if stop.wait(self.period_s):
                     return
 
-        e0, t0 = self._energy_mj(), time.perf_counter()
+        t0 = time.perf_counter()
         thread = threading.Thread(target=sample, name="power-monitor", daemon=True)
         thread.start()
         try:
@@ -109,16 +126,17 @@ class PowerMonitor:
         finally:
             stop.set()
             thread.join()
-            e1, t1 = self._energy_mj(), time.perf_counter()
-            reading.seconds = t1 - t0
+            reading.seconds = time.perf_counter() - t0
             reading.samples = len(clocks)
             if clocks:
                 reading.sm_mhz_mean = sum(clocks) / len(clocks)
                 reading.sm_mhz_min = min(clocks)
             if capped:
                 reading.capped_fraction = sum(capped) / len(capped)
-            if e0 is not None and e1 is not None and reading.seconds > 0:
-                reading.watts = (e1 - e0) / 1000.0 / reading.seconds
+            if has_counter:
+                if len(updates) >= 2 and updates[-1][0] > updates[0][0]:
+                    (ta, ea), (tb, eb) = updates[0], updates[-1]
+                    reading.watts = (eb - ea) / 1000.0 / (tb - ta)
             elif watts:
                 reading.watts = sum(watts) / len(watts)
 

@@ -124,11 +124,15 @@ def rotating(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
     return lambda: next(it)()
 
 
-def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, power: Any = None) -> tuple[float, Any]:
+def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, power: Any = None,
+                    back_to_back: bool = False) -> tuple[float, Any]:
     """fn captured in one CUDA graph (after an eager call and one on a side stream), its replays timed with
     triton.testing.do_bench: (median in µs, what the captured call returned: the graph's output tensors, which
     every replay rewrites). The FP8 kernel scripts (fp8_kernel_sweep.py, fp8_split_error.py) time each call so.
-    power: a mla_bench.power.PowerMonitor; the timing then runs in one of its windows, kept as power.last."""
+    power: a mla_bench.power.PowerMonitor; the timing then runs in one of its windows, kept as power.last.
+    back_to_back: instead of do_bench (which clears the L2 cache between calls and takes the median), replay the
+    graph without pause for rep_ms (after warmup_ms of the same) and return the mean time a call: the load a
+    serving engine puts on the GPU, at the clock the board holds under it."""
     import triton.testing
 
     fn()
@@ -142,12 +146,36 @@ def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, powe
             res = fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    if back_to_back:
+        return _back_to_back_us(graph.replay, warmup_ms, rep_ms, power), res
     if power is None:
         ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     else:
         with power.window():
             ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
     return ms * 1e3, res
+
+
+def _back_to_back_us(replay: Callable[[], Any], warmup_ms: float, rep_ms: float, power: Any = None) -> float:
+    """Mean µs a call of `replay` launched back to back for about rep_ms, after about warmup_ms of the same."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def run(n: int) -> float:
+        start.record()
+        for _ in range(n):
+            replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    per_call_ms = run(5) / 5
+    run(max(1, int(warmup_ms / per_call_ms)))
+    n = max(10, int(rep_ms / per_call_ms))
+    if power is None:
+        return run(n) / n * 1e3
+    with power.window():
+        ms = run(n)
+    return ms / n * 1e3
 
 
 def capture_graphs(calls: Sequence[Callable[[], Any]]) -> list[Callable[[], Any]]:
