@@ -21,8 +21,9 @@ FlashMLA-FP8 stayed at 421), so a ratio holds for the window it was taken in. --
 power, SM clock and how often the clock was lowered by power or heat (mla_bench/power.py; needs nvidia-ml-py),
 and the energy a call (the window's power times the call's time). --sustain 1000 adds, after the --rep windows, one
 window of 1000 ms of replays back to back (no L2 clearing between calls, the mean time a call): the load of a
-serving engine, long enough for the board's energy counter, which the driver updates in steps tens of
-milliseconds apart, so that a 25 ms window may get no power reading at all.
+serving engine (measured on an H200: every large shape then ran at the board's 700 W cap, so the time ratio is the
+ratio of energy a call), and long enough for the board's energy counter, which moves in steps: a window under a few
+hundred ms may get no power reading at all.
 FlashMLA-FP8 is vLLM 0.26's flash_mla_with_kvcache_fp8 (importable vllm, or the 2 MB package of its FlashMLA on
 PYTHONPATH).
 """

@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--power", action="store_true",
                    help="record each timing window's average power, SM clock and share of samples with the clock "
                         "lowered by power or heat (NVML: needs nvidia-ml-py); columns watts, sm_mhz, sm_mhz_min, "
-                        "clock_capped")
+                        "clock_capped. The board's energy counter moves in steps: windows under a few hundred ms "
+                        "(--rep) may get no power reading")
     return p
 
 

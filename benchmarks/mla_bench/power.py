@@ -67,11 +67,12 @@ class PowerMonitor:
     and its energy counter (or, on a board without one, its power) at every sample. `nvml` is the pynvml module or a
     stand-in with the same functions (the tests use one).
 
-    The energy counter does not count continuously: the driver adds to it in steps (tens of milliseconds apart on
-    an H200), so its difference over a window shorter than a few steps is zero or a step too many (a 25 ms window
-    read 0 W, or 949 W on a 700 W board). The power is therefore taken between the first and the last update
-    seen inside the window: the energy the counter gained from one to the other over the time between them. A
-    window that holds fewer than two updates gets no power (None) rather than a wrong one."""
+    The energy counter does not count continuously: the driver adds to it in steps, so its difference over a
+    window shorter than a few steps is zero or a step too many (on an H200, driver 580: a 25 ms window read 0 W, or
+    949 W on a 700 W board; most 100 ms windows held fewer than two steps). The power is therefore taken between the
+    first and the last update seen inside the window: the energy the counter gained from one to the other over the
+    time between them. A window that holds fewer than two updates gets no power (None) rather than a wrong one;
+    windows of a second (fp8_kernel_sweep.py --sustain 1000) read 683-700 W at the board's 700 W cap."""
 
     def __init__(self, nvml: Any, handle: Any, period_s: float = SAMPLE_PERIOD_S):
         self.nvml, self.handle, self.period_s = nvml, handle, period_s
