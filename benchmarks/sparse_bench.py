@@ -8,7 +8,7 @@ without the suffix). The inputs come from benchmarks/mla_bench/sparse.py: a bf16
 b * pool tokens in 64-token pages (group gains spread by --spread, log2), and int32 indices naming topk distinct
 tokens of each request's own pool as page * 64 + offset, with softmax_scale 576 ** -0.5. Each implementation is
 called once (ours is reported as having no sparse kernel for these inputs when it refuses them: a GPU other than
-sm_90, a 16-bit cache), then captured in a CUDA graph whose replays triton.testing.do_bench times (median). Per shape:
+sm_90), then captured in a CUDA graph whose replays triton.testing.do_bench times (median). Per shape:
 µs, TFLOP/s (2 * b * s_q * h_q * topk * (576 + 512) FLOPs), the gathered bytes (b * s_q * topk * 656) and the time
 they take at the device-copy rate measured at the start (bytes read plus written per second, as benchmarks/bench.py
 measures its ceiling), and each output's relative error against an fp64 reference of the first --check-requests

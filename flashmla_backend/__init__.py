@@ -12,8 +12,8 @@ flashmla_backend.validate. FlashMLA's newer convention (get_mla_metadata() with 
 works too: flashmla_backend.sched_meta. FP8 KV caches (float8_e4m3fn with descale_k): flash_mla_with_kvcache's
 docstring; flash_mla_with_kvcache_fp8 takes vLLM's FlashMLA-FP8 argument order. Sparse decode (DeepSeek-V3.2:
 indices=, topk_length=, attn_sink=, the 656-byte fp8_ds_mla cache or a 16-bit one): flash_mla_with_kvcache's
-docstring: the sm90 kernel on CUDA tensors (fp8_ds_mla caches), the reference on CPU tensors
-(sparse_mla_decode_reference); fill_sparse_sched_meta makes its schedule ahead of CUDA-graph capture. The cache
+docstring: on CUDA tensors the sm90 sparse kernel (fp8_ds_mla caches) or, for a 16-bit cache, the dense kernels on
+the gathered tokens; the reference on CPU tensors (sparse_mla_decode_reference); fill_sparse_sched_meta makes its schedule ahead of CUDA-graph capture. The cache
 formats: flashmla_backend.kv_format.
 
 CUDA tensors run the kernels (Hopper: wgmma/TMA; A100: portable mma.sync kernel); CPU tensors run

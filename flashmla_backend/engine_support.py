@@ -225,9 +225,10 @@ def sparse_device_problem(kernel_missing: str, *, cuda: bool, ds_mla: bool, capa
         return (f"{SPARSE_GPU_ENV}=1: flashmla_backend's sparse decode kernel runs on Hopper GPUs (sm_90), this one is "
                 f"sm_{major}{minor}; unset {SPARSE_GPU_ENV} and serve with the engine's own sparse backend")
     if not ds_mla:
-        return (f"{SPARSE_GPU_ENV}=1: on a GPU flashmla_backend's sparse decode reads the fp8_ds_mla cache only "
-                "(656-byte tokens: --kv-cache-dtype fp8 or fp8_ds_mla in vLLM, fp8_e4m3 in SGLang); a 16-bit sparse "
-                "cache is served on CPU tensors only")
+        return (f"{SPARSE_GPU_ENV}=1: on a GPU flashmla_backend's sparse decode in the engines reads the fp8_ds_mla "
+                "cache only (656-byte tokens: --kv-cache-dtype fp8 or fp8_ds_mla in vLLM, fp8_e4m3 in SGLang); a "
+                "16-bit sparse cache is served on CPU tensors only (the API's path for it on a GPU, a gather into "
+                "the dense kernel, has not been run in an engine)")
     return None
 
 

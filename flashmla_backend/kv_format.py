@@ -6,8 +6,8 @@ takes, where its scales are, and which compiled kernels read it (flashmla_backen
 "portable"), in dense decode (block_table + cache_seqlens) and in sparse decode (indices):
 
     name        dtypes                        width  bytes  scales                            dense kernels    sparse
-    bf16        bfloat16                       576   1152   none                              sm90, portable   -
-    fp16        float16                        576   1152   none                              sm90, portable   -
+    bf16        bfloat16                       576   1152   none                              sm90, portable   (gathered)
+    fp16        float16                        576   1152   none                              sm90, portable   (gathered)
     fp8_e4m3    float8_e4m3fn                  576    576   descale_k (per tensor or per      sm90             -
                                                             request and KV head)
     fp8_ds_mla  uint8, int8 or float8_e4m3fn   656    656   four float32 in each token        -                sm90
@@ -15,7 +15,9 @@ takes, where its scales are, and which compiled kernels read it (flashmla_backen
 A 576-wide token is 512 latent channels (also V) then 64 rope channels (flashmla_backend.geometry). The
 fp8_ds_mla token (DeepSeek-V3.2's) has its own byte layout, written down with its codec in
 flashmla_backend.fp8_ds_mla. Sparse decode reads fp8_ds_mla and the 16-bit formats: on CPU tensors the reference
-reads all three, on CUDA tensors the sm90 kernel reads fp8_ds_mla (the others are refused, naming it).
+reads all three; on CUDA tensors the sm90 sparse kernel reads fp8_ds_mla, and a 16-bit cache's named tokens are
+gathered into a scratch cache that the format's dense kernels read (flashmla_backend.ops: _sparse_decode_gathered),
+so no compiled kernel reads a 16-bit cache in sparse decode itself ("gathered" above, sparse_kernels empty).
 
 E4M3 is the one definition of the FP8 element type in Python. A format is one identity from here to the kernels:
 the compiled module knows it by the same name and code (csrc/params.h: KvFormat; KvFormat.code below), receives

@@ -12,7 +12,8 @@
 Dense decode: CUDA tensors run the kernels; CPU tensors run the pure-PyTorch reference. Both functions are also
 registered as torch custom ops (torch.ops.flashmla_backend.get_mla_metadata / .mla_decode), which
 is what torch.compile sees; eager calls skip the dispatcher for lower launch overhead. Sparse decode: CUDA tensors
-run the sm90 sparse kernel (fp8_ds_mla caches), CPU tensors the reference.
+run the sm90 sparse kernel (fp8_ds_mla caches) or, for a 16-bit cache, gather the named tokens and run the dense
+decode on them; CPU tensors run the reference.
 """
 from __future__ import annotations
 
@@ -307,11 +308,14 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     run on CPU tensors, and on CUDA tensors with FLASHMLA_BACKEND_CHECK=1. CPU tensors run the pure-PyTorch
     reference (flashmla_backend.reference.sparse_mla_decode_reference, which dequantizes fp8_ds_mla tokens exactly
     in float32). CUDA tensors run the sm90 sparse kernel, which reads fp8_ds_mla caches stored token after token
-    (a contiguous k_cache; a strided one raises ValueError) with a bf16 q; the 16-bit sparse caches and other GPUs
-    raise NotImplementedError, naming what reads them, rather than run the reference on the GPU unannounced. Its
-    schedule (the FlashMLASchedMeta's tensors, computed by the first call) takes every row at topk entries; the
-    kernel reads topk_length itself, so the replays of a captured graph follow new values. attn_sink is applied
-    after the kernel, in float32.
+    (a contiguous k_cache; a strided one raises ValueError) with a bf16 q; other GPUs raise NotImplementedError,
+    naming what reads the cache, rather than run the reference on the GPU unannounced. Its schedule (the
+    FlashMLASchedMeta's tensors, computed by the first call) takes every row at topk entries; the kernel reads
+    topk_length itself, so the replays of a captured graph follow new values. A 16-bit cache (q's dtype) on CUDA
+    tensors: each query token's counted tokens are copied, in index order, into a scratch cache of 64-token pages
+    (at most GATHER_CHUNK_BYTES at a time) and the dense decode runs on them, on any GPU the dense decode runs on,
+    out in q's dtype; its schedule is computed on the device in every call, so graph replays follow new indices and
+    topk_length too. attn_sink is applied after the kernel, in float32.
     """
     if indices is not None:
         return _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
@@ -369,10 +373,12 @@ def _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num
         raise RuntimeError("flashmla_backend: torch.compile does not trace sparse decode (indices) yet; call it "
                            "outside the compiled region")
     on_cuda = q.device.type == "cuda"
+    gathered = kv_format.of(k_cache) in kv_format.SIXTEEN_BIT
     if on_cuda:
         kernel = device.kernel_for(q.device)
         fmt = kv_format.of(k_cache)
-        problem = fmt.kernel_problem(kernel, sparse=True)
+        # A 16-bit cache is gathered into a paged scratch cache and read by the dense decode (_sparse_decode_gathered)
+        problem = fmt.kernel_problem(kernel, sparse=not gathered)
         if problem:
             raise NotImplementedError(
                 f"flashmla_backend: {problem}, so this sparse decode does not run on CUDA tensors; the pure-PyTorch "
@@ -387,7 +393,72 @@ def _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num
         meta.config, meta.have_initialized = config, True
         return reference_sparse_decode(q, k_cache, indices, softmax_scale, topk_length, attn_sink)
     scale = float(softmax_scale) if softmax_scale is not None else HEAD_DIM_K ** -0.5
+    if gathered:  # the object records the configuration; the dense decode schedules each call's gathered tokens
+        meta.config, meta.have_initialized = config, True
+        return _sparse_decode_gathered(q, k_cache, scale, indices, topk_length, attn_sink)
     return _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, attn_sink)
+
+
+# Bytes of gathered 16-bit tokens one dense call reads at most (_sparse_decode_gathered): rows beyond it go in
+# further calls, so the scratch cache stays bounded for any count of rows (vLLM runs prefill tokens as rows too).
+GATHER_CHUNK_BYTES = 256 << 20
+
+
+def _sparse_decode_gathered(q, k_cache, scale, indices, topk_length, attn_sink):
+    """Sparse decode of a 16-bit cache through the dense decode: each row's (query token's) counted entries that
+    name a token are copied, in index order, into a scratch cache of 64-token pages, and the dense decode reads the
+    rows as requests of one query token with those lengths (their page tables the scratch pages). Skipped entries
+    (negative, past the cache, past topk_length) are never read; a row left with no entry gets out 0 and lse +inf,
+    as the dense decode gives an empty request. Device-independent: on CUDA tensors the dense kernels run, on CPU
+    tensors the dense reference (the tests compare this mapping with the sparse reference so). No host sync, so
+    CUDA graphs capture it; the dense schedule is computed on the device in every call (get_mla_metadata). Costs
+    a copy of the counted tokens (1152 bytes each) beyond what a gathering kernel would read."""
+    b, s_q, h_q, d = q.shape
+    topk = indices.shape[-1]
+    rows = b * s_q
+    page_size = k_cache.shape[1]
+    num_tokens = k_cache.shape[0] * page_size
+    dev = q.device
+    idx = indices.reshape(rows, topk)
+    valid = (idx >= 0) & (idx < num_tokens)
+    if topk_length is not None:
+        per_row = topk_length.to(device=dev, dtype=torch.int64).repeat_interleave(s_q)
+        valid &= torch.arange(topk, device=dev)[None, :] < per_row[:, None]
+    counts = valid.sum(dim=-1, dtype=torch.int32)
+    pages = -(-topk // PAGE_SIZE)
+    width = pages * PAGE_SIZE
+    # Entry j of a row goes to slot (the number of counted entries before it); skipped ones to the spare last slot.
+    slot = torch.where(valid, valid.cumsum(dim=-1) - 1, width)
+    compact = torch.zeros((rows, width + 1), dtype=torch.int64, device=dev)
+    compact.scatter_(1, slot, torch.where(valid, idx.long(), 0))
+    compact = compact[:, :width]  # slots past a row's count name token 0: gathered, never read (past its length)
+    q_rows = q.reshape(rows, 1, h_q, d)
+    out = torch.empty((rows, 1, h_q, HEAD_DIM_V), dtype=q.dtype, device=dev)
+    lse = torch.empty((rows, h_q, 1), dtype=torch.float32, device=dev)
+    chunk = max(1, GATHER_CHUNK_BYTES // (width * d * k_cache.element_size()))
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        n = r1 - r0
+        tok = compact[r0:r1]
+        scratch = k_cache[tok // page_size, tok % page_size, 0].reshape(n * pages, PAGE_SIZE, 1, d)
+        table = torch.arange(n * pages, dtype=torch.int32, device=dev).reshape(n, pages)
+        lens = counts[r0:r1]
+        md, splits = get_mla_metadata(lens, h_q, 1)
+        o, l = flash_mla_with_kvcache(q_rows[r0:r1], scratch, table, lens, HEAD_DIM_V, md, splits,
+                                      softmax_scale=scale, causal=False)
+        out[r0:r1], lse[r0:r1] = o, l
+    out = out.reshape(b, s_q, h_q, HEAD_DIM_V)
+    lse = lse.reshape(b, s_q, h_q).transpose(1, 2).contiguous()
+    return _with_attn_sink(out, lse, attn_sink)
+
+
+def _with_attn_sink(out, lse, attn_sink):
+    """out [b, s_q, h_q, 512] scaled by exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink), in float32; lse
+    [b, h_q, s_q] as it is; rows with no key (lse +inf) stay 0."""
+    if attn_sink is None:
+        return out, lse
+    factor = torch.where(lse == math.inf, 0.0, torch.sigmoid(lse - attn_sink.float()[None, :, None]))
+    return (out.float() * factor.transpose(1, 2)[..., None]).to(out.dtype), lse
 
 
 def _fill_sparse_schedule(meta: FlashMLASchedMeta, config, rows: int, topk: int, h_q: int, dev: torch.device) -> None:
@@ -416,7 +487,8 @@ def fill_sparse_sched_meta(meta: FlashMLASchedMeta, *, batch: int, s_q: int, num
     page_block_size, num_heads_k, row bytes], ..., causal=False, is_fp8_kvcache=is_fp8_kvcache, indices [batch,
     s_q, topk]) read it; a call with other shapes or flags raises ValueError naming them, as for an object its first
     call filled. Keep the object (and so its tensors) for as long as graphs captured with it are replayed. On a CPU
-    device it records the configuration only: the reference needs no schedule. Returns `meta`.
+    device, and for a 16-bit cache (is_fp8_kvcache=False, whose decode schedules the tokens it gathers in every
+    call), it records the configuration only. Returns `meta`.
     """
     if not isinstance(meta, FlashMLASchedMeta):
         raise TypeError(f"flashmla_backend: fill_sparse_sched_meta takes a FlashMLASchedMeta (get_mla_metadata() "
@@ -437,7 +509,7 @@ def fill_sparse_sched_meta(meta: FlashMLASchedMeta, *, batch: int, s_q: int, num
     page_block_size = int(page_block_size)
     config = FlashMLASchedMeta.Config(batch, s_q, num_heads_q, page_block_size, int(num_heads_k), False,
                                       bool(is_fp8_kvcache), topk)
-    if dev.type != "cuda":
+    if dev.type != "cuda" or not is_fp8_kvcache:  # a 16-bit cache's decode schedules its gathered tokens each call
         meta.config, meta.have_initialized = config, True
         return meta
     _fill_sparse_schedule(meta, config, batch * s_q, topk, num_heads_q, dev)
@@ -523,10 +595,7 @@ def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, a
     lse = lse.transpose(1, 2)
     if s_q > 1:
         lse = lse.contiguous()
-    if attn_sink is not None:  # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); rows with no key stay 0
-        factor = torch.where(lse == math.inf, 0.0, torch.sigmoid(lse - attn_sink.float()[None, :, None]))
-        out = (out.float() * factor.transpose(1, 2)[..., None]).to(torch.bfloat16)
-    return out, lse
+    return _with_attn_sink(out, lse, attn_sink)
 
 
 def _from_sched_meta(meta: FlashMLASchedMeta, num_splits, q, k_cache, block_table, cache_seqlens, head_dim_v,

@@ -89,7 +89,7 @@ def test_sparse_heads():
     (True, False, True, (9, 0), "KERNEL MISSING"),         # a GPU without the opt-in: the engine's message
     (True, True, True, (9, 0), None),                      # the opt-in, a Hopper GPU, fp8_ds_mla: the kernel
     (True, True, True, None, None),                        # capability unknown: the kernel's own check decides
-    (True, True, False, (9, 0), "fp8_ds_mla cache only"),  # a 16-bit cache has no GPU kernel
+    (True, True, False, (9, 0), "fp8_ds_mla cache only"),  # a 16-bit cache: not in the engines on a GPU
     (True, True, True, (8, 0), "this one is sm_80"),
 ])
 def test_sparse_device_problem(cuda, opt_in, ds_mla, capability, words, monkeypatch):

@@ -322,7 +322,7 @@ def test_cuda_device_refused_until_the_decode_runs_on_gpus(monkeypatch):
 
 @pytest.mark.parametrize("fp8, capability, words", [
     (True, (9, 0), None),                                  # adopted: the kernel on a Hopper GPU
-    (False, (9, 0), "reads the fp8_ds_mla cache only"),   # the 16-bit cache: no GPU kernel
+    (False, (9, 0), "reads the fp8_ds_mla cache only"),   # the 16-bit cache: not on a GPU in the engines
     (True, (10, 0), "this one is sm_100"),                # not a Hopper GPU
 ])
 def test_cuda_device_with_the_opt_in(fp8, capability, words, monkeypatch):

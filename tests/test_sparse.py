@@ -349,6 +349,83 @@ def test_the_old_metadata_convention_is_refused_for_sparse_decode():
                                   indices=inp.indices)
 
 
+# ---- a 16-bit cache through the dense decode (ops._sparse_decode_gathered; on CUDA tensors the dense kernels) ----
+
+GATHERED_CASES = [
+    SparseCase(b=3, s_q=2, h_q=16, topk=48, num_pages=3, cache="bf16", topk_length=[48, 0, 20], sink=True, seed=30),
+    SparseCase(b=2, s_q=1, h_q=5, topk=20, page_size=16, num_pages=4, cache="fp16", seed=31),
+    SparseCase(b=2, s_q=3, h_q=64, topk=130, page_size=1, num_pages=300, cache="bf16", skipped=0.5, seed=32),
+    SparseCase(b=1, s_q=2, h_q=8, topk=64, num_pages=2, cache="bf16", skipped=1.0, seed=33),   # every row empty
+    SparseCase(b=2, s_q=1, h_q=128, topk=200, page_size=17, num_pages=30, cache="fp16", topk_length=[150, 199],
+               sink=True, seed=34),
+]
+
+
+def gathered(inp):
+    """The mapping the CUDA path runs, here on CPU tensors: the dense decode of the gathered tokens is the dense
+    reference then."""
+    from flashmla_backend import ops
+    return ops._sparse_decode_gathered(inp.q, inp.k_cache, inp.scale, inp.indices, inp.topk_length, inp.attn_sink)
+
+
+@pytest.mark.parametrize("case", GATHERED_CASES, ids=str)
+def test_the_gathered_dense_decode_matches_the_fp64_oracle(case):
+    """Skipped entries of every kind, topk_length (0 included), duplicates, NaN in every unnamed slot, pages of 1 and
+    17 tokens, top-k not a multiple of the scratch cache's 64-token pages, attn_sink."""
+    inp = make_sparse_inputs(case)
+    out, lse = gathered(inp)
+    assert out.shape == (case.b, case.s_q, case.h_q, D_V) and out.dtype == inp.q.dtype
+    assert lse.shape == (case.b, case.h_q, case.s_q) and lse.dtype == torch.float32 and lse.is_contiguous()
+    check(out, lse, inp)
+    want = reference(inp)
+    assert torch.allclose(lse, want[1], rtol=0, atol=1e-5)  # the same float32 sums in another order
+
+
+def test_the_gathered_decode_in_chunks_equals_one_call(monkeypatch):
+    """Rows split over several dense calls (GATHER_CHUNK_BYTES) give the same bits: each row is its own request."""
+    from flashmla_backend import ops
+    inp = make_sparse_inputs(GATHERED_CASES[0])
+    whole = gathered(inp)
+    monkeypatch.setattr(ops, "GATHER_CHUNK_BYTES", 1)   # one row a call
+    calls = []
+    dense = ops.flash_mla_with_kvcache
+    monkeypatch.setattr(ops, "flash_mla_with_kvcache", lambda *a, **k: calls.append(a[0].shape[0]) or dense(*a, **k))
+    chunked = gathered(inp)
+    assert calls == [1] * (inp.q.shape[0] * inp.q.shape[1])
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+def test_the_gathered_decode_reads_no_skipped_entry(monkeypatch):
+    """The scratch cache holds a row's counted tokens first, in index order; its length is their count."""
+    from flashmla_backend import ops
+    case = SparseCase(b=1, s_q=1, h_q=4, topk=6, page_size=4, num_pages=3, cache="bf16", skipped=0.0, seed=35)
+    inp = make_sparse_inputs(case)
+    inp = inp.replace(indices=torch.tensor([[[5, -1, 11, 12, 2, 7]]], dtype=torch.int32),
+                      topk_length=torch.tensor([5], dtype=torch.int32))
+    seen = {}
+    dense = ops.flash_mla_with_kvcache
+
+    def spy(q, k_cache, block_table, cache_seqlens, *a, **k):
+        seen["lens"] = cache_seqlens.tolist()
+        seen["tokens"] = k_cache.reshape(-1, D_K)[: int(cache_seqlens[0])].clone()
+        return dense(q, k_cache, block_table, cache_seqlens, *a, **k)
+
+    monkeypatch.setattr(ops, "flash_mla_with_kvcache", spy)
+    gathered(inp)
+    flat = inp.k_cache.reshape(-1, D_K)
+    # -1 skipped, 12 past the 12-token cache, 7 past topk_length 5: tokens 5, 11, 2 in that order
+    assert seen["lens"] == [3]
+    assert torch.equal(seen["tokens"].view(torch.int16), flat[[5, 11, 2]].view(torch.int16))
+
+
+def test_a_fill_for_a_sixteen_bit_cache_records_the_configuration_only():
+    """Its decode schedules the gathered tokens in every call, so no sparse schedule is made (no device touched)."""
+    meta = fb.fill_sparse_sched_meta(fb.get_mla_metadata()[0], batch=2, s_q=1, num_heads_q=64, topk=128,
+                                     device="cuda", is_fp8_kvcache=False)
+    assert meta.have_initialized and meta.tile_scheduler_metadata is None and meta.sparse_lengths is None
+    assert meta.config == FlashMLASchedMeta.Config(2, 1, 64, 64, 1, False, False, 128)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_without_the_sm90_kernel_are_refused_naming_it():
     """The sparse kernel is the sm90 one (tests/test_sparse_gpu.py runs it); another GPU's kernel is refused."""

@@ -3,7 +3,8 @@ oracle (sparsekit.py: its own e4m3 table and byte offsets): NaN in every slot no
 order, skipped entries of every kind (-1, past the cache, INT32_MAX, other negatives), duplicates, topk_length cutting
 rows (0 included), head counts that are not a multiple of 64, s_q up to 4, topk 40 to 2048, attn_sink; bitwise
 determinism; a CUDA graph replayed with new indices and a new topk_length, also with the schedule made ahead by
-fill_sparse_sched_meta; the 16-bit caches refused on CUDA, naming the format."""
+fill_sparse_sched_meta; 16-bit caches through the dense kernels (their tokens gathered), against the same oracle and in
+graph replays."""
 import pytest
 import torch
 
@@ -191,14 +192,71 @@ def test_a_schedule_filled_ahead_is_the_first_calls_and_serves_a_captured_graph(
     assert torch.equal(out.view(torch.int16), want[0].view(torch.int16)) and torch.equal(lse, want[1])
 
 
-@pytest.mark.parametrize("cache", ["bf16", "fp16"])
-def test_sixteen_bit_caches_are_refused_on_cuda_naming_the_format(cache):
-    _sm90()
-    inp = make_sparse_inputs(SparseCase(b=1, h_q=64, topk=64, num_pages=2, cache=cache))
+# 16-bit caches: each row's counted tokens gathered into a scratch cache and read by the dense decode (ops.py:
+# _sparse_decode_gathered), on whichever dense kernel the GPU runs; the dense kernels' bounds against fp64 (kit.py).
+SIXTEEN_BIT_CASES = [
+    SparseCase(b=3, s_q=2, h_q=128, topk=256, num_pages=16, cache="bf16", topk_length=[256, 100, 0], sink=True,
+               seed=40),
+    SparseCase(b=2, s_q=4, h_q=64, topk=2048, num_pages=48, cache="bf16", topk_length=[2048, 1000], seed=41),
+    SparseCase(b=2, s_q=3, h_q=32, topk=100, page_size=17, num_pages=20, cache="fp16", skipped=0.6, seed=42),
+    SparseCase(b=1, s_q=1, h_q=16, topk=40, page_size=1, num_pages=300, cache="fp16", seed=43),
+    SparseCase(b=2, s_q=1, h_q=128, topk=64, num_pages=4, cache="bf16", skipped=1.0, seed=44),
+]
+
+
+def _run16(inp, meta=None):
+    meta = meta if meta is not None else fb.get_mla_metadata()[0]
+    topk_length = inp.topk_length.cuda() if inp.topk_length is not None else None
+    sink = inp.attn_sink.cuda() if inp.attn_sink is not None else None
+    return fb.flash_mla_with_kvcache(inp.q.cuda(), inp.k_cache.cuda(), None, None, D_V, meta, None,
+                                     softmax_scale=inp.scale, causal=False, is_fp8_kvcache=False,
+                                     indices=inp.indices.cuda(), topk_length=topk_length, attn_sink=sink)
+
+
+@pytest.mark.parametrize("case", SIXTEEN_BIT_CASES, ids=str)
+def test_sixteen_bit_caches_run_on_the_dense_kernels(case, record_errors):
+    inp = make_sparse_inputs(case)
+    out, lse = _run16(inp)
+    assert out.shape == (case.b, case.s_q, case.h_q, D_V) and out.dtype == inp.q.dtype and out.is_cuda
+    assert lse.shape == (case.b, case.h_q, case.s_q) and lse.dtype == torch.float32 and lse.is_contiguous()
+    ref_out, ref_lse = naive_sparse_fp64(inp)
+    figures = compare(out, lse, ref_out, ref_lse, [], case.s_q, False)
+    record_errors(f"{device.kernel_for(torch.device('cuda'))} sparse {case.cache} (gathered)", figures)
+    out2, lse2 = _run16(inp)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
+
+
+def test_sixteen_bit_graph_replay_reads_new_indices_and_topk_length():
+    case = SparseCase(b=4, s_q=2, h_q=128, topk=256, num_pages=24, cache="bf16", topk_length=[256, 256, 256, 256],
+                      seed=45)
+    inp = make_sparse_inputs(case)
+    other = make_sparse_inputs(SparseCase(**{**case.__dict__, "topk_length": [200, 0, 31, 256], "seed": 46}))
+    other = other.replace(scale=inp.scale)
+    q, k_cache = inp.q.cuda(), inp.k_cache.cuda()
+    indices, topk_length = inp.indices.cuda(), inp.topk_length.cuda()
     meta, _ = fb.get_mla_metadata()
-    with pytest.raises(NotImplementedError, match=rf"no compiled kernel reads the {cache} KV cache in sparse decode"):
-        fb.flash_mla_with_kvcache(inp.q.cuda(), inp.k_cache.cuda(), None, None, D_V, meta, None,
-                                  softmax_scale=inp.scale, indices=inp.indices.cuda())
+
+    def call():
+        return fb.flash_mla_with_kvcache(q, k_cache, None, None, D_V, meta, None, softmax_scale=inp.scale,
+                                         causal=False, is_fp8_kvcache=False, indices=indices,
+                                         topk_length=topk_length)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call()
+    graph.replay()
+    compare(out, lse, *naive_sparse_fp64(inp), [], case.s_q, False)
+    q.copy_(other.q.cuda())
+    k_cache.copy_(other.k_cache.cuda())
+    indices.copy_(other.indices.cuda())
+    topk_length.copy_(other.topk_length.cuda())
+    graph.replay()
+    compare(out, lse, *naive_sparse_fp64(other), [], case.s_q, False)
 
 
 def test_a_strided_cache_is_refused_naming_the_layout():

@@ -440,7 +440,7 @@ def test_a_cuda_device_is_refused_until_the_backend_runs_on_gpus(model, monkeypa
 @pytest.mark.parametrize("kv_cache_dtype, capability, words", [
     ("fp8_ds_mla", (9, 0), None),
     ("fp8", (9, 0), None),                                     # stored as fp8_ds_mla
-    ("auto", (9, 0), "reads the fp8_ds_mla cache only"),      # the 16-bit cache: no GPU kernel
+    ("auto", (9, 0), "reads the fp8_ds_mla cache only"),      # the 16-bit cache: not on a GPU in the engines
     ("fp8_ds_mla", (10, 0), "this one is sm_100"),            # not a Hopper GPU
 ])
 def test_a_cuda_device_with_the_opt_in(kv_cache_dtype, capability, words, model, monkeypatch):
