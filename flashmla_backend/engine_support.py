@@ -211,9 +211,11 @@ def sparse_device_problem(kernel_missing: str, *, cuda: bool, ds_mla: bool, capa
     """None where sparse MLA decode may run on the layer's device, else why and what works.
 
     CPU tensors run the PyTorch reference. A CUDA device is refused with `kernel_missing` (the engine's message)
-    unless FLASHMLA_BACKEND_SPARSE_GPU is set; then it must be a Hopper GPU and the cache fp8_ds_mla, the one cache
-    the Hopper sparse kernel reads. The GPU's capability: `capability` where the caller has it, else asked of
-    `device` (only once the variable lets a GPU through), else not checked."""
+    unless FLASHMLA_BACKEND_SPARSE_GPU is set; then it must be a Hopper GPU: the sparse kernel reads the fp8_ds_mla
+    cache there, and a 16-bit cache's tokens are gathered for the dense kernel (flashmla_backend.ops, the API's
+    path on any GPU with a dense kernel; the engines offer it where the fp8_ds_mla kernel runs, the GPUs they were
+    run on). `ds_mla` names the cache in the message only. The GPU's capability: `capability` where the caller has
+    it, else asked of `device` (only once the variable lets a GPU through), else not checked."""
     if not cuda:
         return None
     if not env_flag(SPARSE_GPU_ENV):
@@ -222,13 +224,10 @@ def sparse_device_problem(kernel_missing: str, *, cuda: bool, ds_mla: bool, capa
         capability = torch.cuda.get_device_capability(device)
     if capability is not None and tuple(capability)[:2] != (9, 0):
         major, minor = tuple(capability)[:2]
-        return (f"{SPARSE_GPU_ENV}=1: flashmla_backend's sparse decode kernel runs on Hopper GPUs (sm_90), this one is "
-                f"sm_{major}{minor}; unset {SPARSE_GPU_ENV} and serve with the engine's own sparse backend")
-    if not ds_mla:
-        return (f"{SPARSE_GPU_ENV}=1: on a GPU flashmla_backend's sparse decode in the engines reads the fp8_ds_mla "
-                "cache only (656-byte tokens: --kv-cache-dtype fp8 or fp8_ds_mla in vLLM, fp8_e4m3 in SGLang); a "
-                "16-bit sparse cache is served on CPU tensors only (the API's path for it on a GPU, a gather into "
-                "the dense kernel, has not been run in an engine)")
+        cache = "the fp8_ds_mla cache" if ds_mla else "a 16-bit cache"
+        return (f"{SPARSE_GPU_ENV}=1: flashmla_backend's sparse decode in the engines runs on Hopper GPUs (sm_90) "
+                f"({cache}), this one is sm_{major}{minor}; unset {SPARSE_GPU_ENV} and serve with the engine's own "
+                "sparse backend")
     return None
 
 

@@ -19,7 +19,9 @@ FLASHMLA_SPARSE (fp32_oracle.fp8_no_worse); the pairwise figures of test_vllm_en
   * MTP (one speculative token, a checkpoint with the MTP layer), ours against FLASHMLA_SPARSE on that checkpoint
     without speculation;
   * `vllm serve --attention-backend CUSTOM --kv-cache-dtype fp8` with 64 concurrent completions of prompts of 1-2530
-    tokens: every response complete, our sparse decode line in the server's log.
+    tokens: every response complete, our sparse decode line in the server's log;
+  * the 16-bit cache (`--kv-cache-dtype auto`, bf16; our sparse decode gathers each query token's tokens for the dense
+    kernel), CUDA graphs, ours against FLASHMLA_SPARSE on the same cache, by the same criterion.
 vLLM's sparse indexer refuses to start on CUDA without DeepGEMM, which vLLM vendors under vllm/third_party/deep_gemm
 (integration/README.md: keep it when packing vLLM for these tests).
 """
@@ -49,7 +51,7 @@ MAX_TOKENS = dense.MAX_TOKENS
 LOGPROBS = dense.LOGPROBS
 BLOCK_SIZE = 64
 OUR_LOG_LINE = "sparse MLA attention (DeepSeek-V3.2 indexer) runs on flashmla_backend"
-OUR_KERNEL_TEXT = "the Hopper sparse decode kernel"
+OUR_KERNEL_TEXT = {"fp8": "the Hopper sparse decode kernel", "auto": "the dense decode kernel on the gathered tokens"}
 BROKEN_LOG_TEXT = "sparse MLA attention uses a WRONG softmax scale"
 
 
@@ -70,16 +72,16 @@ def prompts_file() -> Path:
     return harness.write_json(harness.RUN_DIR / "prompts-v32.json", prompts)
 
 
-def sparse_log_problems(log: str, backend: str, broken: bool) -> list[str]:
-    """Ours: our sparse decode line naming the Hopper kernel, and the wrong-scale warning exactly when broken.
-    vLLM's: neither line."""
+def sparse_log_problems(log: str, backend: str, broken: bool, kv: str = "fp8") -> list[str]:
+    """Ours: our sparse decode line naming the kernel of the cache `kv`, and the wrong-scale warning exactly when
+    broken. vLLM's: neither line."""
     ours = [line for line in log.splitlines() if OUR_LOG_LINE in line]
     problems = []
     if backend == "CUSTOM":
         if not ours:
             problems.append(f"the log lacks {OUR_LOG_LINE!r}")
-        elif not any(OUR_KERNEL_TEXT in line for line in ours):
-            problems.append(f"our sparse decode line does not name {OUR_KERNEL_TEXT!r}: {ours[0].strip()!r}")
+        elif not any(OUR_KERNEL_TEXT[kv] in line for line in ours):
+            problems.append(f"our sparse decode line does not name {OUR_KERNEL_TEXT[kv]!r}: {ours[0].strip()!r}")
         if (BROKEN_LOG_TEXT in log) != broken:
             problems.append("the wrong-scale hook's warning is " + ("missing" if broken else "present unasked"))
     elif ours:
@@ -90,12 +92,14 @@ def sparse_log_problems(log: str, backend: str, broken: bool) -> list[str]:
 _runs: dict = {}
 
 
-def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False, broken=False, mtp=0) -> dict:
-    """One vllm_run.py process per configuration (cached for the session), fp8_ds_mla cache, 64-token blocks."""
-    key = (str(checkpoint), backend, eager, broken, mtp)
+def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False, broken=False, mtp=0,
+             kv="fp8") -> dict:
+    """One vllm_run.py process per configuration (cached for the session), 64-token blocks; kv: --kv-cache-dtype
+    (fp8: stored as fp8_ds_mla; auto: bf16)."""
+    key = (str(checkpoint), backend, eager, broken, mtp, kv)
     if key in _runs:
         return _runs[key]
-    name = "-".join(["v32", backend.lower(), "fp8", "eager" if eager else "graphs"] + ([f"mtp{mtp}"] if mtp else [])
+    name = "-".join(["v32", backend.lower(), kv, "eager" if eager else "graphs"] + ([f"mtp{mtp}"] if mtp else [])
                     + (["BROKEN"] if broken else []))
     if mtp == 0 and "-mtp" in checkpoint.name:
         name += "-on-mtp-ckpt"
@@ -103,13 +107,13 @@ def generate(checkpoint: Path, prompts_file: Path, backend: str, *, eager=False,
     out.unlink(missing_ok=True)
     cmd = [sys.executable, str(harness.INTEGRATION / "vllm_run.py"), "--model", str(checkpoint), "--backend", backend,
            "--prompts", str(prompts_file), "--out", str(out), "--max-tokens", str(MAX_TOKENS),
-           "--logprobs", str(LOGPROBS), "--mtp", str(mtp), "--kv-cache-dtype", "fp8",
+           "--logprobs", str(LOGPROBS), "--mtp", str(mtp), "--kv-cache-dtype", kv,
            "--block-size", str(BLOCK_SIZE)]
     if eager:
         cmd.append("--enforce-eager")
     env = harness.engine_env({SPARSE_GPU_ENV: "1", DEBUG_BREAK_SCALE_ENV: "1" if broken else "0"})
     log = harness.run_logged(name, cmd, env)
-    problems = sparse_log_problems(log, backend, broken)
+    problems = sparse_log_problems(log, backend, broken, kv)
     assert not problems, f"{name}: " + "; ".join(problems)
     result = json.loads(out.read_text())
     result["name"] = name
@@ -162,3 +166,11 @@ def test_serve_64_concurrent_completions(checkpoint):
                                     env_extra={SPARSE_GPU_ENV: "1"})
     problems = sparse_log_problems(log, "CUSTOM", broken=False)
     assert not problems, f"server log: {'; '.join(problems)}"
+
+
+def test_bf16_cache_no_further_from_fp32_than_flashmla_sparse(checkpoint, prompts_file):
+    """The 16-bit cache: our sparse decode gathers each query token's tokens for the dense kernel; FLASHMLA_SPARSE
+    reads the same bf16 cache with its own kernel."""
+    theirs = generate(checkpoint, prompts_file, "FLASHMLA_SPARSE", kv="auto")
+    ours = generate(checkpoint, prompts_file, "CUSTOM", kv="auto")
+    assert judged(ours, theirs, checkpoint, prompts_file)

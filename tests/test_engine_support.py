@@ -89,8 +89,9 @@ def test_sparse_heads():
     (True, False, True, (9, 0), "KERNEL MISSING"),         # a GPU without the opt-in: the engine's message
     (True, True, True, (9, 0), None),                      # the opt-in, a Hopper GPU, fp8_ds_mla: the kernel
     (True, True, True, None, None),                        # capability unknown: the kernel's own check decides
-    (True, True, False, (9, 0), "fp8_ds_mla cache only"),  # a 16-bit cache: not in the engines on a GPU
+    (True, True, False, (9, 0), None),                     # a 16-bit cache: gathered for the dense kernel
     (True, True, True, (8, 0), "this one is sm_80"),
+    (True, True, False, (10, 0), "(a 16-bit cache), this one is sm_100"),
 ])
 def test_sparse_device_problem(cuda, opt_in, ds_mla, capability, words, monkeypatch):
     from flashmla_backend._env import SPARSE_GPU_ENV

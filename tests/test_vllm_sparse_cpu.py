@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -431,7 +432,7 @@ def test_a_cuda_device_is_refused_until_the_backend_runs_on_gpus(model, monkeypa
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0))
     reasons = FlashMLASparsePluginBackend.validate_configuration(**selector_fields(model()))
     assert SPARSE_KERNEL_MISSING in reasons and "does not run on GPUs yet" in SPARSE_KERNEL_MISSING
-    assert f"{SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU" in SPARSE_KERNEL_MISSING
+    assert f"{SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU (--kv-cache-dtype fp8" in SPARSE_KERNEL_MISSING
     cfg = make_vllm_config(model())
     with pytest.raises(RuntimeError, match="does not run on GPUs yet"):
         make_sparse_impl(cfg, "auto", torch.zeros((4, TOPK), dtype=torch.int32))
@@ -440,12 +441,13 @@ def test_a_cuda_device_is_refused_until_the_backend_runs_on_gpus(model, monkeypa
 @pytest.mark.parametrize("kv_cache_dtype, capability, words", [
     ("fp8_ds_mla", (9, 0), None),
     ("fp8", (9, 0), None),                                     # stored as fp8_ds_mla
-    ("auto", (9, 0), "reads the fp8_ds_mla cache only"),      # the 16-bit cache: not on a GPU in the engines
+    ("auto", (9, 0), None),                                    # the 16-bit cache: gathered for the dense kernel
     ("fp8_ds_mla", (10, 0), "this one is sm_100"),            # not a Hopper GPU
+    ("auto", (10, 0), "(a 16-bit cache), this one is sm_100"),
 ])
 def test_a_cuda_device_with_the_opt_in(kv_cache_dtype, capability, words, model, monkeypatch):
-    """FLASHMLA_BACKEND_SPARSE_GPU=1: the selection and the impl accept a Hopper GPU with the fp8_ds_mla cache and
-    refuse the rest naming what works."""
+    """FLASHMLA_BACKEND_SPARSE_GPU=1: the selection and the impl accept a Hopper GPU with the fp8_ds_mla cache or a
+    16-bit one (gathered for the dense kernel) and refuse the rest naming what works."""
     from vllm.platforms.interface import DeviceCapability
 
     monkeypatch.setenv(SPARSE_GPU_ENV, "1")
@@ -458,10 +460,11 @@ def test_a_cuda_device_with_the_opt_in(kv_cache_dtype, capability, words, model,
     cfg = make_vllm_config(model(), kv_cache_dtype=stored)
     if words is None:
         assert not reasons, reasons
-        assert make_sparse_impl(cfg, stored, torch.zeros((4, TOPK), dtype=torch.int32)).kv_ds_mla
+        impl = make_sparse_impl(cfg, stored, torch.zeros((4, TOPK), dtype=torch.int32))
+        assert impl.kv_ds_mla == engine_support.sparse_is_ds_mla(kv_cache_dtype)
     else:
         assert any(words in r and SPARSE_GPU_ENV in r for r in reasons), reasons
-        with pytest.raises(RuntimeError, match=words):
+        with pytest.raises(RuntimeError, match=re.escape(words)):
             make_sparse_impl(cfg, stored, torch.zeros((4, TOPK), dtype=torch.int32))
 
 

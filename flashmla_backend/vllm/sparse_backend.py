@@ -12,11 +12,11 @@ as for its own FLASHMLA_SPARSE), KV blocks of 64 tokens (larger multiples of 64 
 blocks), 64 or 128 query heads per rank (checked where vLLM knows the head count: the builder and the impl).
 Refused at start-up with a message naming what works: other cache dtypes and block sizes, attention sinks,
 and, on a machine with a CUDA device, everything unless FLASHMLA_BACKEND_SPARSE_GPU is set: the Hopper sparse decode
-kernel (fp8_ds_mla caches) runs through flashmla_backend's API but has not yet been validated inside vLLM and is
-slower than FlashMLA's at b = 1 and top-k 512 (benchmarks/RESULTS.md), so the plugin refuses rather than offer it or
-fall back. With the variable set, a Hopper GPU and the fp8_ds_mla cache run the kernel (for the GPU tests and those
-who try it: engine_support.sparse_device_problem). CPU tensors run flashmla_backend's PyTorch reference, which is
-what the CPU conformance tests use.
+kernel (fp8_ds_mla caches) has served only a tiny test model inside vLLM and is slower than FlashMLA's at b = 1 and
+top-k 512 (benchmarks/RESULTS.md), and a 16-bit cache goes through the dense kernel on gathered tokens (the API's
+path, not yet run inside vLLM), so the plugin refuses rather than offer it or fall back. With the variable set, a
+Hopper GPU runs either (for the GPU tests and those who try it: engine_support.sparse_device_problem). CPU tensors
+run flashmla_backend's PyTorch reference, which is what the CPU conformance tests use.
 """
 from __future__ import annotations
 
@@ -35,10 +35,11 @@ from .sparse_impl import FlashMLASparsePluginImpl
 
 SPARSE_KERNEL_MISSING = (
     "flashmla_backend: the plugin's sparse MLA backend (DeepSeek-V3.2 indexer attention) does not run on GPUs yet: "
-    "flashmla_backend's Hopper sparse decode kernel reads the fp8_ds_mla cache (not the 16-bit one), has served "
-    "only a tiny test model inside vLLM, and is slower than FlashMLA's at short top-k (512). "
-    "Serve this model with vLLM's own sparse backends (leave --attention-backend unset, or FLASHMLA_SPARSE); "
-    f"{SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU with --kv-cache-dtype fp8 / fp8_ds_mla, for testing")
+    "flashmla_backend's Hopper sparse decode kernel (the fp8_ds_mla cache) has served only a tiny test model inside "
+    "vLLM and is slower than FlashMLA's at short top-k (512), and a 16-bit cache's tokens are gathered for the dense "
+    "kernel, not yet run inside vLLM. Serve this model with vLLM's own sparse backends (leave --attention-backend "
+    f"unset, or FLASHMLA_SPARSE); {SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU (--kv-cache-dtype fp8 / "
+    "fp8_ds_mla, or auto), for testing")
 
 
 class FlashMLASparsePluginBackend(AttentionBackend):

@@ -85,7 +85,8 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
             logger.info(
                 "flashmla_backend: sparse MLA attention (DeepSeek-V3.2 indexer) runs on flashmla_backend %s (%s), %d "
                 "heads per rank, scale %.6g, KV cache %s.", flashmla_backend.__version__,
-                f"the Hopper sparse decode kernel, opted in by {SPARSE_GPU_ENV}"
+                (f"the Hopper sparse decode kernel, opted in by {SPARSE_GPU_ENV}" if self.kv_ds_mla else
+                 f"the dense decode kernel on the gathered tokens, opted in by {SPARSE_GPU_ENV}")
                 if on_gpu else "the PyTorch reference, no CUDA device", num_heads, self.scale,
                 "fp8_ds_mla (656-byte tokens)" if self.kv_ds_mla else f"{kv_cache_dtype} (16-bit)")
 
