@@ -37,6 +37,10 @@
 #   dsa-compare  dsa-ours vs dsa-ref judged by the fp32 model as the FP8 steps are
 #   dsa-broken   dsa-ours with a 1.5x softmax scale: must fail that judgment
 #   dsa-serve    launch_server with our DSA decode + 64 concurrent requests, the DSA line in its log
+# and with the bfloat16 cache (--kv-cache-dtype bfloat16, 576 values a token; group "dsa-bf16", not in "dsa"):
+#   dsa-ours-bf16     our sparse decode (the tokens gathered for the dense kernel), the DSA line in the log
+#   dsa-ref-bf16      SGLang's own, --dsa-decode-backend flashmla_sparse (its FlashMLA's bf16 sparse kernel)
+#   dsa-compare-bf16  the two judged by the fp32 model as dsa-compare
 # Each engine run has a time limit (SGLANG_RUN_TIMEOUT, default 240 s; 480 s for the DSA runs: on an H200 the first
 # V3.2 start of a machine took 212 s, 164 of them capturing the prefill CUDA graphs, the next start 42 s, which
 # reads as first-use compilation). Exit code 0 only if every step held.
@@ -51,11 +55,13 @@ T_DSA=${SGLANG_RUN_TIMEOUT:-480}
 BF16_STEPS=(ours triton baseline compare broken mtp serve)
 FP8_STEPS=("${BF16_STEPS[@]/%/-fp8}")
 DSA_STEPS=(dsa-ours dsa-ref dsa-compare dsa-broken dsa-serve)
+DSA_BF16_STEPS=(dsa-ours-bf16 dsa-ref-bf16 dsa-compare-bf16)
 STEPS=()
 for s in "$@"; do
   case $s in
     fp8) STEPS+=("${FP8_STEPS[@]}") ;;
     dsa) STEPS+=("${DSA_STEPS[@]}") ;;
+    dsa-bf16) STEPS+=("${DSA_BF16_STEPS[@]}") ;;
     all) STEPS+=("${BF16_STEPS[@]}" "${FP8_STEPS[@]}") ;;
     *) STEPS+=("$s") ;;
   esac
@@ -63,6 +69,7 @@ done
 [ ${#STEPS[@]} -gt 0 ] || STEPS=("${BF16_STEPS[@]}")
 for s in "${STEPS[@]}"; do
   case ${s%-fp8} in ours|triton|baseline|compare|broken|mtp|serve|dsa-ours|dsa-ref|dsa-compare|dsa-broken|dsa-serve) ;;
+    dsa-ours-bf16|dsa-ref-bf16|dsa-compare-bf16) ;;
     *) echo "unknown step '$s'" >&2; exit 2;; esac
   case $s in dsa-*-fp8) echo "unknown step '$s' (the DSA steps run the FP8 cache already)" >&2; exit 2;; esac
 done
@@ -110,6 +117,7 @@ DSA_PROMPTS=$OUT/prompts-dsa.json
 DSA_PROMPT_LENS="[1, 17, 64, 300, 1000, 2047, 2049, 2500, 3000, 4000]"
 DSA_OURS_ENV=(FLASHMLA_BACKEND_DSA_DECODE=1 FLASHMLA_BACKEND_SPARSE_GPU=1)
 DSA_KV=(--kv-cache-dtype fp8_e4m3)
+DSA_KV_BF16=(--kv-cache-dtype bfloat16)
 dsa_run() {  # name [sglang_run options...] [-- env...]: a V3.2 run, then its log checked for whose decode ran
   local name=$1; shift
   local envs=() a
@@ -136,6 +144,16 @@ for s in "${STEPS[@]}"; do
           { dsa_run dsa-broken "${DSA_KV[@]}" -- "${DSA_OURS_ENV[@]}" FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=1 &&
             need dsa-ref && cmp "$OUT/dsa-broken.json" "$OUT/dsa-ref.json" --expect disagree --fp32-model "$CK32" \
               --prompts "$DSA_PROMPTS"; } || status=1 ;;
+        dsa-ours-bf16)
+          dsa_run dsa-ours-bf16 "${DSA_KV_BF16[@]}" -- "${DSA_OURS_ENV[@]}" FLASHMLA_BACKEND_DEBUG_BREAK_SCALE=0 ||
+            status=1 ;;
+        dsa-ref-bf16)
+          dsa_run dsa-ref-bf16 "${DSA_KV_BF16[@]}" --dsa-decode-backend flashmla_sparse -- \
+            FLASHMLA_BACKEND_DSA_DECODE=0 || status=1 ;;
+        dsa-compare-bf16)
+          { need dsa-ours-bf16 dsa-ref-bf16 &&
+            cmp "$OUT/dsa-ours-bf16.json" "$OUT/dsa-ref-bf16.json" --fp32-model "$CK32" --prompts "$DSA_PROMPTS"; } ||
+            status=1 ;;
         dsa-serve)
           # DSA prefills a batch whose sequences are all at most 2048 tokens (outside its prefill CUDA graphs) on
           # SGLang's dense MHA path, which calls sgl_kernel's FA3 library; the GPU machine's SGLang set leaves that

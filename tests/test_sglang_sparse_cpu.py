@@ -637,6 +637,10 @@ def test_dsa_serve_command_parses_with_this_sglang():
     ns = parser.parse_args(sglang_run.launch_server_cmd(SimpleNamespace(**{**vars(args), "dsa_decode_backend": None}),
                                                         30000)[3:])
     assert ns.attention_backend == "dsa" and ns.dsa_decode_backend is None   # ours: SGLang resolves its own choice
+    # the bfloat16 steps (dsa-*-bf16): the 16-bit cache, SGLang's FlashMLA sparse kernel as the reference
+    bf16 = SimpleNamespace(**{**vars(args), "kv_cache_dtype": "bfloat16", "dsa_decode_backend": "flashmla_sparse"})
+    ns = parser.parse_args(sglang_run.launch_server_cmd(bf16, 30000)[3:])
+    assert (ns.dsa_decode_backend, ns.kv_cache_dtype) == ("flashmla_sparse", "bfloat16")
 
 
 def test_dsa_run_engine_arguments_are_this_sglangs_server_arguments(tmp_path, monkeypatch):
