@@ -25,6 +25,12 @@ decode, the combine, ...; torch.profiler over 20 plain calls, not graph replays;
 kernel's time includes its wait for the one before it), so that a call's fixed cost can be told apart from its
 blocks' (JSON: <impl>_kernels_us).
 
+`--cache bf16` runs the same values, indices and q with a 16-bit cache ([pages, 64, 1, 576] bf16): ours is then
+flashmla_backend's sparse decode of a 16-bit cache (its tokens gathered for the dense kernel), FlashMLA its sparse
+prefill kernel, flash_mla_sparse_fwd(q [b * s_q, h_q, 576], kv [tokens, 1, 576], indices [b * s_q, 1, topk],
+softmax_scale, 512), which vLLM's FLASHMLA_SPARSE runs for decode on a bf16 cache (its lse is not compared: only
+its output).
+
 FlashMLA is vllm.third_party.flashmla.flash_mla_interface: an importable vLLM 0.26, or a package of vLLM's
 FlashMLA alone (a vllm/ folder with _flashmla_C and third_party/flashmla, e.g. .peers/flashmla) on PYTHONPATH.
 Its call: sched_meta, _ = get_mla_metadata(), then flash_mla_with_kvcache(q, k_cache, None, None, 512, sched_meta,
@@ -40,8 +46,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mla_bench.cli import _arg_positive_float, _arg_seed  # noqa: E402  (the main benchmark's argument types)
-from mla_bench.sparse import (DEFAULT_POOL, DEFAULT_SPARSE_SHAPES, SPARSE_SHAPE_SYNTAX, check_pool,  # noqa: E402
-                              parse_sparse_shapes)
+from mla_bench.sparse import (CACHES, DEFAULT_POOL, DEFAULT_SPARSE_SHAPES, SPARSE_SHAPE_SYNTAX,  # noqa: E402
+                              check_pool, parse_sparse_shapes)
 
 PROG = "python benchmarks/sparse_bench.py"
 IMPLS = ("flashmla", "ours")
@@ -122,6 +128,9 @@ def build_parser():
     p.add_argument("--rep", type=_arg_positive_float, default=50.0, help="do_bench rep in ms (default 50)")
     p.add_argument("--kernel-times", action="store_true",
                    help="also print each kernel's device time of one call per implementation (torch.profiler)")
+    p.add_argument("--cache", choices=tuple(CACHES), default="fp8_ds_mla",
+                   help="the KV cache: fp8_ds_mla (656 bytes a token, default) or bf16 (576 values a token; FlashMLA "
+                        "then runs its sparse prefill kernel, as vLLM's FLASHMLA_SPARSE does on a bf16 cache)")
     p.add_argument("--debug", type=_debug_values, default=None,
                    help="comma-separated values of FLASHMLA_BACKEND_SPARSE_DEBUG: ours is timed once per value "
                         "(default: once, with the environment as it is)")
@@ -153,13 +162,24 @@ def load_flashmla():
                       "alone such as .peers/flashmla, on PYTHONPATH")
 
 
-def sparse_call(module, inp):
+def sparse_call(module, inp, prefill_kernel=False):
     """One sparse decode through a FlashMLA-style API (FlashMLA's interface, or flashmla_backend), with a
-    FlashMLASchedMeta of its own that the first call fills."""
+    FlashMLASchedMeta of its own that the first call fills. prefill_kernel: FlashMLA's flash_mla_sparse_fwd instead
+    (a bf16 cache), returning (out [b, s_q, h_q, 512], None): its lse is not compared."""
     from mla_bench.shapes import D_V
+    if prefill_kernel:
+        b, s_q, h_q, d = inp.q.shape
+        q = inp.q.view(b * s_q, h_q, d)
+        kv = inp.k_cache.view(-1, 1, d)
+        indices = inp.indices.view(b * s_q, 1, -1)
+
+        def call():
+            out = module.flash_mla_sparse_fwd(q, kv, indices, inp.softmax_scale, D_V)[0]
+            return out.view(b, s_q, h_q, D_V), None
+        return call
     sched_meta, _ = module.get_mla_metadata()
     return lambda: module.flash_mla_with_kvcache(inp.q, inp.k_cache, None, None, D_V, sched_meta, None,
-                                                 softmax_scale=inp.softmax_scale, causal=False, is_fp8_kvcache=True,
+                                                 softmax_scale=inp.softmax_scale, causal=False, is_fp8_kvcache=inp.ds,
                                                  indices=inp.indices)
 
 
@@ -173,7 +193,7 @@ def run_impl(name, module, inp, ref, args, work, timer=None, sync=None):
 
     timer = graph_replay_us if timer is None else timer
     sync = torch.cuda.synchronize if sync is None else sync
-    fn = sparse_call(module, inp)
+    fn = sparse_call(module, inp, prefill_kernel=name == "flashmla" and not inp.ds)
     try:
         fn()                          # tried once: a refusal says the implementation cannot run these inputs
         sync()
@@ -189,7 +209,7 @@ def run_impl(name, module, inp, ref, args, work, timer=None, sync=None):
     ref_out, ref_lse = ref
     n = ref_out.shape[0]
     err = relative_error(out, ref_out)
-    lse_err = float((lse[:n].detach().cpu().double() - ref_lse.double()).abs().max())
+    lse_err = None if lse is None else float((lse[:n].detach().cpu().double() - ref_lse.double()).abs().max())
     res = {"status": "ok", "us": us, "tflops": work["flops"] / (us * 1e-6) / 1e12,
            "gather_gbs": work["gathered_bytes"] / (us * 1e-6) / 1e9, "err": err, "lse_err": lse_err}
     if getattr(args, "kernel_times", False):
@@ -203,15 +223,16 @@ def run_shape(shape, device, modules, reasons, args, copy_gbs, timer=None, sync=
     returns the shape's JSON object. modules: name -> API module, or None with reasons[name] saying why."""
     from mla_bench.sparse import gathered_bytes, make_sparse_inputs, sparse_flops, sparse_reference
 
-    inp = make_sparse_inputs(shape, device, args.seed, args.spread)
+    cache = getattr(args, "cache", "fp8_ds_mla")
+    inp = make_sparse_inputs(shape, device, args.seed, args.spread, cache=cache)
     ref = sparse_reference(inp, args.check_requests)
-    work = {"flops": sparse_flops(shape), "gathered_bytes": gathered_bytes(shape)}
+    work = {"flops": sparse_flops(shape), "gathered_bytes": gathered_bytes(shape, cache)}
     floor_us = work["gathered_bytes"] / (copy_gbs * 1e9) * 1e6
-    print(f"{shape.name}: cache {inp.k_cache.numel() / 1e6:.0f} MB, gathered {work['gathered_bytes'] / 1e6:.1f} MB "
+    print(f"{shape.name}: {cache} cache {inp.k_cache.numel() * inp.k_cache.element_size() / 1e6:.0f} MB, gathered {work['gathered_bytes'] / 1e6:.1f} MB "
           f"({floor_us:.1f} us at the copy rate), {work['flops'] / 1e9:.1f} GFLOP; reference: first "
           f"{ref[0].shape[0]} request(s) in fp64", flush=True)
     line = {"shape": shape.name, "b": shape.b, "s_q": shape.s_q, "h_q": shape.h_q, "topk": shape.topk,
-            "pool": shape.pool, "spread": args.spread, "flops": work["flops"],
+            "pool": shape.pool, "cache": cache, "spread": args.spread, "flops": work["flops"],
             "gathered_bytes": work["gathered_bytes"], "copy_gbs": round(copy_gbs, 1),
             "gather_floor_us": round(floor_us, 2), "check_requests": ref[0].shape[0]}
     # The runs: (implementation, its label in the output, its JSON key prefix, the debug value to set or None).
@@ -253,11 +274,13 @@ def _report(label, key, res, floor_us, line):
 
     if res["status"] == "ok":
         flag = "" if res["err"] <= OUT_ROW_REL_TOL else f" (WRONG: above {OUT_ROW_REL_TOL:g})"
+        lse = "n/a" if res["lse_err"] is None else f"{res['lse_err']:.1e}"
         print(f"  {label}: {res['us']:.1f} us, {res['tflops']:.1f} TFLOP/s, gather {res['gather_gbs']:.0f} GB/s "
               f"({floor_us / res['us']:.0%} of the copy rate), error {res['err']:.1e} vs fp64{flag}, max lse "
-              f"error {res['lse_err']:.1e}", flush=True)
+              f"error {lse}", flush=True)
         line.update({f"{key}_us": round(res["us"], 2), f"{key}_tflops": round(res["tflops"], 2),
-                     f"{key}_err": float(f"{res['err']:.2e}"), f"{key}_lse_err": float(f"{res['lse_err']:.2e}")})
+                     f"{key}_err": float(f"{res['err']:.2e}"),
+                     f"{key}_lse_err": None if res["lse_err"] is None else float(f"{res['lse_err']:.2e}")})
         if "kernels_us" in res:
             print(f"    {label} kernels: " + ", ".join(f"{k} {v:.1f} us" for k, v in res["kernels_us"].items()),
                   flush=True)

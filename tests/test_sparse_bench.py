@@ -82,6 +82,7 @@ def test_work_counts():
     two = sparse.parse_sparse_shape("b3-sq2-h16-topk100-pool256")
     assert sparse.sparse_flops(two) == 2 * 3 * 2 * 16 * 100 * 1088
     assert sparse.gathered_bytes(two) == 3 * 2 * 100 * 656
+    assert sparse.gathered_bytes(two, "bf16") == 3 * 2 * 100 * 1152
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------------
@@ -197,6 +198,25 @@ def test_reference_matches_an_independent_fp64_decode():
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
 
 
+def test_the_bf16_cache_holds_the_same_values_indices_and_q():
+    """--cache bf16: the values of the fp8_ds_mla inputs rounded to bf16, the same indices and q for a seed, and the
+    reference of its first requests equal to the fp64 oracle on those tokens."""
+    ds = _inputs("b2-sq2-h4-topk32-pool128", seed=5, spread=1.0, keep_values=True)
+    wide = _inputs("b2-sq2-h4-topk32-pool128", seed=5, spread=1.0, keep_values=True, cache="bf16")
+    assert wide.cache == "bf16" and not wide.ds and ds.ds
+    assert wide.k_cache.dtype == torch.bfloat16 and tuple(wide.k_cache.shape) == (4, 64, 1, 576)
+    assert torch.equal(wide.values, ds.values) and torch.equal(wide.indices, ds.indices) and torch.equal(wide.q, ds.q)
+    assert torch.equal(wide.k_cache.view(-1, 576), ds.values.to(torch.bfloat16))
+    out, lse = sparse.sparse_reference(wide, 2)
+    oracle = sparsekit.SparseInputs(q=wide.q, k_cache=wide.k_cache, indices=wide.indices, topk_length=None,
+                                    attn_sink=None, scale=wide.softmax_scale, counted=set())
+    want_out, want_lse = sparsekit.naive_sparse_fp64(oracle)
+    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="cache must be one of fp8_ds_mla, bf16, got 'fp16'"):
+        _inputs("b1-sq1-h4-topk32-pool64", cache="fp16")
+
+
 def test_relative_error():
     ref = torch.randn(2, 1, 4, 512, dtype=torch.float64)
     assert sparse.relative_error(ref.clone(), ref) == 0.0
@@ -224,6 +244,7 @@ def test_options_parse():
     assert a.debug is None
     assert sparse_bench.parse_args(["--debug", "0, 64,64 128"]).debug == [0, 64, 128]
     assert a.kernel_times is False and sparse_bench.parse_args(["--kernel-times"]).kernel_times is True
+    assert a.cache == "fp8_ds_mla" and sparse_bench.parse_args(["--cache", "bf16"]).cache == "bf16"
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -245,6 +266,7 @@ def test_options_parse():
     (["--debug", "x"], "argument --debug: 'x' is not an integer"),
     (["--debug", "0,-1"], "argument --debug: '-1' must be >= 0"),
     (["--debug", " , "], "argument --debug: empty list of FLASHMLA_BACKEND_SPARSE_DEBUG values"),
+    (["--cache", "fp16"], "argument --cache: invalid choice: 'fp16'"),
 ])
 def test_bad_options_name_the_option(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -292,6 +314,35 @@ def test_the_call_is_flashmlas_sparse_convention():
     assert args[0] is inp.q and args[1] is inp.k_cache and args[2:] == (None, None, 512, "sched-meta", None)
     assert kwargs == {"softmax_scale": inp.softmax_scale, "causal": False, "is_fp8_kvcache": True,
                       "indices": inp.indices}
+
+
+class _PrefillApi:
+    """Stands in for FlashMLA's sparse prefill kernel: records its arguments, answers with our CPU reference."""
+
+    def __init__(self):
+        self.calls = []
+
+    def flash_mla_sparse_fwd(self, q, kv, indices, sm_scale, d_v):
+        import flashmla_backend
+        self.calls.append((q.shape, kv.shape, indices.shape, sm_scale, d_v))
+        s, h_q, d = q.shape
+        out, lse = flashmla_backend.reference.sparse_mla_decode_reference(
+            q.view(s, 1, h_q, d), kv.view(-1, 1, 1, d), indices.view(s, 1, -1), softmax_scale=sm_scale)
+        return out.view(s, h_q, d_v), "max_logits", "lse in FlashMLA's convention"
+
+
+def test_the_bf16_calls_are_ours_with_a_16_bit_cache_and_flashmlas_prefill_kernel():
+    inp = _inputs("b2-sq2-h4-topk64-pool128", seed=6, cache="bf16")
+    api = _RecordingApi()
+    assert sparse_bench.sparse_call(api, inp)() == ("out", "lse")
+    (args, kwargs), = api.calls
+    assert args[1] is inp.k_cache and kwargs["is_fp8_kvcache"] is False and kwargs["indices"] is inp.indices
+    peer = _PrefillApi()
+    out, lse = sparse_bench.sparse_call(peer, inp, prefill_kernel=True)()
+    assert peer.calls == [((4, 4, 576), (inp.k_cache.shape[0] * 64, 1, 576), (4, 1, 64), inp.softmax_scale, 512)]
+    assert lse is None and tuple(out.shape) == (2, 2, 4, 512)   # its lse is not compared
+    ref_out, _ = sparse.sparse_reference(inp, 2)
+    assert sparse.relative_error(out, ref_out) < 4e-3
 
 
 def test_the_call_runs_our_cpu_reference_within_bf16_of_fp64():
@@ -358,6 +409,20 @@ def test_run_shape_reports_the_timed_and_the_refusing_implementation(capsys):
     assert "  ours: no sparse kernel for these inputs\n" in printed
     assert "  flashmla: 50.0 us" in printed and "WRONG" not in printed
     assert "speedup_vs_flashmla" not in line
+
+
+def test_run_shape_with_the_bf16_cache(capsys):
+    """--cache bf16 end to end: ours through flashmla_backend's 16-bit sparse decode (the CPU reference here),
+    FlashMLA through its prefill kernel (a stand-in), the bytes of 1152-byte tokens, the peer's lse not compared."""
+    import flashmla_backend
+
+    line, _ = _run_shape({"flashmla": _PrefillApi(), "ours": flashmla_backend}, extra=("--cache", "bf16"))
+    printed = capsys.readouterr().out
+    shape = sparse.parse_sparse_shape("b3-sq1-h16-topk64-pool128")
+    assert line["cache"] == "bf16" and line["gathered_bytes"] == sparse.gathered_bytes(shape, "bf16")
+    assert line["flashmla_lse_err"] is None and line["ours_lse_err"] < 1e-4
+    assert line["flashmla_err"] < 4e-3 and line["ours_err"] < 4e-3 and "WRONG" not in printed
+    assert "max lse error n/a" in printed and "bf16 cache" in printed
 
 
 def test_run_shape_flags_a_wrong_output_and_a_failing_peer(capsys):

@@ -7,7 +7,8 @@ tokens each, <heads> query heads, and each query token attends to <k> distinct t
 The inputs (make_sparse_inputs), on any device:
   - k_cache [b * pool / 64, 64, 1, 656] uint8, fp8_ds_mla tokens (flashmla_backend.fp8_ds_mla) encoding random
     values: latent ~ N(0, 1) times a gain 2^u per token and 128-channel group, u uniform in [-spread, spread]
-    (spread 0: every gain 1), rope ~ N(0, 1). Request i owns pool / 64 pages, a random subset of the cache's pages
+    (spread 0: every gain 1), rope ~ N(0, 1); or, with cache="bf16", [b * pool / 64, 64, 1, 576] bf16 holding the
+    same values rounded to bf16. Request i owns pool / 64 pages, a random subset of the cache's pages
     (`pages`, in the manner of a shuffled block table), so one request's tokens lie all over the cache.
   - indices [b, s_q, topk] int32: for each query token, topk distinct random positions of its request's pool, in
     random order, each written as FlashMLA's sparse decode reads it: page * 64 + offset into the whole cache.
@@ -29,10 +30,11 @@ from flashmla_backend.geometry import HEAD_DIM_K, HEAD_DIM_V, PAGE_SIZE
 from .check import rel_norm_error
 
 TOKEN_BYTES = fp8_ds_mla.TOKEN_BYTES     # 656 bytes a cache token
+CACHES = {"fp8_ds_mla": TOKEN_BYTES, "bf16": 2 * HEAD_DIM_K}   # the caches of the inputs, and their bytes a token
 DEFAULT_POOL = 8192                      # cache tokens per request when a shape names none
 INT32_MAX = 2 ** 31 - 1
 
-__all__ = ["TOKEN_BYTES", "DEFAULT_POOL", "SparseShape", "SPARSE_SHAPE_SYNTAX", "parse_sparse_shape",
+__all__ = ["TOKEN_BYTES", "CACHES", "DEFAULT_POOL", "SparseShape", "SPARSE_SHAPE_SYNTAX", "parse_sparse_shape",
            "parse_sparse_shapes", "DEFAULT_SPARSE_SHAPES", "sparse_flops", "gathered_bytes", "q_std",
            "SparseInputs", "make_sparse_inputs", "sparse_reference", "relative_error"]
 
@@ -117,9 +119,10 @@ def sparse_flops(shape: SparseShape) -> int:
     return 2 * shape.b * shape.s_q * shape.h_q * shape.topk * (HEAD_DIM_K + HEAD_DIM_V)
 
 
-def gathered_bytes(shape: SparseShape) -> int:
-    """b * s_q * topk * 656: every query token's keys read once, as a gather per query token reads them."""
-    return shape.b * shape.s_q * shape.topk * TOKEN_BYTES
+def gathered_bytes(shape: SparseShape, cache: str = "fp8_ds_mla") -> int:
+    """b * s_q * topk * 656 (1152 with the bf16 cache): every query token's keys read once, as a gather per query
+    token reads them."""
+    return shape.b * shape.s_q * shape.topk * CACHES[cache]
 
 
 def mean_square_gain(spread: float) -> float:
@@ -140,12 +143,17 @@ def q_std(spread: float, softmax_scale: float = HEAD_DIM_K ** -0.5) -> float:
 class SparseInputs:
     shape: SparseShape
     q: torch.Tensor          # [b, s_q, h_q, 576] bf16
-    k_cache: torch.Tensor    # [num_pages, 64, 1, 656] uint8, fp8_ds_mla tokens
+    k_cache: torch.Tensor    # [num_pages, 64, 1, 656] uint8, fp8_ds_mla tokens (or [num_pages, 64, 1, 576] bf16)
     indices: torch.Tensor    # [b, s_q, topk] int32, page * 64 + offset into the whole cache
     pages: torch.Tensor      # [b, pool / 64] int32: the cache pages of each request's pool
     softmax_scale: float
     spread: float
     values: Optional[torch.Tensor] = None   # [num_tokens, 576] float32, what was encoded (keep_values=True only)
+    cache: str = "fp8_ds_mla"                # or "bf16" (CACHES)
+
+    @property
+    def ds(self) -> bool:
+        return self.cache == "fp8_ds_mla"
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.k_cache, self.indices, self.pages))
@@ -163,12 +171,16 @@ def _token_values(n: int, spread: float, gen: torch.Generator, device: torch.dev
 
 
 def make_sparse_inputs(shape: SparseShape, device: torch.device, seed: int = 0, spread: float = 0.0,
-                       keep_values: bool = False, chunk_tokens: int = 1 << 16) -> SparseInputs:
+                       keep_values: bool = False, chunk_tokens: int = 1 << 16, cache: str = "fp8_ds_mla"
+                       ) -> SparseInputs:
     """The inputs of one sparse decode (module docstring), made on `device` from `seed`; the cache is encoded in
     chunks of chunk_tokens tokens so that the float32 temporaries stay small. keep_values: also return the float32
-    values that were encoded (as much memory as the cache times 3.5)."""
+    values that were encoded (as much memory as the cache times 3.5). cache: "fp8_ds_mla" or "bf16" (the same
+    values, the same indices and q for a seed)."""
     if not (spread >= 0 and math.isfinite(spread)):
         raise ValueError(f"spread must be a finite number >= 0 (log2 of the largest group gain), got {spread!r}")
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {', '.join(CACHES)}, got {cache!r}")
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
@@ -176,15 +188,17 @@ def make_sparse_inputs(shape: SparseShape, device: torch.device, seed: int = 0, 
     pages = torch.randperm(shape.num_pages, generator=cpu_gen).to(torch.int32).view(shape.b, per_request)
     pages = pages.to(device)
 
-    cache = torch.empty(shape.num_tokens, TOKEN_BYTES, dtype=torch.uint8, device=device)
+    ds = cache == "fp8_ds_mla"
+    tokens = (torch.empty(shape.num_tokens, TOKEN_BYTES, dtype=torch.uint8, device=device) if ds else
+              torch.empty(shape.num_tokens, HEAD_DIM_K, dtype=torch.bfloat16, device=device))
     values = torch.empty(shape.num_tokens, HEAD_DIM_K, dtype=torch.float32, device=device) if keep_values else None
     for start in range(0, shape.num_tokens, chunk_tokens):
         n = min(chunk_tokens, shape.num_tokens - start)
         x = _token_values(n, spread, gen, device)
-        cache[start:start + n] = fp8_ds_mla.quantize(x)
+        tokens[start:start + n] = fp8_ds_mla.quantize(x) if ds else x.to(torch.bfloat16)
         if values is not None:
             values[start:start + n] = x
-    k_cache = cache.view(shape.num_pages, PAGE_SIZE, 1, TOKEN_BYTES)
+    k_cache = tokens.view(shape.num_pages, PAGE_SIZE, 1, tokens.shape[-1])
 
     # topk distinct positions of the pool per query token, in random order (the order of random keys' ranks).
     keys = torch.rand(shape.b, shape.s_q, shape.pool, generator=gen, device=device)
@@ -196,12 +210,12 @@ def make_sparse_inputs(shape: SparseShape, device: torch.device, seed: int = 0, 
     scale = HEAD_DIM_K ** -0.5
     q = (torch.randn(shape.b, shape.s_q, shape.h_q, HEAD_DIM_K, generator=gen, device=device)
          * q_std(spread, scale)).to(torch.bfloat16)
-    return SparseInputs(shape, q, k_cache, indices, pages, scale, spread, values)
+    return SparseInputs(shape, q, k_cache, indices, pages, scale, spread, values, cache)
 
 
 def sparse_reference(inp: SparseInputs, requests: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp64 sparse decode of the first `requests` requests on the CPU: flashmla_backend's sparse reference on the
-    exactly dequantized tokens, with q's bf16 values taken as fp64. Only the tokens those requests' indices name are
+    exactly dequantized tokens (the bf16 tokens' values with the bf16 cache), with q's bf16 values taken as fp64. Only the tokens those requests' indices name are
     copied to the host (a compact cache of one token a page, indices renumbered). Returns out [n, s_q, h_q, 512]
     float64 and lse [n, h_q, s_q] float32 (natural log)."""
     from flashmla_backend.reference import sparse_mla_decode_reference
@@ -209,8 +223,11 @@ def sparse_reference(inp: SparseInputs, requests: int) -> tuple[torch.Tensor, to
     n = min(max(1, int(requests)), inp.shape.b)
     idx = inp.indices[:n].long()
     named, local = torch.unique(idx.flatten(), return_inverse=True)
-    tokens = inp.k_cache.view(-1, TOKEN_BYTES)[named].cpu()
-    compact = tokens.view(-1, 1, 1, TOKEN_BYTES)
+    width = inp.k_cache.shape[-1]
+    tokens = inp.k_cache.view(-1, width)[named].cpu()
+    if not inp.ds:
+        tokens = tokens.double()   # the reference reads a 16-bit-valued cache in q's dtype
+    compact = tokens.view(-1, 1, 1, width)
     local = local.view(idx.shape).to(torch.int32).cpu()
     q = inp.q[:n].cpu().double()
     return sparse_mla_decode_reference(q, compact, local, softmax_scale=inp.softmax_scale,
