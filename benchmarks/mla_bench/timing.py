@@ -157,7 +157,8 @@ def graph_replay_us(fn: Callable[[], Any], warmup_ms: float, rep_ms: float, powe
 
 
 def _back_to_back_us(replay: Callable[[], Any], warmup_ms: float, rep_ms: float, power: Any = None) -> float:
-    """Mean µs a call of `replay` launched back to back for about rep_ms, after about warmup_ms of the same."""
+    """Mean µs a call of `replay` launched back to back for about rep_ms, after about warmup_ms of the same (CUDA
+    events around the launches: a call shorter than a graph launch on the host, a few µs, is timed with the gaps)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def run(n: int) -> float:
