@@ -66,9 +66,9 @@ GPU holding the whole batch).
 
 Sparse models: a --model whose config.json says model_type deepseek_v32 (DeepSeek-V3.2: vLLM's indexer picks the
 tokens each query attends) runs the sparse backends: ours (CUSTOM, with FLASHMLA_BACKEND_SPARSE_GPU=1 in its
-environment, its log checked for our sparse attention on the fp8_ds_mla cache) and vLLM's FLASHMLA_SPARSE, both on the
-fp8 cache, which vLLM stores as fp8_ds_mla for these models (the plugin refuses a 16-bit sparse cache on GPUs, and the
-sparse backends have no FP8 query modes). Not with --capacity or --dcp. vLLM's indexer needs its vendored DeepGEMM
+environment, its log checked for our sparse attention on the configured cache) and vLLM's FLASHMLA_SPARSE, by default
+both on the fp8 cache, which vLLM stores as fp8_ds_mla for these models; CUSTOM:auto,FLASHMLA_SPARSE:auto runs the
+bf16 cache (ours gathers the tokens for the dense kernel; the sparse backends have no FP8 query modes). Not with --capacity or --dcp. vLLM's indexer needs its vendored DeepGEMM
 (integration/README.md). integration/models/tiny-deepseek-v32-h128-8layer is the default shape's model as
 DeepSeek-V3.2 (8 layers, 128 heads, index_topk 2048 as in the real model): at the default 7000-token prompts every
 decode step attends 2048 tokens a request.
@@ -153,7 +153,7 @@ class Config:
 
 def parse_config(item: str, default_kv: str = "auto", sparse: bool = False) -> Config:
     """BACKEND[:KVDTYPE[:MODE]] -> Config; KVDTYPE defaults to default_kv, CUSTOM with fp8 to mode accurate. sparse:
-    for a DeepSeek-V3.2 model, whose sparse backend has no query modes and on a GPU reads only the fp8 cache."""
+    for a DeepSeek-V3.2 model, whose sparse backend has no query modes."""
     parts = [p.strip() for p in item.strip().split(":")]
     if not parts[0] or len(parts) > 3 or any(not p for p in parts):
         raise ValueError(f"config {item!r}: expected BACKEND[:KVDTYPE[:MODE]], e.g. CUSTOM:fp8:fast or FLASHMLA:auto")
@@ -168,9 +168,6 @@ def parse_config(item: str, default_kv: str = "auto", sparse: bool = False) -> C
         if mode is not None:
             raise ValueError(f"config {item!r}: a DeepSeek-V3.2 model's sparse attention has no FP8 query modes "
                              f"(give BACKEND:fp8)")
-        if backend == "CUSTOM" and kv != "fp8":
-            raise ValueError(f"config {item!r}: our sparse decode kernel reads the fp8_ds_mla cache (CUSTOM:fp8); a "
-                             f"16-bit sparse cache is refused on GPUs")
         return Config(backend, kv, None, sparse=True)
     if mode is not None:
         if mode not in FP8_MODES:
@@ -222,8 +219,9 @@ def custom_log_problem(log: str, cfg: Config, dcp: int = 1) -> str | None:
         return None
     if cfg.sparse:
         sparse = [line for line in log.splitlines() if OUR_SPARSE_LOG_LINE in line]
-        if not any("fp8_ds_mla" in line for line in sparse):
-            return (f"{cfg.label}: the log does not show flashmla_backend's sparse attention on the fp8_ds_mla cache "
+        cache = "fp8_ds_mla" if cfg.fp8 else "(16-bit)"   # the plugin's line: "KV cache fp8_ds_mla ..." / "auto (16-bit)"
+        if not any(cache in line for line in sparse):
+            return (f"{cfg.label}: the log does not show flashmla_backend's sparse attention on the {cache} cache "
                     f"({OUR_SPARSE_LOG_LINE!r})")
         return None
     ours = [line for line in log.splitlines() if OUR_LOG_LINE in line]

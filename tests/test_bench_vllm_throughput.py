@@ -151,6 +151,8 @@ def test_the_env_names_are_the_packages():
 
 def test_a_v32_model_runs_the_sparse_configs():
     assert bench.is_sparse_model(V32) and not bench.is_sparse_model(str(bench.MODEL_DIR))
+    assert [c.label for c in bench.resolve(_args(["--model", V32, "--configs", "CUSTOM:auto,FLASHMLA_SPARSE:auto"]))] \
+        == ["CUSTOM:auto", "FLASHMLA_SPARSE:auto"]
     configs = bench.resolve(_args(["--model", V32]))
     assert [c.label for c in configs] == ["CUSTOM:fp8", "FLASHMLA_SPARSE:fp8"] and all(c.sparse for c in configs)
     assert [c.label for c in bench.resolve(_args(["--model", V32, "--backends", "CUSTOM,FLASHMLA_SPARSE",
@@ -159,8 +161,6 @@ def test_a_v32_model_runs_the_sparse_configs():
 
 @pytest.mark.parametrize("argv, words", [
     (["--configs", "CUSTOM:fp8:fast"], "no FP8 query modes"),
-    (["--configs", "CUSTOM:auto"], "reads the fp8_ds_mla cache"),
-    (["--backends", "CUSTOM"], "reads the fp8_ds_mla cache"),
     (["--capacity"], "no --capacity or --dcp"),
     (["--dcp", "2"], "no --capacity or --dcp"),
 ])
@@ -184,6 +184,12 @@ def test_sparse_env_and_log_check():
     assert bench.custom_log_problem(OURS_SPARSE, ours) is None
     assert "sparse attention on the fp8_ds_mla cache" in bench.custom_log_problem(OURS, ours)   # the dense line only
     assert "sparse attention" in bench.custom_log_problem(OURS_SPARSE.replace("fp8_ds_mla", "bfloat16"), ours)
+    # the bf16 cache (CUSTOM:auto): the plugin's line names it "auto (16-bit)"
+    wide = Config("CUSTOM", "auto", sparse=True)
+    ours_wide = OURS_SPARSE.replace("fp8_ds_mla (656-byte tokens)", "auto (16-bit)")
+    assert bench.custom_log_problem(ours_wide, wide) is None
+    assert "on the (16-bit) cache" in bench.custom_log_problem(OURS_SPARSE, wide)
+    assert "on the fp8_ds_mla cache" in bench.custom_log_problem(ours_wide, ours)
     assert bench.custom_log_problem("nothing", theirs) is None
 
 
