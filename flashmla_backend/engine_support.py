@@ -212,9 +212,9 @@ def sparse_device_problem(kernel_missing: str, *, cuda: bool, ds_mla: bool, capa
 
     CPU tensors run the PyTorch reference. A CUDA device is refused with `kernel_missing` (the engine's message)
     unless FLASHMLA_BACKEND_SPARSE_GPU is set; then it must be a Hopper GPU: the sparse kernel reads the fp8_ds_mla
-    cache there, and a 16-bit cache's tokens are gathered for the dense kernel (flashmla_backend.ops, the API's
-    path on any GPU with a dense kernel; the engines offer it where the fp8_ds_mla kernel runs, the GPUs they were
-    run on). `ds_mla` names the cache in the message only. The GPU's capability: `capability` where the caller has
+    cache there, and a 16-bit cache's tokens are gathered for the dense kernel (flashmla_backend.ops: the API runs
+    that on any GPU with a dense kernel; the engines offer both on Hopper only, the GPUs they have run on). `ds_mla`
+    names the cache in the message only. The GPU's capability: `capability` where the caller has
     it, else asked of `device` (only once the variable lets a GPU through), else not checked."""
     if not cuda:
         return None
