@@ -188,14 +188,18 @@ def test_reference_of_the_first_requests_matches_the_whole_cache():
     assert sparse.sparse_reference(inp, 10)[0].shape[0] == 3        # at most the batch
 
 
-def test_reference_matches_an_independent_fp64_decode():
-    inp = _inputs("b2-sq1-h4-topk32-pool128", seed=7, spread=1.0)
+def _reference_is_the_fp64_oracle(inp):
+    """sparse_reference of the first two requests equals the kit's independent fp64 decode of the same inputs."""
     out, lse = sparse.sparse_reference(inp, 2)
     oracle = sparsekit.SparseInputs(q=inp.q, k_cache=inp.k_cache, indices=inp.indices, topk_length=None,
                                     attn_sink=None, scale=inp.softmax_scale, counted=set())
     want_out, want_lse = sparsekit.naive_sparse_fp64(oracle)
     torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_matches_an_independent_fp64_decode():
+    _reference_is_the_fp64_oracle(_inputs("b2-sq1-h4-topk32-pool128", seed=7, spread=1.0))
 
 
 def test_the_bf16_cache_holds_the_same_values_indices_and_q():
@@ -207,12 +211,7 @@ def test_the_bf16_cache_holds_the_same_values_indices_and_q():
     assert wide.k_cache.dtype == torch.bfloat16 and tuple(wide.k_cache.shape) == (4, 64, 1, 576)
     assert torch.equal(wide.values, ds.values) and torch.equal(wide.indices, ds.indices) and torch.equal(wide.q, ds.q)
     assert torch.equal(wide.k_cache.view(-1, 576), ds.values.to(torch.bfloat16))
-    out, lse = sparse.sparse_reference(wide, 2)
-    oracle = sparsekit.SparseInputs(q=wide.q, k_cache=wide.k_cache, indices=wide.indices, topk_length=None,
-                                    attn_sink=None, scale=wide.softmax_scale, counted=set())
-    want_out, want_lse = sparsekit.naive_sparse_fp64(oracle)
-    torch.testing.assert_close(out, want_out, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    _reference_is_the_fp64_oracle(wide)
     with pytest.raises(ValueError, match="cache must be one of fp8_ds_mla, bf16, got 'fp16'"):
         _inputs("b1-sq1-h4-topk32-pool64", cache="fp16")
 

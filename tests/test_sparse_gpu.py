@@ -131,11 +131,12 @@ def test_one_filled_object_serves_several_calls(variant):
     _check(*again, inp)
 
 
-def test_graph_replay_reads_new_indices_and_topk_length(variant):
-    _sm90()
-    case = SparseCase(b=4, s_q=2, h_q=128, topk=256, num_pages=24, topk_length=[256, 256, 256, 256], seed=21)
+def _graph_replay_reads_new_inputs(case, other_seed, check):
+    """One call captured in a CUDA graph (after an eager call on a side stream), replayed on the inputs of `case`,
+    then with another seed's q, cache, indices and topk_length copied into the captured tensors (the same scale):
+    check(out, lse, inputs) after each replay. The first eager call also fills the FlashMLASchedMeta."""
     inp = make_sparse_inputs(case)
-    other = make_sparse_inputs(SparseCase(**{**case.__dict__, "topk_length": [200, 0, 31, 256], "seed": 22}))
+    other = make_sparse_inputs(SparseCase(**{**case.__dict__, "topk_length": [200, 0, 31, 256], "seed": other_seed}))
     other = other.replace(scale=inp.scale)  # the captured call's scale
     q, k_cache = inp.q.cuda(), inp.k_cache.cuda()
     indices, topk_length = inp.indices.cuda(), inp.topk_length.cuda()
@@ -143,10 +144,9 @@ def test_graph_replay_reads_new_indices_and_topk_length(variant):
 
     def call():
         return fb.flash_mla_with_kvcache(q, k_cache, None, None, D_V, meta, None, softmax_scale=inp.scale,
-                                         causal=False, is_fp8_kvcache=True, indices=indices,
+                                         causal=False, is_fp8_kvcache=inp.ds, indices=indices,
                                          topk_length=topk_length)
 
-    call()  # fills the object before capture
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -156,14 +156,20 @@ def test_graph_replay_reads_new_indices_and_topk_length(variant):
     with torch.cuda.graph(graph):
         out, lse = call()
     graph.replay()
-    _check(out, lse, inp)
+    check(out, lse, inp)
     # The other inputs' cache and q too, so that the oracle of `other` applies as it is.
     q.copy_(other.q.cuda())
     k_cache.copy_(other.k_cache.cuda())
     indices.copy_(other.indices.cuda())
     topk_length.copy_(other.topk_length.cuda())
     graph.replay()
-    _check(out, lse, other)
+    check(out, lse, other)
+
+
+def test_graph_replay_reads_new_indices_and_topk_length(variant):
+    _sm90()
+    case = SparseCase(b=4, s_q=2, h_q=128, topk=256, num_pages=24, topk_length=[256, 256, 256, 256], seed=21)
+    _graph_replay_reads_new_inputs(case, 22, _check)
 
 
 def test_a_schedule_filled_ahead_is_the_first_calls_and_serves_a_captured_graph():
@@ -229,34 +235,8 @@ def test_sixteen_bit_caches_run_on_the_dense_kernels(case, record_errors):
 def test_sixteen_bit_graph_replay_reads_new_indices_and_topk_length():
     case = SparseCase(b=4, s_q=2, h_q=128, topk=256, num_pages=24, cache="bf16", topk_length=[256, 256, 256, 256],
                       seed=45)
-    inp = make_sparse_inputs(case)
-    other = make_sparse_inputs(SparseCase(**{**case.__dict__, "topk_length": [200, 0, 31, 256], "seed": 46}))
-    other = other.replace(scale=inp.scale)
-    q, k_cache = inp.q.cuda(), inp.k_cache.cuda()
-    indices, topk_length = inp.indices.cuda(), inp.topk_length.cuda()
-    meta, _ = fb.get_mla_metadata()
-
-    def call():
-        return fb.flash_mla_with_kvcache(q, k_cache, None, None, D_V, meta, None, softmax_scale=inp.scale,
-                                         causal=False, is_fp8_kvcache=False, indices=indices,
-                                         topk_length=topk_length)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = call()
-    graph.replay()
-    compare(out, lse, *naive_sparse_fp64(inp), [], case.s_q, False)
-    q.copy_(other.q.cuda())
-    k_cache.copy_(other.k_cache.cuda())
-    indices.copy_(other.indices.cuda())
-    topk_length.copy_(other.topk_length.cuda())
-    graph.replay()
-    compare(out, lse, *naive_sparse_fp64(other), [], case.s_q, False)
+    _graph_replay_reads_new_inputs(
+        case, 46, lambda out, lse, inp: compare(out, lse, *naive_sparse_fp64(inp), [], case.s_q, False))
 
 
 def test_a_strided_cache_is_refused_naming_the_layout():
