@@ -373,10 +373,10 @@ def _sparse_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num
         raise RuntimeError("flashmla_backend: torch.compile does not trace sparse decode (indices) yet; call it "
                            "outside the compiled region")
     on_cuda = q.device.type == "cuda"
-    gathered = kv_format.of(k_cache) in kv_format.SIXTEEN_BIT
+    fmt = kv_format.of(k_cache)
+    gathered = fmt in kv_format.SIXTEEN_BIT
     if on_cuda:
         kernel = device.kernel_for(q.device)
-        fmt = kv_format.of(k_cache)
         # A 16-bit cache is gathered into a paged scratch cache and read by the dense decode (_sparse_decode_gathered)
         problem = fmt.kernel_problem(kernel, sparse=not gathered)
         if problem:
