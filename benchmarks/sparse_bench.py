@@ -223,7 +223,7 @@ def run_shape(shape, device, modules, reasons, args, copy_gbs, timer=None, sync=
     returns the shape's JSON object. modules: name -> API module, or None with reasons[name] saying why."""
     from mla_bench.sparse import gathered_bytes, make_sparse_inputs, sparse_flops, sparse_reference
 
-    cache = getattr(args, "cache", "fp8_ds_mla")
+    cache = args.cache
     inp = make_sparse_inputs(shape, device, args.seed, args.spread, cache=cache)
     ref = sparse_reference(inp, args.check_requests)
     work = {"flops": sparse_flops(shape), "gathered_bytes": gathered_bytes(shape, cache)}

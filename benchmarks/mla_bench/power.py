@@ -104,8 +104,7 @@ class PowerMonitor:
                 pass
 
         def sample() -> None:
-            first = self._energy_mj() if has_counter else None
-            last = first
+            last = self._energy_mj() if has_counter else None
             while True:
                 if has_counter:
                     e = self._energy_mj()
