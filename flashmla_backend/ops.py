@@ -440,7 +440,7 @@ def _sparse_decode_gathered(q, k_cache, scale, indices, topk_length, attn_sink):
         r1 = min(rows, r0 + chunk)
         n = r1 - r0
         tok = compact[r0:r1]
-        scratch = k_cache[tok // page_size, tok % page_size, 0].reshape(n * pages, PAGE_SIZE, 1, d)
+        scratch = _gather_tokens(k_cache, tok.reshape(-1)).reshape(n * pages, PAGE_SIZE, 1, d)
         table = torch.arange(n * pages, dtype=torch.int32, device=dev).reshape(n, pages)
         lens = counts[r0:r1]
         md, splits = get_mla_metadata(lens, h_q, 1)
@@ -450,6 +450,25 @@ def _sparse_decode_gathered(q, k_cache, scale, indices, topk_length, attn_sink):
     out = out.reshape(b, s_q, h_q, HEAD_DIM_V)
     lse = lse.reshape(b, s_q, h_q).transpose(1, 2).contiguous()
     return _with_attn_sink(out, lse, attn_sink)
+
+
+def _gather_tokens(k_cache, tok):
+    """Tokens `tok` (flat ids, 1-d int64) of a 16-bit cache [pages, page_size, 1, d], as [len(tok), d]. Where the
+    tokens are evenly strided rows (any page stride that is page_size rows, as every engine's cache is) the rows are
+    copied by index_select as 16-byte or 8-byte words: per-element advanced indexing of 2-byte values ran the
+    gather at about 260 GB/s on an H200. Other layouts take advanced indexing."""
+    pages, page_size, _, d = k_cache.shape
+    st = k_cache.stride()
+    if st[3] == 1 and st[0] == page_size * st[1]:
+        rows = k_cache.as_strided((pages * page_size, d), (st[1], 1))
+        for word in (torch.complex128, torch.int64):
+            try:
+                words = rows.view(word)  # needs the row stride, the row bytes and the offset in whole words
+            except RuntimeError:
+                continue
+            return torch.index_select(words, 0, tok).view(k_cache.dtype)
+        return torch.index_select(rows, 0, tok)
+    return k_cache[tok // page_size, tok % page_size, 0]
 
 
 def _with_attn_sink(out, lse, attn_sink):

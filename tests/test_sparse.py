@@ -418,6 +418,29 @@ def test_the_gathered_decode_reads_no_skipped_entry(monkeypatch):
     assert torch.equal(seen["tokens"].view(torch.int16), flat[[5, 11, 2]].view(torch.int16))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "two_layers_a_row", "odd_row_stride", "every_other_page"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_token_gather_copies_the_named_rows_of_every_layout(layout, dtype):
+    """ops._gather_tokens: word copies where tokens are evenly strided rows (whole 16-byte words, or rows of an odd
+    stride), the per-element indexing elsewhere (pages not page_size rows apart); every layout gives the named rows
+    bit for bit, a NaN row included."""
+    from flashmla_backend import ops
+    g = torch.Generator().manual_seed(36)
+    width = {"contiguous": 576, "two_layers_a_row": 1152, "odd_row_stride": 577, "every_other_page": 576}[layout]
+    pages = 20 if layout == "every_other_page" else 10
+    big = torch.randn(pages, 64, 1, width, generator=g).to(dtype)
+    cache = {"contiguous": big, "two_layers_a_row": big[..., 576:], "odd_row_stride": big[..., 1:],
+             "every_other_page": big[::2]}[layout]
+    cache[3, 5, 0, :] = float("nan")
+    assert (cache.stride(0) == 64 * cache.stride(1)) == (layout != "every_other_page")
+    tok = torch.randint(0, 640, (300,), generator=g)
+    tok[0] = 3 * 64 + 5
+    want = torch.stack([cache[t // 64, t % 64, 0] for t in tok.tolist()])
+    got = ops._gather_tokens(cache, tok)
+    assert got.shape == (300, 576) and got.dtype == dtype
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_a_fill_for_a_sixteen_bit_cache_records_the_configuration_only():
     """Its decode schedules the gathered tokens in every call, so no sparse schedule is made (no device touched)."""
     meta = fb.fill_sparse_sched_meta(fb.get_mla_metadata()[0], batch=2, s_q=1, num_heads_q=64, topk=128,
