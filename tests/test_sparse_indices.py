@@ -90,3 +90,30 @@ def test_bad_shapes_are_refused_naming_the_argument():
         to_global_indices(indices[None], req_id, table)
     with pytest.raises(ValueError, match="block_table"):
         to_global_indices(indices, req_id, table[0])
+
+
+# ---- counted_lengths: the topk_length the plugin passes ----
+
+def test_counted_lengths_worked_example():
+    from flashmla_backend.vllm.sparse_indices import counted_lengths
+    g = torch.tensor([[5, 9, -1, -1],     # the indexer's usual row of a short request: skips at the end
+                      [-1, 3, -1, 8],     # a skip before the last entry that names a token stays a skip
+                      [-1, -1, -1, -1],   # nothing: length 0
+                      [1, 2, 3, 4]], dtype=torch.int32)
+    lengths = counted_lengths(g)
+    assert lengths.dtype == torch.int32 and lengths.tolist() == [2, 4, 0, 4]
+    assert counted_lengths(g[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_counted_lengths_keep_every_entry_that_names_a_token(seed):
+    """Against a per-row loop: every entry >= 0 lies before the row's length, and the entry just before it
+    names a token (the length is the shortest that keeps them all)."""
+    from flashmla_backend.vllm.sparse_indices import counted_lengths
+    indices, req_id, table, seq_lens = random_case(seed)
+    g = to_global_indices(indices, req_id, table, seq_lens)
+    g[0] = SKIP
+    lengths = counted_lengths(g).tolist()
+    for row, n in zip(g.tolist(), lengths):
+        named = [j for j, v in enumerate(row) if v >= 0]
+        assert n == (named[-1] + 1 if named else 0)

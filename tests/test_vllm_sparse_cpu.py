@@ -625,6 +625,27 @@ def test_forward_mqa_matches_vllms_own_sparse_reference(model):
         torch.testing.assert_close(out, wrong.to(out.dtype), atol=3e-2, rtol=3e-2)
 
 
+def test_each_call_passes_the_rows_counted_lengths_as_topk_length(model, monkeypatch):
+    """Decode requests of s_q 2 (MTP) and short requests: topk_length is a request's longest row up to its last
+    entry that names a token, so a request shorter than top-k costs its own length; the output still matches."""
+    calls = []
+    real = flashmla_backend.flash_mla_with_kvcache
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs["indices"].clone(), kwargs["topk_length"].clone()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flashmla_backend, "flash_mla_with_kvcache", spy)
+    plugin, batch, md, out, _ = forward_case(model, "auto", "bfloat16", [2, 70, 129, 999], [2] * 4)
+    (indices, topk_length), = calls
+    assert indices.shape[:2] == (4, 2) and topk_length.shape == (4,) and topk_length.dtype == torch.int32
+    want = [max((j + 1 for s in range(2) for j, v in enumerate(indices[r, s].tolist()) if v >= 0), default=0)
+            for r in range(4)]
+    assert topk_length.tolist() == want
+    assert want[0] <= 2 and want[1] <= 70 and want[3] > 0   # short requests: their own length, not top-k
+    torch.testing.assert_close(out, batch.expected(plugin.scale), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla"])
 def test_mixed_batch_prefill_tokens_are_queries_of_their_own(kv_cache_dtype, model):
     """Decode requests and a prefill request in one step, all sent down the sparse path (vLLM does this when

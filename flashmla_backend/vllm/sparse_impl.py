@@ -12,7 +12,9 @@ forward_mqa:
   2. runs flashmla_backend.flash_mla_with_kvcache with indices= (FlashMLA's sparse calling convention,
      causal False: the indices say what each query token sees) on the decode tokens as [num_decodes, s_q]
      queries, and on prefill tokens, when vLLM sends them down this path too, as queries of their own
-     ([tokens, 1]);
+     ([tokens, 1]); with topk_length= each row's entries up to its last one that names a token
+     (sparse_indices.counted_lengths; a decode request's longest row), so that a request shorter than top-k
+     costs its own length, not top-k;
   3. returns (o [T, N, 512], None).
 Prefill tokens that vLLM runs through its dense-MHA prefill (forward_mha, inherited from vLLM's
 SparseMLACommonImpl) never reach forward_mqa.
@@ -36,7 +38,7 @@ from flashmla_backend import engine_support
 from flashmla_backend._env import SPARSE_GPU_ENV, debug_break_scale_factor
 
 from .sparse_builder import FlashMLASparsePluginMetadata
-from .sparse_indices import to_global_indices
+from .sparse_indices import counted_lengths, to_global_indices
 
 logger = logging.getLogger("vllm.flashmla_backend")
 
@@ -113,6 +115,7 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
                                "to sparse MLA impls as topk_indices_buffer or through the indexer)")
         indices = to_global_indices(buffer[:num_tokens], attn_metadata.req_id_per_token, attn_metadata.block_table,
                                     attn_metadata.seq_lens, attn_metadata.block_size)
+        lengths = counted_lengths(indices)
         cache = kv_c_and_k_pe_cache
         if cache.shape[1] != attn_metadata.block_size:
             # The indices count kernel blocks of block_size tokens; a cache handed in larger KV-manager blocks is
@@ -134,24 +137,27 @@ class FlashMLASparsePluginImpl(SparseMLACommonImpl[FlashMLASparsePluginMetadata]
                     f"flashmla_backend: {num_decode_tokens} decode tokens do not form requests of "
                     f"{attn_metadata.decode_query_len} query tokens (the metadata's decode query length)")
             batch = num_decode_tokens // s_q
+            # topk_length is per request: the longest of its s_q rows (a shorter row's extra entries are skips)
             out[:num_decode_tokens] = self._sparse_decode(
                 q[:num_decode_tokens].view(batch, s_q, num_heads, -1), cache,
                 indices[:num_decode_tokens].view(batch, s_q, -1), attn_metadata.decode_sched_meta,
+                lengths[:num_decode_tokens].view(batch, s_q).amax(dim=1),
             ).view(num_decode_tokens, num_heads, -1)
         if num_tokens > num_decode_tokens:
             # Prefill tokens on the sparse path: each token is a query of its own.
             rest = num_tokens - num_decode_tokens
             out[num_decode_tokens:] = self._sparse_decode(
                 q[num_decode_tokens:].unsqueeze(1), cache, indices[num_decode_tokens:].unsqueeze(1),
-                attn_metadata.prefill_sched_meta,
+                attn_metadata.prefill_sched_meta, lengths[num_decode_tokens:],
             ).view(rest, num_heads, -1)
         return out, None
 
-    def _sparse_decode(self, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, sched_meta) -> torch.Tensor:
+    def _sparse_decode(self, q: torch.Tensor, cache: torch.Tensor, indices: torch.Tensor, sched_meta,
+                       topk_length: torch.Tensor) -> torch.Tensor:
         if sched_meta is None:
             raise RuntimeError("flashmla_backend: the sparse metadata has no schedule for these tokens; the builder "
                                "makes one per step for the decode tokens and one for prefill tokens")
         out, _ = flashmla_backend.flash_mla_with_kvcache(
-            q, cache, None, None, self.kv_lora_rank, sched_meta, None,
-            softmax_scale=self.attn_scale, causal=False, is_fp8_kvcache=self.kv_ds_mla, indices=indices)
+            q, cache, None, None, self.kv_lora_rank, sched_meta, None, softmax_scale=self.attn_scale, causal=False,
+            is_fp8_kvcache=self.kv_ds_mla, indices=indices, topk_length=topk_length)
         return out

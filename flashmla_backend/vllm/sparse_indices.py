@@ -17,6 +17,12 @@ with req = the request of query token t (vLLM's req_id_per_token). An entry beco
 pos // 64 lies past the request's row of the block table, or when pos >= the request's sequence length (a
 position the request has not written: its slot may belong to another request or hold stale values). Plain
 tensor operations on the tensors' device: no host synchronization, so it can be captured in a CUDA graph.
+
+counted_lengths gives each row's topk_length for the kernel: 1 + the column of its last entry that names a token.
+A query token of a request shorter than topk (a short chat, the first topk positions of a prefill) has fewer
+positions than topk; the kernels stop after topk_length entries instead of masking the rest block by block.
+Entries before that length that are skipped stay skipped, so the result is the same for any order of the indexer's
+entries.
 """
 from __future__ import annotations
 
@@ -57,3 +63,14 @@ def to_global_indices(indices: torch.Tensor, req_id_per_token: torch.Tensor, blo
     out = page * block_size + pos.remainder(block_size)
     return torch.where(keep, out, SKIP).to(torch.int32)
 
+
+
+def counted_lengths(global_indices: torch.Tensor) -> torch.Tensor:
+    """Per row of [T, topk] cache-wide indices (-1 = skipped): 1 + the column of its last entry >= 0, 0 for a row
+    of skips. [T] int32 on the indices' device; no host synchronization."""
+    if global_indices.dim() != 2:
+        raise ValueError(f"flashmla_backend: indices must be [num_tokens, topk], got shape "
+                         f"{tuple(global_indices.shape)}")
+    cols = torch.arange(1, global_indices.shape[1] + 1, dtype=torch.int32, device=global_indices.device)
+    zero = torch.zeros((), dtype=torch.int32, device=global_indices.device)
+    return torch.where(global_indices >= 0, cols, zero).amax(dim=1)
