@@ -20,10 +20,10 @@ switches, read by its launcher at every launch: README's environment table; the 
 other than 0 need a build configured with FLASHMLA_BACKEND_MEASURE=1, docs/build.md), in the same process, on the same inputs
 and beside the same FlashMLA time: the lines and JSON keys are then ours[<value>] and ours_d<value>_*.
 
-`--kernel-times` also prints, for each implementation, the device time of every kernel one call launches (the
-decode, the combine, ...; torch.profiler over 20 plain calls, not graph replays; with programmatic dependent launch a
-kernel's time includes its wait for the one before it), so that a call's fixed cost can be told apart from its
-blocks' (JSON: <impl>_kernels_us).
+`--kernel-times` also prints, for each implementation, the device time a call spends in each kernel (the decode,
+the combine, ...; a kernel launched twice a call counted twice; torch.profiler over 20 plain calls, not graph
+replays; with programmatic dependent launch a kernel's time includes its wait for the one before it), so that a
+call's fixed cost can be told apart from its blocks' (JSON: <impl>_kernels_us).
 
 `--cache bf16` runs the same values, indices and q with a 16-bit cache ([pages, 64, 1, 576] bf16): ours is then
 flashmla_backend's sparse decode of a 16-bit cache (its tokens gathered for the dense kernel), FlashMLA its sparse

@@ -503,3 +503,21 @@ def test_run_shape_times_ours_once_per_debug_value(before, monkeypatch, capsys):
     assert (line["ours_d0_us"], line["ours_d64_us"]) == (60.0, 45.0) and "ours_us" not in line
     assert (line["speedup_vs_flashmla_d0"], line["speedup_vs_flashmla_d64"]) == (1.5, 2.0)
     assert "  ours[0]: 60.0 us" in printed and "  ours[64] vs FlashMLA: 2.00x" in printed
+
+
+def test_kernel_times_add_a_calls_launches_of_one_name():
+    """mla_bench.timing.per_call_kernel_times: a kernel launched twice a call counts twice (the 16-bit sparse path
+    runs the dense kernels once per chunk of rows), instantiations sharing a name add up, one-off kernels drop out."""
+    from types import SimpleNamespace
+
+    from mla_bench.timing import per_call_kernel_times
+
+    cuda, cpu = SimpleNamespace(name="CUDA"), SimpleNamespace(name="CPU")
+    ev = [SimpleNamespace(key="void ns::sm90_decode_kernel<T>(P)", device_type=cuda, count=40, device_time_total=4000.0),
+          SimpleNamespace(key="void at::native::elementwise_kernel<1, F>(int)", device_type=cuda, count=20,
+                          device_time_total=100.0),
+          SimpleNamespace(key="void at::native::elementwise_kernel<2, G>(int)", device_type=cuda, count=20,
+                          device_time_total=60.0),
+          SimpleNamespace(key="setup_kernel", device_type=cuda, count=1, device_time_total=9.0),
+          SimpleNamespace(key="aten::copy_", device_type=cpu, count=20, device_time_total=0.0)]
+    assert per_call_kernel_times(ev, 20) == {"sm90_decode_kernel": 200.0, "elementwise_kernel": 8.0}

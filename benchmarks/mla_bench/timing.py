@@ -232,9 +232,11 @@ def kernel_name(key: str) -> str:
 
 
 def kernel_times(fn: Callable[[], Any], n: int = 20) -> dict[str, float]:
-    """Average device time (µs) of each CUDA kernel one call of fn launches, over n plain calls (torch.profiler):
-    {kernel name: µs}. Kernels launched fewer than n times (one-off setup) are left out. With programmatic dependent
-    launch a kernel's time includes its wait for the kernel before it."""
+    """Device time (µs) a call of fn spends in each CUDA kernel, over n plain calls (torch.profiler): {kernel name:
+    µs a call}, the launches of one name in a call added (a kernel fn launches twice counts twice; instantiations
+    that share a name, e.g. PyTorch's element-wise kernels, are added up). Kernels launched fewer than n times
+    (one-off setup) are left out. With programmatic dependent launch a kernel's time includes its wait for the
+    kernel before it."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -243,8 +245,19 @@ def kernel_times(fn: Callable[[], Any], n: int = 20) -> dict[str, float]:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" and e.count >= n:
-            out[kernel_name(e.key)] = getattr(e, "device_time", None) or e.cuda_time
+    return per_call_kernel_times(prof.key_averages(), n)
+
+
+def per_call_kernel_times(averages: Any, n: int) -> dict[str, float]:
+    """kernel_times' arithmetic on torch.profiler's key_averages() of n calls: per CUDA kernel name, the total device
+    time over the calls divided by n."""
+    out: dict[str, float] = {}
+    for e in averages:
+        if e.device_type.name != "CUDA" or e.count < n:
+            continue
+        total = getattr(e, "device_time_total", None)
+        if total is None:
+            total = e.cuda_time_total
+        name = kernel_name(e.key)
+        out[name] = out.get(name, 0.0) + total / n
     return out

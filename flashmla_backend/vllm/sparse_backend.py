@@ -13,8 +13,9 @@ blocks), 64 or 128 query heads per rank (checked where vLLM knows the head count
 Refused at start-up with a message naming what works: other cache dtypes and block sizes, attention sinks,
 and, on a machine with a CUDA device, everything unless FLASHMLA_BACKEND_SPARSE_GPU is set: the Hopper sparse decode
 kernel (fp8_ds_mla caches) has served only a tiny test model inside vLLM and is slower than FlashMLA's at b = 1 and
-top-k 512 (benchmarks/RESULTS.md), and a 16-bit cache goes through the dense kernel on gathered tokens (the API's
-path, not yet run inside vLLM), so the plugin refuses rather than offer it or fall back. With the variable set, a
+top-k 512 (benchmarks/RESULTS.md) and its prefill of long prompts slower than FLASHMLA_SPARSE's
+(integration/README.md), and a 16-bit cache goes through the dense kernel on gathered tokens (the API's path, about
+a third of FlashMLA's speed), so the plugin refuses rather than offer it or fall back. With the variable set, a
 Hopper GPU runs either (for the GPU tests and those who try it: engine_support.sparse_device_problem). CPU tensors
 run flashmla_backend's PyTorch reference, which is what the CPU conformance tests use.
 """
@@ -36,8 +37,9 @@ from .sparse_impl import FlashMLASparsePluginImpl
 SPARSE_KERNEL_MISSING = (
     "flashmla_backend: the plugin's sparse MLA backend (DeepSeek-V3.2 indexer attention) does not run on GPUs yet: "
     "flashmla_backend's Hopper sparse decode kernel (the fp8_ds_mla cache) has served only a tiny test model inside "
-    "vLLM and is slower than FlashMLA's at short top-k (512), and a 16-bit cache's tokens are gathered for the dense "
-    "kernel, not yet run inside vLLM. Serve this model with vLLM's own sparse backends (leave --attention-backend "
+    "vLLM and is slower than FlashMLA's at short top-k (512) and in the prefill of long prompts, and a 16-bit cache's "
+    "tokens are gathered for the dense kernel, at about a third of FlashMLA's speed. Serve this model with vLLM's own "
+    "sparse backends (leave --attention-backend "
     f"unset, or FLASHMLA_SPARSE); {SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU (--kv-cache-dtype fp8 / "
     "fp8_ds_mla, or auto), for testing")
 
