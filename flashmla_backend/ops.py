@@ -435,7 +435,10 @@ def _sparse_decode_gathered(q, k_cache, scale, indices, topk_length, attn_sink):
     q_rows = q.reshape(rows, 1, h_q, d)
     out = torch.empty((rows, 1, h_q, HEAD_DIM_V), dtype=q.dtype, device=dev)
     lse = torch.empty((rows, h_q, 1), dtype=torch.float32, device=dev)
-    chunk = max(1, GATHER_CHUNK_BYTES // (width * d * k_cache.element_size()))
+    # Rows in chunks of at most GATHER_CHUNK_BYTES of scratch, of equal size (113 + 15 rows left a chunk too small to
+    # fill the GPU: each chunk is a dense decode call of its own).
+    most = max(1, GATHER_CHUNK_BYTES // (width * d * k_cache.element_size()))
+    chunk = -(-rows // -(-rows // most)) if rows else 1
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
         n = r1 - r0

@@ -395,6 +395,21 @@ def test_the_gathered_decode_in_chunks_equals_one_call(monkeypatch):
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 
 
+def test_the_gathered_decode_splits_rows_into_equal_chunks(monkeypatch):
+    """Six rows with room for four a chunk go as two calls of three (not four and two), with the same bits."""
+    from flashmla_backend import ops
+    inp = make_sparse_inputs(GATHERED_CASES[0])
+    whole = gathered(inp)
+    row_bytes = 64 * D_K * inp.k_cache.element_size()   # top-k 48: one 64-token scratch page a row
+    monkeypatch.setattr(ops, "GATHER_CHUNK_BYTES", 4 * row_bytes)
+    calls = []
+    dense = ops.flash_mla_with_kvcache
+    monkeypatch.setattr(ops, "flash_mla_with_kvcache", lambda *a, **k: calls.append(a[0].shape[0]) or dense(*a, **k))
+    chunked = gathered(inp)
+    assert calls == [3, 3]
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
 def test_the_gathered_decode_reads_no_skipped_entry(monkeypatch):
     """The scratch cache holds a row's counted tokens first, in index order; its length is their count."""
     from flashmla_backend import ops
