@@ -38,9 +38,9 @@ Single runs are not evidence: one backend's result moved by 38% between two runs
                  round 2, forward in round 3, ... (a slow drift of the machine then does not favour one config);
   --repeats K    K measurements inside each process (K x (t(1) + t(N)) after the start-up).
 The table gives per config min / median / max of decode tokens/s over its R x K measurements, ms per step at the
-median, and each config's median relative to the references FLASHMLA:fp8 and CUSTOM:auto (when they ran), marked
-"apart" when the two configs' [min, max] ranges do not overlap (a difference beyond the spread, which a README may
-claim) or "overlap" (not established by these runs; "no spread" with fewer than 2 measurements).
+median, the median t(1) (the prompts' prefill and their first token: a difference in prefill shows there), and each
+config's median relative to the references FLASHMLA:fp8 and CUSTOM:auto (when they ran), marked "apart" when the
+two configs' [min, max] ranges do not overlap (a difference beyond the spread, which a README may claim) or "overlap" (not established by these runs; "no spread" with fewer than 2 measurements).
 
 Time: every process pays vLLM's start-up (torch.compile and CUDA-graph capture, about 30-60 s on an H100; vLLM caches
 compiled graphs on disk, so later processes of the same config start faster) plus K x (t(1) + t(N)), about 3 + 9 s at
@@ -373,17 +373,20 @@ def throughput_table(results: dict) -> str:
     dcp_of = {m["config"]: record_dcp(m) for m in ms}
     labels = list(dict.fromkeys([row_label(c, meta_dcp) for c in meta["configs"]] + [m["config"] for m in ms]))
     stats = summarize(ms, labels)
+    prefill = summarize(ms, labels, key="t_1")
     sizes = sorted(set(dcp_of.values())) or [meta_dcp]
     refs = [r for r in REFERENCES if any(row_label(r, d) in stats for d in sizes)]
     lines = ["### vLLM decode throughput (integration/bench_vllm_throughput.py)", ""] + header_lines(results) + [""]
-    head = ["config", "n", "decode tok/s min", "median", "max", "ms/step (median)"] + [f"vs {r}" for r in refs]
+    head = (["config", "n", "decode tok/s min", "median", "max", "ms/step (median)", "t(1) s (median)"]
+            + [f"vs {r}" for r in refs])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label in labels:
         if label not in stats:
             continue
         s = stats[label]
         ms_step = meta["num_prompts"] * 1e3 / s["median"]
-        row = [label, str(s["n"]), f"{s['min']:,.0f}", f"{s['median']:,.0f}", f"{s['max']:,.0f}", f"{ms_step:.3f}"]
+        row = [label, str(s["n"]), f"{s['min']:,.0f}", f"{s['median']:,.0f}", f"{s['max']:,.0f}", f"{ms_step:.3f}",
+               f"{prefill[label]['median']:.2f}" if label in prefill else "-"]
         d = dcp_of.get(label, meta_dcp)
         row += [versus(stats, label, row_label(r, d)) for r in refs]
         lines.append("| " + " | ".join(row) + " |")

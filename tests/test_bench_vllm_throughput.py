@@ -263,7 +263,8 @@ def _rows(table: str) -> dict[str, list[str]]:
 
 
 def test_throughput_table():
-    ms = [_m("CUSTOM:fp8:accurate", v, r) for v, r in ((15000, 1), (15200, 1), (14900, 2), (15100, 2))]
+    ms = [_m("CUSTOM:fp8:accurate", v, r, t_1=t) for v, r, t in ((15000, 1, 5.0), (15200, 1, 5.2), (14900, 2, 5.4),
+                                                                  (15100, 2, 9.0))]
     ms += [_m("FLASHMLA:fp8", v, r) for v, r in ((14000, 1), (14200, 1), (14100, 2), (13900, 2))]
     ms += [_m("CUSTOM:auto", v, r) for v, r in ((12000, 1), (15000, 1), (12500, 2), (12600, 2))]
     table = bench.throughput_table(_results(ms))
@@ -271,15 +272,18 @@ def test_throughput_table():
     assert "`python integration/bench_vllm_throughput.py --rounds 2`" in table
     assert "2048 decode steps" in table and "2 rounds" in table
     header = next(line for line in table.splitlines() if line.startswith("| config"))
-    assert header.count("|") == 9 and "vs FLASHMLA:fp8" in header and "vs CUSTOM:auto" in header
+    assert header.count("|") == 10 and "vs FLASHMLA:fp8" in header and "vs CUSTOM:auto" in header
+    assert "t(1) s (median)" in header
     rows = _rows(table)
     acc = rows["CUSTOM:fp8:accurate"]
     assert acc[1:5] == ["4", "14,900", "15,050", "15,200"]
     assert acc[5] == f"{64e3 / 15050:.3f}"                               # ms per step at the median
-    assert acc[6] == f"{15050 / 14050:.3f}x, apart"
-    assert acc[7] == f"{15050 / 12550:.3f}x, overlap"                    # CUSTOM:auto's range reaches 15,000
-    assert rows["FLASHMLA:fp8"][6] == "1.000x (ref)"
-    assert all(line.count("|") == 9 for line in table.splitlines() if line.startswith("|"))
+    assert acc[6] == "5.30"                                              # the prefill time t(1), median of four
+    assert rows["FLASHMLA:fp8"][6] == "-"                                 # measurements without t(1)
+    assert acc[7] == f"{15050 / 14050:.3f}x, apart"
+    assert acc[8] == f"{15050 / 12550:.3f}x, overlap"                    # CUSTOM:auto's range reaches 15,000
+    assert rows["FLASHMLA:fp8"][7] == "1.000x (ref)"
+    assert all(line.count("|") == 10 for line in table.splitlines() if line.startswith("|"))
 
 
 def test_throughput_table_without_references_and_with_failures():
@@ -397,7 +401,7 @@ def test_driver_runs_each_config_in_alternating_order(driver, capsys):
     out = capsys.readouterr().out
     assert "plan: 8 engine processes" in out and "process 8/8: round 2 (reversed order), CUSTOM:fp8:accurate" in out
     rows = _rows(out)
-    assert rows["CUSTOM:fp8:accurate"][1] == "4" and rows["CUSTOM:fp8:accurate"][6].endswith("apart")
+    assert rows["CUSTOM:fp8:accurate"][1] == "4" and rows["CUSTOM:fp8:accurate"][7].endswith("apart")
     assert res["meta"]["git"] == "abc1234" and res["meta"]["output_len"] == 2049
 
 
@@ -503,7 +507,7 @@ def test_driver_with_dcp_records_the_size_and_passes_it_to_the_engines(driver, m
     assert "DCP 2 for every config" in out
     rows = _rows(out)
     assert rows["CUSTOM:auto (DCP 2)"][1] == "4"
-    assert rows["FLASHMLA:auto (DCP 2)"][6].startswith(f"{22000.5 / 24000.5:.3f}x")    # against ours at DCP 2
+    assert rows["FLASHMLA:auto (DCP 2)"][7].startswith(f"{22000.5 / 24000.5:.3f}x")    # against ours at DCP 2
 
 
 def test_driver_with_dcp_fails_a_custom_run_without_dcp_in_its_log(driver, monkeypatch):
@@ -534,9 +538,9 @@ def test_tables_keep_dcp_sizes_apart_and_read_older_files_as_dcp_1(tmp_path, cap
     rows = _rows(out)
     assert rows["CUSTOM:auto"][1:5] == ["2", "15,000", "15,200", "15,400"]           # not mixed with DCP 2
     assert rows["CUSTOM:auto (DCP 2)"][1:5] == ["2", "24,000", "24,300", "24,600"]
-    assert rows["CUSTOM:auto (DCP 2)"][6] == "1.000x (ref)"
-    assert rows["FLASHMLA:auto (DCP 2)"][6] == f"{22250 / 24300:.3f}x, apart"      # against the DCP 2 reference
-    assert rows["FLASHMLA:auto"][6] == f"{16000 / 15200:.3f}x, no spread"          # against the DCP 1 reference
+    assert rows["CUSTOM:auto (DCP 2)"][7] == "1.000x (ref)"
+    assert rows["FLASHMLA:auto (DCP 2)"][7] == f"{22250 / 24300:.3f}x, apart"      # against the DCP 2 reference
+    assert rows["FLASHMLA:auto"][7] == f"{16000 / 15200:.3f}x, no spread"          # against the DCP 1 reference
 
 
 def test_the_fast_mode_bound_of_the_layer_tests_is_the_kernel_tests_one():
