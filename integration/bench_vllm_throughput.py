@@ -40,7 +40,8 @@ Single runs are not evidence: one backend's result moved by 38% between two runs
 The table gives per config min / median / max of decode tokens/s over its R x K measurements, ms per step at the
 median, the median t(1) (the prompts' prefill and their first token: a difference in prefill shows there), and each
 config's median relative to the references FLASHMLA:fp8 and CUSTOM:auto (when they ran), marked "apart" when the
-two configs' [min, max] ranges do not overlap (a difference beyond the spread, which a README may claim) or "overlap" (not established by these runs; "no spread" with fewer than 2 measurements).
+two configs' [min, max] ranges do not overlap (a difference beyond the spread, which a README may claim) or
+"overlap" (not established by these runs; "no spread" with fewer than 2 measurements).
 
 Time: every process pays vLLM's start-up (torch.compile and CUDA-graph capture, about 30-60 s on an H100; vLLM caches
 compiled graphs on disk, so later processes of the same config start faster) plus K x (t(1) + t(N)), about 3 + 9 s at
