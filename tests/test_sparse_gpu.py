@@ -72,7 +72,7 @@ def _run(inp, meta=None):
     topk_length = inp.topk_length.cuda() if inp.topk_length is not None else None
     sink = inp.attn_sink.cuda() if inp.attn_sink is not None else None
     return fb.flash_mla_with_kvcache(inp.q.cuda(), inp.k_cache.cuda(), None, None, D_V, meta, None,
-                                     softmax_scale=inp.scale, causal=False, is_fp8_kvcache=True,
+                                     softmax_scale=inp.scale, causal=False, is_fp8_kvcache=inp.ds,
                                      indices=inp.indices.cuda(), topk_length=topk_length, attn_sink=sink)
 
 
@@ -210,25 +210,16 @@ SIXTEEN_BIT_CASES = [
 ]
 
 
-def _run16(inp, meta=None):
-    meta = meta if meta is not None else fb.get_mla_metadata()[0]
-    topk_length = inp.topk_length.cuda() if inp.topk_length is not None else None
-    sink = inp.attn_sink.cuda() if inp.attn_sink is not None else None
-    return fb.flash_mla_with_kvcache(inp.q.cuda(), inp.k_cache.cuda(), None, None, D_V, meta, None,
-                                     softmax_scale=inp.scale, causal=False, is_fp8_kvcache=False,
-                                     indices=inp.indices.cuda(), topk_length=topk_length, attn_sink=sink)
-
-
 @pytest.mark.parametrize("case", SIXTEEN_BIT_CASES, ids=str)
 def test_sixteen_bit_caches_run_on_the_dense_kernels(case, record_errors):
     inp = make_sparse_inputs(case)
-    out, lse = _run16(inp)
+    out, lse = _run(inp)
     assert out.shape == (case.b, case.s_q, case.h_q, D_V) and out.dtype == inp.q.dtype and out.is_cuda
     assert lse.shape == (case.b, case.h_q, case.s_q) and lse.dtype == torch.float32 and lse.is_contiguous()
     ref_out, ref_lse = naive_sparse_fp64(inp)
     figures = compare(out, lse, ref_out, ref_lse, [], case.s_q, False)
     record_errors(f"{device.kernel_for(torch.device('cuda'))} sparse {case.cache} (gathered)", figures)
-    out2, lse2 = _run16(inp)
+    out2, lse2 = _run(inp)
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
 
 
