@@ -228,7 +228,8 @@ def run_shape(shape, device, modules, reasons, args, copy_gbs, timer=None, sync=
     ref = sparse_reference(inp, args.check_requests)
     work = {"flops": sparse_flops(shape), "gathered_bytes": gathered_bytes(shape, cache)}
     floor_us = work["gathered_bytes"] / (copy_gbs * 1e9) * 1e6
-    print(f"{shape.name}: {cache} cache {inp.k_cache.numel() * inp.k_cache.element_size() / 1e6:.0f} MB, gathered {work['gathered_bytes'] / 1e6:.1f} MB "
+    cache_mb = inp.k_cache.numel() * inp.k_cache.element_size() / 1e6
+    print(f"{shape.name}: {cache} cache {cache_mb:.0f} MB, gathered {work['gathered_bytes'] / 1e6:.1f} MB "
           f"({floor_us:.1f} us at the copy rate), {work['flops'] / 1e9:.1f} GFLOP; reference: first "
           f"{ref[0].shape[0]} request(s) in fp64", flush=True)
     line = {"shape": shape.name, "b": shape.b, "s_q": shape.s_q, "h_q": shape.h_q, "topk": shape.topk,

@@ -215,9 +215,9 @@ def make_sparse_inputs(shape: SparseShape, device: torch.device, seed: int = 0, 
 
 def sparse_reference(inp: SparseInputs, requests: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp64 sparse decode of the first `requests` requests on the CPU: flashmla_backend's sparse reference on the
-    exactly dequantized tokens (the bf16 tokens' values with the bf16 cache), with q's bf16 values taken as fp64. Only the tokens those requests' indices name are
-    copied to the host (a compact cache of one token a page, indices renumbered). Returns out [n, s_q, h_q, 512]
-    float64 and lse [n, h_q, s_q] float32 (natural log)."""
+    exactly dequantized tokens (the bf16 tokens' values with the bf16 cache), with q's bf16 values taken as fp64.
+    Only the tokens those requests' indices name are copied to the host (a compact cache of one token a page, indices
+    renumbered). Returns out [n, s_q, h_q, 512] float64 and lse [n, h_q, s_q] float32 (natural log)."""
     from flashmla_backend.reference import sparse_mla_decode_reference
 
     n = min(max(1, int(requests)), inp.shape.b)
