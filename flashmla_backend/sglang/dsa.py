@@ -95,7 +95,8 @@ ATTR = "_flashmla_backend_dsa_decode"
 KERNEL_MISSING = (
     "flashmla_backend: the DSA decode does not run on GPUs yet: flashmla_backend's Hopper sparse decode kernel (the "
     "fp8_e4m3 656-byte cache) has served only a tiny test model inside SGLang and is slower than FlashMLA's at short "
-    "top-k (512), and a bfloat16 cache's tokens are gathered for the dense kernel, not yet run inside SGLang. Unset "
+    "top-k (512), and a bfloat16 cache's tokens are gathered for the dense kernel at about a third of FlashMLA's "
+    "speed. Unset "
     f"{DSA_DECODE_ENV} to serve this model with SGLang's own DSA decode (--dsa-decode-backend flashmla_kv / "
     f"flashmla_sparse / fa3); {SPARSE_GPU_ENV}=1 runs it anyway on a Hopper GPU (--kv-cache-dtype fp8_e4m3 or "
     "bfloat16), for testing")
@@ -248,8 +249,8 @@ def adopt(backend, model_runner) -> DSADecode:
                     flashmla_backend.__version__,
                     (f"the Hopper sparse decode kernel, so far run inside SGLang with a tiny test model only: "
                      f"{SPARSE_GPU_ENV} is set" if fp8 else
-                     f"the dense decode kernel on the gathered tokens, not yet run inside SGLang: {SPARSE_GPU_ENV} is "
-                     "set")
+                     f"the dense decode kernel on the gathered tokens, so far run inside SGLang with a tiny test model "
+                     f"only: {SPARSE_GPU_ENV} is set")
                     if on_gpu else "the PyTorch reference, no CUDA device", replaced, backend.num_q_heads,
                     "fp8_e4m3 (656-byte fp8_ds_mla tokens)" if fp8 else "bfloat16")
     return decoder
