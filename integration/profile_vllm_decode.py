@@ -3,6 +3,7 @@
 
     python integration/profile_vllm_decode.py --configs CUSTOM:auto,FLASHMLA:auto
     python integration/profile_vllm_decode.py --configs CUSTOM:auto,FLASHMLA:auto --steps 128 --num-prompts 64
+    python integration/profile_vllm_decode.py --model integration/models/tiny-deepseek-v32-h128-8layer
 
 integration/bench_vllm_throughput.py measures decode tokens/s end to end; when two backends differ there while their
 attention kernels alone differ the other way (benchmarks/RESULTS.md), this script says whether the difference is in
@@ -13,9 +14,11 @@ warm-up generation it adds every prompt to the engine and steps it until each re
 WARM_STEPS more (the prefill stays outside), then profiles --steps engine steps of the whole batch decoding with
 torch.profiler's CUDA activity (decode_window: every request must gain the same number of tokens in them, else the
 run fails). A kernel's figure is its device time in that window divided by the tokens each request gained (one a
-decode step). Printed per config: wall ms per decode step (the in-process engine's; the benchmark's multiprocess
-engine may differ), the kernels' µs per step summed ("busy"), and the kernels by µs per step; then one table with the
-kernels of all configs side by side (the top --top of each). Results: $FLASHMLA_BACKEND_RUN_DIR/profile-decode.json (--results).
+decode step). A DeepSeek-V3.2 --model (sparse attention) takes the throughput benchmark's sparse configs (default
+CUSTOM:fp8,FLASHMLA_SPARSE:fp8; CUSTOM runs with FLASHMLA_BACKEND_SPARSE_GPU=1). Printed per config: wall ms per
+decode step (the in-process engine's; the benchmark's multiprocess engine may differ), the kernels' µs per step summed
+("busy"), and the kernels by µs per step; then one table with the kernels of all configs side by side (the top --top
+of each). Results: $FLASHMLA_BACKEND_RUN_DIR/profile-decode.json (--results).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ def kernel_totals(prof) -> dict[str, tuple[float, int]]:
     return totals
 
 
+DEFAULT_CONFIGS = "CUSTOM:auto,FLASHMLA:auto"
 WARM_STEPS = 4          # decode steps every request has taken before the profiled window
 MAX_SETUP_STEPS = 100_000
 
@@ -150,7 +154,7 @@ def worker(args) -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    cfg = bench.parse_config(args.worker)
+    cfg = bench.parse_config(args.worker, sparse=bench.is_sparse_model(args.model))
     args.dcp, args.kv_cache_memory_bytes = 1, None
     args.output_len = 1 + WARM_STEPS + args.steps + 16  # no request finishes inside the window
     prompts = [TokensPrompt(prompt_token_ids=ids)
@@ -177,8 +181,8 @@ def worker(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", default="CUSTOM:auto,FLASHMLA:auto", help="BACKEND[:KVDTYPE[:MODE]],... as the "
-                    "throughput benchmark takes them (default CUSTOM:auto,FLASHMLA:auto)")
+    ap.add_argument("--configs", help="BACKEND[:KVDTYPE[:MODE]],... as the throughput benchmark takes them (default "
+                    f"CUSTOM:auto,FLASHMLA:auto; for a DeepSeek-V3.2 --model {bench.DEFAULT_SPARSE_CONFIGS})")
     ap.add_argument("--steps", type=int, default=128, help="decode steps profiled (default 128)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per config (default 12)")
     ap.add_argument("--model", default=str(bench.MODEL_DIR), help="a directory with a DeepSeek-V3 config.json")
@@ -202,7 +206,9 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
     try:
-        configs = bench.parse_configs(args.configs)
+        sparse = bench.is_sparse_model(args.model)
+        configs = bench.parse_configs(args.configs or (bench.DEFAULT_SPARSE_CONFIGS if sparse else DEFAULT_CONFIGS),
+                                      sparse=sparse)
     except ValueError as e:
         ap.error(str(e))
     results_path = Path(args.results) if args.results else harness.RUN_DIR / "profile-decode.json"

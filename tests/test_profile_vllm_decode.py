@@ -174,3 +174,29 @@ def test_bad_options_name_the_option(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
         prof.main(argv)
     assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_deepseek_v32_model_runs_the_sparse_configs(tmp_path, monkeypatch):
+    """--model of a DeepSeek-V3.2 config: the benchmark's sparse configs by default, CUSTOM's process with the GPU
+    opt-in of the plugin's sparse backend, its log checked for the sparse line; a dense-only mode is refused."""
+    model = tmp_path / "v32"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
+    monkeypatch.setattr(prof.harness, "RUN_DIR", tmp_path)
+    monkeypatch.setattr(prof.harness, "engine_env", lambda extra=None: {"PATH": "/bin"})
+    monkeypatch.setattr(prof.bench, "git_describe", lambda: "abc1234")
+    seen = []
+
+    def fake(name, cmd, env, timeout_s):
+        label = cmd[cmd.index("--worker") + 1]
+        seen.append((label, env.get(prof.bench.SPARSE_GPU_ENV), cmd[cmd.index("--model") + 1]))
+        rec = dict(records()["CUSTOM:auto"], config=label, steps=128, gpu="NVIDIA H200")
+        Path(cmd[cmd.index("--worker-out") + 1]).write_text(json.dumps(rec))
+        return (f"INFO {prof.bench.OUR_SPARSE_LOG_LINE} ..., KV cache fp8_ds_mla\n" if label.startswith("CUSTOM")
+                else "INFO\n")
+
+    monkeypatch.setattr(prof.harness, "run_logged", fake)
+    assert prof.main(["--model", str(model)]) == 0
+    assert seen == [("CUSTOM:fp8", "1", str(model)), ("FLASHMLA_SPARSE:fp8", None, str(model))]
+    with pytest.raises(SystemExit):
+        prof.main(["--model", str(model), "--configs", "CUSTOM:fp8:fast"])
