@@ -175,7 +175,7 @@ def rel_norm(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 CASES = {
-    # name: (heads, prefix lengths): rows of 2048 over 701-4001 keys (the decode token included)
+    # name: (heads, prefix lengths): contexts of 65-4001 keys (the decode token included); rows of top-k 2048
     "h64": (64, (2500, 700, 4000)),
     "h128": (128, (3000, 1200, 2048, 64)),
 }
