@@ -182,10 +182,11 @@ def worker(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", help="BACKEND[:KVDTYPE[:MODE]],... as the throughput benchmark takes them (default "
-                    f"CUSTOM:auto,FLASHMLA:auto; for a DeepSeek-V3.2 --model {bench.DEFAULT_SPARSE_CONFIGS})")
+                    f"{DEFAULT_CONFIGS}; for a DeepSeek-V3.2 --model {bench.DEFAULT_SPARSE_CONFIGS})")
     ap.add_argument("--steps", type=int, default=128, help="decode steps profiled (default 128)")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per config (default 12)")
-    ap.add_argument("--model", default=str(bench.MODEL_DIR), help="a directory with a DeepSeek-V3 config.json")
+    ap.add_argument("--model", default=str(bench.MODEL_DIR), help="a directory with a DeepSeek-V3 or DeepSeek-V3.2 "
+                    "config.json")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=7000)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)

@@ -176,7 +176,7 @@ def test_bad_options_name_the_option(argv, words, capsys):
     assert e.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_a_deepseek_v32_model_runs_the_sparse_configs(tmp_path, monkeypatch):
+def test_a_deepseek_v32_model_runs_the_sparse_configs(tmp_path, monkeypatch, capsys):
     """--model of a DeepSeek-V3.2 config: the benchmark's sparse configs by default, CUSTOM's process with the GPU
     opt-in of the plugin's sparse backend, its log checked for the sparse line; a dense-only mode is refused."""
     model = tmp_path / "v32"
@@ -198,5 +198,6 @@ def test_a_deepseek_v32_model_runs_the_sparse_configs(tmp_path, monkeypatch):
     monkeypatch.setattr(prof.harness, "run_logged", fake)
     assert prof.main(["--model", str(model)]) == 0
     assert seen == [("CUSTOM:fp8", "1", str(model)), ("FLASHMLA_SPARSE:fp8", None, str(model))]
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         prof.main(["--model", str(model), "--configs", "CUSTOM:fp8:fast"])
+    assert e.value.code == 2 and "no FP8 query modes" in capsys.readouterr().err
