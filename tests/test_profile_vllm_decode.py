@@ -126,10 +126,16 @@ def test_report_and_side_by_side():
     assert table[-2] == "| all kernels | 3500.0 | 3350.0 |" and table[-1] == "| wall per step | 4000.0 | 3600.0 |"
 
 
-def test_driver_runs_each_config_and_writes_the_results(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def driver(tmp_path, monkeypatch):
+    """The driver's surroundings stood in for: results under tmp_path, a fixed engine environment and git stamp."""
     monkeypatch.setattr(prof.harness, "RUN_DIR", tmp_path)
     monkeypatch.setattr(prof.harness, "engine_env", lambda extra=None: {"PATH": "/bin"})
     monkeypatch.setattr(prof.bench, "git_describe", lambda: "abc1234")
+    return tmp_path
+
+
+def test_driver_runs_each_config_and_writes_the_results(driver, monkeypatch, capsys):
     calls = []
 
     def fake(name, cmd, env, timeout_s):
@@ -144,16 +150,13 @@ def test_driver_runs_each_config_and_writes_the_results(tmp_path, monkeypatch, c
     assert [c[:2] for c in calls] == [("profile-decode-custom-auto", "CUSTOM:auto"),
                                       ("profile-decode-flashmla-auto", "FLASHMLA:auto")]
     assert all(c[2] == "64" for c in calls)
-    res = json.loads((tmp_path / "profile-decode.json").read_text())
+    res = json.loads((driver / "profile-decode.json").read_text())
     assert sorted(res["records"]) == ["CUSTOM:auto", "FLASHMLA:auto"] and not res["failures"]
     out = capsys.readouterr().out
     assert "| wall per step | 4000.0 | 3600.0 |" in out
 
 
-def test_driver_reports_a_custom_run_without_our_decode_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(prof.harness, "RUN_DIR", tmp_path)
-    monkeypatch.setattr(prof.harness, "engine_env", lambda extra=None: {"PATH": "/bin"})
-    monkeypatch.setattr(prof.bench, "git_describe", lambda: "abc1234")
+def test_driver_reports_a_custom_run_without_our_decode_line(driver, monkeypatch):
 
     def fake(name, cmd, env, timeout_s):
         label = cmd[cmd.index("--worker") + 1]
@@ -162,7 +165,7 @@ def test_driver_reports_a_custom_run_without_our_decode_line(tmp_path, monkeypat
 
     monkeypatch.setattr(prof.harness, "run_logged", fake)
     assert prof.main(["--configs", "CUSTOM:auto,FLASHMLA:auto"]) == 1
-    res = json.loads((tmp_path / "profile-decode.json").read_text())
+    res = json.loads((driver / "profile-decode.json").read_text())
     assert [f["config"] for f in res["failures"]] == ["CUSTOM:auto"] and list(res["records"]) == ["FLASHMLA:auto"]
 
 
@@ -176,15 +179,12 @@ def test_bad_options_name_the_option(argv, words, capsys):
     assert e.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_a_deepseek_v32_model_runs_the_sparse_configs(tmp_path, monkeypatch, capsys):
+def test_a_deepseek_v32_model_runs_the_sparse_configs(driver, monkeypatch, capsys):
     """--model of a DeepSeek-V3.2 config: the benchmark's sparse configs by default, CUSTOM's process with the GPU
     opt-in of the plugin's sparse backend, its log checked for the sparse line; a dense-only mode is refused."""
-    model = tmp_path / "v32"
+    model = driver / "v32"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
-    monkeypatch.setattr(prof.harness, "RUN_DIR", tmp_path)
-    monkeypatch.setattr(prof.harness, "engine_env", lambda extra=None: {"PATH": "/bin"})
-    monkeypatch.setattr(prof.bench, "git_describe", lambda: "abc1234")
     seen = []
 
     def fake(name, cmd, env, timeout_s):

@@ -64,7 +64,6 @@ def to_global_indices(indices: torch.Tensor, req_id_per_token: torch.Tensor, blo
     return torch.where(keep, out, SKIP).to(torch.int32)
 
 
-
 def counted_lengths(global_indices: torch.Tensor) -> torch.Tensor:
     """Per row of [T, topk] cache-wide indices (-1 = skipped): 1 + the column of its last entry >= 0, 0 for a row
     of skips. [T] int32 on the indices' device; no host synchronization."""
