@@ -235,9 +235,14 @@ def test_cuda_graph_decode_replay(fp8, monkeypatch, kernel_calls):
     monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "0")
     case = make_case("flashmla_backend_cg", 64, (64, 300, 1000))
     with _Hooks():
-        from sglang.test.kits.attention_unittest.runner_modes.cuda_graph_decode_runner import (
-            run_dsa_sparse_cuda_graph_decode_case)
+        from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
 
-        run_dsa_sparse_cuda_graph_decode_case(_Case(), case, dsa_decode_backend=SGLANG_DECODE[fp8],
-                                              fp8_kv_cache=fp8)
+        # The runner builds its fixture with the kit's default top-k (128), which SGLang's own translation of
+        # positions refuses (transform_index asserts the model's 2048); the runner looks the builder up in its
+        # module at call time, so give it the model's top-k there.
+        kit_build = cg.build_dsa_sparse_attention_fixture
+        monkeypatch.setattr(cg, "build_dsa_sparse_attention_fixture",
+                            lambda *a, **kw: kit_build(*a, **{**kw, "index_topk": TOPK}))
+        cg.run_dsa_sparse_cuda_graph_decode_case(_Case(), case, dsa_decode_backend=SGLANG_DECODE[fp8],
+                                                 fp8_kv_cache=fp8)
     assert kernel_calls, "flashmla_backend's decode did not run in the kit's CUDA-graph runner"
