@@ -20,10 +20,11 @@ fp8_ds_mla token (vLLM "fp8_ds_mla", and "fp8" / "fp8_e4m3" as for vLLM's own FL
 "fp8_e4m3", which its DSA backend stores in that layout), with 64 or 128 query heads per rank (SPARSE_HEADS).
 
 FP8 query mode (FP8 caches only), chosen by FLASHMLA_BACKEND_FP8_MODE:
-  * "accurate" (default): the engine hands the 16-bit query, which the kernel multiplies against the
-    dequantized cache (no quantization of q; vLLM skips its concat + quant of q);
-  * "fast": vLLM quantizes q to e4m3 with the layer's q scale (its fused concat + quant) and the kernel
-    reads e4m3 q with descale_q (vLLM's FlashMLA-FP8 convention). SGLang runs the accurate mode always.
+  * "fast" (vLLM's default): vLLM quantizes q to e4m3 with the layer's q scale (its fused concat + quant)
+    and the kernel reads e4m3 q with descale_q (vLLM's FlashMLA-FP8 convention);
+  * "accurate": the engine hands the 16-bit query, which the kernel multiplies against the dequantized
+    cache (no quantization of q; vLLM skips its concat + quant of q). SGLang runs the accurate mode always.
+The README ("FP8 KV cache in the engines") says why the fast mode is vLLM's default.
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ BLOCK_SIZE_MULTIPLE = PAGE_SIZE
 
 FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
 FP8_MODES = ("accurate", "fast")
-DEFAULT_FP8_MODE = "accurate"
+DEFAULT_FP8_MODE = "fast"   # vLLM's mode when the variable is unset (SGLang always runs "accurate")
 
 
 def accepted_names(engine: str) -> tuple[str, ...]:
@@ -130,15 +131,21 @@ def block_size_problem(block_size: Optional[int]) -> Optional[str]:
             f"--block-size {PAGE_SIZE} or leave --block-size unset")
 
 
-def fp8_mode() -> str:
-    """FLASHMLA_BACKEND_FP8_MODE: "accurate" (default when unset or empty) or "fast"; anything else raises."""
+def requested_fp8_mode() -> Optional[str]:
+    """The mode FLASHMLA_BACKEND_FP8_MODE names ("accurate" or "fast"), None when it is unset or empty; any other
+    value raises."""
     raw = os.environ.get(FP8_MODE_ENV, "").strip().lower()
     if raw == "":
-        return DEFAULT_FP8_MODE
+        return None
     if raw not in FP8_MODES:
         raise ValueError(f"{FP8_MODE_ENV}={os.environ[FP8_MODE_ENV]!r} is not a FP8 query mode; expected one of "
                          f"{', '.join(FP8_MODES)} (default {DEFAULT_FP8_MODE})")
     return raw
+
+
+def fp8_mode() -> str:
+    """vLLM's FP8 query mode: the one FLASHMLA_BACKEND_FP8_MODE names, DEFAULT_FP8_MODE when it is unset or empty."""
+    return requested_fp8_mode() or DEFAULT_FP8_MODE
 
 
 def default_scale_message(engine: str) -> str:

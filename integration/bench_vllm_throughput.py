@@ -6,13 +6,14 @@ Commands (each prints its plan first, one progress line per engine process, and 
     python integration/bench_vllm_throughput.py
         CUSTOM, FLASHMLA, FLASH_ATTN_MLA, TRITON_MLA with the model's 16-bit cache: 1 round x 3 repeats
     python integration/bench_vllm_throughput.py --backends CUSTOM,FLASHMLA [--kv-cache-dtype fp8]
-        the same for a shorter list; --kv-cache-dtype applies to every backend (CUSTOM with fp8: accurate mode)
+        the same for a shorter list; --kv-cache-dtype applies to every backend (CUSTOM with fp8: the plugin's
+        default mode, fast)
     python integration/bench_vllm_throughput.py \\
         --configs CUSTOM:fp8:accurate,CUSTOM:fp8:fast,FLASHMLA:fp8,CUSTOM:auto,FLASHMLA:auto --rounds 2 --repeats 3
         the FP8 comparison: configs are BACKEND[:KVDTYPE[:MODE]], KVDTYPE auto or fp8 (default: --kv-cache-dtype),
         MODE accurate or fast (CUSTOM with fp8 only; FLASHMLA_BACKEND_FP8_MODE in that engine's environment)
     python integration/bench_vllm_throughput.py --capacity [--configs CUSTOM:fp8,CUSTOM:auto,FLASHMLA:fp8,FLASHMLA:auto]
-        a batch that fits only with FP8 (default configs CUSTOM:fp8:accurate,CUSTOM:auto; see "Capacity" below)
+        a batch that fits only with FP8 (default configs CUSTOM:fp8,CUSTOM:auto; see "Capacity" below)
     python integration/bench_vllm_throughput.py --dcp 2 --configs CUSTOM:auto,FLASHMLA:auto --rounds 4
         decode context parallelism: every engine at tensor_parallel_size 2 + decode_context_parallel_size 2, so
         each needs 2 GPUs (see "Decode context parallelism" below)
@@ -111,12 +112,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
 DEFAULT_BACKENDS = "CUSTOM,FLASHMLA,FLASH_ATTN_MLA,TRITON_MLA"
-DEFAULT_CAPACITY_CONFIGS = "CUSTOM:fp8:accurate,CUSTOM:auto"
+DEFAULT_CAPACITY_CONFIGS = "CUSTOM:fp8,CUSTOM:auto"
 DEFAULT_SPARSE_CONFIGS = "CUSTOM:fp8,FLASHMLA_SPARSE:fp8"   # a DeepSeek-V3.2 --model (see "Sparse models" above)
 MODEL_DIR = harness.MODELS / "tiny-deepseek-v3-h128-8layer"
 KV_DTYPES = ("auto", "fp8")
 FP8_MODES = ("accurate", "fast")
 FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
+DEFAULT_FP8_MODE = "fast"   # the plugin's mode when FP8_MODE_ENV is unset (flashmla_backend.engine_support)
 SPARSE_GPU_ENV = "FLASHMLA_BACKEND_SPARSE_GPU"   # flashmla_backend._env's names (the driver does not import the package)
 REFERENCES = ("FLASHMLA:fp8", "FLASHMLA_SPARSE:fp8", "CUSTOM:auto")   # the throughput table's ratio columns
 CAPACITY_REFERENCE = "CUSTOM:auto"
@@ -153,7 +155,7 @@ class Config:
 
 
 def parse_config(item: str, default_kv: str = "auto", sparse: bool = False) -> Config:
-    """BACKEND[:KVDTYPE[:MODE]] -> Config; KVDTYPE defaults to default_kv, CUSTOM with fp8 to mode accurate. sparse:
+    """BACKEND[:KVDTYPE[:MODE]] -> Config; KVDTYPE defaults to default_kv, CUSTOM with fp8 to the plugin's default mode. sparse:
     for a DeepSeek-V3.2 model, whose sparse backend has no query modes."""
     parts = [p.strip() for p in item.strip().split(":")]
     if not parts[0] or len(parts) > 3 or any(not p for p in parts):
@@ -177,7 +179,7 @@ def parse_config(item: str, default_kv: str = "auto", sparse: bool = False) -> C
             raise ValueError(f"config {item!r}: a mode applies only to CUSTOM with an fp8 KV cache "
                              f"({FP8_MODE_ENV} is read by flashmla_backend's plugin)")
     if backend == "CUSTOM" and kv == "fp8" and mode is None:
-        mode = "accurate"   # the plugin's default, made explicit in the label
+        mode = DEFAULT_FP8_MODE   # the plugin's default, made explicit in the label
     return Config(backend, kv, mode)
 
 

@@ -258,7 +258,7 @@ def test_serve_dcp2_64_concurrent_completions(kv, checkpoint):
     request returns all its tokens, and the server log shows our decode line naming DCP on the ranks."""
     log = eng.serve_64_concurrent(checkpoint, kv, f"serve-custom{'-fp8' if kv == 'fp8' else ''}-tp2-dcp2",
                                   ("--tensor-parallel-size", "2", "--decode-context-parallel-size", "2"))
-    problems = eng.run_log_problems(log, "CUSTOM", kv=kv, mode="accurate" if kv == "fp8" else None)
+    problems = eng.run_log_problems(log, "CUSTOM", kv=kv, mode=eng.DEFAULT_FP8_MODE if kv == "fp8" else None)
     if harness.OUR_DCP_LOG_WORDS not in log:
         problems.append(f"our decode line does not mention decode context parallelism ({harness.OUR_DCP_LOG_WORDS!r})")
     assert not problems, f"server log: {'; '.join(problems)}"

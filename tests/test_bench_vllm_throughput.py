@@ -31,7 +31,7 @@ Config = bench.Config
 
 def test_parse_config_forms():
     assert bench.parse_config("CUSTOM") == Config("CUSTOM", "auto", None)
-    assert bench.parse_config("custom", "fp8") == Config("CUSTOM", "fp8", "accurate")   # the plugin's default mode
+    assert bench.parse_config("custom", "fp8") == Config("CUSTOM", "fp8", "fast")   # the plugin's default mode
     assert bench.parse_config("CUSTOM:fp8:fast") == Config("CUSTOM", "fp8", "fast")
     assert bench.parse_config("FLASHMLA:fp8") == Config("FLASHMLA", "fp8", None)
     assert bench.parse_config("FLASHMLA:auto", "fp8") == Config("FLASHMLA", "auto", None)  # explicit beats default
@@ -60,8 +60,8 @@ def test_parse_configs_list_and_duplicates():
     got = bench.parse_configs("CUSTOM:fp8:accurate,CUSTOM:fp8:fast,FLASHMLA:fp8,CUSTOM:auto,FLASHMLA:auto")
     assert [c.label for c in got] == ["CUSTOM:fp8:accurate", "CUSTOM:fp8:fast", "FLASHMLA:fp8", "CUSTOM:auto",
                                       "FLASHMLA:auto"]
-    with pytest.raises(ValueError, match="given twice: CUSTOM:fp8:accurate"):
-        bench.parse_configs("CUSTOM:fp8,CUSTOM:fp8:accurate")    # the same config, spelled twice
+    with pytest.raises(ValueError, match="given twice: CUSTOM:fp8:fast"):
+        bench.parse_configs("CUSTOM:fp8,CUSTOM:fp8:fast")    # the same config, spelled twice
     with pytest.raises(ValueError, match="no configs"):
         bench.parse_configs(" , ")
 
@@ -74,10 +74,10 @@ def test_backends_is_the_shorthand_with_the_global_kv_dtype():
     assert [c.label for c in bench.resolve(_args([]))] == ["CUSTOM:auto", "FLASHMLA:auto", "FLASH_ATTN_MLA:auto",
                                                            "TRITON_MLA:auto"]
     assert [c.label for c in bench.resolve(_args(["--backends", "CUSTOM,FLASHMLA", "--kv-cache-dtype", "fp8"]))] == \
-        ["CUSTOM:fp8:accurate", "FLASHMLA:fp8"]
+        ["CUSTOM:fp8:fast", "FLASHMLA:fp8"]
     assert [c.label for c in bench.resolve(_args(["--configs", "CUSTOM,FLASHMLA:auto", "--kv-cache-dtype", "fp8"]))] \
-        == ["CUSTOM:fp8:accurate", "FLASHMLA:auto"]
-    assert [c.label for c in bench.resolve(_args(["--capacity"]))] == ["CUSTOM:fp8:accurate", "CUSTOM:auto"]
+        == ["CUSTOM:fp8:fast", "FLASHMLA:auto"]
+    assert [c.label for c in bench.resolve(_args(["--capacity"]))] == ["CUSTOM:fp8:fast", "CUSTOM:auto"]
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -147,6 +147,9 @@ def test_the_env_names_are_the_packages():
 
     assert bench.SPARSE_GPU_ENV == SPARSE_GPU_ENV
     assert bench.FP8_MODE_ENV == "FLASHMLA_BACKEND_FP8_MODE"
+    from flashmla_backend.engine_support import DEFAULT_FP8_MODE
+
+    assert bench.DEFAULT_FP8_MODE == DEFAULT_FP8_MODE
 
 
 def test_a_v32_model_runs_the_sparse_configs():
@@ -406,26 +409,26 @@ def test_driver_runs_each_config_in_alternating_order(driver, capsys):
 
 
 def test_driver_records_failures_and_wrong_logs(driver, capsys):
-    fake = FakeEngines({"CUSTOM:fp8:accurate": 15000, "FLASHMLA:fp8": 14000, "CUSTOM:auto": 1},
-                       bad_log="CUSTOM:fp8:accurate", crash="CUSTOM:auto")
+    fake = FakeEngines({"CUSTOM:fp8:fast": 15000, "FLASHMLA:fp8": 14000, "CUSTOM:auto": 1},
+                       bad_log="CUSTOM:fp8:fast", crash="CUSTOM:auto")
     rc, res = driver(fake, ["--configs", "CUSTOM:fp8,FLASHMLA:fp8,CUSTOM:auto", "--repeats", "1"])
     assert rc == 1
     why = {f["config"]: f["why"] for f in res["failures"]}
-    assert "does not show flashmla_backend" in why["CUSTOM:fp8:accurate"] and "exited 1" in why["CUSTOM:auto"]
+    assert "does not show flashmla_backend" in why["CUSTOM:fp8:fast"] and "exited 1" in why["CUSTOM:auto"]
     assert {m["config"] for m in res["measurements"]} == {"FLASHMLA:fp8"}
     assert "FAILED: CUSTOM:auto" in capsys.readouterr().out
 
 
 def test_driver_capacity_run(driver, capsys):
-    fake = FakeEngines({"CUSTOM:fp8:accurate": 20000, "CUSTOM:auto": 5000})
+    fake = FakeEngines({"CUSTOM:fp8:fast": 20000, "CUSTOM:auto": 5000})
     rc, res = driver(fake, ["--capacity", "--repeats", "2"])
     assert rc == 0 and all(c[3] for c in fake.calls)
     assert res["kind"] == "capacity" and res["meta"]["need_tokens"] == 64 * 9049
     assert res["meta"]["kv_cache_memory_bytes"] == bench.capacity_kv_bytes(64, 7000, 2049, 8)
     caps = {p["config"]: p["capacity"] for p in res["processes"]}
-    assert caps["CUSTOM:auto"]["kv_tokens"] == 309632 and caps["CUSTOM:fp8:accurate"]["source"] == "log"
+    assert caps["CUSTOM:auto"]["kv_tokens"] == 309632 and caps["CUSTOM:fp8:fast"]["source"] == "log"
     rows = _rows(capsys.readouterr().out)
-    assert rows["CUSTOM:fp8:accurate"][2] == "yes" and rows["CUSTOM:auto"][2].startswith("no (")
+    assert rows["CUSTOM:fp8:fast"][2] == "yes" and rows["CUSTOM:auto"][2].startswith("no (")
 
 
 def test_dry_run_starts_nothing(driver, tmp_path, monkeypatch, capsys):

@@ -32,19 +32,22 @@ def test_block_sizes():
     assert "32 does not" in es.block_size_problem(32)
 
 
-@pytest.mark.parametrize("raw,mode", [(None, "accurate"), ("", "accurate"), ("fast", "fast"), (" Accurate ", "accurate")])
-def test_fp8_mode(monkeypatch, raw, mode):
+@pytest.mark.parametrize("raw,mode,requested", [(None, "fast", None), ("", "fast", None), ("fast", "fast", "fast"),
+                                                (" Accurate ", "accurate", "accurate")])
+def test_fp8_mode(monkeypatch, raw, mode, requested):
     if raw is None:
         monkeypatch.delenv(es.FP8_MODE_ENV, raising=False)
     else:
         monkeypatch.setenv(es.FP8_MODE_ENV, raw)
-    assert es.fp8_mode() == mode
+    assert es.fp8_mode() == mode and es.requested_fp8_mode() == requested
+    assert es.DEFAULT_FP8_MODE == "fast"   # vLLM's default (README: "FP8 KV cache in the engines" says why)
 
 
-def test_fp8_mode_refuses_other_values(monkeypatch):
+@pytest.mark.parametrize("read", ["fp8_mode", "requested_fp8_mode"])
+def test_fp8_mode_refuses_other_values(monkeypatch, read):
     monkeypatch.setenv(es.FP8_MODE_ENV, "1")
-    with pytest.raises(ValueError, match="FLASHMLA_BACKEND_FP8_MODE='1'.*accurate, fast"):
-        es.fp8_mode()
+    with pytest.raises(ValueError, match=r"FLASHMLA_BACKEND_FP8_MODE='1'.*accurate, fast \(default fast\)"):
+        getattr(es, read)()
 
 
 def test_unknown_engine():

@@ -1197,6 +1197,9 @@ FAST_MODE_TEXT = "SGLang runs the accurate mode"
 
 def test_fp8_fast_mode_warns_once_that_sglang_runs_the_accurate_mode(runners, plugin_log, fresh_process_notes,
                                                                      monkeypatch, kernel_calls):
+    monkeypatch.delenv(engine_support.FP8_MODE_ENV, raising=False)
+    build_backend(runners(fp8=True))  # unset: vLLM's default mode is fast, but nothing was asked of SGLang
+    assert messages(plugin_log, FAST_MODE_TEXT) == []
     monkeypatch.setenv(engine_support.FP8_MODE_ENV, "fast")
     assert engine_support.fp8_mode() == "fast"
     build_backend(runners())  # a 16-bit cache: no FP8 mode to speak of

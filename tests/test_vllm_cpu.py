@@ -734,8 +734,8 @@ def fp8_plugin(monkeypatch, mode: str | None, manager_block_size: int = 64, quer
     return Plugin(vllm_config(manager_block_size, kv_cache_dtype=kv_cache_dtype, query_len=query_len, **kw))
 
 
-@pytest.mark.parametrize("mode,expect_quant_q", [(None, False), ("accurate", False), ("fast", True),
-                                                 (" FAST ", True)])
+@pytest.mark.parametrize("mode,expect_quant_q", [(None, True), ("accurate", False), ("fast", True),
+                                                 (" FAST ", True), (" Accurate", False)])
 def test_fp8_mode_switch(monkeypatch, mode, expect_quant_q):
     """vLLM's layer quantizes q before forward_mqa exactly when the impl says supports_quant_query_input."""
     plugin = fp8_plugin(monkeypatch, mode)

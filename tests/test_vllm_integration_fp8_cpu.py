@@ -181,6 +181,13 @@ OURS = "INFO [impl.py:90] flashmla_backend: MLA decode attention runs on flashml
 DEFAULT = "WARNING flashmla_backend: FP8 KV cache with the default scale 1.0: the checkpoint carries no KV-cache scales"
 
 
+def test_the_engine_tests_name_the_packages_fp8_modes():
+    from flashmla_backend import engine_support
+
+    assert eng.FP8_MODE_ENV == engine_support.FP8_MODE_ENV and eng.FP8_MODES == engine_support.FP8_MODES
+    assert eng.DEFAULT_FP8_MODE == engine_support.DEFAULT_FP8_MODE   # what the serve tests expect in the log
+
+
 def test_run_log_problems():
     f = eng.run_log_problems
     assert f("anything", "FLASHMLA", kv="fp8") == []

@@ -190,15 +190,16 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         self.is_draft_runner = bool(getattr(model_runner, "is_draft_worker", False))
 
         device = torch.device(model_runner.device)
-        # An invalid FLASHMLA_BACKEND_FP8_MODE fails here, at start-up, whatever the cache.
-        fp8_mode = engine_support.fp8_mode()
+        # An invalid FLASHMLA_BACKEND_FP8_MODE fails here, at start-up, whatever the cache. Unset, nothing to say:
+        # SGLang runs the accurate mode (the variable's default is vLLM's).
+        fp8_mode = engine_support.requested_fp8_mode()
         self.kv_cache_fp8 = model_runner.kv_cache_dtype == engine_support.FP8_DTYPE
         # descale_k of layers without a k_scale: one tensor per backend, allocated here, so that CUDA graphs
         # capture a fixed address (never a per-call allocation).
         self.unit_descale_k = (torch.ones(1, dtype=torch.float32, device=device) if self.kv_cache_fp8 else None)
         self._scales_checked: set[int] = set()
         global _fast_mode_noted
-        if self.kv_cache_fp8 and fp8_mode != "accurate" and not _fast_mode_noted:
+        if self.kv_cache_fp8 and fp8_mode == "fast" and not _fast_mode_noted:
             _fast_mode_noted = True
             logger.warning("flashmla_backend: %s=%s selects vLLM's fast FP8 mode (e4m3 queries); SGLang runs the "
                            "accurate mode (16-bit queries against the e4m3 cache) whatever its value.",

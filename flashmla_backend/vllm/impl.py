@@ -11,9 +11,9 @@ FP8 KV cache (--kv-cache-dtype fp8 / fp8_e4m3; flashmla_backend.engine_support):
 values k / _k_scale through its own cache op and hands forward_mqa the cache viewed as float8_e4m3fn; the
 kernel reads it in place with descale_k = the layer's _k_scale (a device tensor: a CUDA-graph replay reads
 the current value). The query mode comes from FLASHMLA_BACKEND_FP8_MODE:
-  accurate (default)  supports_quant_query_input = False: vLLM hands the 16-bit (ql_nope, q_pe);
-  fast                supports_quant_query_input = True: vLLM quantizes q with its fused concat + quant
-                      (scale _q_scale) and hands one e4m3 [T, N, 576] tensor; descale_q = _q_scale.
+  fast (default)      supports_quant_query_input = True: vLLM quantizes q with its fused concat + quant
+                      (scale _q_scale) and hands one e4m3 [T, N, 576] tensor; descale_q = _q_scale;
+  accurate            supports_quant_query_input = False: vLLM hands the 16-bit (ql_nope, q_pe).
 
 Decode context parallelism (--decode-context-parallel-size N; flashmla_backend.vllm.builder describes the
 shard): vLLM's MLA layer gathers the decode queries of the N ranks by head (one [T, N x heads, 576]
