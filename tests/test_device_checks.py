@@ -200,7 +200,7 @@ def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):
 def test_fp8_protocol_model_reads_the_vregs_tile(fp8_model):
     """The V-in-registers tile's variants (TraitsVR in launch.cuh) and its kv_empty count (vregs.h: every consumer
     warp)."""
-    assert fp8_model.read_vregs_variants() == {"kAccurateVRegsBF16": 3, "kAccurateVRegsFP16": 3}
+    assert fp8_model.read_vregs_variants() == {"kAccurateVRegsBF16": 3, "kAccurateVRegsFP16": 3, "kFastVRegs": 4}
     assert fp8_model.read_vregs_kv_empty_arrivals() == 8
 
 

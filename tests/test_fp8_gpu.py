@@ -8,8 +8,8 @@ result of each request's own scale, expanded stride-0 tensors bitwise the per-te
 tables changed. At most 32 query rows a KV head: both modes' two tiles (the accurate mode: keys on M or the stacked Q
 tile up to 16 rows, the stacked or the 64-row tile at 17-32; the fast mode: keys on M or the 64-row tile up to 16),
 each against fp64, with per-request descales and graph replays; the stacked Q tile at every row count in both its
-plans. The accurate mode's V-in-registers tile (FLASHMLA_BACKEND_FP8_DEBUG bit 1024) at every case the two-term 64-row
-tile serves, with several requests a CTA, per-request descales and graph replays. The removed kernel switch
+plans. Both modes' V-in-registers tiles (FLASHMLA_BACKEND_FP8_DEBUG bit 1024) at every case their 64-row tiles serve,
+with several requests a CTA, per-request descales and graph replays. The removed kernel switch
 FLASHMLA_BACKEND_FP8_KERNEL is refused.
 """
 import pytest
@@ -436,3 +436,29 @@ def test_accurate_vregs_tile_many_requests(monkeypatch):
 def test_accurate_vregs_tile_per_request_descales_and_graph_replay(monkeypatch):
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
     _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), "bf16q", 9, 13)
+
+
+# The fast mode's V-in-registers tile (vregs.h with an e4m3 q: O^T = V^T P^T on e4m3 wgmma, V's bytes permuted in the
+# consumers' registers, no transposition) in place of the fast 64-row tile: bit 1024, at every case that tile serves
+# (all but at most 16 rows with one (request, KV head) pair, which keep the keys-on-M tile).
+def _runs_the_fast_64_row_tile(case):
+    return not (case.s_q * case.h_q // case.h_kv <= 16 and len(case.lengths) * case.h_kv == 1)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if _runs_the_fast_64_row_tile(c)], ids=str)
+def test_fast_vregs_tile(monkeypatch, case):
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
+    _matches_fp64(case, "e4m3q", ", V in registers")
+
+
+def test_fast_vregs_tile_many_requests(monkeypatch):
+    """48 rows a KV head over 24 requests: several requests a CTA, zero lengths, odd block counts (a virtual block),
+    split requests."""
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
+    _matches_fp64(Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=3, h_q=16, seed=7), "e4m3q",
+                  ", V in registers")
+
+
+def test_fast_vregs_tile_per_request_descales_and_graph_replay(monkeypatch):
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
+    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), "e4m3q", 9, 13)

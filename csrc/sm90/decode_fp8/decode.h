@@ -31,6 +31,9 @@ enum class Variant {
   // 16-bit q, the two-term 64-row tile with P V as O^T = V^T P^T, V widened in the consumers' registers (vregs.h)
   kAccurateVRegsBF16,
   kAccurateVRegsFP16,
+  // e4m3 q, the 64-row tile with P V as O^T = V^T P^T on e4m3 wgmma, V's bytes permuted in the consumers' registers:
+  // no V transposition (vregs.h)
+  kFastVRegs,
 };
 // debug: FLASHMLA_BACKEND_FP8_DEBUG as dispatch.cu read it for this call (DebugFlags below; 0 in normal use).
 template <Variant V>
@@ -54,9 +57,10 @@ enum DebugFlags : int {
   kDebugStackedManyRows = 512,   // the accurate mode past 32 query rows a KV head: the other tile than the default
                                  // (stacked Q tiles of 32 rows, or the two-term 64-row tile); the same results within
                                  // the mode's error
-  kDebugVRegs = 1024,            // the accurate mode's two-term 64-row tile: the V-in-registers tile (vregs.h) instead
-                                 // of the one whose producer widens V; the same results within the mode's error (bit
-                                 // 1 does not apply to it)
+  kDebugVRegs = 1024,            // the 64-row tiles: the V-in-registers tile (vregs.h) instead of the one whose
+                                 // producer widens V (accurate mode) or transposes it (fast mode, also in place of the
+                                 // plans of bits 4 and 8); the same results within the mode's error (bit 1 does not
+                                 // apply to it)
 };
 // Every bit above. Others mean nothing and are refused (dispatch.cu), so that a value naming a removed measurement
 // (2048 and 4096 were two of them) is an error rather than a silent run of the default.

@@ -121,6 +121,11 @@ template <>
 struct VariantTraits<Variant::kAccurateVRegsFP16> {
   using type = TraitsVR<cutlass::half_t, 3, 240, 24>;
 };
+// The fast mode's V-in-registers tile: one e4m3 Q tile (36 KB) leaves room for 4 KV stages (Q 36 KB + 144 KB + P 8 KB).
+template <>
+struct VariantTraits<Variant::kFastVRegs> {
+  using type = TraitsVR<cutlass::float_e4m3_t, 4, 240, 24>;
+};
 
 // The accurate mode's keys-on-M tile (keys_on_m.h) for at most 16 query rows a KV head. Plans measured on an H100
 // (docs/perf/journal.md, 2026-11-27; KV stages, fp16 V in halves with left and right rings or in quarters of one

@@ -1,6 +1,7 @@
-// Consumer warpgroups of the accurate mode's V-in-registers tile (vregs.h: TraitsVR): Q K^T on e4m3 wgmma (two q
-// terms, qk_block of mainloop.cuh), the online softmax, and P V as O^T = V^T P^T on fp16 wgmma with V^T read from the
-// KV stage into registers.
+// Consumer warpgroups of the V-in-registers tile (vregs.h: TraitsVR): Q K^T on e4m3 wgmma (qk_block of mainloop.cuh;
+// two q terms in the accurate mode, one in the fast mode), the online softmax, and P V as O^T = V^T P^T with V^T read
+// from the KV stage into registers: on fp16 wgmma with V widened (accurate), or on e4m3 wgmma with V's bytes only
+// permuted and P in e4m3 (fast; vt_half_tile_words8).
 //
 // The seesaw of mainloop.cuh: blocks in pairs, warpgroup 0 multiplies block b0 by Q and decides m0, warpgroup 1 block
 // b0 + 1 and m1; warpgroup 0 accumulates value columns [0, 256) of both blocks, warpgroup 1 columns [256, 512). Each
@@ -115,6 +116,21 @@ __device__ __forceinline__ void store_pt(uint32_t pt_addr, int warp, int lane, c
   }
 }
 
+// The fast mode's P (p_fragment's e4m3 words: word 4 kk + q = row g + 8 (q & 1) of the warp's 16, positions
+// 32 kk + 16 (q >> 1) + 4 t .. + 3 in the key order of mainloop.cuh: p_words) into a (64 rows, 64 positions) e4m3 tile
+// with 64B swizzle: two stmatrix.x4 (a b16 matrix is 8 rows x 16 bytes, a lane's register row lane / 4, bytes
+// 4 (lane % 4) ..: exactly a word's place), matrix q of store kk = rows 16 warp + 8 (q & 1) .. + 7, 16-byte chunk
+// 2 kk + (q >> 1), the lane supplying row lane % 8 of matrix lane / 8.
+__device__ __forceinline__ void store_pt8(uint32_t pt_addr, int warp, int lane, const uint32_t (&words)[8]) {
+  const int mi = lane >> 3;
+  const int row = 16 * warp + 8 * (mi & 1) + (lane & 7);
+  CUTLASS_PRAGMA_UNROLL
+  for (int kk = 0; kk < 2; ++kk) {
+    const uint32_t w[4] = {words[4 * kk], words[4 * kk + 1], words[4 * kk + 2], words[4 * kk + 3]};
+    stsm_x4(pt_addr + sw64_offset(row, 2 * kk + (mi >> 1)), w);
+  }
+}
+
 // The byte selectors of a block's keys for the lane's ldmatrix registers. Register j of the load at keys 32 hh holds
 // keys k = 32 hh + 8 j + 2 t (bytes 0: column 2g, 1: column 2g + 1) and k + 1 (bytes 2, 3); prmt with selector
 // 0x3120 orders them (k, k + 1 of column 2g | the same of column 2g + 1), the two halves that cvt widens. A key at or
@@ -149,18 +165,52 @@ __device__ __forceinline__ void vt_half_tile_words(const uint32_t (&r)[4], const
   }
 }
 
-// A half-tile's A words, as the (64 value columns, 32 keys) fragment of the O^T product.
+// The fast mode (e4m3 words, k32 steps): word 0 is row g (column 2g) at positions 4t .. 4t + 3, which p_words gives
+// keys 2t, 2t + 1, 8 + 2t, 9 + 2t: bytes 0 and 2 of registers 0 and 1, one prmt (0x6420); word 1 is row g + 8 (column
+// 2g + 1), bytes 1 and 3 (0x7531); words 2 and 3 the same of registers 2 and 3 (keys 16 ..). No byte is free for a
+// zero operand here, so the keys at or past `valid` (block_masks8) are cleared by an AND mask, in a block that has
+// such keys only (`masked`, warp-uniform). checks/vregs_probe.cu checks this mapping against fp64 on a GPU.
+// mask[2 hh + h]: the bytes of keys 32 hh + 16 h + {2t, 2t + 1, 8 + 2t, 9 + 2t} that are below `valid`.
+__device__ __forceinline__ void block_masks8(int valid, int lane, uint32_t (&mask)[4]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < 4; ++j) {
+    uint32_t m = 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int k = 16 * j + 2 * (lane & 3) + (i & 1) + 8 * (i >> 1);
+      m |= k < valid ? 0xffu << (8 * i) : 0u;
+    }
+    mask[j] = m;
+  }
+}
+__device__ __forceinline__ void vt_half_tile_words8(const uint32_t (&r)[4], bool masked, const uint32_t* mask,
+                                                    uint32_t (&a)[4]) {
+  a[0] = __byte_perm(r[0], r[1], 0x6420u);
+  a[1] = __byte_perm(r[0], r[1], 0x7531u);
+  a[2] = __byte_perm(r[2], r[3], 0x6420u);
+  a[3] = __byte_perm(r[2], r[3], 0x7531u);
+  if (masked) {
+    a[0] &= mask[0];
+    a[1] &= mask[0];
+    a[2] &= mask[1];
+    a[3] &= mask[1];
+  }
+}
+
+// A half-tile's A words, as the (64 value columns, 32 keys) fragment of the O^T product: 8 fp16 words, or 4 e4m3.
 template <class T>
 struct OTWords {
+  using E = typename T::PvElement;
   using ALayout = decltype(make_layout(partition_shape_A(typename T::TiledMmaOT{}, Shape<_64, _32>{})));
-  static_assert(cosize_v<ALayout> * 2 == 32, "8 fp16 words a thread");
-  uint32_t w[8];
+  static constexpr int kWords = int(cosize_v<ALayout> * sizeof(E)) / 4;
+  static_assert(kWords == (T::kQFp8 ? 4 : 8), "a thread's A words of 64 value columns x 32 keys");
+  uint32_t w[kWords];
   __device__ __forceinline__ auto tensor() {
-    return make_tensor(make_rmem_ptr<cutlass::half_t>(reinterpret_cast<cutlass::half_t*>(&w[0])), ALayout{});
+    return make_tensor(make_rmem_ptr<E>(reinterpret_cast<E*>(&w[0])), ALayout{});
   }
   __device__ __forceinline__ void fence() {
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(w[i]));
+    for (int i = 0; i < kWords; ++i) asm volatile("" : "+r"(w[i]));
   }
 };
 
@@ -170,15 +220,17 @@ __device__ __forceinline__ void ot_product(OTWords<T>& a, uint8_t* pt, int hh, i
   typename T::TiledMmaOT mma;
   auto thr = mma.get_slice(tid);
   const uint32_t z = opaque_zero();
-  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<cutlass::half_t*>(pt) + z), typename T::SmemLayoutPT{});
-  Tensor tB = thr.partition_fragment_B(sP);  // (MMA, 1, 4)
-  Tensor tA = a.tensor();                    // (MMA, 1, 2)
+  using E = typename T::PvElement;
+  Tensor sP = make_tensor(make_smem_ptr(reinterpret_cast<E*>(pt) + z), typename T::SmemLayoutPT{});
+  Tensor tB = thr.partition_fragment_B(sP);  // (MMA, 1, 4) k16 steps (fp16), (MMA, 1, 2) k32 steps (e4m3)
+  Tensor tA = a.tensor();                    // (MMA, 1, 2) (fp16), (MMA, 1, 1) (e4m3)
+  constexpr int kSteps = decltype(size<2>(tA))::value;
   mma.accumulate_ = GMMA::ScaleOut::One;
   a.fence();
   warpgroup_fence_operand(acc);
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
-  for (int kb = 0; kb < 2; ++kb) cute::gemm(mma, tA(_, _, kb), tB(_, _, 2 * hh + kb), acc);
+  for (int kb = 0; kb < kSteps; ++kb) cute::gemm(mma, tA(_, _, kb), tB(_, _, kSteps * hh + kb), acc);
   warpgroup_commit_batch();
   warpgroup_fence_operand(acc);
   a.fence();
@@ -196,23 +248,55 @@ __device__ __forceinline__ void pv_block_vregs(typename T::SharedStorage& ss, in
   OTWords<T> a[3];
   uint32_t r[4];
   vt_half_tile_load(stage_addr, half, 0, warp, lane, r);
+  const bool masked = T::kQFp8 && sel[4] != 0u;  // e4m3: sel[0..3] the block's masks, sel[4] whether any applies
   CUTLASS_PRAGMA_UNROLL
   for (int u = 0; u < 8; ++u) {
     if (u >= 3) warpgroup_wait<2>();  // u - 3's product, which read a[u % 3], completed
-    vt_half_tile_words(r, &sel[4 * (u & 1)], a[u % 3].w);
+    if constexpr (T::kQFp8) {
+      vt_half_tile_words8(r, masked, &sel[2 * (u & 1)], a[u % 3].w);
+    } else {
+      vt_half_tile_words(r, &sel[4 * (u & 1)], a[u % 3].w);
+    }
     if (u < 7) vt_half_tile_load(stage_addr, half, u + 1, warp, lane, r);
     ot_product<T>(a[u % 3], pt, u & 1, tid, o.t[u / 2]);
   }
 }
 
-// One P tile to pt (fp16, 128B swizzle), fenced for the products (async proxy).
-template <class Frag>
+// One P tile to pt (fp16 with 128B swizzle, or the fast mode's e4m3 with 64B swizzle), fenced for the products
+// (async proxy).
+template <class T, class Frag>
 __device__ __forceinline__ void write_pt(const Frag& s, uint8_t* pt, int tid) {
-  uint32_t words[16];
-  p16_fragment(s, words);
-  store_pt(cute::cast_smem_ptr_to_uint(pt), tid / 32, tid & 31, words);
+  if constexpr (T::kQFp8) {
+    uint32_t words[8];
+    p_fragment(s, words);
+    store_pt8(cute::cast_smem_ptr_to_uint(pt), tid / 32, tid & 31, words);
+  } else {
+    uint32_t words[16];
+    p16_fragment(s, words);
+    store_pt(cute::cast_smem_ptr_to_uint(pt), tid / 32, tid & 31, words);
+  }
   cutlass::arch::fence_view_async_shared();
 }
+
+// The keys of a block (first key tok) that the O^T product may read: the fp16 words' byte selectors (key_selectors),
+// or the e4m3 words' masks with sel[4] telling whether the block has a key to clear (block_masks8).
+template <class T>
+__device__ __forceinline__ void block_key_words(int valid, int lane, uint32_t (&sel)[8]) {
+  if constexpr (T::kQFp8) {
+    uint32_t m[4];
+    block_masks8(valid, lane, m);
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 4; ++j) sel[j] = m[j];
+    sel[4] = valid < kBlockN ? 1u : 0u;
+  } else {
+    key_selectors(valid, lane, sel);
+  }
+}
+
+// How a row's reference max moves: exactly for the fast mode (e4m3 P must stay below 2^kPScaleLog2 <= 448), lazily
+// for fp16 P (LazyMax above).
+template <class T>
+using VRegsMax = std::conditional_t<T::kQFp8, ExactMax, LazyMax>;
 
 // ------------------------------------------------------------------------------------------------
 // The request piece's main loop of consumer warpgroup kWG (blocks in pairs, run_steps of mainloop.cuh).
@@ -247,20 +331,20 @@ __device__ __forceinline__ void mainloop_vregs(typename T::SharedStorage& ss, co
     // ---- softmax of the own block (mainloop.cuh), P to pt[kWG] ----
     if constexpr (kWG == 0) {
       float sc0[2];
-      softmax_block0<T, LazyMax>(ss, w, ri, lane, tok0, sl2, tSrS, row_sum, sc0);
+      softmax_block0<T, VRegsMax<T>>(ss, w, ri, lane, tok0, sl2, tSrS, row_sum, sc0);
       // P0 -> pt[0], once warpgroup 1's P0 V product of the last step completed.
       if (b0 > 0) NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Free));
-      write_pt(tSrS, pt0, tid);
+      write_pt<T>(tSrS, pt0, tid);
       NamedBarrier::sync(kThreadsPerWarpGroup, uint32_t(NamedBarriers::kOwnP0));
       NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
       rescale_cols<T>(o, ss.scale0, lane);
     } else {
       // m1 against warpgroup 0's m0; P1 and scale1 published together (kScale1Ready).
       float sc1[2], sc01[2];
-      softmax_block1<false, LazyMax>(ss, w, ri, lane, tok0 + kBlockN, sl2, tSrS, row_sum, sc1, sc01,
+      softmax_block1<false, VRegsMax<T>>(ss, w, ri, lane, tok0 + kBlockN, sl2, tSrS, row_sum, sc1, sc01,
                                      [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         if (b0 > 0) NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP1Free));
-        write_pt(tSrS, pt1, tid);
+        write_pt<T>(tSrS, pt1, tid);
         // O_R sc0 before scale1 is published: warpgroup 0 rewrites scale0 only after it saw kScale1Ready.
         rescale_cols<T>(o, ss.scale0, lane);
         NamedBarrier::sync(kThreadsPerWarpGroup, uint32_t(NamedBarriers::kOwnP1));
@@ -270,7 +354,7 @@ __device__ __forceinline__ void mainloop_vregs(typename T::SharedStorage& ss, co
 
     // ---- O^T += V0^T P0^T (block b0) ----
     wait_kv_block<T>(ss, g0);  // the owner waited already; the other warpgroup's view of the stage
-    key_selectors(w.stop_eff - tok0, lane, sel);
+    block_key_words<T>(w.stop_eff - tok0, lane, sel);
     pv_block_vregs<T>(ss, int(stage_of(g0, T::kStages)), kWG, pt0, sel, tid, o);
     warp_arrive(ss.kv_empty[stage_of(g0, T::kStages)], lane);  // this warp's reads of block b0 are done
 
@@ -290,7 +374,7 @@ __device__ __forceinline__ void mainloop_vregs(typename T::SharedStorage& ss, co
     // the half-tiles' words are built ----
     if constexpr (kNext) qk_block<T>(tid, ss, g0 + 2 + uint32_t(kWG), tSrS);
     wait_kv_block<T>(ss, g0 + 1);
-    key_selectors(w.stop_eff - tok0 - kBlockN, lane, sel);
+    block_key_words<T>(w.stop_eff - tok0 - kBlockN, lane, sel);
     pv_block_vregs<T>(ss, int(stage_of(g0 + 1, T::kStages)), kWG, pt1, sel, tid, o);
     warp_arrive(ss.kv_empty[stage_of(g0 + 1, T::kStages)], lane);
     warpgroup_wait<0>();

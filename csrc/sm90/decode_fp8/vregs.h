@@ -1,4 +1,4 @@
-// Types of the accurate mode's "V in registers" tile (TraitsVR): the 64-row, two-q-term tile of the sm90 FP8
+// Types of the "V in registers" tile (TraitsVR), first the accurate mode's: the 64-row, two-q-term tile of the sm90 FP8
 // tensor-core decode kernel with P V computed transposed, O^T = V^T P^T, on fp16 wgmma whose A operand (V^T, 64 value
 // columns a tile) is read from the KV stage into registers and widened there (mainloop_vregs.cuh), and whose B operand
 // is P in fp16 in shared memory. No V^T or fp16 V buffer, no transposing or widening producer warps: the shared memory
@@ -14,6 +14,15 @@
 // as the default tile's), but slower than the default tile: 631 against 599 us at b128-sk8192-h128, 387 / 359 on the
 // varlen h_q 128 batch, 44 / 32 at b = 1; without the cvt (wrong results) 583 / 358. So it is not the default; it runs
 // with FLASHMLA_BACKEND_FP8_DEBUG bit 1024 (decode.h: kDebugVRegs).
+//
+// The fast mode's form (an e4m3 q: one Q term, 4 KV stages, P V on e4m3 wgmma whose A words are V's bytes permuted by
+// prmt, P in e4m3 with the exact running max): in place of the fast 64-row tile and its V transposition with the same
+// bit. Measured (docs/perf/journal.md, 2026-11-30, H200): correct (tests/test_fp8_gpu.py, out 5.8e-3-2.1e-2 against
+// fp64, as the default tile), no spills, but slower at every shape: 444.8 against 331.9 us at b128-sk8192-h128 (451 /
+// 351 in 100 ms windows, both at the power cap), 876 / 652 at s_q 2, 275 / 207 on the varlen h_q 128 batch, 133 / 102
+// at b64 h_q 32, 220 / 174 at b128 h_q 16, 31.9 / 21.7 at b = 1. ncu at b128-sk8192-h128: 137 M warp instructions
+// against 100.6 M (the permutes and the exact max's column rescales, 28 M FP32 instructions against 15.6 M, now on the
+// consumers' path instead of a producer warpgroup's).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -29,22 +38,26 @@ namespace flashmla_backend::sm90::decode_fp8 {
 
 using namespace cute;
 
-// QIn: the 16-bit q (split into two e4m3 terms as in Traits). kStages: KV blocks in flight.
+// QIn: the 16-bit q of the accurate mode (split into two e4m3 terms as in Traits), or the fast mode's e4m3 q (one
+// term; P V then on e4m3 wgmma: the A words are V's bytes permuted, not widened, and P is e4m3). kStages: KV blocks in
+// flight.
 template <class QIn_, int kStages_, int kConsumerRegs_ = 232, int kProducerRegs_ = 40>
 struct TraitsVR {
   using QIn = QIn_;
   using Element = cutlass::float_e4m3_t;
-  static_assert(std::is_same_v<QIn, cutlass::bfloat16_t> || std::is_same_v<QIn, cutlass::half_t>,
-                "the V-in-registers tile serves the accurate mode (a 16-bit q)");
-  static constexpr bool kQFp8 = false;
-  using Out = QIn;
-  static constexpr int kQTerms = 2;
-  static constexpr int kQTiles = 2;
+  static constexpr bool kQFp8 = std::is_same_v<QIn, cutlass::float_e4m3_t>;
+  static_assert(kQFp8 || std::is_same_v<QIn, cutlass::bfloat16_t> || std::is_same_v<QIn, cutlass::half_t>,
+                "the V-in-registers tile takes a 16-bit q (accurate mode) or an e4m3 q (fast mode)");
+  using Out = std::conditional_t<kQFp8, cutlass::bfloat16_t, QIn>;
+  // The O^T product's operands: V^T words and P in fp16 (accurate) or e4m3 (fast).
+  using PvElement = std::conditional_t<kQFp8, cutlass::float_e4m3_t, cutlass::half_t>;
+  static constexpr int kQTerms = kQFp8 ? 1 : 2;
+  static constexpr int kQTiles = kQTerms;
   static constexpr int kStages = kStages_;
   static constexpr int kTileRows = kBlockM;
   static constexpr int kOutRowsPerThread = 2;
-  // qk_block (mainloop.cuh) takes the small q term first when kPvF16 (P V on 16-bit tensor cores, as here).
-  static constexpr bool kPvF16 = true;
+  // qk_block (mainloop.cuh) takes the small q term first when kPvF16 (P V on 16-bit tensor cores).
+  static constexpr bool kPvF16 = !kQFp8;
   static constexpr bool kStackedTerms = false;
   static constexpr bool kShareVt = false;
   static constexpr bool kKeysOnM = false;
@@ -65,15 +78,18 @@ struct TraitsVR {
   using SmemLayoutTile = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<Element>{},
                                                 Shape<Int<kBlockM>, Int<kHeadDimK>>{}));
   // One O^T tile: (64 value columns, 64 query rows, 64 keys), A (V^T) from registers, B (P^T) K-major in shared memory.
-  using TiledMmaOT = decltype(make_tiled_mma(GMMA::rs_op_selector<cutlass::half_t, cutlass::half_t, float,
+  using TiledMmaOT = decltype(make_tiled_mma(GMMA::rs_op_selector<PvElement, PvElement, float,
                                                                   Shape<_64, _64, Int<kBlockN>>, GMMA::Major::K,
                                                                   GMMA::Major::K>()));
-  // P of a block in fp16 as the B operand: (64 query rows, 64 keys), rows of 128 bytes, 128B swizzle
-  // (layout.h: sw128_offset).
-  using SmemLayoutPT = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{},
-                                              Shape<Int<kBlockM>, Int<kBlockN>>{}));
-  static constexpr int kPtBytes = kBlockM * kBlockN * 2;  // 8192
-  static_assert(cosize_v<SmemLayoutPT> * 2 == kPtBytes, "P tile size");
+  // P of a block as the B operand: (64 query rows, 64 keys), K-major; fp16: rows of 128 bytes, 128B swizzle (layout.h:
+  // sw128_offset); e4m3: rows of 64 bytes, 64B swizzle (sw64_offset), the keys in the order of the fast mode's P
+  // fragment (mainloop.cuh: p_words), which the V^T words follow.
+  using SmemLayoutPT = std::conditional_t<
+      kQFp8,
+      decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<cutlass::float_e4m3_t>{}, Shape<Int<kBlockM>, Int<kBlockN>>{})),
+      decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<cutlass::half_t>{}, Shape<Int<kBlockM>, Int<kBlockN>>{}))>;
+  static constexpr int kPtBytes = kBlockM * kBlockN * int(sizeof(PvElement));  // 8192 (fp16) or 4096 (e4m3)
+  static_assert(cosize_v<SmemLayoutPT> * int(sizeof(PvElement)) == kPtBytes, "P tile size");
   static_assert(cosize_v<SmemLayoutTile> == kTileBytes, "tile size");
 
   struct alignas(kSmemAlign) SharedStorage {
