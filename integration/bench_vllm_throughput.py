@@ -155,8 +155,8 @@ class Config:
 
 
 def parse_config(item: str, default_kv: str = "auto", sparse: bool = False) -> Config:
-    """BACKEND[:KVDTYPE[:MODE]] -> Config; KVDTYPE defaults to default_kv, CUSTOM with fp8 to the plugin's default mode. sparse:
-    for a DeepSeek-V3.2 model, whose sparse backend has no query modes."""
+    """BACKEND[:KVDTYPE[:MODE]] -> Config; KVDTYPE defaults to default_kv, CUSTOM with fp8 to the plugin's default
+    mode. sparse: for a DeepSeek-V3.2 model, whose sparse backend has no query modes."""
     parts = [p.strip() for p in item.strip().split(":")]
     if not parts[0] or len(parts) > 3 or any(not p for p in parts):
         raise ValueError(f"config {item!r}: expected BACKEND[:KVDTYPE[:MODE]], e.g. CUSTOM:fp8:fast or FLASHMLA:auto")

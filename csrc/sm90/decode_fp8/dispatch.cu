@@ -120,14 +120,14 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
       run_decode_kernel<Variant::kFastKmR16>(params, debug);
       return;
     }
-    // The plan with the deeper KV pipeline (launch.cuh: VariantTraits) at every M-tile count: on an H200, without
-    // in-kernel switches, it was also 2% faster at four M tiles (b128-sk8192-h128-s_q 2, alternating processes: median
-    // 646 against 658 us; b64 and sk4096 the same way), where an H100 A/B had once put the other plan 1% ahead.
-    // Bit 1024: the V-in-registers tile (vregs.h), no transposition.
+    // Bit 1024: the V-in-registers tile (vregs.h), no transposition (slower at every shape measured: vregs.h).
     if (debug & sm90::decode_fp8::kDebugVRegs) {
       run_decode_kernel<Variant::kFastVRegs>(params, debug);
       return;
     }
+    // The plan with the deeper KV pipeline (launch.cuh: VariantTraits) at every M-tile count: on an H200, without
+    // in-kernel switches, it was also 2% faster at four M tiles (b128-sk8192-h128-s_q 2, alternating processes: median
+    // 646 against 658 us; b64 and sk4096 the same way), where an H100 A/B had once put the other plan 1% ahead.
     bool stream = true;
     if (debug & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
     if (stream && (debug & sm90::decode_fp8::kDebugClusterPlan) && sm90::decode_fp8::cluster_plan_applies(params)) {

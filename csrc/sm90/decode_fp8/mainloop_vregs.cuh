@@ -293,8 +293,8 @@ __device__ __forceinline__ void block_key_words(int valid, int lane, uint32_t (&
   }
 }
 
-// How a row's reference max moves: exactly for the fast mode (e4m3 P must stay below 2^kPScaleLog2 <= 448), lazily
-// for fp16 P (LazyMax above).
+// How a row's reference max moves: exactly for the fast mode (e4m3 P must stay below 448; with the exact max P <=
+// 2^kPScaleLog2 = 256), lazily for fp16 P (LazyMax above).
 template <class T>
 using VRegsMax = std::conditional_t<T::kQFp8, ExactMax, LazyMax>;
 
@@ -342,7 +342,7 @@ __device__ __forceinline__ void mainloop_vregs(typename T::SharedStorage& ss, co
       // m1 against warpgroup 0's m0; P1 and scale1 published together (kScale1Ready).
       float sc1[2], sc01[2];
       softmax_block1<false, VRegsMax<T>>(ss, w, ri, lane, tok0 + kBlockN, sl2, tSrS, row_sum, sc1, sc01,
-                                     [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+                                         [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         if (b0 > 0) NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kP1Free));
         write_pt<T>(tSrS, pt1, tid);
         // O_R sc0 before scale1 is published: warpgroup 0 rewrites scale0 only after it saw kScale1Ready.
