@@ -19,12 +19,14 @@ SGLang "auto", "bfloat16", "bf16", which its DSA backend serves in bf16 only) or
 fp8_ds_mla token (vLLM "fp8_ds_mla", and "fp8" / "fp8_e4m3" as for vLLM's own FLASHMLA_SPARSE backend; SGLang
 "fp8_e4m3", which its DSA backend stores in that layout), with 64 or 128 query heads per rank (SPARSE_HEADS).
 
-FP8 query mode (FP8 caches only), chosen by FLASHMLA_BACKEND_FP8_MODE:
-  * "fast" (vLLM's default): vLLM quantizes q to e4m3 with the layer's q scale (its fused concat + quant)
-    and the kernel reads e4m3 q with descale_q (vLLM's FlashMLA-FP8 convention);
-  * "accurate": the engine hands the 16-bit query, which the kernel multiplies against the dequantized
-    cache (no quantization of q; vLLM skips its concat + quant of q). SGLang runs the accurate mode always.
-The README ("FP8 KV cache in the engines") says why the fast mode is vLLM's default.
+FP8 query mode (FP8 caches only), chosen by FLASHMLA_BACKEND_FP8_MODE; unset, each engine's default
+(DEFAULT_FP8_MODES):
+  * "fast" (vLLM's default): q in e4m3 with descale_q (vLLM's FlashMLA-FP8 convention). vLLM quantizes q with
+    the layer's q scale (its fused concat + quant); SGLang's backend quantizes it with the layer's k scale, as
+    SGLang's own FlashMLA backend does with an FP8 cache;
+  * "accurate" (SGLang's default): the engine hands the 16-bit query, which the kernel multiplies against the
+    dequantized cache (no quantization of q; vLLM skips its concat + quant of q).
+The README ("FP8 KV cache in the engines") says why each default is what it is.
 """
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ BLOCK_SIZE_MULTIPLE = PAGE_SIZE
 
 FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
 FP8_MODES = ("accurate", "fast")
-DEFAULT_FP8_MODE = "fast"   # vLLM's mode when the variable is unset (SGLang always runs "accurate")
+# Each engine's mode when the variable is unset (measured in vLLM; SGLang's fast mode has not yet run on a GPU).
+DEFAULT_FP8_MODES = {"vllm": "fast", "sglang": "accurate"}
 
 
 def accepted_names(engine: str) -> tuple[str, ...]:
@@ -138,14 +141,15 @@ def requested_fp8_mode() -> Optional[str]:
     if raw == "":
         return None
     if raw not in FP8_MODES:
+        unset = ", ".join(f"{mode} in {engine}" for engine, mode in DEFAULT_FP8_MODES.items())
         raise ValueError(f"{FP8_MODE_ENV}={os.environ[FP8_MODE_ENV]!r} is not a FP8 query mode; expected one of "
-                         f"{', '.join(FP8_MODES)} (default {DEFAULT_FP8_MODE})")
+                         f"{', '.join(FP8_MODES)} (unset: {unset})")
     return raw
 
 
-def fp8_mode() -> str:
-    """vLLM's FP8 query mode: the one FLASHMLA_BACKEND_FP8_MODE names, DEFAULT_FP8_MODE when it is unset or empty."""
-    return requested_fp8_mode() or DEFAULT_FP8_MODE
+def fp8_mode(engine: str) -> str:
+    """The engine's FP8 query mode: the one FLASHMLA_BACKEND_FP8_MODE names, else DEFAULT_FP8_MODES[engine]."""
+    return requested_fp8_mode() or DEFAULT_FP8_MODES[_engine(engine)]
 
 
 def default_scale_message(engine: str) -> str:

@@ -25,7 +25,10 @@
 # tie gap from the FP8 baseline in calibration-fp8.json): ours FP8 vs SGLang's triton FP8 judged by the fp32 model as
 # the bf16 steps are, the broken-scale run must fail that judgment, serve-fp8 also checks the server log for the
 # plugin's FP8 line and its default-scale line (the tiny checkpoints carry no KV-cache scales). Step groups:
-# "fp8" (the FP8 steps), "all" (the default steps, then the FP8 steps).
+# "fp8" (the FP8 steps), "all" (the default steps, then the FP8 steps). Our FP8 query mode is the plugin's for SGLang
+# (accurate) unless FLASHMLA_BACKEND_FP8_MODE is exported (fast: q quantized with the k scale, as SGLang's FlashMLA
+# backend does); give such a run an OUT of its own, e.g. OUT=/tmp/sg-fast FLASHMLA_BACKEND_FP8_MODE=fast bash
+# integration/sglang_engine_check.sh ours-fp8 triton-fp8 compare-fp8 broken-fp8.
 # DeepSeek-V3.2 (group "dsa", not in "all"): the tiny V3.2 checkpoint (integration/models/tiny-deepseek-v32-topk2048:
 # SGLang 0.5.17's indexer asserts a top-k of 2048; SGLang's own indexer) on SGLang's DSA backend with --kv-cache-dtype
 # fp8_e4m3 (656-byte fp8_ds_mla tokens), both sides, on prompts of 1..4000 tokens (prompts-dsa.json: five of them

@@ -22,7 +22,9 @@ at the kit's tolerance and be at least as close to the kit's exact reference as 
 casts q and the softmax weights to e4m3; ours keeps them in 16 bits); ours and Triton agree within the kit's
 FP8 tolerance. With a checkpoint-style k_scale != 1 (set by SGLang's BaseKVCacheMethod on the layer), new
 tokens go through each backend's own write (k / k_scale cast to e4m3, checked byte for byte) in decode,
-target verify and draft extend, and a captured CUDA graph replays with the layer's k_scale changed in place.
+target verify and draft extend, and a captured CUDA graph replays with the layer's k_scale changed in place; these
+k_scale cases also run ours in the fast mode (FLASHMLA_BACKEND_FP8_MODE=fast: q / k_scale in e4m3, as SGLang's
+FlashMLA backend quantizes q), judged against attention with that query over the dequantized pool.
 
 Run on an H100 with SGLang 0.5.17 before the FP8 cases existed (22 passed; see integration/README.md, SGLang, for
 the numbers and for how to stage SGLang on a machine without a registry); the `test_fp8_*` cases have not run on
@@ -349,9 +351,13 @@ class ScaledStep:
             k = self.new_k.clone()
             return backend.forward(self.q, k, k[..., :LATENT], self.layer, self.fb, save_kv_cache=save_kv_cache)
 
-    def reference(self, k_scale=K_SCALE) -> torch.Tensor:
+    def reference(self, k_scale=K_SCALE, fast=False) -> torch.Tensor:
+        """Attention over the dequantized pool; fast: with the query the fast mode reads, q / k_scale in e4m3
+        (saturated) times k_scale."""
         c = self.case
         q = self.q.view(c.num_input_tokens, c.num_heads, HEAD)
+        if fast:
+            q = (q.float() / k_scale).clamp(-448.0, 448.0).to(FP8).float() * k_scale
         out = dense_over_pool(q, self.pool, self.req_to_token, c.prefix_lens, c.input_lens, self.layer.scaling, k_scale)
         return out.reshape(c.num_input_tokens, -1).to(torch.bfloat16)
 
@@ -360,13 +366,24 @@ class ScaledStep:
         assert torch.equal(self.pool.kv_buffer[0][self.new_slots, 0], want)
 
 
-@pytest.mark.parametrize("backend", [OURS, TRITON])
-def test_fp8_k_scale_decode_writes_and_reads(backend):
+# The fast mode (FLASHMLA_BACKEND_FP8_MODE=fast): ours with q quantized to e4m3 with the k scale, as SGLang's FlashMLA
+# backend does; judged against attention with that query over the dequantized pool.
+FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
+OUR_MODES = [(OURS, "accurate"), (OURS, "fast")]
+
+
+@pytest.mark.parametrize("backend,mode", [*OUR_MODES, (TRITON, None)], ids=["ours", "ours-fast", "triton"])
+def test_fp8_k_scale_decode_writes_and_reads(backend, mode, monkeypatch):
+    if mode:
+        monkeypatch.setenv(FP8_MODE_ENV, mode)
     step = ScaledStep(backend, ForwardMode.DECODE, (1, 63, 64, 700, 1500), seed=11)
+    if backend == OURS:
+        assert step.fx.backend.fp8_mode == mode
     out = step.run()
     step.check_new_rows_stored()
-    ref = step.reference()
-    print(f"\n[fp8 k_scale {K_SCALE} decode {backend}] max |out - dequantized ref| {diff(out, ref):.3e}")
+    ref = step.reference(fast=mode == "fast")
+    print(f"\n[fp8 k_scale {K_SCALE} decode {backend} {mode}] max |out - dequantized ref| {diff(out, ref):.3e}, "
+          f"|out - the 16-bit query's| {diff(out, step.reference()):.3e}")
     assert torch.isfinite(out).all()
     tol = (ATOL, RTOL) if backend == OURS else (FP8_ATOL, FP8_RTOL)
     torch.testing.assert_close(out, ref, atol=tol[0], rtol=tol[1])
@@ -383,26 +400,31 @@ def test_fp8_k_scale_decode_ours_vs_triton():
     torch.testing.assert_close(out, out_t, atol=FP8_ATOL, rtol=FP8_RTOL)
 
 
+@pytest.mark.parametrize("fp8_mode", ["accurate", "fast"])
 @pytest.mark.parametrize("mode", [ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND_V2], ids=["verify", "draft_extend"])
-def test_fp8_k_scale_speculative_modes(mode):
+def test_fp8_k_scale_speculative_modes(mode, fp8_mode, monkeypatch):
     """MTP / EAGLE verification (topk 1, 4 drafts after seq_len, causal) and draft extend on ours: the new rows are
     stored from a copy of k (the caller's k unchanged) as k / k_scale in e4m3; outputs match the dequantized cache."""
+    monkeypatch.setenv(FP8_MODE_ENV, fp8_mode)
     step = ScaledStep(OURS, mode, (10, 200, 64, 1000), (4, 4, 4, 4), seed=13)
     k_before = step.new_k.clone()
     out = step.run()
     assert torch.equal(step.new_k, k_before)
     step.check_new_rows_stored()
-    ref = step.reference()
-    print(f"\n[fp8 k_scale {K_SCALE} {mode.name}] max |ours - dequantized ref| {diff(out, ref):.3e}")
+    ref = step.reference(fast=fp8_mode == "fast")
+    print(f"\n[fp8 k_scale {K_SCALE} {mode.name} {fp8_mode}] max |ours - dequantized ref| {diff(out, ref):.3e}")
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
 
 
-def test_fp8_cuda_graph_replay_reads_the_current_k_scale():
+@pytest.mark.parametrize("fp8_mode", ["accurate", "fast"])
+def test_fp8_cuda_graph_replay_reads_the_current_k_scale(fp8_mode, monkeypatch):
     """A captured decode replays with the layer's k_scale changed in place (the kernel reads it at each replay):
-    the same stored bytes then mean k_scale x bytes."""
+    the same stored bytes then mean k_scale x bytes (and the fast mode's query is quantized with the new scale)."""
+    monkeypatch.setenv(FP8_MODE_ENV, fp8_mode)
+    fast = fp8_mode == "fast"
     step = ScaledStep(OURS, ForwardMode.DECODE, (7, 130, 640, 64), seed=14)
     eager = step.run()  # writes the new rows and checks the eager path once
-    torch.testing.assert_close(eager, step.reference(), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(eager, step.reference(fast=fast), atol=ATOL, rtol=RTOL)
     backend, layer, fb = step.fx.backend, step.layer, step.fb
     bs = step.case.batch_size
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
@@ -419,11 +441,12 @@ def test_fp8_cuda_graph_replay_reads_the_current_k_scale():
         backend.init_forward_metadata_out_graph(fb)  # a replay's preparation
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(out, step.reference(), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out, step.reference(fast=fast), atol=ATOL, rtol=RTOL)
         layer.k_scale.copy_(torch.tensor(2 * K_SCALE))  # in place: the captured kernel holds its address
         graph.replay()
         torch.cuda.synchronize()
-    ref2 = step.reference(k_scale=2 * K_SCALE)
-    print(f"\n[fp8 graph replay, k_scale {K_SCALE} -> {2 * K_SCALE}] max |ours - dequantized ref| {diff(out, ref2):.3e}")
+    ref2 = step.reference(k_scale=2 * K_SCALE, fast=fast)
+    print(f"\n[fp8 graph replay {fp8_mode}, k_scale {K_SCALE} -> {2 * K_SCALE}] max |ours - dequantized ref| "
+          f"{diff(out, ref2):.3e}")
     torch.testing.assert_close(out, ref2, atol=ATOL, rtol=RTOL)
-    assert diff(out, step.reference()) > FP8_ATOL
+    assert diff(out, step.reference(fast=fast)) > FP8_ATOL

@@ -87,7 +87,7 @@ FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
 VLLM_KERNEL_ENV = "FLASHMLA_BACKEND_DEBUG_VLLM_DECODE_KERNEL"        # the ablation hook (flashmla_backend/_env.py)
 VLLM_KERNEL_LOG_TEXT = "decode attention runs on vLLM's FlashMLA kernel"
 FP8_MODES = ("accurate", "fast")
-DEFAULT_FP8_MODE = "fast"   # the plugin's mode with FP8_MODE_ENV unset (flashmla_backend.engine_support)
+DEFAULT_FP8_MODE = "fast"   # the plugin's vLLM mode with FP8_MODE_ENV unset (engine_support.DEFAULT_FP8_MODES)
 SCALES = {"default": None, "calculated": "--calculate-kv-scales", "prompts": "--kv-scales-from-prompts"}
 
 

@@ -147,9 +147,9 @@ def test_the_env_names_are_the_packages():
 
     assert bench.SPARSE_GPU_ENV == SPARSE_GPU_ENV
     assert bench.FP8_MODE_ENV == "FLASHMLA_BACKEND_FP8_MODE"
-    from flashmla_backend.engine_support import DEFAULT_FP8_MODE
+    from flashmla_backend.engine_support import DEFAULT_FP8_MODES
 
-    assert bench.DEFAULT_FP8_MODE == DEFAULT_FP8_MODE
+    assert bench.DEFAULT_FP8_MODE == DEFAULT_FP8_MODES["vllm"]
 
 
 def test_a_v32_model_runs_the_sparse_configs():

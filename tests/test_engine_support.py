@@ -32,22 +32,30 @@ def test_block_sizes():
     assert "32 does not" in es.block_size_problem(32)
 
 
-@pytest.mark.parametrize("raw,mode,requested", [(None, "fast", None), ("", "fast", None), ("fast", "fast", "fast"),
-                                                (" Accurate ", "accurate", "accurate")])
-def test_fp8_mode(monkeypatch, raw, mode, requested):
+# The engines' defaults (README, "FP8 KV cache in the engines", says why): vLLM fast, SGLang accurate.
+@pytest.mark.parametrize("raw,vllm,sglang,requested", [(None, "fast", "accurate", None), ("", "fast", "accurate", None),
+                                                       ("fast", "fast", "fast", "fast"),
+                                                       (" Accurate ", "accurate", "accurate", "accurate")])
+def test_fp8_mode(monkeypatch, raw, vllm, sglang, requested):
     if raw is None:
         monkeypatch.delenv(es.FP8_MODE_ENV, raising=False)
     else:
         monkeypatch.setenv(es.FP8_MODE_ENV, raw)
-    assert es.fp8_mode() == mode and es.requested_fp8_mode() == requested
-    assert es.DEFAULT_FP8_MODE == "fast"   # vLLM's default (README: "FP8 KV cache in the engines" says why)
+    assert es.fp8_mode("vllm") == vllm and es.fp8_mode("sglang") == sglang and es.requested_fp8_mode() == requested
+    assert es.DEFAULT_FP8_MODES == {"vllm": "fast", "sglang": "accurate"}
 
 
-@pytest.mark.parametrize("read", ["fp8_mode", "requested_fp8_mode"])
+@pytest.mark.parametrize("read", [lambda: es.fp8_mode("vllm"), lambda: es.fp8_mode("sglang"), es.requested_fp8_mode])
 def test_fp8_mode_refuses_other_values(monkeypatch, read):
     monkeypatch.setenv(es.FP8_MODE_ENV, "1")
-    with pytest.raises(ValueError, match=r"FLASHMLA_BACKEND_FP8_MODE='1'.*accurate, fast \(default fast\)"):
-        getattr(es, read)()
+    with pytest.raises(ValueError, match=r"FLASHMLA_BACKEND_FP8_MODE='1'.*accurate, fast \(unset: fast in vllm, "
+                                         r"accurate in sglang\)"):
+        read()
+
+
+def test_fp8_mode_of_an_unknown_engine():
+    with pytest.raises(ValueError, match="engine must be one of vllm, sglang"):
+        es.fp8_mode("trt")
 
 
 def test_unknown_engine():

@@ -960,12 +960,13 @@ def plugin_log():
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Each flash_mla_with_kvcache call of the backend: its k_cache and descale_k (then the real call)."""
+    """Each flash_mla_with_kvcache call of the backend: its q, k_cache and descales (then the real call)."""
     calls = []
     real = flashmla_backend.flash_mla_with_kvcache
 
     def spy(q, k_cache, *args, **kwargs):
-        calls.append(SimpleNamespace(q=q, k_cache=k_cache, descale_k=kwargs.get("descale_k")))
+        calls.append(SimpleNamespace(q=q, k_cache=k_cache, descale_q=kwargs.get("descale_q"),
+                                     descale_k=kwargs.get("descale_k")))
         return real(q, k_cache, *args, **kwargs)
 
     monkeypatch.setattr(flashmla_backend, "flash_mla_with_kvcache", spy)
@@ -1143,7 +1144,6 @@ def test_fp8_cuda_graph_replays_read_fixed_descale_tensors(runners, kernel_calls
 def fresh_process_notes(monkeypatch):
     """The once-per-process notes of the backend module, as in a new process."""
     monkeypatch.setattr(plugin_backend, "_default_scale_noted", False)
-    monkeypatch.setattr(plugin_backend, "_fast_mode_noted", False)
 
 
 DEFAULT_SCALE_TEXT = "FP8 KV cache with the default scale 1.0"
@@ -1192,27 +1192,42 @@ def test_default_scale_not_logged_for_16_bit_caches(runners, plugin_log, fresh_p
     assert backend.unit_descale_k is None
 
 
-FAST_MODE_TEXT = "SGLang runs the accurate mode"
-
-
-def test_fp8_fast_mode_warns_once_that_sglang_runs_the_accurate_mode(runners, plugin_log, fresh_process_notes,
-                                                                     monkeypatch, kernel_calls):
+def test_fp8_mode_unset_is_the_accurate_mode(runners, monkeypatch, kernel_calls):
+    """SGLang's default (engine_support.DEFAULT_FP8_MODES): 16-bit queries, no descale_q."""
     monkeypatch.delenv(engine_support.FP8_MODE_ENV, raising=False)
-    build_backend(runners(fp8=True))  # unset: vLLM's default mode is fast, but nothing was asked of SGLang
-    assert messages(plugin_log, FAST_MODE_TEXT) == []
-    monkeypatch.setenv(engine_support.FP8_MODE_ENV, "fast")
-    assert engine_support.fp8_mode() == "fast"
-    build_backend(runners())  # a 16-bit cache: no FP8 mode to speak of
-    assert messages(plugin_log, FAST_MODE_TEXT) == []
     layer = make_layer()
     _, backend, req, _, k, v, fb, seq_lens = fp8_decode(runners, [30, 90], layer, seed=6)
-    assert len(messages(plugin_log, FAST_MODE_TEXT)) == 1
-    build_backend(runners(fp8=True))
-    assert len(messages(plugin_log, FAST_MODE_TEXT)) == 1
+    assert backend.fp8_mode == engine_support.DEFAULT_FP8_MODES["sglang"] == "accurate"
     q = req.queries(1)
     out = backend.forward(q, k, v, layer, fb)
-    assert kernel_calls[-1].q.dtype == torch.bfloat16  # still the accurate mode
+    assert kernel_calls[-1].q.dtype == torch.bfloat16 and kernel_calls[-1].descale_q is None
     torch.testing.assert_close(out, req.expected(q, 1, seq_lens, layer.scaling), atol=OUT_ATOL, rtol=OUT_RTOL)
+    assert build_backend(runners()).fp8_mode is None  # a 16-bit cache has no query mode
+
+
+@pytest.mark.parametrize("checkpoint_scale", [None, 0.05, 3.0])
+def test_fp8_fast_mode_quantizes_q_with_the_k_scale(runners, monkeypatch, kernel_calls, checkpoint_scale):
+    """FLASHMLA_BACKEND_FP8_MODE=fast: the kernel gets q / k_scale in e4m3, saturated at 448 (SGLang's FlashMLA
+    backend quantizes q so with an FP8 cache), with descale_q = the k scale descale_k is (the layer's k_scale
+    view, or the backend's ones tensor); the output is attention with that query over the dequantized cache."""
+    monkeypatch.setenv(engine_support.FP8_MODE_ENV, "fast")
+    layer = make_layer() if checkpoint_scale is None else layer_with_kv_scales(checkpoint_scale)
+    _, backend, req, _, k, v, fb, seq_lens = fp8_decode(runners, [1, 63, 300], layer, seed=4)
+    assert backend.fp8_mode == "fast"
+    q = req.queries(1)
+    q.view(-1)[:5] = 1e4  # past e4m3's range at every scale here: saturated, not NaN
+    out = backend.forward(q, k, v, layer, fb)
+    (call,) = kernel_calls
+    assert call.descale_q is call.descale_k
+    scale = call.descale_k
+    want = (q.float().reshape(call.q.shape) / scale).clamp(-448.0, 448.0).to(FP8)
+    assert call.q.dtype == FP8 and torch.equal(call.q.view(torch.uint8), want.view(torch.uint8))
+    assert torch.isfinite(out).all()
+    q_deq = (want.float() * scale).reshape(q.shape)
+    expected = req.expected(q_deq, 1, seq_lens, layer.scaling)
+    torch.testing.assert_close(out.float(), expected, atol=OUT_ATOL, rtol=OUT_RTOL)
+    # The query's rounding matters: the 16-bit query's attention differs from it.
+    assert (req.expected(q.float(), 1, seq_lens, layer.scaling) - expected).abs().max() > OUT_ATOL
 
 
 @pytest.mark.parametrize("fp8", [True, False])

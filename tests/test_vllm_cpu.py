@@ -576,7 +576,7 @@ def test_fp8_kv_cache_accepted(kv_cache_dtype):
     cfg = vllm_config(kv_cache_dtype=kv_cache_dtype)
     with set_current_vllm_config(cfg):
         impl = make_impl(FlashMLAPluginBackend, cfg, layer_scale(cfg), kv_cache_dtype)
-    assert impl.kv_fp8 and impl.fp8_mode == engine_support.DEFAULT_FP8_MODE
+    assert impl.kv_fp8 and impl.fp8_mode == engine_support.DEFAULT_FP8_MODES["vllm"]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e5m2", "fp8_ds_mla", "int8"])

@@ -20,8 +20,11 @@ FP8 KV cache (`--kv-cache-dtype fp8_e4m3`, or an FP8 checkpoint's KV-cache schem
 MLATokenToKVPool stores e4m3 bytes (a uint8 buffer) and `get_key_buffer` returns them viewed as float8_e4m3fn;
 the decode kernel reads that view in place with descale_k = the layer's `k_scale` (a one-element float32
 device tensor, read by the kernel, so CUDA-graph replays see its value), or a ones tensor this backend holds
-for layers without one. Queries stay in the model's 16-bit dtype (the accurate mode; SGLang has no fast
-mode). New tokens are stored as SGLang's Triton backend stores them for MLA: k / k_scale when the layer has a
+for layers without one. Queries: FLASHMLA_BACKEND_FP8_MODE (engine_support.fp8_mode; SGLang's default accurate)
+keeps them in the model's 16-bit dtype (accurate), or (fast) quantizes them to e4m3 with the layer's k scale,
+saturating at e4m3's largest value, as SGLang's own FlashMLA backend does with an FP8 cache (its
+scaled_fp8_quant with q_scale = k_scale), and the kernel reads them with descale_q = that scale.
+New tokens are stored as SGLang's Triton backend stores them for MLA: k / k_scale when the layer has a
 k_scale (in place in decode, on a copy in target-verify / draft-extend, as Triton's forward_extend does),
 cast to e4m3 by the pool's set_kv_buffer. What is accepted: flashmla_backend.engine_support.
 
@@ -51,9 +54,9 @@ logger = logging.getLogger("sglang.flashmla_backend")
 
 # SGLang's DCP merge reads the lse of backends other than its own flashmla as base 2.
 LOG2_E = 1.0 / math.log(2.0)
+FP8_MAX = torch.finfo(engine_support.FP8_DTYPE).max  # 448
 
 _announced = False
-_fast_mode_noted = False  # FLASHMLA_BACKEND_FP8_MODE=fast: one warning per process
 _default_scale_noted = False  # an FP8 cache with the default k scale 1.0: one line per process
 
 
@@ -190,20 +193,14 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         self.is_draft_runner = bool(getattr(model_runner, "is_draft_worker", False))
 
         device = torch.device(model_runner.device)
-        # An invalid FLASHMLA_BACKEND_FP8_MODE fails here, at start-up, whatever the cache. Unset, nothing to say:
-        # SGLang runs the accurate mode (the variable's default is vLLM's).
-        fp8_mode = engine_support.requested_fp8_mode()
+        # An invalid FLASHMLA_BACKEND_FP8_MODE fails here, at start-up, whatever the cache.
+        fp8_mode = engine_support.fp8_mode("sglang")
         self.kv_cache_fp8 = model_runner.kv_cache_dtype == engine_support.FP8_DTYPE
+        self.fp8_mode = fp8_mode if self.kv_cache_fp8 else None
         # descale_k of layers without a k_scale: one tensor per backend, allocated here, so that CUDA graphs
         # capture a fixed address (never a per-call allocation).
         self.unit_descale_k = (torch.ones(1, dtype=torch.float32, device=device) if self.kv_cache_fp8 else None)
         self._scales_checked: set[int] = set()
-        global _fast_mode_noted
-        if self.kv_cache_fp8 and fp8_mode == "fast" and not _fast_mode_noted:
-            _fast_mode_noted = True
-            logger.warning("flashmla_backend: %s=%s selects vLLM's fast FP8 mode (e4m3 queries); SGLang runs the "
-                           "accurate mode (16-bit queries against the e4m3 cache) whatever its value.",
-                           engine_support.FP8_MODE_ENV, fp8_mode)
         if device.type == "cuda":
             ok, kernel_or_reason = flashmla_backend.is_supported(device)
             if not ok:
@@ -217,8 +214,11 @@ class FlashMLAPluginBackend(TritonAttnBackend):
         global _announced
         if not _announced:
             _announced = True
-            cache = ("FP8 (e4m3) KV cache read in place with each layer's k scale, 16-bit queries (accurate mode)"
-                     if self.kv_cache_fp8 else f"{model_runner.kv_cache_dtype} KV cache")
+            queries = ("16-bit queries" if self.fp8_mode == "accurate"
+                       else "queries quantized to e4m3 with the k scale")
+            cache = (f"FP8 (e4m3) KV cache read in place with each layer's k scale, {queries} (mode {self.fp8_mode}, "
+                     f"{engine_support.FP8_MODE_ENV})" if self.kv_cache_fp8
+                     else f"{model_runner.kv_cache_dtype} KV cache")
             logger.info("flashmla_backend: MLA decode attention runs on flashmla_backend %s (%s), %d heads per "
                         "rank, %s; prefill and extend stay with SGLang's Triton backend.",
                         flashmla_backend.__version__, where, self.num_q_heads, cache)
@@ -362,11 +362,17 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             raise RuntimeError(
                 f"flashmla_backend: {mode} got {rows} query rows for {bs} requests of {s_q} tokens "
                 "(a widened draft window, num_front_tokens > 0, is not supported)")
-        out, _lse = self._attend(q.reshape(bs, s_q, heads, HEAD_DIM_K), layer, md, causal=s_q > 1,
-                                 descale_k=descale_k)
+        q = q.reshape(bs, s_q, heads, HEAD_DIM_K)
+        descale_q = None
+        if self.fp8_mode == "fast":
+            # As SGLang's FlashMLA backend: q / k_scale in e4m3, saturated (an unscaled q beyond 448 would
+            # otherwise become NaN), read with descale_q = k_scale (the same one-element tensor as descale_k).
+            descale_q = descale_k
+            q = (q.float() / descale_q).clamp_(-FP8_MAX, FP8_MAX).to(engine_support.FP8_DTYPE)
+        out, _lse = self._attend(q, layer, md, causal=s_q > 1, descale_q=descale_q, descale_k=descale_k)
         return out.view(-1, heads * HEAD_DIM_V)
 
-    def _attend(self, q, layer, md, *, causal: bool, descale_k=None, q_pe=None):
+    def _attend(self, q, layer, md, *, causal: bool, descale_q=None, descale_k=None, q_pe=None):
         """The decode kernel over this layer's pool with the batch's metadata md: q [bs, s_q, heads, 576], or
         [.., 512] with its rope part q_pe [.., 64] read in place. Returns (out, lse) as flash_mla_with_kvcache."""
         # [num_slots, 1, 576]: the pool's own storage (FP8: its uint8 buffer viewed as float8_e4m3fn), not a copy
@@ -381,6 +387,7 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             md.num_splits,
             softmax_scale=layer.scaling * self.decode_scale_factor,
             causal=causal,
+            descale_q=descale_q,
             descale_k=descale_k,
             q_pe=q_pe,
         )

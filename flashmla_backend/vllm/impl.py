@@ -116,7 +116,7 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
         self.kv_fp8 = engine_support.is_fp8("vllm", kv_cache_dtype)
         # The FP8 query mode (accurate: 16-bit q; fast: vLLM quantizes q). MLACommonImpl sets
         # supports_quant_query_input True; the layer reads it per forward to choose what it hands forward_mqa.
-        self.fp8_mode = engine_support.fp8_mode() if self.kv_fp8 else None
+        self.fp8_mode = engine_support.fp8_mode("vllm") if self.kv_fp8 else None
         self.supports_quant_query_input = self.fp8_mode == "fast"
         dims = engine_support.mla_dims_problem(self.kv_lora_rank, self.qk_rope_head_dim, "DeepSeek-V2/V3", head_size)
         if dims is not None:
