@@ -75,7 +75,8 @@ BLOCK_SIZE_MULTIPLE = PAGE_SIZE
 
 FP8_MODE_ENV = "FLASHMLA_BACKEND_FP8_MODE"
 FP8_MODES = ("accurate", "fast")
-# Each engine's mode when the variable is unset (measured in vLLM; SGLang's fast mode has not yet run on a GPU).
+# Each engine's mode when the variable is unset (vLLM's decided by its engine benchmark and fp32 judgment; SGLang's
+# fast mode has so far run only in the layer tests on a GPU).
 DEFAULT_FP8_MODES = {"vllm": "fast", "sglang": "accurate"}
 
 

@@ -26,10 +26,9 @@ target verify and draft extend, and a captured CUDA graph replays with the layer
 k_scale cases also run ours in the fast mode (FLASHMLA_BACKEND_FP8_MODE=fast: q / k_scale in e4m3, as SGLang's
 FlashMLA backend quantizes q), judged against attention with that query over the dequantized pool.
 
-Run on an H100 with SGLang 0.5.17 before the FP8 cases existed (22 passed; see integration/README.md, SGLang, for
-the numbers and for how to stage SGLang on a machine without a registry); the `test_fp8_*` cases have not run on
-a GPU yet. The kit's functions used here have the same signatures
-in 0.5.21.
+Run on an H100 with SGLang 0.5.17 (22 passed, then the FP8 cases: 16 passed) and the fast mode's cases on an H200
+(integration/README.md, SGLang, has the numbers and how to stage SGLang on a machine without a registry). The kit's
+functions used here have the same signatures in 0.5.21.
 """
 from __future__ import annotations
 
