@@ -1230,6 +1230,20 @@ def test_fp8_fast_mode_quantizes_q_with_the_k_scale(runners, monkeypatch, kernel
     assert (req.expected(q.float(), 1, seq_lens, layer.scaling) - expected).abs().max() > OUT_ATOL
 
 
+def test_fp8_fast_mode_output_in_an_fp16_models_dtype(runners, monkeypatch, kernel_calls):
+    """The kernel's output with an e4m3 q is bf16; an fp16 model gets it back in fp16, as the accurate mode's."""
+    monkeypatch.setenv(engine_support.FP8_MODE_ENV, "fast")
+    layer = make_layer()
+    _, backend, req, _, k, v, fb, seq_lens = fp8_decode(runners, [129, 1000, 2], layer, dtype=torch.float16, seed=9)
+    q = req.queries(1)
+    assert q.dtype == torch.float16
+    out = backend.forward(q, k, v, layer, fb)
+    assert kernel_calls[-1].q.dtype == FP8 and out.dtype == torch.float16 and torch.isfinite(out).all()
+    q_deq = kernel_calls[-1].q.float().reshape(q.shape) * kernel_calls[-1].descale_q
+    torch.testing.assert_close(out.float(), req.expected(q_deq, 1, seq_lens, layer.scaling), atol=OUT_ATOL,
+                               rtol=OUT_RTOL)
+
+
 @pytest.mark.parametrize("fp8", [True, False])
 def test_invalid_fp8_mode_fails_at_start_up(runners, monkeypatch, fp8):
     monkeypatch.setenv(engine_support.FP8_MODE_ENV, "turbo")

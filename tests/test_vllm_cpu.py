@@ -751,6 +751,28 @@ def test_fp8_mode_switch_refuses_unknown_values(monkeypatch):
         Plugin(vllm_config(64, kv_cache_dtype="fp8"))
 
 
+@pytest.mark.parametrize("mode", ["accurate", "fast", None])
+def test_fp8_output_in_an_fp16_models_dtype(monkeypatch, mode):
+    """An fp16 model with an FP8 cache: the kernel's output with an e4m3 q (fast, the default) is bf16, which vLLM's
+    layer would multiply by its fp16 W_UV; forward_mqa hands it over in fp16, as the accurate mode's output is."""
+    plugin = fp8_plugin(monkeypatch, mode, dtype="float16")
+    assert plugin.impl.fp8_mode == (mode or engine_support.DEFAULT_FP8_MODES["vllm"])
+    plugin.layer.set_scales(0.05, 0.03)
+    seq_lens = [3, 200, 700]
+    batch = DecodeBatch(plugin, seq_lens, 1, seed=5)
+    md = plugin.build(batch.common)
+    cache = batch.fp8_cache(0.05).view(FP8)
+    if plugin.impl.fp8_mode == "fast":
+        q8 = batch.fp8_query(0.03)
+        out, _ = plugin.forward_mqa(q8, cache, md)
+        expected = batch.expected(plugin.scale, k_scale=0.05, q8=q8, q_scale=0.03)
+    else:
+        out, _ = plugin.forward_mqa(batch.q(), cache, md)
+        expected = batch.expected(plugin.scale, k_scale=0.05)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), expected.float(), atol=OUT_ATOL, rtol=OUT_RTOL)
+
+
 FP8_CASES = {  # name: (manager block size, s_q, seq_lens, k_scale, cache handed as uint8 bytes)
     "decode_bs64": (64, 1, [1, 33, 64, 65, 700, 1500], 0.05, True),
     "decode_bs256_scale1": (256, 1, [5, 255, 257, 2500], 1.0, False),

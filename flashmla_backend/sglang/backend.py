@@ -363,6 +363,7 @@ class FlashMLAPluginBackend(TritonAttnBackend):
                 f"flashmla_backend: {mode} got {rows} query rows for {bs} requests of {s_q} tokens "
                 "(a widened draft window, num_front_tokens > 0, is not supported)")
         q = q.reshape(bs, s_q, heads, HEAD_DIM_K)
+        model_dtype = q.dtype
         descale_q = None
         if self.fp8_mode == "fast":
             # As SGLang's FlashMLA backend: q / k_scale in e4m3, saturated (an unscaled q beyond 448 would
@@ -370,6 +371,8 @@ class FlashMLAPluginBackend(TritonAttnBackend):
             descale_q = descale_k
             q = (q.float() / descale_q).clamp_(-FP8_MAX, FP8_MAX).to(engine_support.FP8_DTYPE)
         out, _lse = self._attend(q, layer, md, causal=s_q > 1, descale_q=descale_q, descale_k=descale_k)
+        if out.dtype != model_dtype:  # the kernel's output with an e4m3 q is bf16; an fp16 model gets it converted
+            out = out.to(model_dtype)
         return out.view(-1, heads * HEAD_DIM_V)
 
     def _attend(self, q, layer, md, *, causal: bool, descale_q=None, descale_k=None, q_pe=None):

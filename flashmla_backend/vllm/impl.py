@@ -32,6 +32,7 @@ import logging
 
 import torch
 
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
 from vllm.v1.attention.backend import AttentionLayer, AttentionType
 
@@ -118,6 +119,11 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
         # supports_quant_query_input True; the layer reads it per forward to choose what it hands forward_mqa.
         self.fp8_mode = engine_support.fp8_mode("vllm") if self.kv_fp8 else None
         self.supports_quant_query_input = self.fp8_mode == "fast"
+        # The kernel's output with an e4m3 q is bf16; vLLM's layer multiplies it by its W_UV in the model's dtype,
+        # so an fp16 model gets it converted (forward_mqa). A 16-bit q's output is already in q's dtype.
+        model_config = get_current_vllm_config().model_config
+        self.fast_out_dtype = (model_config.dtype if model_config is not None and model_config.dtype == torch.float16
+                               else torch.bfloat16)
         dims = engine_support.mla_dims_problem(self.kv_lora_rank, self.qk_rope_head_dim, "DeepSeek-V2/V3", head_size)
         if dims is not None:
             raise NotImplementedError(f"flashmla_backend: the decode kernel {dims}")
@@ -212,6 +218,8 @@ class FlashMLAPluginImpl(MLACommonImpl[FlashMLAPluginMetadata]):
             q_pe=None if q_pe is None else q_pe.reshape(batch, s_q, num_heads, q_pe.shape[-1]),
         )
         out = out.view(num_tokens, num_heads, self.kv_lora_rank)
+        if q.dtype == _FP8 and out.dtype != self.fast_out_dtype:  # the fast mode's bf16 output in an fp16 model
+            out = out.to(self.fast_out_dtype)
         return out, (lse_for_merge(lse) if self.need_to_return_lse_for_decode else None)
 
     def _forward_mqa_vllm_kernel(self, q, q_pe, cache, decode, batch: int, s_q: int) -> torch.Tensor:
