@@ -81,14 +81,7 @@ def parse_config(item: str) -> Config:
 
 
 def parse_configs(text: str) -> list[Config]:
-    configs = [parse_config(item) for item in text.split(",") if item.strip()]
-    if not configs:
-        raise ValueError("no configs given")
-    labels = [c.label for c in configs]
-    twice = sorted({x for x in labels if labels.count(x) > 1})
-    if twice:
-        raise ValueError(f"config(s) given twice: {', '.join(twice)}")
-    return configs
+    return vbench.checked_configs([parse_config(item) for item in text.split(",") if item.strip()])
 
 
 def config_env(cfg: Config, base: dict | None = None) -> dict:

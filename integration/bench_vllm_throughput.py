@@ -184,7 +184,11 @@ def parse_config(item: str, default_kv: str = "auto", sparse: bool = False) -> C
 
 
 def parse_configs(text: str, default_kv: str = "auto", sparse: bool = False) -> list[Config]:
-    configs = [parse_config(item, default_kv, sparse) for item in text.split(",") if item.strip()]
+    return checked_configs([parse_config(item, default_kv, sparse) for item in text.split(",") if item.strip()])
+
+
+def checked_configs(configs: list[Config]) -> list[Config]:
+    """configs as given, refused when empty or when a label is given twice (bench_sglang_throughput.py too)."""
     if not configs:
         raise ValueError("no configs given")
     labels = [c.label for c in configs]

@@ -3,7 +3,6 @@ environment and log checks, the engine arguments, and the driver loop with engin
 no GPU)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -11,19 +10,8 @@ from pathlib import Path
 
 import pytest
 
-INTEGRATION = Path(__file__).resolve().parents[1] / "integration"
-
-
-def _load():
-    sys.path.insert(0, str(INTEGRATION))
-    spec = importlib.util.spec_from_file_location("bench_sglang_throughput", INTEGRATION / "bench_sglang_throughput.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = _load()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+import bench_sglang_throughput as bench  # noqa: E402
 Config = bench.Config
 OURS_LINE = ("INFO flashmla_backend: MLA decode attention runs on flashmla_backend 0.1.0 (kernel 'sm90' on NVIDIA "
              "H200), 128 heads per rank, {cache}; prefill and extend stay with SGLang's Triton backend.")
