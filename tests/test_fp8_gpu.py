@@ -425,17 +425,20 @@ def test_accurate_vregs_tile(monkeypatch, case, dtype):
                   ", V in registers")
 
 
-def test_accurate_vregs_tile_many_requests(monkeypatch):
+# Both modes' V-in-registers tiles (the accurate mode's here, the fast mode's below).
+@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
+def test_vregs_tile_many_requests(monkeypatch, mode):
     """48 rows a KV head over 24 requests: several requests a CTA, zero lengths, odd block counts (a virtual block),
     split requests."""
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
-    _matches_fp64(Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=3, h_q=16, seed=7), "bf16q",
+    _matches_fp64(Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=3, h_q=16, seed=7), mode,
                   ", V in registers")
 
 
-def test_accurate_vregs_tile_per_request_descales_and_graph_replay(monkeypatch):
+@pytest.mark.parametrize("mode", ["bf16q", "e4m3q"])
+def test_vregs_tile_per_request_descales_and_graph_replay(monkeypatch, mode):
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
-    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), "bf16q", 9, 13)
+    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), mode, 9, 13)
 
 
 # The fast mode's V-in-registers tile (vregs.h with an e4m3 q: O^T = V^T P^T on e4m3 wgmma, V's bytes permuted in the
@@ -449,16 +452,3 @@ def _runs_the_fast_64_row_tile(case):
 def test_fast_vregs_tile(monkeypatch, case):
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
     _matches_fp64(case, "e4m3q", ", V in registers")
-
-
-def test_fast_vregs_tile_many_requests(monkeypatch):
-    """48 rows a KV head over 24 requests: several requests a CTA, zero lengths, odd block counts (a virtual block),
-    split requests."""
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
-    _matches_fp64(Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=3, h_q=16, seed=7), "e4m3q",
-                  ", V in registers")
-
-
-def test_fast_vregs_tile_per_request_descales_and_graph_replay(monkeypatch):
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", VREGS)
-    _graph_replay_follows_descale_tables(Case(lengths=[300, 0, 1500, 70], s_q=2, h_q=128, h_kv=2), "e4m3q", 9, 13)
