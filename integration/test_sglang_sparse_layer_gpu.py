@@ -29,8 +29,9 @@ longer contexts (so they read sparsely) and every position of shorter ones (-1 p
 """
 from __future__ import annotations
 
-import os
+import sys
 import unittest
+from pathlib import Path
 
 import pytest
 
@@ -43,23 +44,22 @@ try:
 except ImportError as exc:   # the kit's DSA fixtures exist in 0.5.17, 0.5.21 and 0.5.23
     pytest.skip(f"this SGLang's attention kit has no DSA fixtures: {exc}", allow_module_level=True)
 
-from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
-from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 
 from flashmla_backend import fp8_ds_mla  # noqa: E402
 from flashmla_backend._env import DEBUG_BREAK_SCALE_ENV, SPARSE_GPU_ENV  # noqa: E402
 from flashmla_backend.geometry import HEAD_DIM_V, PAGE_SIZE  # noqa: E402
 from flashmla_backend.sglang import dsa  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from sglang_dsa_hooks import applied_dsa_hooks  # noqa: E402
+
 TOPK = 2048
 OUT_ATOL = OUT_RTOL = 1e-2
 THEIRS_REL_NORM = 1e-2
 REL_RATIO, REL_SLACK = 1.25, 1e-3
 SGLANG_DECODE = {True: "flashmla_kv", False: "flashmla_sparse"}   # SGLang's own decode for the FP8 / bf16 cache
-HOOKED = ("__init__", "forward_decode", "_forward_flashmla_sparse")
-TARGETS = (dsa.INIT_TARGET, dsa.DECODE_TARGET, dsa.KERNEL_TARGET)
 
 
 class _Case(unittest.TestCase):
@@ -83,31 +83,10 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-class _Hooks:
+def _hooks():
     """FLASHMLA_BACKEND_DSA_DECODE=1 with the GPU opt-in: the plugin's hooks registered and applied by SGLang's
     HookRegistry to the real class while the block runs; the class's methods and the registry restored after."""
-
-    def __enter__(self):
-        self.saved = {name: DeepseekSparseAttnBackend.__dict__[name] for name in HOOKED}
-        self.env = {name: os.environ.get(name) for name in (dsa.DSA_DECODE_ENV, SPARSE_GPU_ENV)}
-        os.environ[dsa.DSA_DECODE_ENV] = "1"
-        os.environ[SPARSE_GPU_ENV] = "1"
-        assert dsa.register_hooks() is True
-        HookRegistry.apply_hooks()
-        return self
-
-    def __exit__(self, *exc):
-        for name, fn in self.saved.items():
-            setattr(DeepseekSparseAttnBackend, name, fn)
-        for target in TARGETS:
-            HookRegistry._hooks.pop(target, None)
-            HookRegistry._patched.discard(target)
-        for name, value in self.env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        return False
+    return applied_dsa_hooks({dsa.DSA_DECODE_ENV: "1", SPARSE_GPU_ENV: "1"})
 
 
 def make_case(name: str, heads: int, prefix_lens: tuple[int, ...]):
@@ -189,7 +168,7 @@ def run_both(name, fp8, fused, monkeypatch, kernel_calls, broken=False):
     out_theirs, q_theirs = decode_step(theirs_fx)
     assert kernel_calls == [], "SGLang's own decode called flashmla_backend"
 
-    with _Hooks():   # active through the step too: SGLang's forward_decode reaches our kernel through them
+    with _hooks():   # active through the step too: SGLang's forward_decode reaches our kernel through them
         ours_fx = build(case, fp8, fused, monkeypatch)
         assert hasattr(ours_fx.backend, dsa.ATTR), "the hooked constructor did not adopt the backend"
         if broken:
@@ -234,7 +213,7 @@ def test_cuda_graph_decode_replay(fp8, monkeypatch, kernel_calls):
     decode adopted by SGLang's constructor. SGLang's top-k translation: the kit's rows are positions."""
     monkeypatch.setenv("SGLANG_DSA_FUSE_TOPK", "0")
     case = make_case("flashmla_backend_cg", 64, (64, 300, 1000))
-    with _Hooks():
+    with _hooks():
         from sglang.test.kits.attention_unittest.runner_modes import cuda_graph_decode_runner as cg
 
         # The runner builds its fixture with the kit's default top-k (128), which SGLang's own translation of

@@ -45,9 +45,9 @@ from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+from sglang_dsa_hooks import TARGETS, applied_dsa_hooks  # noqa: E402
 
 SCALE = (128 + 64) ** -0.5
-TARGETS = (dsa.INIT_TARGET, dsa.DECODE_TARGET, dsa.KERNEL_TARGET)
 POOL_TOKENS = 6 * PAGE_SIZE   # SGLang adds one padding page: 7 pages in the buffer
 TOPK = 96                     # the model's index_topk (DeepSeek-V3.2: 2048); a small one keeps the reference quick
 
@@ -62,20 +62,11 @@ def single_rank():
 
 
 @pytest.fixture
-def dsa_hooks(monkeypatch):
+def dsa_hooks():
     """FLASHMLA_BACKEND_DSA_DECODE=1: the hooks registered and applied by SGLang's HookRegistry to the real class;
-    the class's methods and the registry are restored afterwards."""
-    saved = {name: DeepseekSparseAttnBackend.__dict__[name]
-             for name in ("__init__", "forward_decode", "_forward_flashmla_sparse")}
-    monkeypatch.setenv(dsa.DSA_DECODE_ENV, "1")
-    assert dsa.register_hooks() is True
-    HookRegistry.apply_hooks()
-    yield
-    for name, fn in saved.items():
-        setattr(DeepseekSparseAttnBackend, name, fn)
-    for target in TARGETS:
-        HookRegistry._hooks.pop(target, None)
-        HookRegistry._patched.discard(target)
+    the class's methods and the registry are restored afterwards (sglang_dsa_hooks.py)."""
+    with applied_dsa_hooks({dsa.DSA_DECODE_ENV: "1"}):
+        yield
 
 
 def make_pool(fp8: bool) -> DSATokenToKVPool:
