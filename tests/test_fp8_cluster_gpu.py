@@ -1,12 +1,14 @@
-"""The FP8 tensor-core kernel's 2-CTA cluster plan (sm_90a, GPU only): two M tiles of a request as one cluster, each
-CTA transposing one V^T half and copying it to the other (csrc/sm90/decode_fp8/producer.cuh, Traits::kShareVt),
-chosen with FLASHMLA_BACKEND_FP8_DEBUG bit 8 while it is measured.
+"""The FP8 tensor-core kernel's 2-CTA cluster plans (sm_90a, GPU only), chosen with FLASHMLA_BACKEND_FP8_DEBUG while
+they are measured: bit 8, two M tiles of a request as one cluster, each CTA transposing one V^T half and copying it to
+the other (csrc/sm90/decode_fp8/producer.cuh, Traits::kShareVt); bit 8192, pairs of M tiles as clusters whose KV
+blocks are TMA-multicast into both CTAs (Traits::kMulticastKv).
 
-The plan changes who writes the V^T halves, not a value in them or the order of any sum, so its output and lse must
-be bitwise those of the one-CTA plan (which tests/test_fp8_gpu.py holds against fp64) on every shape it serves:
-one query token at h_q / h_kv = 128, a non-causal s_q 2 at 64 heads, h_kv 2, lengths 0, 1, 63, 64, 65 (odd block
-counts: the virtual block), many requests per scheduler part, and the 8192-key request; and the kernel that ran
-must be the cluster one (its name in the profiler carries the plan's traits).
+The plans change who writes the V^T halves or the KV stages, not a value in them or the order of any sum, so their
+output and lse must be bitwise those of the one-CTA plan (which tests/test_fp8_gpu.py holds against fp64) on every
+shape they serve: one query token at h_q / h_kv = 128, a non-causal s_q 2 at 64 heads, h_kv 2, lengths 0, 1, 63, 64,
+65 (odd block counts: the virtual block), many requests per scheduler part, and the 8192-key request (the multicast
+plan also four M tiles: a causal s_q 2 at 128 heads, each pair within one query token); and the kernel that ran must
+be the cluster one (its name in the profiler carries the plan's traits).
 """
 import pytest
 import torch
@@ -17,6 +19,8 @@ from kit import Case
 pytestmark = pytest.mark.gpu
 
 CLUSTER_FLAG = "8"   # kDebugClusterPlan in csrc/sm90/decode_fp8/decode.h
+MULTICAST_FLAG = "8192"   # kDebugMulticastKv
+PLAN_FLAGS = {"shared_vt": CLUSTER_FLAG, "multicast": MULTICAST_FLAG}
 
 CASES = [
     Case(lengths=[64, 1000, 0], h_q=128),
@@ -25,6 +29,11 @@ CASES = [
     Case(lengths=[37 * i % 2100 for i in range(40)], h_q=128, seed=3),
     Case(lengths=[100, 700, 2500], s_q=2, h_q=64, causal=False, seed=2),
     Case(lengths=[300, 5000], h_q=256, h_kv=2, seed=4),
+]
+# Four M tiles, pairs within one query token: the multicast plan only.
+MULTICAST_ONLY = [
+    Case(lengths=[1, 65, 700, 4100], s_q=2, h_q=128, seed=5),
+    Case(lengths=[3000], s_q=4, h_q=128, seed=6),
 ]
 
 
@@ -44,18 +53,20 @@ def _kernel_names(fn) -> list[str]:
     return [e.key for e in prof.key_averages() if "fp8_decode_kernel" in e.key]
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_cluster_plan_is_bitwise_the_one_cta_plan(case, monkeypatch):
+@pytest.mark.parametrize("flag, case", [pytest.param(f, c, id=f"{name}-{c}") for name, f in PLAN_FLAGS.items()
+                                         for c in CASES]
+                         + [pytest.param(MULTICAST_FLAG, c, id=f"multicast-{c}") for c in MULTICAST_ONLY])
+def test_cluster_plan_is_bitwise_the_one_cta_plan(flag, case, monkeypatch):
     inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "0")
     out, lse = run_fp8_decode(inp, case, dq, dk)
     one_cta = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", flag)
     out_c, lse_c = run_fp8_decode(inp, case, dq, dk)
     out_c2, lse_c2 = run_fp8_decode(inp, case, dq, dk)
     cluster = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
     print(f"{case}: one-CTA kernel {one_cta}, cluster kernel {cluster}")
-    # The plans differ only in the template's last argument (kShareVt): false, true.
+    # The one-CTA plan's traits have no true argument; the cluster plans' kShareVt or kMulticastKv is true.
     assert one_cta and all("true" not in k for k in one_cta), one_cta
     assert cluster and all("true" in k for k in cluster), cluster
     assert not torch.isnan(out_c).any()
@@ -65,10 +76,15 @@ def test_cluster_plan_is_bitwise_the_one_cta_plan(case, monkeypatch):
     assert torch.equal(lse_c, lse)
 
 
-def test_cluster_flag_leaves_other_shapes_on_their_plan(monkeypatch):
-    """Four M tiles (s_q 2 causal at 128 heads) and one M tile (16 heads) do not take the cluster plan."""
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
-    for case in (Case(lengths=[300, 1500], s_q=2, h_q=128), Case(lengths=[300, 1500], h_q=16)):
+@pytest.mark.parametrize("flag", PLAN_FLAGS.values(), ids=PLAN_FLAGS.keys())
+def test_cluster_flag_leaves_other_shapes_on_their_plan(flag, monkeypatch):
+    """One M tile (16 heads) and two tiles of different query tokens (s_q 2 causal at 64 heads) take neither cluster
+    plan; four M tiles (s_q 2 causal at 128 heads) do not take the shared transposition's."""
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", flag)
+    cases = [Case(lengths=[300, 1500], h_q=16), Case(lengths=[300, 1500], s_q=2, h_q=64)]
+    if flag == CLUSTER_FLAG:
+        cases.append(Case(lengths=[300, 1500], s_q=2, h_q=128))
+    for case in cases:
         inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
         names = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
         assert names and all("true" not in k for k in names), (str(case), names)

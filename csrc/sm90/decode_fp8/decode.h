@@ -15,6 +15,7 @@ enum class Variant {
   kFastE4m3Q,        // e4m3 q (one term), P one term, bf16 out; 2 KV stages, V^T rings 2 + 4 (FP8_DEBUG bit 4 only)
   kFastE4m3QStream,  // the same with 3 KV stages and V^T rings 2 + 2: the fast mode's default
   kFastE4m3QCluster, // kFastE4m3QStream as 2-CTA clusters over the two M tiles, sharing the V transposition
+  kFastE4m3QMulticast,  // kFastE4m3QStream as 2-CTA clusters over pairs of M tiles, the KV blocks multicast
   kAccurateBF16, // bf16 q split in two e4m3 terms for Q K^T, P V in fp16 (traits.h: kPvF16), bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms for Q K^T, P V in fp16, fp16 out
   // The accurate mode for at most 16 query rows a KV head (s_q h_q / h_kv): the keys-on-M tile (keys_on_m.h)
@@ -61,12 +62,14 @@ enum DebugFlags : int {
                                  // producer widens V (accurate mode) or transposes it (fast mode, also in place of the
                                  // plans of bits 4 and 8); the same results within the mode's error (bit 1 does not
                                  // apply to it)
+  kDebugMulticastKv = 8192,      // the fast mode with pairs of M tiles that see the same keys: 2-CTA clusters whose
+                                 // KV blocks are TMA-multicast into both CTAs (same results; before bits 4 and 8)
 };
 // Every bit above. Others mean nothing and are refused (dispatch.cu), so that a value naming a removed measurement
 // (2048 and 4096 were two of them) is an error rather than a silent run of the default.
 constexpr int kKnownDebugBits = kDebugNoTranspose | kDebugOtherFastPlan | kDebugClusterPlan | kDebugOtherAccurateTile |
                                 kDebugFastKeysOnM | kDebugOtherL2Promotion | kDebugKmOtherOrder |
-                                kDebugStackedOtherPlan | kDebugStackedManyRows | kDebugVRegs;
+                                kDebugStackedOtherPlan | kDebugStackedManyRows | kDebugVRegs | kDebugMulticastKv;
 // The bits the kernel reads itself (the rest choose a kernel or a plan on the host): compiled only into a measurement
 // build (common/measure.h).
 constexpr int kInKernelDebugBits = kDebugNoTranspose;
@@ -82,6 +85,9 @@ bool fast_keys_on_m_by_default(const DecodeParams& params);
 // Whether a shape can run the 2-CTA cluster plan: two M tiles whose rows see the same keys (one query token, or no
 // causal limit, or each tile's rows within one query token), so that both CTAs of a cluster walk the same blocks.
 bool cluster_plan_applies(const DecodeParams& params);
+// Whether a shape can run the multicast plan: an even number of M tiles, tiles 2 k and 2 k + 1 seeing the same keys
+// (one query token, or no causal limit, or each pair's rows within one query token).
+bool paired_tiles_apply(const DecodeParams& params);
 }  // namespace sm90::decode_fp8
 
 }  // namespace flashmla_backend

@@ -48,6 +48,11 @@ bool cluster_plan_applies(const DecodeParams& p) {
   // causal limit differs between their rows.
   return !p.causal || p.seqlen_q == 1 || p.ngroups % (2 * kBlockM) == 0;
 }
+bool paired_tiles_apply(const DecodeParams& p) {
+  if (p.num_m_blocks % 2 != 0) return false;
+  // Pair k holds rows [128 k, 128 k + 128): within one query token when ngroups is a multiple of 128.
+  return !p.causal || p.seqlen_q == 1 || p.ngroups % (2 * kBlockM) == 0;
+}
 // The accurate mode's tiles by query rows a KV head (s_q h_q / h_kv), measured on an H100 (docs/perf/journal.md,
 // 2026-11-27): up to 16 rows the keys-on-M tile (keys_on_m.h) is faster than the 64-row tile at every batch (b = 1 h_q
 // 16: 22.5 against 31 us, b128: 237 against 330) and than the stacked Q tile from 4 (request, KV head) pairs (b4 28.1
@@ -128,6 +133,10 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
     // The plan with the deeper KV pipeline (launch.cuh: VariantTraits) at every M-tile count: on an H200, without
     // in-kernel switches, it was also 2% faster at four M tiles (b128-sk8192-h128-s_q 2, alternating processes: median
     // 646 against 658 us; b64 and sk4096 the same way), where an H100 A/B had once put the other plan 1% ahead.
+    if ((debug & sm90::decode_fp8::kDebugMulticastKv) && sm90::decode_fp8::paired_tiles_apply(params)) {
+      run_decode_kernel<Variant::kFastE4m3QMulticast>(params, debug);
+      return;
+    }
     bool stream = true;
     if (debug & sm90::decode_fp8::kDebugOtherFastPlan) stream = !stream;
     if (stream && (debug & sm90::decode_fp8::kDebugClusterPlan) && sm90::decode_fp8::cluster_plan_applies(params)) {

@@ -2,8 +2,9 @@
 // fp16 wgmma): the __global__ function.
 //
 // grid = (num_m_blocks, num_heads_kv, num_sm_parts), the 16-bit kernel's grid and metadata; block = 384 threads:
-// warpgroups 0 and 1 consume (mainloop.cuh), warpgroup 2 produces (producer.cuh). One CTA per SM. The cluster plan
-// (Traits::kShareVt) launches the same grid in clusters of (2, 1, 1): the two M tiles of a (part, KV head).
+// warpgroups 0 and 1 consume (mainloop.cuh), warpgroup 2 produces (producer.cuh). One CTA per SM. The cluster plans
+// (Traits::kClusterPair: the shared transposition, the multicast copies) launch the same grid in clusters of
+// (2, 1, 1): a pair of M tiles of a (part, KV head) that see the same keys.
 //   config.h / traits.h   geometry, MMA types, shared-memory plan, barriers
 //   producer.cuh          KV copies (TMA) and the V transposition (the accurate mode: V widened to fp16)
 //   q_tile.cuh            the Q tile: q copied (cp.async), a 16-bit q then split into e4m3 terms in place
@@ -180,9 +181,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       init_pipeline_barriers<T>(ss, &tmap_kv);
     }
   }
-  // The shared transposition: the peer's barriers must be initialized before the first remote arrival or copy. Both
-  // CTAs of a cluster have the same metadata row, so both got here or both returned above.
-  if constexpr (T::kShareVt) {
+  // The cluster plans: the peer's barriers must be initialized before the first remote arrival or copy. Both CTAs
+  // of a cluster have the same metadata row, so both got here or both returned above.
+  if constexpr (T::kClusterPair) {
     cluster_sync_all();
   } else {
     __syncthreads();
@@ -204,9 +205,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     consumer_loop<T, 1>(p, ss, meta, begin_req, end_req, m_block, hk, tid, lane);
   }
-  // The shared transposition: no CTA leaves while the peer may still arrive on its barriers (the consumers' last
-  // releases) or read its shared memory (the last bulk copies, consumed by the peer before it gets here).
-  if constexpr (T::kShareVt) cluster_sync_all();
+  // The cluster plans: no CTA leaves while the peer may still arrive on its barriers (the consumers' last releases)
+  // or read its shared memory (the last bulk copies, consumed by the peer before it gets here); the multicasts into
+  // a CTA's stages all completed before its consumers' last waits.
+  if constexpr (T::kClusterPair) cluster_sync_all();
 #else
   if (threadIdx.x == 0) printf("flashmla_backend: sm90 FP8 decode kernel was not compiled for sm_90a\n");
   __trap();

@@ -67,6 +67,8 @@ struct TraitsKM : VRings<kStages_, kVParts_, kRingA_, kRingB_> {
   // V^T with eight ldmatrix in flight (units_in_flight: the producer is not held to few registers here).
   static constexpr bool kPvF16 = !kQFp8;
   static constexpr bool kShareVt = false;
+  static constexpr bool kMulticastKv = false;
+  static constexpr bool kClusterPair = false;
   static constexpr bool kKeysOnM = true;
   // No setmaxnreg: only units_in_flight reads it.
   static constexpr int kProducerRegs = kQFp8 ? 88 : 0;

@@ -76,6 +76,14 @@ template <>
 struct VariantTraits<Variant::kFastE4m3QCluster> {
   using type = Traits<cutlass::float_e4m3_t, 1, 2, 3, 3, 208, 88, true>;
 };
+// The default fast plan as 2-CTA clusters over pairs of M tiles whose KV blocks are read from L2 once a cluster (TMA
+// multicast, Traits::kMulticastKv; each CTA still transposes all of its V): the two M tiles of b128 h_q 128 read
+// every block twice, 1.18 GB from L2 a call (docs/perf/journal.md). Behind FLASHMLA_BACKEND_FP8_DEBUG bit 8192 while
+// it is measured.
+template <>
+struct VariantTraits<Variant::kFastE4m3QMulticast> {
+  using type = Traits<cutlass::float_e4m3_t, 1, 3, 2, 2, 208, 88, false, false, false, true>;
+};
 // The accurate mode: Q K^T on e4m3 tensor cores with two q terms, P V on fp16 tensor cores (Traits::kPvF16), 2 KV
 // stages and one fp16 V half a consumer warpgroup (64 KB; with the two-term Q and the fp16 P hand-off the plan is
 // 227 KB).
@@ -185,10 +193,16 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
       decode::launch_on_decode_grid(&sm90_fp8_decode_km_kernel<T, false>, T::kNumThreads, T::kSmemBytes,
                                     "sm90_fp8_decode_km_kernel", p, p, tmap, debug);
     }
-  } else if constexpr (T::kShareVt) {
-    FMLA_HOST_CHECK(cluster_plan_applies(p), "sm90 FP8 decode: the 2-CTA cluster plan needs two M tiles whose rows "
+  } else if constexpr (T::kClusterPair) {
+    if constexpr (T::kShareVt) {
+      FMLA_HOST_CHECK(cluster_plan_applies(p), "sm90 FP8 decode: the 2-CTA cluster plan needs two M tiles whose rows "
+                                               "see the same keys (num_m_blocks "
+                                                   << p.num_m_blocks << ", s_q " << p.seqlen_q << ")");
+    } else {
+      FMLA_HOST_CHECK(paired_tiles_apply(p), "sm90 FP8 decode: the multicast plan needs pairs of M tiles whose rows "
                                              "see the same keys (num_m_blocks "
                                                  << p.num_m_blocks << ", s_q " << p.seqlen_q << ")");
+    }
     auto kernel = &sm90_fp8_decode_kernel<T>;
     FMLA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes));
     cudaLaunchAttribute attrs[2];

@@ -371,7 +371,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
   clear(tOrO);  // here, not before the first Q K^T: cleared earlier, ptxas kept O in local memory across it
-  warp_arrive(ss.kv_empty[stage_of(g_base, T::kStages)], lane);
+  release_kv_stage<T>(ss, int(stage_of(g_base, T::kStages)), lane);
 
   auto step = [&](auto next_c, int b0) CUTLASS_LAMBDA_FUNC_INLINE {
     constexpr bool kNext = decltype(next_c)::value;  // blocks b0 + 2 and b0 + 3 exist
@@ -439,7 +439,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
-      warp_arrive(ss.kv_empty[stage_of(g0 + 2, T::kStages)], lane);
+      release_kv_stage<T>(ss, int(stage_of(g0 + 2, T::kStages)), lane);
     }
   };
   run_steps(nblk, step);
@@ -539,7 +539,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
-      warp_arrive(ss.kv_empty[stage_of(g0 + 3, T::kStages)], lane);
+      release_kv_stage<T>(ss, int(stage_of(g0 + 3, T::kStages)), lane);
     }
   };
 
@@ -547,7 +547,7 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
   clear(tOrO);
-  warp_arrive(ss.kv_empty[stage_of(g_base + 1, T::kStages)], lane);
+  release_kv_stage<T>(ss, int(stage_of(g_base + 1, T::kStages)), lane);
   run_steps(nblk, step);
 }
 

@@ -105,7 +105,7 @@ __device__ __forceinline__ void mainloop_f16pv_wg1(typename T::SharedStorage& ss
     if constexpr (kNext) {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
-      warp_arrive(ss.kv_empty[stage_of(g0 + 3, T::kStages)], lane);
+      release_kv_stage<T>(ss, int(stage_of(g0 + 3, T::kStages)), lane);
     }
   };
 
@@ -113,7 +113,7 @@ __device__ __forceinline__ void mainloop_f16pv_wg1(typename T::SharedStorage& ss
   warpgroup_wait<0>();
   warpgroup_fence_operand(tSrS);
   clear(tOrO);
-  warp_arrive(ss.kv_empty[stage_of(g_base + 1, T::kStages)], lane);
+  release_kv_stage<T>(ss, int(stage_of(g_base + 1, T::kStages)), lane);
   run_steps(nblk, step);
 }
 

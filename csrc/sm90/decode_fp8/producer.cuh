@@ -65,6 +65,46 @@ __device__ __forceinline__ void wait_kv_block(typename T::SharedStorage& ss, uin
 }
 
 // ------------------------------------------------------------------------------------------------
+// The 2-CTA clusters (Traits::kClusterPair: the shared transposition, the multicast copies)
+// ------------------------------------------------------------------------------------------------
+// The grid's x is the M tile and the cluster is (2, 1, 1): the CTA's rank in the cluster is blockIdx.x & 1, the
+// rank of the other CTA its complement. Both CTAs run the same kernel, so a shared-memory object has the same
+// address in both; mapa gives the peer's copy of it in the cluster's shared window.
+__device__ __forceinline__ uint32_t cluster_rank() { return blockIdx.x & 1u; }
+__device__ __forceinline__ uint32_t peer_address(uint32_t local_smem_addr) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_smem_addr), "r"(cluster_rank() ^ 1u));
+  return remote;
+}
+// One arrival on the peer's copy of a barrier, with mbarrier.arrive's default semantics (release at CTA scope), the
+// form CUTLASS's cluster pipelines use for a consumer's release of a peer's buffer. The explicit .release.cluster
+// form (here and on the sender's expect_tx arrival) made the cluster plan 1.5x slower (670 us against 436 at b128
+// h_q 128 on an H100, same plan otherwise): a cluster-scope release waits until all of the arriving thread's earlier
+// memory operations are visible to the whole cluster, and the consumer warps arrive after each P V of a copied half.
+template <class Barrier>
+__device__ __forceinline__ void arrive_on_peer(Barrier& bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(
+                   peer_address(cute::cast_smem_ptr_to_uint(&bar)))
+               : "memory");
+}
+// All threads of both CTAs (the non-.aligned form: the producer's warps reach it from divergent roles).
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// A warp's release of KV stage `stage` (its last read of the stage done): one arrival on this CTA's kv_empty, and
+// with the multicast copies (Traits::kMulticastKv) one on the peer's as well, whose producer writes this CTA's stage
+// too.
+template <class T>
+__device__ __forceinline__ void release_kv_stage(typename T::SharedStorage& ss, int stage, int lane) {
+  __syncwarp();
+  if (lane == 0) {
+    ss.kv_empty[stage].arrive();
+    if constexpr (T::kMulticastKv) arrive_on_peer(ss.kv_empty[stage]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // KV copies
 // ------------------------------------------------------------------------------------------------
 // L2 policy: the 16-bit kernel's (sm90/decode/copies.cuh: one M tile reads each block once, evict-normal; two M
@@ -82,6 +122,26 @@ __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename
     // tensor map dims (fastest first): (576 columns, h_kv, 64 tokens, num_pages)
     cute::SM90_TMA_LOAD_4D::copy(tmap, reinterpret_cast<uint64_t*>(&ss.kv_full[stage][j]), hint,
                                  dst + j * kPieceBytes, j * kPieceCols, hk, 0, page);
+  }
+}
+
+// Traits::kMulticastKv: this CTA arms all nine pieces' barriers of its stage with their bytes and issues every other
+// piece (j = first, first + 2, ...; the peer the others) as multicasts into both CTAs of the cluster, whose barriers at the same
+// shared-memory offset each receive the piece's bytes. A piece of the peer may land before
+// this CTA armed its barrier: the transaction count goes below zero for that while, and the phase still completes only
+// with this CTA's arrival (PTX ISA, mbarrier tx-count). Both CTAs walk the same blocks (dispatch.cu:
+// paired_tiles_apply), and a stage is refilled only after both CTAs released it (kv_empty counts the peer's
+// releases too: release_kv_stage), so a multicast never lands in a stage the peer still reads.
+template <class T>
+__device__ __forceinline__ void issue_kv_block_multicast(const CUtensorMap* tmap, typename T::SharedStorage& ss,
+                                                         int stage, int page, int hk, uint32_t first) {
+  uint8_t* dst = ss.kv.data() + stage * kTileBytes;
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive_and_expect_tx(kPieceBytes);
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int j = int(first); j < kNumPieces; j += 2) {
+    cute::SM90_TMA_LOAD_MULTICAST_4D::copy(tmap, reinterpret_cast<uint64_t*>(&ss.kv_full[stage][j]), uint16_t(0x3),
+                                           decode::kEvictFirst, dst + j * kPieceBytes, j * kPieceCols, hk, 0, page);
   }
 }
 
@@ -114,40 +174,17 @@ __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorM
     const int stage = int(stage_of(g, T::kStages));
     if (g >= uint32_t(T::kStages)) wait_barrier(ss.kv_empty[stage], (g / T::kStages + 1) & 1u);
     if (b < w.num_blocks) {
-      issue_kv_block<T>(tmap, ss, stage, decode::block_page(p, w, b), hk);
+      if constexpr (T::kMulticastKv) {
+        // The odd ninth piece alternates between the ranks from block to block.
+        issue_kv_block_multicast<T>(tmap, ss, stage, decode::block_page(p, w, b), hk, (cluster_rank() + g) & 1u);
+      } else {
+        issue_kv_block<T>(tmap, ss, stage, decode::block_page(p, w, b), hk);
+      }
     } else {
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < kNumPieces; ++j) ss.kv_full[stage][j].arrive();
     }
   });
-}
-
-// ------------------------------------------------------------------------------------------------
-// The 2-CTA cluster of the shared transposition (Traits::kShareVt)
-// ------------------------------------------------------------------------------------------------
-// The grid's x is the M tile and the cluster is (2, 1, 1): the CTA's rank in the cluster is blockIdx.x & 1, the
-// rank of the other CTA its complement. Both CTAs run the same kernel, so a shared-memory object has the same
-// address in both; mapa gives the peer's copy of it in the cluster's shared window.
-__device__ __forceinline__ uint32_t cluster_rank() { return blockIdx.x & 1u; }
-__device__ __forceinline__ uint32_t peer_address(uint32_t local_smem_addr) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_smem_addr), "r"(cluster_rank() ^ 1u));
-  return remote;
-}
-// One arrival on the peer's copy of a barrier, with mbarrier.arrive's default semantics (release at CTA scope), the
-// form CUTLASS's cluster pipelines use for a consumer's release of a peer's buffer. The explicit .release.cluster
-// form (here and on the sender's expect_tx arrival) made the cluster plan 1.5x slower (670 us against 436 at b128
-// h_q 128 on an H100, same plan otherwise): a cluster-scope release waits until all of the arriving thread's earlier
-// memory operations are visible to the whole cluster, and the consumer warps arrive after each P V of a copied half.
-template <class Barrier>
-__device__ __forceinline__ void arrive_on_peer(Barrier& bar) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(
-                   peer_address(cute::cast_smem_ptr_to_uint(&bar)))
-               : "memory");
-}
-// All threads of both CTAs (the non-.aligned form: the producer's warps reach it from divergent roles).
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
 // Sends V^T slot `slot` (written here, 16 KB) to the same slot of the peer CTA: one arrival with the expected bytes
@@ -183,7 +220,8 @@ __device__ __forceinline__ void init_pipeline_barriers(typename T::SharedStorage
   for (int s = 0; s < T::kStages; ++s) {
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kNumPieces; ++j) ss.kv_full[s][j].init(1);
-    ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : kKvEmptyArrivals);
+    // The multicast copies: both CTAs' releases (release_kv_stage).
+    ss.kv_empty[s].init(T::kShareVt ? kKvEmptyArrivalsShared : (T::kMulticastKv ? 2 : 1) * kKvEmptyArrivals);
   }
   CUTLASS_PRAGMA_UNROLL
   for (int b = 0; b < T::kVtSlots; ++b) {
@@ -428,10 +466,8 @@ __device__ __forceinline__ void transpose_loop(const DecodeParams& p, typename T
       const uint32_t slot = T::vt_slot(h, g), use = T::vt_use(h, g);
       if (use > 0) wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
       transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, pair, valid, tl, lane, debug);
-      if (lane == 0) {
-        ss.vt_full[slot].arrive();
-        ss.kv_empty[stage].arrive();
-      }
+      if (lane == 0) ss.vt_full[slot].arrive();
+      release_kv_stage<T>(ss, stage, lane);
     }
   });
 }

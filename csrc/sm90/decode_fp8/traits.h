@@ -84,9 +84,13 @@ struct VRings {
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
+// kMulticastKv: the same 2-CTA clusters, each CTA transposing all of its V as the one-CTA plan does, but every KV
+// block read from L2 once a cluster: CTA rank r issues the pieces j = r, r + 2, ... of a block as TMA multicasts
+// into both CTAs' stages, so a stage is refilled only once the consumers and transposers of both CTAs released it
+// (producer.cuh: copy_loop, release_kv_stage).
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
           int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false,
-          bool kStackedTerms_ = false>
+          bool kStackedTerms_ = false, bool kMulticastKv_ = false>
 struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   using Rings = VRings<kStages_, 2, kVtLeft_, kVtRight_>;
   using Rings::kVtEmptyCopies;
@@ -119,6 +123,10 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static constexpr bool kShareVt = kShareVt_;
   static constexpr bool kKeysOnM = false;  // keys_on_m.h: TraitsKM
   static_assert(!kShareVt || kQFp8, "the shared transposition serves the fast mode");
+  static constexpr bool kMulticastKv = kMulticastKv_;
+  static_assert(!kMulticastKv || (kQFp8 && !kShareVt), "the multicast copies serve the fast mode's one-CTA plan");
+  // Launched as 2-CTA clusters over pairs of M tiles (launch.cuh, kernel.cuh).
+  static constexpr bool kClusterPair = kShareVt || kMulticastKv;
   static constexpr int kConsumerRegs = kConsumerRegs_;
   static constexpr int kProducerRegs = kProducerRegs_;
   static_assert(kNumConsumerThreads * kConsumerRegs + kThreadsPerWarpGroup * kProducerRegs <= kCtaRegisters,

@@ -60,6 +60,8 @@ struct TraitsVR {
   static constexpr bool kPvF16 = !kQFp8;
   static constexpr bool kStackedTerms = false;
   static constexpr bool kShareVt = false;
+  static constexpr bool kMulticastKv = false;
+  static constexpr bool kClusterPair = false;
   static constexpr bool kKeysOnM = false;
   static constexpr bool kVRegs = true;
   static constexpr int kConsumerRegs = kConsumerRegs_;
