@@ -50,8 +50,8 @@ enum DebugFlags : int {
                                  // for the stacked one); the same results within the mode's error
   kDebugFastKeysOnM = 32,      // the fast mode at <= 16 query rows a KV head: the other tile than the default (keys on
                                // M, or the 64-row tile); the same results within the mode's error
-  kDebugOtherL2Promotion = 64,  // the KV tensor map's other L2 promotion (launch.cuh: 128 bytes with one M tile, none
-                                // with more); the same results
+  kDebugOtherL2Promotion = 64,  // the KV tensor map's other L2 promotion (launch.cuh: 128 bytes with one M tile or
+                                // the multicast plan, none otherwise); the same results
   kDebugKmOtherOrder = 128,    // the keys-on-M tile's other step order (keys_on_m.h: kStepAhead); the same results
   kDebugStackedOtherPlan = 256,  // the stacked Q tile's other plan than the shape's (3 KV stages, or 2 with two left
                                  // fp16 V slots; dispatch.cu); the same results

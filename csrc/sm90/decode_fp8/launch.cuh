@@ -25,8 +25,10 @@ namespace flashmla_backend::sm90::decode_fp8 {
 // faster on an H100 (docs/perf/journal.md, 2026-11-27; fast mode: b128 h_q 16 224.3-224.5 against 230.3-230.4 us,
 // b64 h_q 32 127.4-127.6 / 130.7-131.1, varlen h_q 16 137.7-138.0 / 141.6-141.7; accurate keys-on-M b128 h_q 16
 // 233.5 / 237.0; 256 bytes the same or a little slower), but slower with two M tiles, which read each block twice
-// (b128 h_q 128: 354-367 against 343), so those keep none.
-inline CUtensorMap make_kv_tensor_map(const DecodeParams& p, int debug) {
+// (b128 h_q 128: 354-367 against 343), so those keep none. The multicast plan (Traits::kMulticastKv) reads each
+// block once a cluster and takes the promotion too (H200, b128-sk8192-h128, 1 s of back-to-back replays: 389.4
+// against 393.6 us without; s_q 2 749.4 against 754.3; docs/perf/journal.md, 2026-11-30).
+inline CUtensorMap make_kv_tensor_map(const DecodeParams& p, int debug, bool each_block_once) {
   CUtensorMap tmap;
   const cuuint64_t dims[4] = {cuuint64_t(kHeadDimK), cuuint64_t(p.num_heads_kv), cuuint64_t(kBlockN),
                               cuuint64_t(p.num_pages)};
@@ -37,7 +39,7 @@ inline CUtensorMap make_kv_tensor_map(const DecodeParams& p, int debug) {
   const CUresult res = decode::get_encode_tiled()(
       &tmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_64B,
-      (p.num_m_blocks == 1) != bool(debug & kDebugOtherL2Promotion) ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+      each_block_once != bool(debug & kDebugOtherL2Promotion) ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
                                                                      : CU_TENSOR_MAP_L2_PROMOTION_NONE,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   FMLA_HOST_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the FP8 KV cache (CUresult "
@@ -78,8 +80,11 @@ struct VariantTraits<Variant::kFastE4m3QCluster> {
 };
 // The default fast plan as 2-CTA clusters over pairs of M tiles whose KV blocks are read from L2 once a cluster (TMA
 // multicast, Traits::kMulticastKv; each CTA still transposes all of its V): the two M tiles of b128 h_q 128 read
-// every block twice, 1.18 GB from L2 a call (docs/perf/journal.md). Behind FLASHMLA_BACKEND_FP8_DEBUG bit 8192 while
-// it is measured.
+// every block twice, 1.18 GB from L2 a call (docs/perf/journal.md). Measured on an H200 (journal, 2026-11-30): with
+// 1 s of back-to-back replays (the board at its power cap, as in serving) 2.5-2.7% faster than the one-CTA plan at
+// b128-sk8192-h128 (389-390 against 399-402 us), 1.7% at s_q 2 and 2% on the varlen h_q 128 batch, at about the same
+// energy a call (its clock stays higher); in 25 ms windows 2-3% slower at s_q 1 and 2, and 3-5% slower at b = 1 (the
+// two CTAs of a cluster wait on each other's releases). So it stays behind FLASHMLA_BACKEND_FP8_DEBUG bit 8192.
 template <>
 struct VariantTraits<Variant::kFastE4m3QMulticast> {
   using type = Traits<cutlass::float_e4m3_t, 1, 3, 2, 2, 208, 88, false, false, false, true>;
@@ -177,11 +182,11 @@ void run_decode_kernel(const DecodeParams& p, int debug) {
       DecodeParams q = p;
       q.num_m_blocks = (p.q_rows + T::kTileRows - 1) / T::kTileRows;
       decode::launch_on_decode_grid(&sm90_fp8_decode_kernel<T>, kNumThreads, T::kSmemBytes, "sm90_fp8_decode_kernel",
-                                    q, q, make_kv_tensor_map(q, debug), debug);
+                                    q, q, make_kv_tensor_map(q, debug, q.num_m_blocks == 1), debug);
       return;
     }
   }
-  const CUtensorMap tmap = make_kv_tensor_map(p, debug);
+  const CUtensorMap tmap = make_kv_tensor_map(p, debug, p.num_m_blocks == 1 || T::kMulticastKv);
   if constexpr (T::kKeysOnM) {
     FMLA_HOST_CHECK(p.q_rows <= T::kRows && p.num_m_blocks == 1,
                     "sm90 FP8 decode: the keys-on-M tile serves at most " << T::kRows << " query rows a KV head, got "
