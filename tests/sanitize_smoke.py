@@ -30,14 +30,18 @@ CASES = [
     Case(lengths=[5000], s_q=1, h_q=16),  # one request in many splits: the splits-in-parallel combine
 ]
 
-# FP8 cache (sm_90a only): empty requests, page edges, two KV heads with s_q 2, one request in many splits, and 32
-# query rows over 16 requests (the accurate mode's stacked Q tile with 3 KV stages, chosen from 8 (request, KV head)
-# pairs on; the 2-stage plan with FLASHMLA_BACKEND_FP8_DEBUG=256, every tile at every row count with 512 + 16).
+# FP8 cache (sm_90a only): empty requests, page edges, two KV heads with s_q 2, one request in many splits, 32 query
+# rows over 16 requests (the accurate mode's stacked Q tile with 3 KV stages, chosen from 8 (request, KV head) pairs
+# on; the 2-stage plan with FLASHMLA_BACKEND_FP8_DEBUG=256, every tile at every row count with 512 + 16), and two and
+# four M tiles of h_q 128 whose pairs see the same keys (the fast mode's 2-CTA cluster plans with
+# FLASHMLA_BACKEND_FP8_DEBUG=8, the shared transposition, at two tiles, and 8192, the multicast copies, at both).
 FP8_CASES = [
     Case(lengths=[0, 1, 65, 140], s_q=1, h_q=16),
     Case(lengths=[(37 * i) % 300 for i in range(16)], s_q=1, h_q=32),
     Case(lengths=[63, 200], s_q=2, h_q=128, h_kv=2),
     Case(lengths=[3000], s_q=1, h_q=16),
+    Case(lengths=[0, 65, 700], s_q=1, h_q=128),
+    Case(lengths=[1, 64, 300], s_q=2, h_q=128),
 ]
 # Sparse decode (sm_90a only): skipped entries of every kind, a cut row and an empty one, heads padded to the M tile,
 # pages of one token; NaN in every slot no counted entry names.
