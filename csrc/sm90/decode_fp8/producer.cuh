@@ -126,12 +126,12 @@ __device__ __forceinline__ void issue_kv_block(const CUtensorMap* tmap, typename
 }
 
 // Traits::kMulticastKv: this CTA arms all nine pieces' barriers of its stage with their bytes and issues every other
-// piece (j = first, first + 2, ...; the peer the others) as multicasts into both CTAs of the cluster, whose barriers at the same
-// shared-memory offset each receive the piece's bytes. A piece of the peer may land before
-// this CTA armed its barrier: the transaction count goes below zero for that while, and the phase still completes only
-// with this CTA's arrival (PTX ISA, mbarrier tx-count). Both CTAs walk the same blocks (dispatch.cu:
-// paired_tiles_apply), and a stage is refilled only after both CTAs released it (kv_empty counts the peer's
-// releases too: release_kv_stage), so a multicast never lands in a stage the peer still reads.
+// piece (j = first, first + 2, ...; the peer the others) as multicasts into both CTAs of the cluster, whose barriers
+// at the same shared-memory offset each receive the piece's bytes. A piece of the peer may land before this CTA armed
+// its barrier: the transaction count goes below zero for that while, and the phase still completes only with this
+// CTA's arrival (PTX ISA, mbarrier tx-count). Both CTAs walk the same blocks (dispatch.cu: paired_tiles_apply), and a
+// stage is refilled only after both CTAs released it (kv_empty counts the peer's releases too: release_kv_stage), so
+// a multicast never lands in a stage the peer still reads.
 template <class T>
 __device__ __forceinline__ void issue_kv_block_multicast(const CUtensorMap* tmap, typename T::SharedStorage& ss,
                                                          int stage, int page, int hk, uint32_t first) {
