@@ -11,7 +11,8 @@ FLASHMLA_BACKEND_MEASURE=1, docs/build.md; 4 runs the fast mode's other pipeline
 runs the accurate mode's other tile at <= 32 query rows a KV head: keys on M or 64 rows; 32 the fast mode's other
 tile at <= 16 rows; 64 the KV tensor map's other L2 promotion; 1024 the accurate mode's V-in-registers tile where
 the two-term 64-row tile runs; 8192 the fast mode's 2-CTA clusters with the KV blocks multicast, where pairs of M
-tiles see the same keys). Each call is captured in a CUDA graph and its replays timed with
+tiles see the same keys; 16384 the accurate mode's stacked Q tile with P V on e4m3 tensor cores and a two-term P,
+where the stacked tile runs). Each call is captured in a CUDA graph and its replays timed with
 triton.testing.do_bench (median). One line per (shape, mode, debug value) with the
 time, FlashMLA-FP8's time and the relative difference of the outputs from FlashMLA-FP8's (the fast mode reads the
 same e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's quantization), then one JSON line per shape.

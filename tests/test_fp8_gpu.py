@@ -8,8 +8,9 @@ result of each request's own scale, expanded stride-0 tensors bitwise the per-te
 tables changed. At most 32 query rows a KV head: both modes' two tiles (the accurate mode: keys on M or the stacked Q
 tile up to 16 rows, the stacked or the 64-row tile at 17-32; the fast mode: keys on M or the 64-row tile up to 16),
 each against fp64, with per-request descales and graph replays; the stacked Q tile at every row count in both its
-plans. Both modes' V-in-registers tiles (FLASHMLA_BACKEND_FP8_DEBUG bit 1024) at every case their 64-row tiles serve,
-with several requests a CTA, per-request descales and graph replays. The removed kernel switch
+plans, and with P V on e4m3 tensor cores and a two-term P (FLASHMLA_BACKEND_FP8_DEBUG bit 16384). Both modes'
+V-in-registers tiles (FLASHMLA_BACKEND_FP8_DEBUG bit 1024) at every case their 64-row tiles serve, with several
+requests a CTA, per-request descales and graph replays. The removed kernel switch
 FLASHMLA_BACKEND_FP8_KERNEL is refused.
 """
 import pytest
@@ -281,6 +282,32 @@ def test_accurate_stacked_terms_many_requests(monkeypatch, plan):
 def test_accurate_stacked_terms_per_request_descales_and_graph_replay(monkeypatch, rows):
     case = Case(lengths=[300, 0, 1500, 70], s_q=rows // 16, h_q=32, h_kv=2)
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False)))
+    _graph_replay_follows_descale_tables(case, "bf16q", 9, 13)
+
+
+# The stacked tile with P V on e4m3 tensor cores, P in two e4m3 terms (csrc/sm90/decode_fp8/traits.h: kPTerms2) in
+# place of the stacked tile's fp16 P V: FLASHMLA_BACKEND_FP8_DEBUG bit 16384 wherever the stacked tile runs.
+STACKED_P2 = 16384
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16q", "fp16q"])
+@pytest.mark.parametrize("case", FEW_ROW_CASES + [c for c in CASES if c.s_q <= 16], ids=str)
+def test_accurate_stacked_p2(monkeypatch, case, dtype):
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False) | STACKED_P2))
+    _matches_fp64(Case(**{**case.__dict__, "dtype": dtype}), "fp16q" if dtype == torch.float16 else "bf16q",
+                  ", stacked terms, two-term P")
+
+
+def test_accurate_stacked_p2_many_requests(monkeypatch):
+    case = Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=2, h_q=16, seed=7)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False) | STACKED_P2))
+    _matches_fp64(case, "bf16q", ", stacked terms, two-term P")
+
+
+@pytest.mark.parametrize("rows", [32, 128])
+def test_accurate_stacked_p2_per_request_descales_and_graph_replay(monkeypatch, rows):
+    case = Case(lengths=[300, 0, 1500, 70], s_q=rows // 16, h_q=32, h_kv=2)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False) | STACKED_P2))
     _graph_replay_follows_descale_tables(case, "bf16q", 9, 13)
 
 

@@ -62,6 +62,9 @@ constexpr int kPFragBytes = kBlockM * kBlockN / kThreadsPerWarpGroup;  // 32
 // probabilities keep normal e4m3 exponents. The factor costs no multiplication (it rides in the exponent's offset);
 // the row sums carry it too, so O / l is unchanged, and the epilogue takes it out of the lse.
 constexpr float kPScaleLog2 = 8.f;
+// Traits::kPTerms2: P's second e4m3 term is (P - e4m3(P)) times this power of two, so that it stays in e4m3's normal
+// range for P down to about 2^-2 (2^-10 of the row's max); the epilogue divides its O by it (mainloop.cuh).
+constexpr float kPLoFactor = 16.f;
 // The largest finite e4m3 value: a 16-bit q row is split with the scale amax / kE4m3Max.
 constexpr float kE4m3Max = 448.f;
 

@@ -29,6 +29,10 @@ enum class Variant {
   kAccurateStackedBF16Left2,
   kAccurateStackedFP16,
   kAccurateStackedFP16Left2,
+  // The stacked Q tile with P V on e4m3 tensor cores, P in two e4m3 terms (traits.h: kPTerms2), V^T transposed as in
+  // the fast mode; 3 KV stages, V^T rings 2 + 2
+  kAccurateStackedP2BF16,
+  kAccurateStackedP2FP16,
   // 16-bit q, the two-term 64-row tile with P V as O^T = V^T P^T, V widened in the consumers' registers (vregs.h)
   kAccurateVRegsBF16,
   kAccurateVRegsFP16,
@@ -64,12 +68,16 @@ enum DebugFlags : int {
                                  // apply to it)
   kDebugMulticastKv = 8192,      // the fast mode with pairs of M tiles that see the same keys: 2-CTA clusters whose
                                  // KV blocks are TMA-multicast into both CTAs (same results; before bits 4 and 8)
+  kDebugStackedP2 = 16384,       // the accurate mode where it runs the stacked Q tile: that tile with P V on e4m3
+                                 // tensor cores and P in two e4m3 terms instead of fp16 P V (either plan of bit 256);
+                                 // the same results within the mode's error
 };
 // Every bit above. Others mean nothing and are refused (dispatch.cu), so that a value naming a removed measurement
 // (2048 and 4096 were two of them) is an error rather than a silent run of the default.
 constexpr int kKnownDebugBits = kDebugNoTranspose | kDebugOtherFastPlan | kDebugClusterPlan | kDebugOtherAccurateTile |
                                 kDebugFastKeysOnM | kDebugOtherL2Promotion | kDebugKmOtherOrder |
-                                kDebugStackedOtherPlan | kDebugStackedManyRows | kDebugVRegs | kDebugMulticastKv;
+                                kDebugStackedOtherPlan | kDebugStackedManyRows | kDebugVRegs | kDebugMulticastKv |
+                                kDebugStackedP2;
 // The bits the kernel reads itself (the rest choose a kernel or a plan on the host): compiled only into a measurement
 // build (common/measure.h).
 constexpr int kInKernelDebugBits = kDebugNoTranspose;

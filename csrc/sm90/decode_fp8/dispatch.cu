@@ -88,16 +88,19 @@ bool fast_keys_on_m_by_default(const DecodeParams& p) {
 // The accurate mode's tile for one q dtype: keys on M (R = 16), the stacked Q tile in its two plans, or the two-term
 // 64-row tile. FLASHMLA_BACKEND_FP8_DEBUG: bit 16 runs the other tile at <= 32 rows (keys on M <-> stacked up to 16
 // rows, stacked <-> the 64-row tile at 17..32), bit 512 past 32 rows (stacked <-> the 64-row tile), bit 256 the
-// stacked tile's other plan, bit 1024 the V-in-registers tile for the two-term 64-row one.
+// stacked tile's other plan, bit 16384 the stacked tile with P V on e4m3 tensor cores in its place, bit 1024 the
+// V-in-registers tile for the two-term 64-row one.
 template <sm90::decode_fp8::Variant kKeysOnM, sm90::decode_fp8::Variant kStacked,
-          sm90::decode_fp8::Variant kStackedLeft2, sm90::decode_fp8::Variant kTwoTerms,
-          sm90::decode_fp8::Variant kVRegs>
+          sm90::decode_fp8::Variant kStackedLeft2, sm90::decode_fp8::Variant kStackedP2,
+          sm90::decode_fp8::Variant kTwoTerms, sm90::decode_fp8::Variant kVRegs>
 static void run_accurate(const DecodeParams& params, int debug) {
   namespace d = sm90::decode_fp8;
   const bool other = debug & (params.q_rows <= 32 ? d::kDebugOtherAccurateTile : d::kDebugStackedManyRows);
   const bool stacked = d::stacked_terms_by_default(params) != other;
   if (stacked) {
-    if (d::stacked_three_stages(params) != bool(debug & d::kDebugStackedOtherPlan)) {
+    if (debug & d::kDebugStackedP2) {
+      d::run_decode_kernel<kStackedP2>(params, debug);
+    } else if (d::stacked_three_stages(params) != bool(debug & d::kDebugStackedOtherPlan)) {
       d::run_decode_kernel<kStacked>(params, debug);
     } else {
       d::run_decode_kernel<kStackedLeft2>(params, debug);
@@ -151,11 +154,13 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   switch (params.dtype) {
     case DType::kBF16:
       run_accurate<Variant::kAccurateKmBF16R16, Variant::kAccurateStackedBF16, Variant::kAccurateStackedBF16Left2,
-                   Variant::kAccurateBF16, Variant::kAccurateVRegsBF16>(params, debug);
+                   Variant::kAccurateStackedP2BF16, Variant::kAccurateBF16, Variant::kAccurateVRegsBF16>(params,
+                                                                                                          debug);
       return;
     case DType::kFP16:
       run_accurate<Variant::kAccurateKmFP16R16, Variant::kAccurateStackedFP16, Variant::kAccurateStackedFP16Left2,
-                   Variant::kAccurateFP16, Variant::kAccurateVRegsFP16>(params, debug);
+                   Variant::kAccurateStackedP2FP16, Variant::kAccurateFP16, Variant::kAccurateVRegsFP16>(params,
+                                                                                                          debug);
       return;
   }
   FMLA_HOST_CHECK(false, "sm90 FP8 decode: unsupported dtype " << int(params.dtype));

@@ -55,6 +55,17 @@ struct OAccOf<T, true> {
   using type = OTAcc<T>;
 };
 
+// Traits::kPTerms2: a thread's accumulator row g + 8 holds P's second term times V (mainloop.cuh: p_words), so
+// row g's output is O_g + O_{g+8} / kPLoFactor (value i of the accumulator is row g + 8 ((i >> 1) & 1)); the
+// epilogue then writes row g (kOutRowsPerThread).
+template <class FragO>
+__device__ __forceinline__ void fold_p_terms(FragO& o) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(o); ++i) {
+    if (((i >> 1) & 1) == 0) o(i) = fmaf(o(i + 2), 1.f / kPLoFactor, o(i));
+  }
+}
+
 // All 256 consumer threads at a request boundary. Each warpgroup runs its own copy of the request loop (below), so
 // the two reach this barrier at different instructions: the barrier is the non-.aligned barrier.sync, which allows
 // that (bar.sync is barrier.sync.aligned, every participating thread at the same instruction; compute-sanitizer's
@@ -140,6 +151,7 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
       // l carries P's 2^kPScaleLog2 (config.h): O / l does not see it, lse = (m + log2 l) ln 2 must not.
       m[0] -= kPScaleLog2;
       m[1] -= kPScaleLog2;
+      if constexpr (T::kPTerms2) fold_p_terms(tOrO);
       decode::store_output<T>(p, w, ri, m_block, hk, kWG, tid_in_wg, tOrO, l, m, ss.value_scale);
     }
     consumers_sync();  // row_max / row_sum reused

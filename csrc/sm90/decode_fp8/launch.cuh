@@ -124,6 +124,19 @@ struct VariantTraits<Variant::kAccurateStackedFP16Left2> {
   using type = Traits<cutlass::half_t, 2, 2, 2, 1, 224, 56, false, true, true>;
 };
 
+// The stacked Q tile with P V on e4m3 tensor cores (Traits::kPTerms2): the fast 64-row tile's pipeline and shared
+// memory (3 KV stages, V^T rings 2 + 2, 216 KB) and registers, its second accumulator row carrying P's second term.
+// Behind FLASHMLA_BACKEND_FP8_DEBUG bit 16384 until measured (docs/perf/journal.md, 2026-11-30: its error is the e4m3
+// accumulator's over a request piece's blocks).
+template <>
+struct VariantTraits<Variant::kAccurateStackedP2BF16> {
+  using type = Traits<cutlass::bfloat16_t, 2, 3, 2, 2, 208, 88, false, false, true>;
+};
+template <>
+struct VariantTraits<Variant::kAccurateStackedP2FP16> {
+  using type = Traits<cutlass::half_t, 2, 3, 2, 2, 208, 88, false, false, true>;
+};
+
 // The accurate mode's V-in-registers tile (vregs.h): 3 KV stages (Q 72 KB + 108 KB + P 16 KB), consumers on 240
 // registers, the producer (one copy lane) on 24.
 template <>

@@ -83,29 +83,58 @@ __device__ __forceinline__ void rescale_o(Frag& o, const float (&sc)[2]) {
 // ------------------------------------------------------------------------------------------------
 // P as the e4m3 A fragment
 // ------------------------------------------------------------------------------------------------
+// P's two e4m3 terms of x0, x1 (0 <= x <= 2^8, P's scale: config.h), x0's in the low byte of each: hi = e4m3(x),
+// lo = e4m3((x - hi) kPLoFactor). The difference is taken in fp16 (q_tile.cuh: split_e4m3x2 says why that is exact
+// for a 16-bit value; here x is first rounded to fp16, 11 significant bits, more than the 8 of the two terms), and
+// times 16 it stays exact.
+__device__ __forceinline__ void split_p_e4m3x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  static_assert(kPLoFactor == 16.f, "the fp16 constant below");
+  uint16_t h, l;
+  uint32_t x16, hb, d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(x16) : "f"(x1), "f"(x0));
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hb) : "h"(h));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(x16), "r"(hb));
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(d), "r"(0x4C004C00u));  // 16.0 in each half
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(l) : "r"(d));
+  hi = h;
+  lo = l;
+}
+
 // The accumulator value i of a 64 x 64 S (row g + 8 ((i >> 1) & 1), key 8 (i >> 2) + 2 (l % 4) + (i & 1)) and the
 // A fragment of a k32 slice (word q: row g + 8 (q & 1), k' 16 (q >> 1) + 4 (l % 4) .. + 3) meet without moving data
 // between threads when k' = 4 t + i holds key 2 t + (i & 1) + 8 (i >> 1) (+ 16 for the upper half): word q of slice
 // kk takes values 16 kk + 8 (q >> 1) + 2 (q & 1) + {0, 1, 4, 5}, in that byte order. V^T is written in that key
 // order (producer.cuh: producer_loop).
 // Each value is e4m3(x), with x = s(i) * f[row] (kScaled) or s(i).
-template <bool kScaled, class Frag>
+// kPTerms2 (Traits::kPTerms2, the stacked Q tile, whose rows g and g + 8 are one query row): the words of row g + 8
+// (q odd) hold the second term of row g's values instead, lo = e4m3((x - e4m3(x)) kPLoFactor) (split_p_e4m3x2).
+template <bool kScaled, bool kPTerms2 = false, class Frag>
 __device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int kk, uint32_t (&words)[4]) {
   CUTLASS_PRAGMA_UNROLL
   for (int q = 0; q < 4; ++q) {
+    if (kPTerms2 && (q & 1)) continue;  // written with word q - 1
     const float fr = kScaled ? f[q & 1] : 1.f;
     const auto at = [&](int i) { return kScaled ? s(p_source_index(kk, q, i)) * fr : s(p_source_index(kk, q, i)); };
-    words[q] = f32x4_to_e4m3x4(at(0), at(1), at(2), at(3));
+    if constexpr (kPTerms2) {
+      uint32_t hi01, lo01, hi23, lo23;
+      split_p_e4m3x2(at(0), at(1), hi01, lo01);
+      split_p_e4m3x2(at(2), at(3), hi23, lo23);
+      words[q] = hi01 | (hi23 << 16);
+      words[q + 1] = lo01 | (lo23 << 16);
+    } else {
+      words[q] = f32x4_to_e4m3x4(at(0), at(1), at(2), at(3));
+    }
   }
 }
 // P's own fragment (no row factor).
-template <class Frag>
+template <bool kPTerms2 = false, class Frag>
 __device__ __forceinline__ void p_fragment(const Frag& s, uint32_t (&words)[8]) {
   const float none[2] = {1.f, 1.f};
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
     uint32_t w[4];
-    p_words<false>(s, none, kk, w);
+    p_words<false, kPTerms2>(s, none, kk, w);
     CUTLASS_PRAGMA_UNROLL
     for (int q = 0; q < 4; ++q) words[4 * kk + q] = w[q];
   }
@@ -139,13 +168,13 @@ __device__ __forceinline__ void store_p(uint8_t* buf, int tid, const uint32_t (&
 }
 // The e4m3 fragment of P times the row factor f, computed and stored one k32 slice at a time (four words live at
 // once).
-template <class Frag>
+template <bool kPTerms2 = false, class Frag>
 __device__ __forceinline__ void store_p_fragment(const Frag& s, const float (&f)[2], uint8_t* buf, int tid) {
   const uint32_t base = cute::cast_smem_ptr_to_uint(buf);
   CUTLASS_PRAGMA_UNROLL
   for (int kk = 0; kk < 2; ++kk) {
     uint32_t w[4];
-    p_words<true>(s, f, kk, w);
+    p_words<true, kPTerms2>(s, f, kk, w);
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(base + (kk * 128 + tid) * 16), "r"(w[0]),
                  "r"(w[1]), "r"(w[2]), "r"(w[3]));
   }
@@ -387,7 +416,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
       if constexpr (T::kPvF16) {
         p16_fragment<T::kStackedTerms>(tSrS, words);
       } else {
-        p_fragment(tSrS, words);
+        p_fragment<T::kPTerms2>(tSrS, words);
       }
       P.set(words);
     }
@@ -410,7 +439,7 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     // P0 sc1: when no row of the warp changed its max (sc1 == 1, the common case) that is P0's own fragment.
     if constexpr (!T::kPvF16) {
       if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
-        store_p_fragment(tSrS, {sc1[0], sc1[1]}, ss.p[0], tid);
+        store_p_fragment<T::kPTerms2>(tSrS, {sc1[0], sc1[1]}, ss.p[0], tid);
       } else {
         store_p(ss.p[0], tid, P.w);
       }
@@ -510,9 +539,11 @@ __device__ __forceinline__ void mainloop_wg1(typename T::SharedStorage& ss, cons
 
     // ---- softmax of block 1 against m0: m1 = max(m0, rowmax S1); P1 -> p[1] ----
     float sc1[2], sc01[2];
-    softmax_block1(ss, w, ri, lane, tok1, sl2, tSrS, row_sum, sc1, sc01, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+    fold_stacked_terms<T>(tSrS);
+    softmax_block1<T::kStackedTerms>(ss, w, ri, lane, tok1, sl2, tSrS, row_sum, sc1, sc01,
+                                     [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       uint32_t words[8];
-      p_fragment(tSrS, words);
+      p_fragment<T::kPTerms2>(tSrS, words);
       store_p(ss.p[1], tid, words);
       P1.set(words);
     });

@@ -79,8 +79,9 @@ struct VRings {
 // cores with the two q terms, the small one first (qk_block).
 // kStackedTerms (the accurate mode at most 32 query rows a KV head): both q terms in one 64-row tile (layout.h:
 // stacked_term_row), one Q K^T product instead of two; a consumer thread's two accumulator rows are then one query
-// row (the hi and lo scores, added in fp32 and kept in both), so P V computes each output row twice and the
-// epilogue writes one of them (kOutRowsPerThread). The Q tile is 36 KB instead of 72.
+// row (the hi and lo scores, added in fp32 and kept in both), so with kPvF16 P V computes each output row twice and
+// the epilogue writes one of them (kOutRowsPerThread); without it (P V on e4m3 tensor cores, V^T transposed as in
+// the fast mode) the second row carries P's second e4m3 term (kPTerms2). The Q tile is 36 KB instead of 72.
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
@@ -116,7 +117,10 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
                 "V^T rings of two halves or more (one or more for the fp16 V of kPvF16)");
   static_assert(!kPvF16 || (!kQFp8 && kQTerms == 2), "fp16 P V is the accurate mode's: a 16-bit q in two terms");
   static constexpr bool kStackedTerms = kStackedTerms_;
-  static_assert(!kStackedTerms || kPvF16, "the stacked Q tile holds the accurate mode's two terms");
+  static_assert(!kStackedTerms || (!kQFp8 && kQTerms == 2), "the stacked Q tile holds a 16-bit q's two terms");
+  // The stacked Q tile with P V on e4m3 tensor cores: a thread's accumulator row g + 8, which is row g's query row,
+  // carries P's second e4m3 term (mainloop.cuh: p_words), and the epilogue adds its O into row g's (kernel.cuh).
+  static constexpr bool kPTerms2 = kStackedTerms && !kPvF16;
   static constexpr int kQTiles = kStackedTerms ? 1 : kQTerms;             // (64, 576) e4m3 tiles of Q
   static constexpr int kTileRows = kStackedTerms ? kBlockM / 2 : kBlockM;  // query rows of an M tile
   static constexpr int kOutRowsPerThread = kStackedTerms ? 1 : 2;         // output rows of a thread's accumulator
