@@ -5,14 +5,10 @@ side by side, against vLLM's FlashMLA-FP8 on the same e4m3 bytes, in one process
         --modes fast,accurate --debug 0,1
 
 --debug lists values of FLASHMLA_BACKEND_FP8_DEBUG: 0 for normal use, else a sum of the bits of DebugFlags in
-csrc/sm90/decode_fp8/decode.h (1 skips the V transposition, or the accurate mode's widening of V, so its results are
-wrong and only its time means something; the kernel reads this bit itself, so it needs a build configured with
-FLASHMLA_BACKEND_MEASURE=1, docs/build.md; 4 runs the fast mode's other pipeline plan (2 KV stages); 16
-runs the accurate mode's other tile at <= 32 query rows a KV head: keys on M or 64 rows; 32 the fast mode's other
-tile at <= 16 rows; 64 the KV tensor map's other L2 promotion; 1024 the accurate mode's V-in-registers tile where
-the two-term 64-row tile runs; 8192 the fast mode's 2-CTA clusters with the KV blocks multicast, where pairs of M
-tiles see the same keys; 16384 the accurate mode's stacked Q tile with P V on e4m3 tensor cores and a two-term P,
-where the stacked tile runs). Each call is captured in a CUDA graph and its replays timed with
+csrc/sm90/decode_fp8/decode.h (each commented there: other tiles and plans, same results within the mode's error; bit
+1 skips the V transposition, or the accurate mode's widening of V, so its results are wrong and only its time means
+something; the kernel reads that bit itself, so it needs a build configured with FLASHMLA_BACKEND_MEASURE=1,
+docs/build.md). Each call is captured in a CUDA graph and its replays timed with
 triton.testing.do_bench (median). One line per (shape, mode, debug value) with the
 time, FlashMLA-FP8's time and the relative difference of the outputs from FlashMLA-FP8's (the fast mode reads the
 same e4m3 q; the accurate mode reads the 16-bit q, so it differs by q's quantization), then one JSON line per shape.
