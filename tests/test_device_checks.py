@@ -439,6 +439,12 @@ def test_sparse_block_probe_matches_fp64_on_the_gpu(tmp_path):
                                   res.stdout)}
     assert set(chain) == {(c, a) for c in ("one-scale", "spread-scales") for a in ("piece", "block")}, \
         res.stdout + res.stderr
+    lengths = {(m.group(1), int(m.group(2)), m.group(3)): float(m.group(4))
+               for m in re.finditer(r"pv-chain-length case (\S+) blocks (\d+) accumulator (piece|block): rel-norm "
+                                    r"error (\S+)", res.stdout)}
+    assert set(lengths) == {(c, n, a) for c in ("one-scale", "spread-scales") for n in (8, 16, 64, 128)
+                            for a in ("piece", "block")}, res.stdout + res.stderr
+    print("\n".join(line for line in res.stdout.splitlines() if line.startswith("pv-chain")))
     assert res.returncode == 0 and "block probe: ok" in res.stdout, res.stdout + res.stderr
 
 

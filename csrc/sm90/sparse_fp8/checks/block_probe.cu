@@ -22,6 +22,8 @@
 // accumulator keeps over a top-k (benchmarks/sparse_fp8_precision_model.py: 1.9e-3 with 16 bits, 4.3e-3 with 14, 8.4e-3
 // with 13, spread scales); the second is the remedy's:
 //   pv-chain case <name> terms 2 accumulator <piece|block>: rel-norm error <e> (max abs <a>, max |ref| <m>)
+// and the same chain at other lengths (kChainLengths; past the pool's 64 blocks of distinct tokens the tokens repeat):
+//   pv-chain-length case <name> blocks <n> accumulator <piece|block>: rel-norm error <e> (...)
 // then "block probe: ok" when every two-term error of one block is within kTwoTermBound and at most half the one-term
 // error of the same product and case, the chain's per-block accumulator within kTwoTermBound and its one accumulator
 // within kChainBound, else "block probe: FAILED" (exit 1).
@@ -50,6 +52,9 @@ using namespace flashmla_backend::sm90::sparse_fp8::probe;
 
 constexpr int kRows = 64;
 constexpr int kChainBlocks = 32;      // the chain's blocks: a top-k of 2,048
+// Every chain length run: kChainBlocks, then longer chains, for what the accumulator keeps over a dense request piece
+// (docs/perf/journal.md, 2026-11-30: the accurate mode's stacked tile with a two-term P).
+constexpr int kChainLengths[] = {kChainBlocks, 8, 16, 64, 128};
 constexpr int kPool = 4096;           // tokens in the pool the indices point into
 constexpr double kTwoTermBound = 4e-3;  // rel-norm of S or O; the precision model: ~1e-3 for two terms
 constexpr double kChainBound = 2e-2;    // the chain in one accumulator: a bound on the measurement, not a target
@@ -150,7 +155,7 @@ static void compare(const std::vector<float>& got, const std::vector<double>& re
 
 template <bool kFlush>
 __global__ void __launch_bounds__(128, 1) pv_chain_kernel(const uint8_t* pool, const int* idx, const float* p_in,
-                                                          const float* factors, float* out) {
+                                                          const float* factors, float* out, int chain_blocks) {
   extern __shared__ __align__(1024) uint8_t smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   typename QkTypes::TiledMmaLatent mma_s;
@@ -162,7 +167,7 @@ __global__ void __launch_bounds__(128, 1) pv_chain_kernel(const uint8_t* pool, c
   for (int g = 0; g < kGroups; ++g) {
     const float f = factors[g];
     clear(o);
-    for (int b = 0; b < kChainBlocks; ++b) {
+    for (int b = 0; b < chain_blocks; ++b) {
       __syncthreads();  // the last block's stage and V^T are read (its transposition and its wgmma waited)
       const uint32_t base = gather_block(smem, pool, idx + b * kBlockTokens, tid);
       __syncthreads();
@@ -196,10 +201,10 @@ __global__ void __launch_bounds__(128, 1) pv_chain_kernel(const uint8_t* pool, c
 
 template <bool kFlush>
 static void run_chain(const uint8_t* pool, const int* idx, const float* p, const float* factors, float* out,
-                      const std::vector<double>& ref, double (&res)[3]) {
+                      int chain_blocks, const std::vector<double>& ref, double (&res)[3]) {
   CUDA_OK(cudaFuncSetAttribute(pv_chain_kernel<kFlush>, cudaFuncAttributeMaxDynamicSharedMemorySize, kPvSmemBytes));
   CUDA_OK(cudaMemset(out, 0xFF, kRows * 512 * sizeof(float)));
-  pv_chain_kernel<kFlush><<<1, 128, kPvSmemBytes>>>(pool, idx, p, factors, out);
+  pv_chain_kernel<kFlush><<<1, 128, kPvSmemBytes>>>(pool, idx, p, factors, out, chain_blocks);
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> h(ref.size());
@@ -350,48 +355,59 @@ int main() {
       if (!(res[k][1][0] <= kTwoTermBound && res[k][1][0] <= 0.5 * res[k][0][0])) ok = false;
     }
 
-    // The chain: kChainBlocks blocks of distinct tokens, a P per block, one factor per group for the chain.
-    const std::vector<int> chain_idx(all.begin(), all.begin() + kChainBlocks * kBlockTokens);
-    std::vector<float> chain_p(size_t(kChainBlocks) * kRows * kBlockTokens);
-    for (auto& v : chain_p) v = float(256.0 * std::exp2(-std::fabs(3.0 * gauss(rng))));
-    float factors[kGroups];
-    std::vector<double> chain_ref(size_t(kRows) * 512, 0.0);
-    {
-      double max_s[kGroups] = {0, 0, 0, 0};
-      std::vector<double> deq_t(512);
-      for (int b = 0; b < kChainBlocks; ++b)
-        for (int t = 0; t < kBlockTokens; ++t) {
-          const uint8_t* tok = &pool[size_t(chain_idx[b * kBlockTokens + t]) * kTokenBytes];
-          float sc[kGroups];
-          std::memcpy(sc, tok + 512, sizeof(sc));
-          for (int g = 0; g < kGroups; ++g) max_s[g] = std::fmax(max_s[g], sc[g]);
-          for (int c = 0; c < 512; ++c) deq_t[c] = double(e4m3_value(tok[c])) * sc[c / 128];
-          for (int r = 0; r < kRows; ++r) {
-            const double pv = chain_p[(size_t(b) * kRows + r) * kBlockTokens + t];
-            for (int c = 0; c < 512; ++c) chain_ref[r * 512 + c] += pv * deq_t[c];
+    // The chains: kChainLengths[k] blocks (distinct tokens up to the pool's 64 blocks; a longer chain takes the pool's
+    // tokens again in turn), a P per block, one factor per group for the chain.
+    for (const int chain_blocks : kChainLengths) {
+      std::vector<int> chain_idx(size_t(chain_blocks) * kBlockTokens);
+      for (size_t i = 0; i < chain_idx.size(); ++i) chain_idx[i] = all[i % all.size()];
+      std::vector<float> chain_p(size_t(chain_blocks) * kRows * kBlockTokens);
+      for (auto& v : chain_p) v = float(256.0 * std::exp2(-std::fabs(3.0 * gauss(rng))));
+      float factors[kGroups];
+      std::vector<double> chain_ref(size_t(kRows) * 512, 0.0);
+      {
+        double max_s[kGroups] = {0, 0, 0, 0};
+        std::vector<double> deq_t(512);
+        for (int b = 0; b < chain_blocks; ++b)
+          for (int t = 0; t < kBlockTokens; ++t) {
+            const uint8_t* tok = &pool[size_t(chain_idx[b * kBlockTokens + t]) * kTokenBytes];
+            float sc[kGroups];
+            std::memcpy(sc, tok + 512, sizeof(sc));
+            for (int g = 0; g < kGroups; ++g) max_s[g] = std::fmax(max_s[g], sc[g]);
+            for (int c = 0; c < 512; ++c) deq_t[c] = double(e4m3_value(tok[c])) * sc[c / 128];
+            for (int r = 0; r < kRows; ++r) {
+              const double pv = chain_p[(size_t(b) * kRows + r) * kBlockTokens + t];
+              for (int c = 0; c < 512; ++c) chain_ref[r * 512 + c] += pv * deq_t[c];
+            }
           }
+        for (int g = 0; g < kGroups; ++g)  // group_factor(max_s, 256) on the host
+          factors[g] = max_s[g] > 0 ? float(std::exp2(std::floor(std::log2(448.0 / (max_s[g] * 256.0))))) : 1.f;
+      }
+      int* chain_idx_d = nullptr;
+      float *chain_p_d = nullptr, *factors_d = nullptr;
+      CUDA_OK(cudaMalloc(&chain_idx_d, chain_idx.size() * sizeof(int)));
+      CUDA_OK(cudaMalloc(&chain_p_d, chain_p.size() * sizeof(float)));
+      CUDA_OK(cudaMalloc(&factors_d, sizeof(factors)));
+      CUDA_OK(cudaMemcpy(chain_idx_d, chain_idx.data(), chain_idx.size() * sizeof(int), cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(chain_p_d, chain_p.data(), chain_p.size() * sizeof(float), cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(factors_d, factors, sizeof(factors), cudaMemcpyHostToDevice));
+      double chain[2][3];  // [0]: one accumulator for the chain, [1]: a fresh one every block
+      run_chain<false>(d.pool, chain_idx_d, chain_p_d, factors_d, d.out, chain_blocks, chain_ref, chain[0]);
+      run_chain<true>(d.pool, chain_idx_d, chain_p_d, factors_d, d.out, chain_blocks, chain_ref, chain[1]);
+      CUDA_OK(cudaFree(chain_idx_d));
+      CUDA_OK(cudaFree(chain_p_d));
+      CUDA_OK(cudaFree(factors_d));
+      for (int a = 0; a < 2; ++a) {
+        if (chain_blocks == kChainBlocks) {
+          printf("pv-chain case %s terms 2 accumulator %s: rel-norm error %.3e (max abs %.3e, max |ref| %.3e)\n",
+                 cs.name, a ? "block" : "piece", chain[a][0], chain[a][1], chain[a][2]);
+        } else {
+          printf("pv-chain-length case %s blocks %d accumulator %s: rel-norm error %.3e (max abs %.3e, max |ref| "
+                 "%.3e)\n",
+                 cs.name, chain_blocks, a ? "block" : "piece", chain[a][0], chain[a][1], chain[a][2]);
         }
-      for (int g = 0; g < kGroups; ++g)  // group_factor(max_s, 256) on the host
-        factors[g] = max_s[g] > 0 ? float(std::exp2(std::floor(std::log2(448.0 / (max_s[g] * 256.0))))) : 1.f;
+      }
+      if (!(chain[1][0] <= kTwoTermBound && chain[0][0] <= kChainBound)) ok = false;
     }
-    int* chain_idx_d = nullptr;
-    float *chain_p_d = nullptr, *factors_d = nullptr;
-    CUDA_OK(cudaMalloc(&chain_idx_d, chain_idx.size() * sizeof(int)));
-    CUDA_OK(cudaMalloc(&chain_p_d, chain_p.size() * sizeof(float)));
-    CUDA_OK(cudaMalloc(&factors_d, sizeof(factors)));
-    CUDA_OK(cudaMemcpy(chain_idx_d, chain_idx.data(), chain_idx.size() * sizeof(int), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(chain_p_d, chain_p.data(), chain_p.size() * sizeof(float), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(factors_d, factors, sizeof(factors), cudaMemcpyHostToDevice));
-    double chain[2][3];  // [0]: one accumulator for the chain, [1]: a fresh one every block
-    run_chain<false>(d.pool, chain_idx_d, chain_p_d, factors_d, d.out, chain_ref, chain[0]);
-    run_chain<true>(d.pool, chain_idx_d, chain_p_d, factors_d, d.out, chain_ref, chain[1]);
-    CUDA_OK(cudaFree(chain_idx_d));
-    CUDA_OK(cudaFree(chain_p_d));
-    CUDA_OK(cudaFree(factors_d));
-    for (int a = 0; a < 2; ++a)
-      printf("pv-chain case %s terms 2 accumulator %s: rel-norm error %.3e (max abs %.3e, max |ref| %.3e)\n",
-             cs.name, a ? "block" : "piece", chain[a][0], chain[a][1], chain[a][2]);
-    if (!(chain[1][0] <= kTwoTermBound && chain[0][0] <= kChainBound)) ok = false;
   }
   printf("block probe: %s\n", ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
