@@ -144,10 +144,13 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
-    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kAccurateBF16", "kAccurateFP16",
-                             "kAccurateStackedBF16", "kAccurateStackedBF16Left2", "kAccurateStackedFP16",
-                             "kAccurateStackedFP16Left2"}
+    assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kFastE4m3QMulticast",
+                             "kAccurateBF16", "kAccurateFP16", "kAccurateStackedBF16", "kAccurateStackedBF16Left2",
+                             "kAccurateStackedFP16", "kAccurateStackedFP16Left2", "kAccurateStackedP2BF16",
+                             "kAccurateStackedP2FP16"}
     assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False)
+    assert variants["kFastE4m3QMulticast"] == (1, 3, 2, 2, False)
+    assert variants["kAccurateStackedP2BF16"] == (2, 3, 2, 2, False) == variants["kAccurateStackedP2FP16"]
     assert variants["kAccurateBF16"] == (2, 2, 1, 1, True) == variants["kAccurateFP16"]
     assert variants["kAccurateStackedBF16"] == (2, 3, 1, 1, True) == variants["kAccurateStackedFP16"]
     assert variants["kAccurateStackedBF16Left2"] == (2, 2, 2, 1, True) == variants["kAccurateStackedFP16Left2"]

@@ -38,11 +38,12 @@ class ProtocolError(AssertionError):
 def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, int, bool]]:
     """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in launch.cuh (the
     last is Traits' kPvF16, after the registers and kShareVt; kStackedTerms, after it, changes where Q's rows live, not
-    the protocol)."""
+    the protocol; kMulticastKv, the last, adds the peer CTA's releases to kv_empty's count, a cross-CTA wait this
+    model does not play, as it does not play kShareVt's hand-off: such a variant is checked as its one CTA)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
                        r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?"
-                       r"(?:,\s*(?:true|false))?>", text)
+                       r"(?:,\s*(?:true|false))?(?:,\s*(?:true|false))?>", text)
     if not found:
         raise ProtocolError(f"no VariantTraits found in {launch_cuh}")
     # Every specialization but the V-in-registers tile's and the keys-on-M tile's, however it is written.
