@@ -86,9 +86,9 @@ struct VRings {
 // CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
 // copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 // kMulticastKv: the same 2-CTA clusters, each CTA transposing all of its V as the one-CTA plan does, but every KV
-// block read from L2 once a cluster: CTA rank r issues the pieces j = r, r + 2, ... of a block as TMA multicasts
-// into both CTAs' stages, so a stage is refilled only once the consumers and transposers of both CTAs released it
-// (producer.cuh: copy_loop, release_kv_stage).
+// block read from L2 once a cluster: each CTA issues every other piece of a block (the odd ninth alternating between
+// the ranks by block) as a TMA multicast into both CTAs' stages, so a stage is refilled only once the consumers and
+// transposers of both CTAs released it (producer.cuh: copy_loop, release_kv_stage).
 template <class QIn_, int kQTerms_, int kStages_, int kVtLeft_ = 2, int kVtRight_ = 2,
           int kConsumerRegs_ = 216, int kProducerRegs_ = 72, bool kShareVt_ = false, bool kPvF16_ = false,
           bool kStackedTerms_ = false, bool kMulticastKv_ = false>

@@ -52,8 +52,8 @@ using namespace flashmla_backend::sm90::sparse_fp8::probe;
 
 constexpr int kRows = 64;
 constexpr int kChainBlocks = 32;      // the chain's blocks: a top-k of 2,048
-// Every chain length run: kChainBlocks, then longer chains, for what the accumulator keeps over a dense request piece
-// (docs/perf/journal.md, 2026-11-30: the accurate mode's stacked tile with a two-term P).
+// Every chain length run: kChainBlocks, then shorter and longer chains, for what the accumulator keeps over a dense
+// request piece (docs/perf/journal.md, 2026-11-30: the accurate mode's stacked tile with a two-term P).
 constexpr int kChainLengths[] = {kChainBlocks, 8, 16, 64, 128};
 constexpr int kPool = 4096;           // tokens in the pool the indices point into
 constexpr double kTwoTermBound = 4e-3;  // rel-norm of S or O; the precision model: ~1e-3 for two terms
