@@ -22,8 +22,8 @@ measurements:
     decode time = time(generate N tokens) - time(generate 1 token)     (N = --output-len, default 2049)
 decode tokens/s = prompts x (N - 1) / decode time. (Duration, measured on an H200 with SGLang 0.5.17: SGLang prefills
 the default prompts at about 8,500 tokens/s, so t(1) is about 54 s and one process with two repeats about 4.5
-minutes; the default plan of three configs about a quarter of an hour a round.) --rounds R runs R processes per config, the order of the configs
-forward in odd rounds and reversed in even ones. The table gives per config min / median / max of decode tokens/s,
+minutes; the default plan of three configs about a quarter of an hour a round.) --rounds R runs R processes per
+config, the order of the configs forward in odd rounds and reversed in even ones. The table gives per config min / median / max of decode tokens/s,
 ms per step and t(1) at the median, and each config's median relative to --reference (default flashmla:fp8_e4m3 when
 it ran), marked "apart" when the [min, max] ranges do not overlap and "overlap" when they do (bench_vllm_throughput.py
 says why single runs are not evidence).
