@@ -83,24 +83,6 @@ __device__ __forceinline__ void rescale_o(Frag& o, const float (&sc)[2]) {
 // ------------------------------------------------------------------------------------------------
 // P as the e4m3 A fragment
 // ------------------------------------------------------------------------------------------------
-// P's two e4m3 terms of x0, x1 (0 <= x <= 2^8, P's scale: config.h), x0's in the low byte of each: hi = e4m3(x),
-// lo = e4m3((x - hi) kPLoFactor). The difference is taken in fp16 (q_tile.cuh: split_e4m3x2 says why that is exact
-// for a 16-bit value; here x is first rounded to fp16, 11 significant bits, more than the 8 of the two terms), and
-// times 16 it stays exact.
-__device__ __forceinline__ void split_p_e4m3x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  static_assert(kPLoFactor == 16.f, "the fp16 constant below");
-  uint16_t h, l;
-  uint32_t x16, hb, d;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(x1), "f"(x0));
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(x16) : "f"(x1), "f"(x0));
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hb) : "h"(h));
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(x16), "r"(hb));
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(d), "r"(0x4C004C00u));  // 16.0 in each half
-  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(l) : "r"(d));
-  hi = h;
-  lo = l;
-}
-
 // The accumulator value i of a 64 x 64 S (row g + 8 ((i >> 1) & 1), key 8 (i >> 2) + 2 (l % 4) + (i & 1)) and the
 // A fragment of a k32 slice (word q: row g + 8 (q & 1), k' 16 (q >> 1) + 4 (l % 4) .. + 3) meet without moving data
 // between threads when k' = 4 t + i holds key 2 t + (i & 1) + 8 (i >> 1) (+ 16 for the upper half): word q of slice
@@ -108,7 +90,8 @@ __device__ __forceinline__ void split_p_e4m3x2(float x0, float x1, uint32_t& hi,
 // order (producer.cuh: producer_loop).
 // Each value is e4m3(x), with x = s(i) * f[row] (kScaled) or s(i).
 // kPTerms2 (Traits::kPTerms2, the stacked Q tile, whose rows g and g + 8 are one query row): the words of row g + 8
-// (q odd) hold the second term of row g's values instead, lo = e4m3((x - e4m3(x)) kPLoFactor) (split_p_e4m3x2).
+// (q odd) hold the second term of row g's values instead, lo = e4m3((x - e4m3(x)) kPLoFactor) (q_tile.cuh:
+// split_e4m3x2).
 template <bool kScaled, bool kPTerms2 = false, class Frag>
 __device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int kk, uint32_t (&words)[4]) {
   CUTLASS_PRAGMA_UNROLL
@@ -118,8 +101,11 @@ __device__ __forceinline__ void p_words(const Frag& s, const float (&f)[2], int 
     const auto at = [&](int i) { return kScaled ? s(p_source_index(kk, q, i)) * fr : s(p_source_index(kk, q, i)); };
     if constexpr (kPTerms2) {
       uint32_t hi01, lo01, hi23, lo23;
-      split_p_e4m3x2(at(0), at(1), hi01, lo01);
-      split_p_e4m3x2(at(2), at(3), hi23, lo23);
+      // x <= 2^8 (config.h: P's scale); rounded to fp16 (11 significant bits) before the difference, more than the
+      // two terms' 8.
+      static_assert(kPLoFactor == 16.f, "split_e4m3x2<true>'s factor");
+      split_e4m3x2<true>(at(0), at(1), hi01, lo01);
+      split_e4m3x2<true>(at(2), at(3), hi23, lo23);
       words[q] = hi01 | (hi23 << 16);
       words[q + 1] = lo01 | (lo23 << 16);
     } else {

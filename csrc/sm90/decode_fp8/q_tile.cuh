@@ -131,6 +131,9 @@ __device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float x0, float x1, float x2
 // below that both terms are zero either way. The same terms as the fp32 difference for every bf16 and fp16 value at
 // every power-of-two scale, but for the sign of a zero lo (checked on the CPU with torch's e4m3 and fp16 rounding), in
 // two instructions a pair fewer (no widening of hi back to fp32).
+// kLoTimes16: lo = e4m3((y - hi) 16) instead (P's second term, mainloop.cuh: p_words; config.h: kPLoFactor), the
+// product exact in fp16.
+template <bool kLoTimes16 = false>
 __device__ __forceinline__ void split_e4m3x2(float y0, float y1, uint32_t& hi, uint32_t& lo) {
   uint16_t h, l;
   uint32_t y16, hb, d;
@@ -138,6 +141,7 @@ __device__ __forceinline__ void split_e4m3x2(float y0, float y1, uint32_t& hi, u
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(y16) : "f"(y1), "f"(y0));
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(hb) : "h"(h));
   asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(y16), "r"(hb));
+  if constexpr (kLoTimes16) asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(d), "r"(0x4C004C00u));  // 16.0 a half
   asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(l) : "r"(d));
   hi = h;
   lo = l;
