@@ -42,17 +42,14 @@ static int sm90_fp8_debug_flags() {
 }
 
 namespace sm90::decode_fp8 {
-bool cluster_plan_applies(const DecodeParams& p) {
-  if (p.num_m_blocks != 2) return false;
-  // Tile m covers rows [64 m, 64 m + 64), row r is query token r / ngroups: both tiles see the same keys when no
-  // causal limit differs between their rows.
-  return !p.causal || p.seqlen_q == 1 || p.ngroups % (2 * kBlockM) == 0;
-}
 bool paired_tiles_apply(const DecodeParams& p) {
   if (p.num_m_blocks % 2 != 0) return false;
-  // Pair k holds rows [128 k, 128 k + 128): within one query token when ngroups is a multiple of 128.
+  // Tile m covers rows [64 m, 64 m + 64), row r is query token r / ngroups, so pair k holds rows [128 k, 128 k + 128):
+  // both tiles of a pair see the same keys when no causal limit differs between their rows, i.e. within one query
+  // token when ngroups is a multiple of 128.
   return !p.causal || p.seqlen_q == 1 || p.ngroups % (2 * kBlockM) == 0;
 }
+bool cluster_plan_applies(const DecodeParams& p) { return p.num_m_blocks == 2 && paired_tiles_apply(p); }
 // The accurate mode's tiles by query rows a KV head (s_q h_q / h_kv), measured on an H100 (docs/perf/journal.md,
 // 2026-11-27): up to 16 rows the keys-on-M tile (keys_on_m.h) is faster than the 64-row tile at every batch (b = 1 h_q
 // 16: 22.5 against 31 us, b128: 237 against 330) and than the stacked Q tile from 4 (request, KV head) pairs (b4 28.1
