@@ -31,8 +31,9 @@ CASES = [
 ]
 
 # FP8 cache (sm_90a only): empty requests, page edges, two KV heads with s_q 2, one request in many splits, 32 query
-# rows over 16 requests (the accurate mode's stacked Q tile with 3 KV stages, chosen from 8 (request, KV head) pairs
-# on; the 2-stage plan with FLASHMLA_BACKEND_FP8_DEBUG=256, every tile at every row count with 512 + 16), and two and
+# rows over 16 requests (the accurate mode's stacked Q tile, P V on e4m3 tensor cores; with
+# FLASHMLA_BACKEND_FP8_DEBUG=16384 its fp16 P V form with 3 KV stages, chosen from 8 (request, KV head) pairs on, and
+# with 16384 + 256 that form's 2-stage plan; every tile at every row count with 512 + 16), and two and
 # four M tiles of h_q 128 whose pairs see the same keys (the fast mode's 2-CTA cluster plans with
 # FLASHMLA_BACKEND_FP8_DEBUG=8, the shared transposition, at two tiles, and 8192, the multicast copies, at both).
 FP8_CASES = [

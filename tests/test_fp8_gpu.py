@@ -8,7 +8,9 @@ result of each request's own scale, expanded stride-0 tensors bitwise the per-te
 tables changed. At most 32 query rows a KV head: both modes' two tiles (the accurate mode: keys on M or the stacked Q
 tile up to 16 rows, the stacked or the 64-row tile at 17-32; the fast mode: keys on M or the 64-row tile up to 16),
 each against fp64, with per-request descales and graph replays; the stacked Q tile at every row count in both its
-plans, and with P V on e4m3 tensor cores and a two-term P (FLASHMLA_BACKEND_FP8_DEBUG bit 16384). Both modes'
+P V forms (e4m3 P V with a two-term P, the default at up to 32 rows, and fp16 P V in both its plans;
+FLASHMLA_BACKEND_FP8_DEBUG bit 16384 runs the other), the e4m3 form also over pieces longer than its promotion interval
+of O. Both modes'
 V-in-registers tiles (FLASHMLA_BACKEND_FP8_DEBUG bit 1024) at every case their 64-row tiles serve, with several
 requests a CTA, per-request descales and graph replays. The removed kernel switch
 FLASHMLA_BACKEND_FP8_KERNEL is refused.
@@ -234,8 +236,9 @@ def test_accurate_few_rows_both_tiles(monkeypatch, case, dtype, tile):
 
 # The accurate mode's stacked Q tile (both q terms in one tile of 32 query rows; csrc/sm90/decode_fp8/traits.h:
 # kStackedTerms): the default at 17..32 rows a KV head and at 33..64 with one (request, KV head) pair; at <= 16 rows
-# with FLASHMLA_BACKEND_FP8_DEBUG bit 16, at other shapes past 32 rows with bit 512 (several 32-row tiles); bit 256 runs
-# its other plan (3 KV stages, or 2 with two left fp16 V slots).
+# with FLASHMLA_BACKEND_FP8_DEBUG bit 16, at other shapes past 32 rows with bit 512 (several 32-row tiles); with its
+# fp16 P V (STACKED_OTHER_PV below at up to 32 rows, the default past that) bit 256 runs that form's other plan (3 KV
+# stages, or 2 with two left fp16 V slots).
 STACKED_OTHER_PLAN, STACKED_MANY_ROWS = 256, 512
 
 
@@ -253,6 +256,12 @@ def _stacked_debug(case, other_plan):
     return debug | (STACKED_OTHER_PLAN if other_plan else 0)
 
 
+# The stacked tile's other P V form than the shape's (FLASHMLA_BACKEND_FP8_DEBUG bit 16384): by default P V runs on e4m3
+# tensor cores with P in two e4m3 terms (csrc/sm90/decode_fp8/traits.h: kPTerms2) at up to 32 rows and on fp16 ones past
+# that (csrc/sm90/decode_fp8/dispatch.cu: stacked_e4m3_pv_by_default).
+STACKED_OTHER_PV = 16384
+
+
 def test_accurate_stacked_terms_by_default_at_b1_h64():
     """One request with 64 rows: two stacked tiles by default."""
     _matches_fp64(Case(lengths=[5000], h_q=64, seed=64), "bf16q", ", stacked terms by default")
@@ -262,9 +271,9 @@ def test_accurate_stacked_terms_by_default_at_b1_h64():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16q", "fp16q"])
 @pytest.mark.parametrize("case", FEW_ROW_CASES + [c for c in CASES if c.s_q <= 16], ids=str)
 def test_accurate_stacked_terms(monkeypatch, case, dtype, plan):
-    """Every row count through the stacked tile in both plans (FEW_ROW_CASES: 1-32 rows; CASES: up to 256 rows in
-    tiles of 32), against fp64."""
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, plan == "other")))
+    """Every row count through the stacked tile in its other P V form (FEW_ROW_CASES: 1-32 rows, fp16 P V in both
+    plans; CASES: up to 256 rows in tiles of 32, e4m3 P V), against fp64."""
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, plan == "other") | STACKED_OTHER_PV))
     _matches_fp64(Case(**{**case.__dict__, "dtype": dtype}), "fp16q" if dtype == torch.float16 else "bf16q",
                   f", stacked terms, {plan} plan")
 
@@ -274,41 +283,80 @@ def test_accurate_stacked_terms_many_requests(monkeypatch, plan):
     """32 rows over 24 requests: several requests a CTA, zero lengths, odd block counts (a virtual block), split
     requests."""
     case = Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=2, h_q=16, seed=7)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, plan == "other")))
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, plan == "other") | STACKED_OTHER_PV))
     _matches_fp64(case, "bf16q", f", stacked terms, {plan} plan")
 
 
 @pytest.mark.parametrize("rows", [32, 128])
 def test_accurate_stacked_terms_per_request_descales_and_graph_replay(monkeypatch, rows):
     case = Case(lengths=[300, 0, 1500, 70], s_q=rows // 16, h_q=32, h_kv=2)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False)))
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False) | STACKED_OTHER_PV))
     _graph_replay_follows_descale_tables(case, "bf16q", 9, 13)
 
 
-# The stacked tile with P V on e4m3 tensor cores, P in two e4m3 terms (csrc/sm90/decode_fp8/traits.h: kPTerms2) in
-# place of the stacked tile's fp16 P V: FLASHMLA_BACKEND_FP8_DEBUG bit 16384 wherever the stacked tile runs.
-STACKED_P2 = 16384
-
-
+# The stacked tile in its default P V form (e4m3 P V with two P terms at up to 32 rows) wherever it runs.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16q", "fp16q"])
 @pytest.mark.parametrize("case", FEW_ROW_CASES + [c for c in CASES if c.s_q <= 16], ids=str)
 def test_accurate_stacked_p2(monkeypatch, case, dtype):
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False) | STACKED_P2))
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False)))
     _matches_fp64(Case(**{**case.__dict__, "dtype": dtype}), "fp16q" if dtype == torch.float16 else "bf16q",
                   ", stacked terms, two-term P")
 
 
 def test_accurate_stacked_p2_many_requests(monkeypatch):
     case = Case(lengths=[(211 * i) % 3100 for i in range(24)], s_q=2, h_q=16, seed=7)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False) | STACKED_P2))
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False)))
     _matches_fp64(case, "bf16q", ", stacked terms, two-term P")
 
 
 @pytest.mark.parametrize("rows", [32, 128])
 def test_accurate_stacked_p2_per_request_descales_and_graph_replay(monkeypatch, rows):
     case = Case(lengths=[300, 0, 1500, 70], s_q=rows // 16, h_q=32, h_kv=2)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False) | STACKED_P2))
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(_stacked_debug(case, False)))
     _graph_replay_follows_descale_tables(case, "bf16q", 9, 13)
+
+
+# Pieces longer than the promotion interval of the two-term-P tile's O (csrc/sm90/decode_fp8/config.h:
+# kPromoteBlocks, 32 blocks): the scheduler's own part counts keep pieces short at test sizes, so these run with
+# fewer parts (pieces of up to 128 blocks: the first promotion stores O's fp32 copy, later ones add to it), split and
+# unsplit. Keys from token 4000 of request 0 scaled by `late_gain` raise the running max after the first promotion:
+# by a few units (3: the copy added to at a small scale) or past 2^64 (50: the copy negligible, stored again). Scores
+# that large are past what two e4m3 q terms resolve (the Q K^T error grows with the scores: 7.6e-3 against fp64 at
+# gain 50), so there the tile is held to the stacked tile with fp16 P V (the same Q K^T) instead of fp64.
+@pytest.mark.parametrize("late_gain", [1.0, 3.0, 50.0])
+@pytest.mark.parametrize("parts", [1, 2, 5])
+def test_accurate_stacked_p2_long_pieces(monkeypatch, parts, late_gain):
+    from fp8kit import quantize
+    from flashmla_backend import ops
+    from kit import Inputs, make_inputs
+
+    case = Case(lengths=[8192, 6000, 2100], h_q=32, seed=11)
+    f32 = make_inputs(Case(**{**case.__dict__, "dtype": torch.float32}), "cuda")
+    k = f32.k_cache.clone()
+    for t in range(4000 // 64, 8192 // 64):
+        k[int(f32.block_table[0, t])] *= late_gain
+    k8, dk = quantize(k * 0.7)
+    inp = Inputs(q=f32.q.to(torch.bfloat16), k_cache=k8, block_table=f32.block_table,
+                 cache_seqlens=f32.cache_seqlens, scale=f32.scale)
+    meta, splits = ops._metadata_impl(inp.cache_seqlens, parts)
+
+    def run(debug):
+        monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", str(debug))
+        return fb.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+                                         softmax_scale=inp.scale, causal=True, descale_k=dk)
+
+    stacked = _stacked_debug(case, False)
+    (out, lse), (out2, lse2) = run(stacked), run(stacked)
+    assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
+    assert not torch.isnan(out).any()
+    if late_gain <= 3:
+        ref_out, ref_lse = brute_force_fp64(dequantized(inp, None, dk), True)
+    else:
+        ref_out, ref_lse = run(stacked | STACKED_OTHER_PV)
+    e_out, e_lse = rel_norm(out, ref_out), rel_norm(lse, ref_lse)
+    print(f"{case} parts {parts} late gain {late_gain:g}: out {e_out:.2e} lse {e_lse:.2e}")
+    assert e_out < _out_tol("bf16q")
+    assert e_lse < ACCURATE_LSE
 
 
 # The fast mode's two tiles for at most 16 query rows a KV head: the keys-on-M tile is its default with one (request,

@@ -65,6 +65,12 @@ constexpr float kPScaleLog2 = 8.f;
 // Traits::kPTerms2: P's second e4m3 term is (P - e4m3(P)) times this power of two, so that it stays in e4m3's normal
 // range for P down to about 2^-2 (2^-10 of the row's max); the epilogue divides its O by it (mainloop.cuh).
 constexpr float kPLoFactor = 16.f;
+// Traits::kPTerms2: P V runs on e4m3 tensor cores, whose accumulation into O keeps about 16 significant bits, so the
+// error of a long chain grows with its length (against fp64 at b = 64, h_q 32: pieces of 64 blocks 2.2e-3, of 128
+// 3.3e-3, of 32 1.8e-3; docs/kernel-design.md). A piece runs as runs of kPromoteBlocks blocks, O added into an fp32
+// copy in global memory between runs (mainloop.cuh: run_promoted), so that no chain is longer.
+constexpr int kPromoteBlocks = 32;
+static_assert(kPromoteBlocks % 2 == 0, "runs of whole steps of two blocks (mainloop.cuh)");
 // The largest finite e4m3 value: a 16-bit q row is split with the scale amax / kE4m3Max.
 constexpr float kE4m3Max = 448.f;
 

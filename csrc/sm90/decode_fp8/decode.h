@@ -23,14 +23,15 @@ enum class Variant {
   kAccurateKmFP16R16,
   // The fast mode's keys-on-M tile for at most 16 query rows a KV head (dispatch.cu: where it is the default)
   kFastKmR16,
-  // 16-bit q with both e4m3 terms stacked in one Q tile of 32 query rows (traits.h: kStackedTerms): the default at
-  // 17..32 rows a KV head (dispatch.cu); 3 KV stages, or 2 with two slots of the left fp16 V half (launch.cuh)
+  // 16-bit q with both e4m3 terms stacked in one Q tile of 32 query rows (traits.h: kStackedTerms), P V on fp16
+  // tensor cores (the stacked tile's form past 32 rows: dispatch.cu); 3 KV stages, or 2 with two slots of the left
+  // fp16 V half (launch.cuh)
   kAccurateStackedBF16,
   kAccurateStackedBF16Left2,
   kAccurateStackedFP16,
   kAccurateStackedFP16Left2,
   // The stacked Q tile with P V on e4m3 tensor cores, P in two e4m3 terms (traits.h: kPTerms2), V^T transposed as in
-  // the fast mode; 3 KV stages, V^T rings 2 + 2
+  // the fast mode; 3 KV stages, V^T rings 2 + 2: the stacked tile's form at up to 32 rows a KV head (dispatch.cu)
   kAccurateStackedP2BF16,
   kAccurateStackedP2FP16,
   // 16-bit q, the two-term 64-row tile with P V as O^T = V^T P^T, V widened in the consumers' registers (vregs.h)
@@ -57,8 +58,8 @@ enum DebugFlags : int {
   kDebugOtherL2Promotion = 64,  // the KV tensor map's other L2 promotion (launch.cuh: 128 bytes with one M tile or
                                 // the multicast plan, none otherwise); the same results
   kDebugKmOtherOrder = 128,    // the keys-on-M tile's other step order (keys_on_m.h: kStepAhead); the same results
-  kDebugStackedOtherPlan = 256,  // the stacked Q tile's other plan than the shape's (3 KV stages, or 2 with two left
-                                 // fp16 V slots; dispatch.cu); the same results
+  kDebugStackedOtherPlan = 256,  // the fp16 P V stacked tile's other plan than the shape's (3 KV stages, or 2 with
+                                 // two left fp16 V slots; dispatch.cu); the same results
   kDebugStackedManyRows = 512,   // the accurate mode past 32 query rows a KV head: the other tile than the default
                                  // (stacked Q tiles of 32 rows, or the two-term 64-row tile); the same results within
                                  // the mode's error
@@ -68,24 +69,26 @@ enum DebugFlags : int {
                                  // apply to it)
   kDebugMulticastKv = 8192,      // the fast mode with pairs of M tiles that see the same keys: 2-CTA clusters whose
                                  // KV blocks are TMA-multicast into both CTAs (same results; before bits 4 and 8)
-  kDebugStackedP2 = 16384,       // the accurate mode where it runs the stacked Q tile: that tile with P V on e4m3
-                                 // tensor cores and P in two e4m3 terms instead of fp16 P V (either plan of bit 256);
-                                 // the same results within the mode's error
+  kDebugStackedOtherPv = 16384,  // the accurate mode where it runs the stacked Q tile: its other P V form than the
+                                 // shape's (stacked_e4m3_pv_by_default: e4m3 P V with P in two e4m3 terms, or fp16
+                                 // P V in the plan of bit 256); the same results within the mode's error
 };
 // Every bit above. Others mean nothing and are refused (dispatch.cu), so that a value naming a removed measurement
 // (2048 and 4096 were two of them) is an error rather than a silent run of the default.
 constexpr int kKnownDebugBits = kDebugNoTranspose | kDebugOtherFastPlan | kDebugClusterPlan | kDebugOtherAccurateTile |
                                 kDebugFastKeysOnM | kDebugOtherL2Promotion | kDebugKmOtherOrder |
                                 kDebugStackedOtherPlan | kDebugStackedManyRows | kDebugVRegs | kDebugMulticastKv |
-                                kDebugStackedP2;
+                                kDebugStackedOtherPv;
 // The bits the kernel reads itself (the rest choose a kernel or a plan on the host): compiled only into a measurement
 // build (common/measure.h).
 constexpr int kInKernelDebugBits = kDebugNoTranspose;
 // The accurate mode's tiles (dispatch.cu): the keys-on-M tile serves at most 16 query rows a KV head (s_q h_q / h_kv),
-// the stacked Q tile is the default at 17..32 rows (and at 33..64 with one (request, KV head) pair), and it runs 3 KV
-// stages from a batch's worth of pairs.
+// the stacked Q tile is the default at 17..32 rows (and at 33..64 with one (request, KV head) pair), with P V on e4m3
+// tensor cores at up to 32 rows and on fp16 ones past that, and its fp16 P V form runs 3 KV stages from a batch's worth
+// of pairs.
 bool keys_on_m_applies(const DecodeParams& params);
 bool stacked_terms_by_default(const DecodeParams& params);
+bool stacked_e4m3_pv_by_default(const DecodeParams& params);
 bool stacked_three_stages(const DecodeParams& params);
 // The same for the fast mode, whose keys-on-M tile serves at most 16 rows.
 bool fast_keys_on_m_applies(const DecodeParams& params);

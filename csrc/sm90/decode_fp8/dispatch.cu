@@ -64,9 +64,15 @@ bool keys_on_m_applies(const DecodeParams& p) { return p.q_rows <= 16; }
 bool stacked_terms_by_default(const DecodeParams& p) {
   return (p.q_rows > 16 && p.q_rows <= 32) || (p.q_rows <= 64 && p.batch * p.num_heads_kv == 1 && p.q_rows > 32);
 }
-// The stacked tile's plans: 3 KV stages from kStackedThreeStagesMinPairs (request, KV head) pairs (h_q 32: b8 45.1
-// against 46.7 us, b64 147-150 / 157-160), 2 stages with two slots of the left fp16 V half below (b2 25.4 / 26.4, b4
-// 36.1 / 39.0).
+// The stacked tile's P V: on e4m3 tensor cores with P in two e4m3 terms (traits.h: kPTerms2; one plan) at up to 32
+// rows, where the fp16 P V form was slower on an H200 (docs/perf/journal.md, 2026-11-30; us, e4m3 P V / fp16 P V):
+// h_q 32 b64 118-121 / 135-137, b32 s_k 16384 125 / 140-142, the varlen-4096 b128 batch 140-142 / 153-155, b128 s_q 2
+// h_q 16 209-218 / 243-260, b1 21.1-21.8 / 21.2-21.9; on fp16 tensor cores past 32 rows (one pair: b1 h_q 64, two
+// stacked tiles, 22.4 against 24.5).
+bool stacked_e4m3_pv_by_default(const DecodeParams& p) { return p.q_rows <= 32; }
+// The fp16 P V stacked tile's plans: 3 KV stages from kStackedThreeStagesMinPairs (request, KV head) pairs (h_q 32:
+// b8 45.1 against 46.7 us, b64 147-150 / 157-160), 2 stages with two slots of the left fp16 V half below (b2 25.4 /
+// 26.4, b4 36.1 / 39.0).
 constexpr int kStackedThreeStagesMinPairs = 8;
 bool stacked_three_stages(const DecodeParams& p) {
   return p.batch * p.num_heads_kv >= kStackedThreeStagesMinPairs;
@@ -84,9 +90,9 @@ bool fast_keys_on_m_by_default(const DecodeParams& p) {
 
 // The accurate mode's tile for one q dtype: keys on M (R = 16), the stacked Q tile in its two plans, or the two-term
 // 64-row tile. FLASHMLA_BACKEND_FP8_DEBUG: bit 16 runs the other tile at <= 32 rows (keys on M <-> stacked up to 16
-// rows, stacked <-> the 64-row tile at 17..32), bit 512 past 32 rows (stacked <-> the 64-row tile), bit 256 the
-// stacked tile's other plan, bit 16384 the stacked tile with P V on e4m3 tensor cores in its place, bit 1024 the
-// V-in-registers tile for the two-term 64-row one.
+// rows, stacked <-> the 64-row tile at 17..32), bit 512 past 32 rows (stacked <-> the 64-row tile), bit 16384 the
+// stacked tile's other P V form than the shape's (stacked_e4m3_pv_by_default), bit 256 the fp16 P V form's other
+// plan, bit 1024 the V-in-registers tile for the two-term 64-row one.
 template <sm90::decode_fp8::Variant kKeysOnM, sm90::decode_fp8::Variant kStacked,
           sm90::decode_fp8::Variant kStackedLeft2, sm90::decode_fp8::Variant kStackedP2,
           sm90::decode_fp8::Variant kTwoTerms, sm90::decode_fp8::Variant kVRegs>
@@ -95,7 +101,7 @@ static void run_accurate(const DecodeParams& params, int debug) {
   const bool other = debug & (params.q_rows <= 32 ? d::kDebugOtherAccurateTile : d::kDebugStackedManyRows);
   const bool stacked = d::stacked_terms_by_default(params) != other;
   if (stacked) {
-    if (debug & d::kDebugStackedP2) {
+    if (d::stacked_e4m3_pv_by_default(params) != bool(debug & d::kDebugStackedOtherPv)) {
       d::run_decode_kernel<kStackedP2>(params, debug);
     } else if (d::stacked_three_stages(params) != bool(debug & d::kDebugStackedOtherPlan)) {
       d::run_decode_kernel<kStacked>(params, debug);

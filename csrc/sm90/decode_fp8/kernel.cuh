@@ -55,17 +55,6 @@ struct OAccOf<T, true> {
   using type = OTAcc<T>;
 };
 
-// Traits::kPTerms2: a thread's accumulator row g + 8 holds P's second term times V (mainloop.cuh: p_words), so
-// row g's output is O_g + O_{g+8} / kPLoFactor (value i of the accumulator is row g + 8 ((i >> 1) & 1)); the
-// epilogue then writes row g (kOutRowsPerThread).
-template <class FragO>
-__device__ __forceinline__ void fold_p_terms(FragO& o) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(o); ++i) {
-    if (((i >> 1) & 1) == 0) o(i) = fmaf(o(i + 2), 1.f / kPLoFactor, o(i));
-  }
-}
-
 // All 256 consumer threads at a request boundary. Each warpgroup runs its own copy of the request loop (below), so
 // the two reach this barrier at different instructions: the barrier is the non-.aligned barrier.sync, which allows
 // that (bar.sync is barrier.sync.aligned, every participating thread at the same instruction; compute-sanitizer's
@@ -123,14 +112,23 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     consumers_sync();
 
     float row_sum[2] = {0.f, 0.f};  // O is cleared in the main loop (mainloop.cuh)
+    // Traits::kPTerms2: O's fp32 copy, the piece's rows of o_accum (mainloop.cuh)
+    OPromotion op{&p, m_block, hk, ri.row[0], kWG * kHalfDimV + 4 * (lane & 3), nullptr};
+    if constexpr (!IsVRegs<T>::value) {
+      if constexpr (T::kPTerms2) op.m_copy = &ss.o_copy_max[tid];
+    }
     if constexpr (IsVRegs<T>::value) {
       mainloop_vregs<T, kWG>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     } else if constexpr (kWG == 0) {
-      mainloop_wg0<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
+      run_promoted<T>(ss, w, g_base, tOrO, op, [&](const RequestPiece& r, uint32_t g) CUTLASS_LAMBDA_FUNC_INLINE {
+        mainloop_wg0<T>(ss, r, ri, tid_in_wg, g, tOrO, row_sum);
+      });
     } else if constexpr (T::kPvF16) {
       mainloop_f16pv_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     } else {
-      mainloop_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
+      run_promoted<T>(ss, w, g_base, tOrO, op, [&](const RequestPiece& r, uint32_t g) CUTLASS_LAMBDA_FUNC_INLINE {
+        mainloop_wg1<T>(ss, r, ri, tid_in_wg, g, tOrO, row_sum);
+      });
     }
     g_base += uint32_t(padded_blocks(w.num_blocks));
 
@@ -148,10 +146,10 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     } else {
       float l[2], m[2];
       decode::final_row_stats(ss, ri.row, l, m);
+      if constexpr (T::kPTerms2) finish_o(tOrO, op, w, m[0]);
       // l carries P's 2^kPScaleLog2 (config.h): O / l does not see it, lse = (m + log2 l) ln 2 must not.
       m[0] -= kPScaleLog2;
       m[1] -= kPScaleLog2;
-      if constexpr (T::kPTerms2) fold_p_terms(tOrO);
       decode::store_output<T>(p, w, ri, m_block, hk, kWG, tid_in_wg, tOrO, l, m, ss.value_scale);
     }
     consumers_sync();  // row_max / row_sum reused

@@ -126,8 +126,8 @@ struct VariantTraits<Variant::kAccurateStackedFP16Left2> {
 
 // The stacked Q tile with P V on e4m3 tensor cores (Traits::kPTerms2): the fast 64-row tile's pipeline and shared
 // memory (3 KV stages, V^T rings 2 + 2, 216 KB) and registers, its second accumulator row carrying P's second term.
-// Behind FLASHMLA_BACKEND_FP8_DEBUG bit 16384 until measured (docs/perf/journal.md, 2026-11-30: its error is the e4m3
-// accumulator's over a request piece's blocks).
+// The stacked tile's form at up to 32 rows (dispatch.cu); O promoted every kPromoteBlocks blocks (config.h), which
+// keeps the e4m3 accumulator's error within the accurate mode's (docs/kernel-design.md).
 template <>
 struct VariantTraits<Variant::kAccurateStackedP2BF16> {
   using type = Traits<cutlass::bfloat16_t, 2, 3, 2, 2, 208, 88, false, false, true>;

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "params.h"
+#include "sm90/decode/epilogue.cuh"
 #include "sm90/decode/softmax.cuh"
 #include "sm90/decode/tile_work.cuh"
 #include "sm90/decode_fp8/config.h"
@@ -78,6 +79,128 @@ __device__ __forceinline__ void exp2_rows_scaled(Frag& s, const float (&sl2)[2],
 template <class Frag>
 __device__ __forceinline__ void rescale_o(Frag& o, const float (&sc)[2]) {
   if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) decode::scale_rows(o, sc);
+}
+
+// ------------------------------------------------------------------------------------------------
+// O in two e4m3 P terms, and its promotion (Traits::kPTerms2; config.h: kPromoteBlocks)
+// ------------------------------------------------------------------------------------------------
+// A thread's accumulator row g + 8 holds P's second term times V (p_words), so row g's output is
+// O_g + O_{g+8} / kPLoFactor (value i of the accumulator is row g + 8 ((i >> 1) & 1)); the epilogue then writes
+// row g (kOutRowsPerThread).
+template <class FragO>
+__device__ __forceinline__ void fold_p_terms(FragO& o) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(o); ++i) {
+    if (((i >> 1) & 1) == 0) o(i) = fmaf(o(i + 2), 1.f / kPLoFactor, o(i));
+  }
+}
+
+// The fp32 copy of O is the piece's own rows of o_accum (params.h: slot w.split_id, which every piece has, split or
+// not), in the epilogue's order (sm90/decode/epilogue.cuh: a thread's values of value columns 16 a + 4 t .. + 3),
+// so each thread touches only what it alone writes there later: the combine never reads an unsplit piece's slot,
+// and a split piece's epilogue overwrites the same addresses from the same thread.
+// A piece runs as consecutive runs of kPromoteBlocks blocks (run_promoted): the main loop as for a piece of its own,
+// except that the running max and the row sums carry over, with O promoted between runs, outside the step loop (in
+// the steps it took the same time and spilled: no register is free there while S is live). The copy stays at the
+// running max m_copy of the promotion that stored it (the thread's own shared-memory word: a register held across
+// the main loop spilled); later promotions add O times exp2(m - m_copy), with reductions (red.global.add), so that
+// the consumers never wait for a load (loading the copy to rescale it held the loads' 64 values in registers the
+// consumers do not have, and spilled). Where m has risen past m_copy + kRestartLog2, the copy is negligible beside O
+// and the promotion stores instead, as the first does. The address is derived when it is needed from values the
+// epilogue keeps anyway, and whether a copy exists from the block count. What it costs (b = 64, h_q 32, one promotion
+// a piece: 107 us without any, 118-121 with it; docs/kernel-design.md): the runs' restarts 1 us, the barrier and the
+// loads at the piece's end 4-5, the stores 5-6 (writing the copy evict-last in L2 did not change it).
+struct OPromotion {
+  static constexpr float kRestartLog2 = 64.f;
+  const DecodeParams* p;
+  int m_block, hk, row, col;  // the thread's tile row and first column
+  float* m_copy;              // shared memory: the thread's word of SharedStorage::o_copy_max
+  // The thread's row of the piece's slot; null for a row past q_rows (none kept).
+  __device__ __forceinline__ float* dst(const RequestPiece& w) const {
+    const int r = m_block * int(kBlockM / 2) + row;  // the stacked tile's 32 rows (kPTerms2 is a stacked tile)
+    if (r >= p->q_rows) return nullptr;
+    return p->o_accum + ((int64_t(w.split_id) * p->num_heads_kv + hk) * p->q_rows + r) * kHeadDimV + col;
+  }
+};
+// Whether O was promoted in a piece of num_blocks blocks: after every run but the last.
+__device__ __forceinline__ bool promoted_before(int num_blocks) { return num_blocks > kPromoteBlocks; }
+
+__device__ __forceinline__ void red_add_f32x4(float* addr, const float (&x)[4]) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3])
+               : "memory");
+}
+
+// Copy (+)= O (row g, folded), O at the running max m; `first` (the piece's first run) stores. Called with no wgmma
+// on O in flight; the next run clears O.
+template <class FragO>
+__device__ __forceinline__ void promote_o(const FragO& o, const OPromotion& op, const RequestPiece& w, bool first,
+                                          float m) {
+  float* dst = op.dst(w);
+  if (dst == nullptr) return;
+  const float m_copy = *op.m_copy;
+  // m - m_copy <= kRestartLog2 fails for a first m of -inf (no key yet: O is 0) too, and then the copy is stored.
+  const bool store = first || !(m - m_copy <= OPromotion::kRestartLog2);
+  const float f = store ? 1.f : fast_exp2(m - m_copy);
+  CUTLASS_PRAGMA_UNROLL
+  for (int a = 0; a < size(o) / 8; ++a) {
+    float x[4];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) {
+      const int i = decode::interleaved_value_index(a, 0, k);  // row g; i + 2 is row g + 8
+      x[k] = fmaf(o(i + 2), 1.f / kPLoFactor, o(i)) * f;
+    }
+    if (store) {
+      __stcg(reinterpret_cast<float4*>(dst + 16 * a), make_float4(x[0], x[1], x[2], x[3]));
+    } else {
+      red_add_f32x4(dst + 16 * a, x);
+    }
+  }
+  if (store) *op.m_copy = m;
+}
+
+// The piece w (its first block at g_base in the KV ring) as runs of at most kPromoteBlocks blocks: run(piece, g) is
+// the main loop over one run, O promoted after each but the last at the running max both warpgroups then read (the
+// barrier after it keeps warpgroup 0's next run from moving the max before warpgroup 1 read it). Without
+// Traits::kPTerms2, one run.
+template <class T, class FragO, class Run>
+__device__ __forceinline__ void run_promoted(typename T::SharedStorage& ss, const RequestPiece& w, uint32_t g_base,
+                                             const FragO& o, const OPromotion& op, Run&& run) {
+  if constexpr (!T::kPTerms2) {
+    run(w, g_base);
+  } else {
+    static_assert(kPromoteBlocks % 2 == 0, "runs of whole steps: the piece's virtual block stays its last");
+    RequestPiece r = w;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int b = 0;; b += kPromoteBlocks) {
+      r.first_page = w.first_page + b;
+      r.num_blocks = min(w.num_blocks - b, kPromoteBlocks);
+      run(r, g_base + uint32_t(b));
+      if (b + kPromoteBlocks >= w.num_blocks) break;
+      promote_o(o, op, w, b == 0, ss.row_max[op.row]);
+      NamedBarrier(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers)).arrive_and_wait_unaligned();
+    }
+  }
+}
+
+// At the end of a piece: row g of O (fold_p_terms) plus the copy; m: the final running max.
+template <class FragO>
+__device__ __forceinline__ void finish_o(FragO& o, const OPromotion& op, const RequestPiece& w, float m) {
+  fold_p_terms(o);
+  float* dst = op.dst(w);
+  if (promoted_before(w.num_blocks) && dst != nullptr) {
+    const float m_copy = *op.m_copy;
+    const float f = m_copy == m ? 1.f : fast_exp2(m_copy - m);  // equal: also both -inf (then the copy is 0)
+    CUTLASS_PRAGMA_UNROLL
+    for (int a = 0; a < size(o) / 8; ++a) {
+      const float4 y = __ldcg(reinterpret_cast<const float4*>(dst + 16 * a));
+      const float yk[4] = {y.x, y.y, y.z, y.w};
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        float& x = o(decode::interleaved_value_index(a, 0, k));
+        x = fmaf(yk[k], f, x);
+      }
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -198,6 +198,9 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
     // registers across the main loop.
     float row_scale_log2[kTileRows];
     float value_scale;
+    // kPTerms2: each consumer thread's running max at which its copy of O was stored (mainloop.cuh: OPromotion),
+    // here rather than in a register that the main loop does not have.
+    float o_copy_max[kPTerms2 ? kNumConsumerThreads : 1];
     // mbarriers. kv_full[s][j]: piece j of stage s landed (TMA, 4096 transaction bytes). kv_empty[s]: the owner
     // warpgroup's Q K^T (4 warps) and the four piece pairs of the transposition are done with stage s. vt_full[s]:
     // V^T slot s written (its two piece pairs). vt_empty[s][u % kVtEmptyCopies]: the P V of use u of slot s completed

@@ -1,5 +1,5 @@
 // sm90 FP8 tensor-core decode kernel, fp16 q (accurate mode), the stacked Q tile with P V on e4m3 tensor cores and P in
-// two e4m3 terms (launch.cuh: VariantTraits; chosen with FLASHMLA_BACKEND_FP8_DEBUG bit 16384 while it is measured).
+// two e4m3 terms (launch.cuh: VariantTraits; dispatch.cu: where it runs).
 #include "sm90/decode_fp8/launch.cuh"
 
 namespace flashmla_backend::sm90::decode_fp8 {
