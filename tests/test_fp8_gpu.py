@@ -19,10 +19,10 @@ import pytest
 import torch
 
 import flashmla_backend as fb
-from flashmla_backend import _ext
-from fp8kit import (ACCURATE_LSE, dequantized, descale_table, fp8_inputs, out_tolerance, rel_norm,
+from flashmla_backend import _ext, ops
+from fp8kit import (ACCURATE_LSE, dequantized, descale_table, fp8_inputs, out_tolerance, quantize, rel_norm,
                     run_fp8_decode, sm90_fp8_problem)
-from kit import D_V, Case, brute_force_fp64
+from kit import D_V, Case, Inputs, brute_force_fp64, make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -326,10 +326,6 @@ def test_accurate_stacked_p2_per_request_descales_and_graph_replay(monkeypatch, 
 @pytest.mark.parametrize("late_gain", [1.0, 3.0, 50.0])
 @pytest.mark.parametrize("parts", [1, 2, 5])
 def test_accurate_stacked_p2_long_pieces(monkeypatch, parts, late_gain):
-    from fp8kit import quantize
-    from flashmla_backend import ops
-    from kit import Inputs, make_inputs
-
     case = Case(lengths=[8192, 6000, 2100], h_q=32, seed=11)
     f32 = make_inputs(Case(**{**case.__dict__, "dtype": torch.float32}), "cuda")
     k = f32.k_cache.clone()
