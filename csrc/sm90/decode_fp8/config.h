@@ -70,7 +70,7 @@ constexpr float kPLoFactor = 16.f;
 // 3.3e-3, of 32 1.8e-3; docs/kernel-design.md). A piece runs as runs of kPromoteBlocks blocks, O added into an fp32
 // copy in global memory between runs (mainloop.cuh: run_promoted), so that no chain is longer.
 constexpr int kPromoteBlocks = 32;
-static_assert(kPromoteBlocks % 2 == 0, "runs of whole steps of two blocks (mainloop.cuh)");
+static_assert(kPromoteBlocks % 2 == 0, "runs of whole steps of two blocks: a piece's virtual block stays its last");
 // The largest finite e4m3 value: a 16-bit q row is split with the scale amax / kE4m3Max.
 constexpr float kE4m3Max = 448.f;
 

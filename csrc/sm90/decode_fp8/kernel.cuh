@@ -55,14 +55,6 @@ struct OAccOf<T, true> {
   using type = OTAcc<T>;
 };
 
-// All 256 consumer threads at a request boundary. Each warpgroup runs its own copy of the request loop (below), so
-// the two reach this barrier at different instructions: the barrier is the non-.aligned barrier.sync, which allows
-// that (bar.sync is barrier.sync.aligned, every participating thread at the same instruction; compute-sanitizer's
-// synccheck reported it as divergent threads).
-__device__ __forceinline__ void consumers_sync() {
-  NamedBarrier(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers)).arrive_and_wait_unaligned();
-}
-
 // The request loop of consumer warpgroup kWG. Each warpgroup runs its own copy (the output accumulator is
 // declared inside): with one loop and a run-time choice of the main loop, ptxas merged the two warpgroups'
 // accumulators, serialized every wgmma and kept O in local memory.

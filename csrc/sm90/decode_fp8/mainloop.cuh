@@ -81,6 +81,14 @@ __device__ __forceinline__ void rescale_o(Frag& o, const float (&sc)[2]) {
   if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) decode::scale_rows(o, sc);
 }
 
+// All 256 consumer threads at a request boundary (kernel.cuh: consumer_loop) or between the runs of a piece
+// (run_promoted). Each warpgroup runs its own copy of the request loop, so the two reach this barrier at different
+// instructions: the barrier is the non-.aligned barrier.sync, which allows that (bar.sync is barrier.sync.aligned,
+// every participating thread at the same instruction; compute-sanitizer's synccheck reported it as divergent threads).
+__device__ __forceinline__ void consumers_sync() {
+  NamedBarrier(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers)).arrive_and_wait_unaligned();
+}
+
 // ------------------------------------------------------------------------------------------------
 // O in two e4m3 P terms, and its promotion (Traits::kPTerms2; config.h: kPromoteBlocks)
 // ------------------------------------------------------------------------------------------------
@@ -168,7 +176,6 @@ __device__ __forceinline__ void run_promoted(typename T::SharedStorage& ss, cons
   if constexpr (!T::kPTerms2) {
     run(w, g_base);
   } else {
-    static_assert(kPromoteBlocks % 2 == 0, "runs of whole steps: the piece's virtual block stays its last");
     RequestPiece r = w;
     CUTLASS_PRAGMA_NO_UNROLL
     for (int b = 0;; b += kPromoteBlocks) {
@@ -177,7 +184,7 @@ __device__ __forceinline__ void run_promoted(typename T::SharedStorage& ss, cons
       run(r, g_base + uint32_t(b));
       if (b + kPromoteBlocks >= w.num_blocks) break;
       promote_o(o, op, w, b == 0, ss.row_max[op.row]);
-      NamedBarrier(kNumConsumerThreads, uint32_t(NamedBarriers::kConsumers)).arrive_and_wait_unaligned();
+      consumers_sync();
     }
   }
 }
