@@ -112,13 +112,13 @@ __device__ __forceinline__ void consumer_loop(const DecodeParams& p, typename T:
     if constexpr (IsVRegs<T>::value) {
       mainloop_vregs<T, kWG>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     } else if constexpr (kWG == 0) {
-      run_promoted<T>(ss, w, g_base, tOrO, op, [&](const RequestPiece& r, uint32_t g) CUTLASS_LAMBDA_FUNC_INLINE {
+      run_promoted<T, 0>(ss, w, g_base, tOrO, op, [&](const RequestPiece& r, uint32_t g) CUTLASS_LAMBDA_FUNC_INLINE {
         mainloop_wg0<T>(ss, r, ri, tid_in_wg, g, tOrO, row_sum);
       });
     } else if constexpr (T::kPvF16) {
       mainloop_f16pv_wg1<T>(ss, w, ri, tid_in_wg, g_base, tOrO, row_sum);
     } else {
-      run_promoted<T>(ss, w, g_base, tOrO, op, [&](const RequestPiece& r, uint32_t g) CUTLASS_LAMBDA_FUNC_INLINE {
+      run_promoted<T, 1>(ss, w, g_base, tOrO, op, [&](const RequestPiece& r, uint32_t g) CUTLASS_LAMBDA_FUNC_INLINE {
         mainloop_wg1<T>(ss, r, ri, tid_in_wg, g, tOrO, row_sum);
       });
     }

@@ -167,10 +167,14 @@ __device__ __forceinline__ void promote_o(const FragO& o, const OPromotion& op, 
 }
 
 // The piece w (its first block at g_base in the KV ring) as runs of at most kPromoteBlocks blocks: run(piece, g) is
-// the main loop over one run, O promoted after each but the last at the running max both warpgroups then read (the
-// barrier after it keeps warpgroup 0's next run from moving the max before warpgroup 1 read it). Without
-// Traits::kPTerms2, one run.
-template <class T, class FragO, class Run>
+// the main loop over one run, O promoted after each but the last at the running max m the run ended with. Warpgroup
+// 0 reads m from row_max (warpgroup 1's last softmax of the run wrote it before kScale1Ready, which warpgroup 0
+// passed) and publishes it in run_max (kRunMax); warpgroup 1 takes it from there, since by the time it is done with
+// its last P V, warpgroup 0's next run may have moved row_max. Neither waits for the other's promotion: warpgroup 0
+// starts its next run at once (a barrier of all consumers here instead: 0.5-1.5% slower at h_q 32, H200).
+// run_max is rewritten only at the end of warpgroup 0's next run, after warpgroup 1 read it: that run's steps wait
+// for warpgroup 1's kScale1Ready, which comes after its read. Without Traits::kPTerms2, one run.
+template <class T, int kWG, class FragO, class Run>
 __device__ __forceinline__ void run_promoted(typename T::SharedStorage& ss, const RequestPiece& w, uint32_t g_base,
                                              const FragO& o, const OPromotion& op, Run&& run) {
   if constexpr (!T::kPTerms2) {
@@ -183,8 +187,19 @@ __device__ __forceinline__ void run_promoted(typename T::SharedStorage& ss, cons
       r.num_blocks = min(w.num_blocks - b, kPromoteBlocks);
       run(r, g_base + uint32_t(b));
       if (b + kPromoteBlocks >= w.num_blocks) break;
-      promote_o(o, op, w, b == 0, ss.row_max[op.row]);
-      consumers_sync();
+      float m;
+      if constexpr (kWG == 0) {
+        m = ss.row_max[op.row];
+        if ((cutlass::canonical_lane_idx() & 3) == 0) ss.run_max[op.row] = m;  // the four threads of a row hold one m
+        NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kRunMax));
+      } else {
+        NamedBarrier::sync(kNumConsumerThreads, uint32_t(NamedBarriers::kRunMax));
+        m = ss.run_max[op.row];
+      }
+      promote_o(o, op, w, b == 0, m);
+      // Keeps ptxas from interleaving the next run's start with the promotion: without it the fp16-q tile spilled
+      // 12 bytes (168 registers).
+      __syncwarp();
     }
   }
 }

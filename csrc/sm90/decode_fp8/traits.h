@@ -201,6 +201,9 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
     // kPTerms2: each consumer thread's running max at which its copy of O was stored (mainloop.cuh: OPromotion),
     // here rather than in a register that the main loop does not have.
     float o_copy_max[kPTerms2 ? kNumConsumerThreads : 1];
+    // kPTerms2: the running max at the end of a run, published by warpgroup 0 for warpgroup 1 (kRunMax), which
+    // cannot read row_max itself then: warpgroup 0's next run may already have moved it.
+    float run_max[kPTerms2 ? kTileRows : 1];
     // mbarriers. kv_full[s][j]: piece j of stage s landed (TMA, 4096 transaction bytes). kv_empty[s]: the owner
     // warpgroup's Q K^T (4 warps) and the four piece pairs of the transposition are done with stage s. vt_full[s]:
     // V^T slot s written (its two piece pairs). vt_empty[s][u % kVtEmptyCopies]: the P V of use u of slot s completed
@@ -231,7 +234,9 @@ constexpr uint32_t kKvEmptyArrivalsShared = 4 + kNumVPairs / 2;
 constexpr uint32_t kVtFullArrivalsCopied = 1;
 constexpr uint32_t kPeerEmptyArrivals = 4;
 
-// Named barriers among the 256 consumer threads (IDs relative to CUTLASS's reserved ones).
+// Named barriers among the 256 consumer threads. IDs are relative to CUTLASS's reserved ones (cutlass/arch/barrier.h:
+// FirstUserBarrier is hardware barrier 8 in CUTLASS 4.2), so only 0..7 exist: a tile that needs one more reuses the ID
+// of a tile kind it never is (an ID of 8 became hardware barrier 0, __syncthreads' own).
 enum class NamedBarriers : uint32_t {
   kScale0Ready = 0,  // warpgroup 0 wrote m0, scale0
   kScale1Ready = 1,  // warpgroup 1 wrote m1, scale1 and P1
@@ -241,6 +246,10 @@ enum class NamedBarriers : uint32_t {
   kP1Free = 5,       // TraitsVR: warpgroup 0's P1 V product completed, pt[1] may be rewritten
   kOwnP0 = 6,        // TraitsVR: warpgroup 0's four warps stored P0 (128 threads)
   kOwnP1 = 7,        // TraitsVR: warpgroup 1's four warps stored P1 (128 threads)
+  kRunMax = 6,       // kPTerms2 (never TraitsVR): warpgroup 0 published the running max at a run's end (run_max)
 };
+static_assert(uint32_t(NamedBarriers::kOwnP1) + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount <
+                  cutlass::arch::NamedBarrier::HardwareMaxNumNamedBarriers,
+              "every named barrier ID maps to a hardware barrier of its own");
 
 }  // namespace flashmla_backend::sm90::decode_fp8
