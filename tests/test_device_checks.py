@@ -145,13 +145,16 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
     assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kFastE4m3QMulticast",
-                             "kAccurateBF16", "kAccurateFP16", "kAccurateStackedBF16", "kAccurateStackedBF16Left2",
+                             "kAccurateBF16", "kAccurateFP16", "kAccurateClusterBF16", "kAccurateClusterFP16",
+                             "kAccurateStackedBF16", "kAccurateStackedBF16Left2",
                              "kAccurateStackedFP16", "kAccurateStackedFP16Left2", "kAccurateStackedP2BF16",
                              "kAccurateStackedP2FP16"}
     assert variants["kFastE4m3Q"] == (1, 2, 2, 4, False) and variants["kFastE4m3QStream"] == (1, 3, 2, 2, False)
     assert variants["kFastE4m3QMulticast"] == (1, 3, 2, 2, False)
     assert variants["kAccurateStackedP2BF16"] == (2, 3, 2, 2, False) == variants["kAccurateStackedP2FP16"]
     assert variants["kAccurateBF16"] == (2, 2, 1, 1, True) == variants["kAccurateFP16"]
+    # the cluster plan is played as its one CTA (the model does not play the hand-off between the CTAs)
+    assert variants["kAccurateClusterBF16"] == (2, 2, 1, 1, True) == variants["kAccurateClusterFP16"]
     assert variants["kAccurateStackedBF16"] == (2, 3, 1, 1, True) == variants["kAccurateStackedFP16"]
     assert variants["kAccurateStackedBF16Left2"] == (2, 2, 2, 1, True) == variants["kAccurateStackedFP16Left2"]
     assert all(stages >= 2 and left >= 1 and right >= 1 for _, stages, left, right, _ in variants.values())

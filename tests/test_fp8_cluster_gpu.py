@@ -1,7 +1,8 @@
 """The FP8 tensor-core kernel's 2-CTA cluster plans (sm_90a, GPU only), chosen with FLASHMLA_BACKEND_FP8_DEBUG while
-they are measured: bit 8, two M tiles of a request as one cluster, each CTA transposing one V^T half and copying it to
-the other (csrc/sm90/decode_fp8/producer.cuh, Traits::kShareVt); bit 8192, pairs of M tiles as clusters whose KV
-blocks are TMA-multicast into both CTAs (Traits::kMulticastKv).
+they are measured: bit 8, two M tiles of a request as one cluster, each CTA transposing one V^T half (fast mode; in the
+accurate mode's 64-row tile widening one fp16 V half) and copying it to the other (csrc/sm90/decode_fp8/producer.cuh,
+Traits::kShareVt); bit 8192, pairs of M tiles as clusters whose KV blocks are TMA-multicast into both CTAs
+(Traits::kMulticastKv, fast mode).
 
 The plans change who writes the V^T halves or the KV stages, not a value in them or the order of any sum, so their
 output and lse must be bitwise those of the one-CTA plan (which tests/test_fp8_gpu.py holds against fp64) on every
@@ -10,6 +11,7 @@ shape they serve: one query token at h_q / h_kv = 128, a non-causal s_q 2 at 64 
 plan also four M tiles: a causal s_q 2 at 128 heads, each pair within one query token); and the kernel that ran must
 be the cluster one (its name in the profiler carries the plan's traits).
 """
+import dataclasses
 import re
 
 import pytest
@@ -27,6 +29,9 @@ PLAN_FLAGS = {"shared_vt": CLUSTER_FLAG, "multicast": MULTICAST_FLAG}
 # the producer's 88 registers.
 PLAN_TRAITS = {CLUSTER_FLAG: r"88,\s*true,\s*false,\s*false,\s*false\s*>",
                MULTICAST_FLAG: r"88,\s*false,\s*false,\s*false,\s*true\s*>"}
+# The accurate mode's 64-row tile (producer on 56 registers, kPvF16 true): one CTA, and the shared widening.
+ACCURATE_ONE_CTA = r"56,\s*false,\s*true,\s*false,\s*false\s*>"
+ACCURATE_CLUSTER = r"56,\s*true,\s*true,\s*false,\s*false\s*>"
 
 CASES = [
     Case(lengths=[64, 1000, 0], h_q=128),
@@ -94,3 +99,38 @@ def test_cluster_flag_leaves_other_shapes_on_their_plan(flag, monkeypatch):
         inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True)
         names = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
         assert names and all("true" not in k for k in names), (str(case), names)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_accurate_cluster_plan_is_bitwise_the_one_cta_plan(case, dtype, monkeypatch):
+    """The accurate mode (16-bit q) on two M tiles: the shared widening gives the one-CTA plan's bits (the widening is
+    exact and both CTAs of a cluster mask the same keys)."""
+    case = dataclasses.replace(case, dtype=dtype)
+    inp, _, dk = fp8_inputs(case, "cuda", q_fp8=False, k_gain=0.7)
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "0")
+    out, lse = run_fp8_decode(inp, case, None, dk)
+    one_cta = _kernel_names(lambda: run_fp8_decode(inp, case, None, dk))
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
+    out_c, lse_c = run_fp8_decode(inp, case, None, dk)
+    out_c2, lse_c2 = run_fp8_decode(inp, case, None, dk)
+    cluster = _kernel_names(lambda: run_fp8_decode(inp, case, None, dk))
+    print(f"{case} {dtype}: one-CTA kernel {one_cta}, cluster kernel {cluster}")
+    assert one_cta and all(re.search(ACCURATE_ONE_CTA, k) for k in one_cta), one_cta
+    assert cluster and all(re.search(ACCURATE_CLUSTER, k) for k in cluster), cluster
+    assert out_c.dtype == dtype and not torch.isnan(out_c).any()
+    assert torch.equal(out_c.view(torch.int16), out_c2.view(torch.int16)) and torch.equal(lse_c, lse_c2)
+    assert torch.equal(out_c.view(torch.int16), out.view(torch.int16)), (
+        f"max |diff| {(out_c.float() - out.float()).abs().max().item():.3g}")
+    assert torch.equal(lse_c, lse)
+
+
+def test_accurate_cluster_flag_leaves_other_shapes_on_their_plan(monkeypatch):
+    """Bit 8 in the accurate mode: four M tiles (s_q 2 causal at 128 heads) keep the one-CTA 64-row tile, and the
+    shapes of the other tiles (16 heads: keys on M; 32: the stacked Q tile) do not run a cluster kernel."""
+    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
+    for case in [Case(lengths=[300, 1500], s_q=2, h_q=128), Case(lengths=[300, 1500], h_q=16),
+                 Case(lengths=[300, 1500], h_q=32)]:
+        inp, _, dk = fp8_inputs(case, "cuda", q_fp8=False)
+        names = _kernel_names(lambda: run_fp8_decode(inp, case, None, dk))
+        assert names and not any(re.search(ACCURATE_CLUSTER, k) for k in names), (str(case), names)

@@ -187,7 +187,8 @@ __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorM
   });
 }
 
-// Sends V^T slot `slot` (written here, 16 KB) to the same slot of the peer CTA: one arrival with the expected bytes
+// Sends V slot `slot` (written here: a V^T half, 16 KB, or an fp16 V half, 32 KB) to the same slot of the peer CTA:
+// one arrival with the expected bytes
 // on the peer's vt_full[slot], then a shared-memory bulk copy that completes those bytes there. The caller has
 // waited for this CTA's vt_full[slot] (both piece pairs written and fenced for the async proxy) and, before the
 // pairs were written, for peer_empty[slot] (the peer's previous copy consumed), so the peer's slot is free. The
@@ -195,15 +196,14 @@ __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorM
 // its bytes arrived: the copy has read it by then.
 template <class T>
 __device__ __forceinline__ void send_vt_half(typename T::SharedStorage& ss, uint32_t slot) {
-  static_assert(!T::kPvF16, "the shared transposition moves V^T halves");
-  const uint32_t src = cute::cast_smem_ptr_to_uint(ss.vt.data()) + slot * kVtHalfBytes;
+  const uint32_t src = cute::cast_smem_ptr_to_uint(ss.vt.data()) + slot * T::kVSlotBytes;
   const uint32_t dst = peer_address(src);
   const uint32_t full = peer_address(cute::cast_smem_ptr_to_uint(&ss.vt_full[slot]));
   asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], %1;" ::"r"(full),
-               "r"(uint32_t(kVtHalfBytes))
+               "r"(uint32_t(T::kVSlotBytes))
                : "memory");
   asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "r"(src), "r"(uint32_t(kVtHalfBytes)), "r"(full)
+               "r"(src), "r"(uint32_t(T::kVSlotBytes)), "r"(full)
                : "memory");
 }
 
@@ -231,8 +231,9 @@ __device__ __forceinline__ void init_pipeline_barriers(typename T::SharedStorage
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
     if constexpr (T::kShareVt) {
-      ss.peer_empty[b].init(kPeerEmptyArrivals);
-      ss.vt_pairs_sent[b] = 0;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.share.peer_empty[b][c].init(kPeerEmptyArrivals);
+      if constexpr (!T::kPvF16) ss.share.vt_pairs_sent[b] = 0;
     }
   }
   cutlass::arch::fence_barrier_init();
@@ -403,8 +404,8 @@ __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss
   __syncwarp();
 }
 
-// The shared transposition (Traits::kShareVt): this CTA transposes the two pairs of its own half r (= its cluster
-// rank) of every block, in turn over the three warps. A pair waits for its slot's local release (vt_empty) and for
+// The shared transposition (Traits::kShareVt; with kPvF16 the shared widening): this CTA transposes (widens) the two
+// pairs of its own half r (= its cluster rank) of every block, in turn over the three warps. A pair waits for its slot's local release (vt_empty) and for
 // the peer's release of the copy it got of the slot's last use (peer_empty). The warp that writes the half's second
 // pair sends the half to the peer (send_vt_half). The keys masked here are those past the block's last key any row
 // of this CTA sees; the host runs this plan only where both CTAs of a cluster see the same keys (dispatch.cu).
@@ -426,14 +427,21 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
       if (int((2 * g + uint32_t(i)) % kNumTransposeWarps) != tw) continue;
       if (use > 0) {
         wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
-        wait_barrier(ss.peer_empty[slot], (use - 1) & 1u);
+        wait_barrier(T::peer_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
       }
       transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, valid, tl, lane, debug);
       if (lane == 0) {
         ss.vt_full[slot].arrive();
         ss.kv_empty[stage].arrive();
-        if (atomicAdd(&ss.vt_pairs_sent[slot], 1u) & 1u) {  // the half's second pair: both are written
-          wait_barrier(ss.vt_full[slot], use & 1u);         // the other pair's stores, acquired
+        // The half's second pair to be written (with kPvF16 its pair 1) sends it, once both pairs are written.
+        bool send;
+        if constexpr (T::kPvF16) {
+          send = i == 1;
+        } else {
+          send = atomicAdd(&ss.share.vt_pairs_sent[slot], 1u) & 1u;
+        }
+        if (send) {
+          wait_barrier(ss.vt_full[slot], use & 1u);  // the other pair's stores, acquired
           send_vt_half<T>(ss, slot);
         }
       }

@@ -15,16 +15,24 @@ namespace flashmla_backend::sm90::decode_fp8 {
 
 using namespace cute;
 
-// The shared transposition's barriers and counters (Traits::kShareVt), a base of SharedStorage: empty otherwise, so
-// that the other plans' shared memory does not grow. peer_empty[s] (a slot of this CTA's own half): the other CTA's
-// consumer warpgroup finished the P V of its copy of the slot's last use (remote arrivals), so the next use may be
-// written and sent. vt_pairs_sent[s]: piece pairs of the slot written so far (odd: the second pair's warp sends).
-template <bool kShareVt, int kVtSlots>
+// The shared transposition's barriers and counters (Traits::kShareVt), SharedStorage's last member: one byte
+// otherwise, so that the other plans' shared memory does not grow (it lies in the rounding to kSmemAlign), and last so
+// that it moves no other member (a base would put it before the 1024-byte aligned Q tile). peer_empty[s][c] (a slot
+// of this CTA's own half): the other CTA's consumer warpgroup finished the P V of its copy of the slot's last use
+// (remote arrivals), so the next use may be written and sent; its uses go round kCopies barriers as vt_empty's do
+// (VRings below: peer_empty_of). vt_pairs_sent[s] (V^T halves): piece pairs of the slot written so far (odd: the
+// second pair's warp sends). The shared widening (kPvF16) has no counter: its plan fills shared memory to the byte
+// (the one-CTA accurate plan leaves 36 bytes, and peer_empty takes 32), and the warp of a half's second pair sends.
+template <bool kShareVt, bool kPvF16, int kVtSlots, int kCopies>
 struct ShareVtState {};
-template <int kVtSlots>
-struct ShareVtState<true, kVtSlots> {
-  cutlass::arch::ClusterBarrier peer_empty[kVtSlots];
+template <int kVtSlots, int kCopies>
+struct ShareVtState<true, false, kVtSlots, kCopies> {
+  cutlass::arch::ClusterBarrier peer_empty[kVtSlots][kCopies];
   uint32_t vt_pairs_sent[kVtSlots];
+};
+template <int kVtSlots, int kCopies>
+struct ShareVtState<true, true, kVtSlots, kCopies> {
+  cutlass::arch::ClusterBarrier peer_empty[kVtSlots][kCopies];
 };
 
 // The V slots of both kernels' Traits (Traits below, keys_on_m.h's TraitsKM): a block's V in kParts parts of value
@@ -63,6 +71,14 @@ struct VRings {
   static __host__ __device__ __forceinline__ uint32_t vt_empty_parity(uint32_t use) {
     return (use / uint32_t(kVtEmptyCopies)) & 1u;
   }
+  // The shared transposition or widening (Traits::kShareVt): the peer's release of its copy of use u of slot s, on
+  // the same round of barriers (a producer warp that reaches use u of a ring of one may find use u - 2's copy still
+  // being read, as with vt_empty), with the parity vt_empty_parity(u).
+  template <class SharedStorage>
+  static __device__ __forceinline__ cutlass::arch::ClusterBarrier& peer_empty_of(SharedStorage& ss, uint32_t slot,
+                                                                                 uint32_t use) {
+    return ss.share.peer_empty[slot][use % uint32_t(kVtEmptyCopies)];
+  }
 };
 
 // QIn: q's element type in global memory. An e4m3 q (the fast mode: true value = stored x descale_q) is used as
@@ -83,8 +99,9 @@ struct VRings {
 // the epilogue writes one of them (kOutRowsPerThread); without it (P V on e4m3 tensor cores, V^T transposed as in
 // the fast mode) the second row carries P's second e4m3 term (kPTerms2). The Q tile is 36 KB instead of 72.
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
-// CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
-// copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
+// CTA rank r transposes (with kPvF16: widens) only V half r of every block and hands a copy to the other CTA with a
+// shared-memory bulk copy (producer.cuh: send_vt_half), so that each SM does half the transposition or widening
+// (docs/kernel-design.md).
 // kMulticastKv: the same 2-CTA clusters, each CTA transposing all of its V as the one-CTA plan does, but every KV
 // block read from L2 once a cluster: each CTA issues every other piece of a block (the odd ninth alternating between
 // the ranks by block) as a TMA multicast into both CTAs' stages, so a stage is refilled only once the consumers and
@@ -126,7 +143,8 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static constexpr int kOutRowsPerThread = kStackedTerms ? 1 : 2;         // output rows of a thread's accumulator
   static constexpr bool kShareVt = kShareVt_;
   static constexpr bool kKeysOnM = false;  // keys_on_m.h: TraitsKM
-  static_assert(!kShareVt || kQFp8, "the shared transposition serves the fast mode");
+  static_assert(!kShareVt || ((kQFp8 || kPvF16) && !kStackedTerms),
+                "the shared transposition serves the fast mode, the shared widening the accurate mode's 64-row tile");
   static constexpr bool kMulticastKv = kMulticastKv_;
   static_assert(!kMulticastKv || (kQFp8 && !kShareVt), "the multicast copies serve the fast mode's one-CTA plan");
   // Launched as 2-CTA clusters over pairs of M tiles (launch.cuh, kernel.cuh).
@@ -180,7 +198,7 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static_assert(cosize_v<SmemLayoutVtHalf> == kVtHalfBytes, "V^T half size");
   static_assert(cosize_v<SmemLayoutV16Half> * 2 == kV16HalfBytes, "fp16 V half size");
 
-  struct alignas(kSmemAlign) SharedStorage : ShareVtState<kShareVt, kVtSlots> {
+  struct alignas(kSmemAlign) SharedStorage {
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kQTiles * kTileBytes, kSmemAlign> q;    // term tile t at t * 36 KB
     alignas(kSmemAlign) cute::array_aligned<uint8_t, kStages * kTileBytes, kSmemAlign> kv;   // block g: g % kStages
     // slot s at s * kVSlotBytes
@@ -212,6 +230,7 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
     cutlass::arch::ClusterBarrier kv_empty[kStages];
     cutlass::arch::ClusterBarrier vt_full[kVtSlots];
     cutlass::arch::ClusterBarrier vt_empty[kVtSlots][kVtEmptyCopies];
+    ShareVtState<kShareVt, kPvF16, kVtSlots, kVtEmptyCopies> share;  // last: see ShareVtState
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
 
