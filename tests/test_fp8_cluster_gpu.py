@@ -55,13 +55,15 @@ def _sm90():
         pytest.skip(problem)
 
 
-def _kernel_names(fn) -> list[str]:
+def _kernel_names(fn, kind: str = "fp8_decode_kernel") -> list[str]:
+    """The names of the kernels fn launches that contain `kind` (the 64-row tile's kernel by default; "fp8_decode"
+    also takes the keys-on-M tile's, sm90_fp8_decode_km_kernel)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.key for e in prof.key_averages() if "fp8_decode_kernel" in e.key]
+    return [e.key for e in prof.key_averages() if kind in e.key]
 
 
 @pytest.mark.parametrize("flag, case", [pytest.param(f, c, id=f"{name}-{c}") for name, f in PLAN_FLAGS.items()
@@ -132,5 +134,7 @@ def test_accurate_cluster_flag_leaves_other_shapes_on_their_plan(monkeypatch):
     for case in [Case(lengths=[300, 1500], s_q=2, h_q=128), Case(lengths=[300, 1500], h_q=16),
                  Case(lengths=[300, 1500], h_q=32)]:
         inp, _, dk = fp8_inputs(case, "cuda", q_fp8=False)
-        names = _kernel_names(lambda: run_fp8_decode(inp, case, None, dk))
+        names = _kernel_names(lambda: run_fp8_decode(inp, case, None, dk), kind="fp8_decode")
         assert names and not any(re.search(ACCURATE_CLUSTER, k) for k in names), (str(case), names)
+        if case.h_q == 128:
+            assert all(re.search(ACCURATE_ONE_CTA, k) for k in names), (str(case), names)
