@@ -203,6 +203,28 @@ def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):
                           starve="wg1")
 
 
+def test_fp8_protocol_model_reads_the_cluster_variants(fp8_model):
+    """The 2-CTA cluster plans that share the V transposition (fast mode) or the V widening (accurate mode), which
+    run_cluster plays as two CTAs."""
+    assert fp8_model.read_cluster_variants() == {"kFastE4m3QCluster": (2, 3, 3, False),
+                                                 "kAccurateClusterBF16": (2, 1, 1, True),
+                                                 "kAccurateClusterFP16": (2, 1, 1, True)}
+
+
+@pytest.mark.parametrize("mutation, f16pv", [("no peer_empty", False), ("no peer_empty", True),
+                                             ("send before both pairs", True), ("peer_empty first", True)])
+def test_fp8_protocol_model_rejects_a_broken_cluster_schedule(fp8_model, mutation, f16pv):
+    """A pair that does not wait for the peer's release of the slot's copy, the accurate plan's sender (pair 1) not
+    waiting for both pairs before the copy, and peer_empty (one barrier a slot) waited for before vt_empty with the
+    accurate plan's rings of one, where a warp can then be two phases ahead of it."""
+    rings = (1, 1) if f16pv else (3, 3)
+    with pytest.raises(fp8_model.ProtocolError):
+        for seed in range(60):
+            for reqs in ([9, 4, 7], [12, 4]):
+                fp8_model.run_cluster(reqs, 2, rings, f16pv, seed=seed, mutation=mutation,
+                                      starve=[None, "dma0", "wg0@0", "transposer1.0"][seed % 4])
+
+
 def test_fp8_protocol_model_reads_the_vregs_tile(fp8_model):
     """The V-in-registers tile's variants (TraitsVR in launch.cuh) and its kv_empty count (vregs.h: every consumer
     warp)."""

@@ -447,7 +447,7 @@ __device__ __forceinline__ void release_vt(typename T::SharedStorage& ss, uint32
   if constexpr (T::kShareVt) {
     if (uint32_t(kHalf) != cluster_rank()) {
       __syncwarp();
-      if (lane == 0) arrive_on_peer(T::peer_empty_of(ss, slot, T::vt_use(kHalf, g)));
+      if (lane == 0) arrive_on_peer(ss.share.peer_empty[slot]);
       return;
     }
   }

@@ -230,8 +230,7 @@ __device__ __forceinline__ void init_pipeline_barriers(typename T::SharedStorage
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
     if constexpr (T::kShareVt) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.share.peer_empty[b][c].init(kPeerEmptyArrivals);
+      ss.share.peer_empty[b].init(kPeerEmptyArrivals);
       if constexpr (!T::kPvF16) ss.share.vt_pairs_sent[b] = 0;
     }
   }
@@ -427,7 +426,7 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
       if (int((2 * g + uint32_t(i)) % kNumTransposeWarps) != tw) continue;
       if (use > 0) {
         wait_barrier(T::vt_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
-        wait_barrier(T::peer_empty_of(ss, slot, use - 1), T::vt_empty_parity(use - 1));
+        wait_barrier(ss.share.peer_empty[slot], (use - 1) & 1u);  // after vt_empty: see traits.h, ShareVtState
       }
       transpose_one_pair<T>(ss, kv_addr, vt_addr0, stage, parity, slot, 2 * half + i, valid, tl, lane, debug);
       if (lane == 0) {

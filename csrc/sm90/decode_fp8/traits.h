@@ -17,22 +17,24 @@ using namespace cute;
 
 // The shared transposition's barriers and counters (Traits::kShareVt), SharedStorage's last member: one byte
 // otherwise, so that the other plans' shared memory does not grow (it lies in the rounding to kSmemAlign), and last so
-// that it moves no other member (a base would put it before the 1024-byte aligned Q tile). peer_empty[s][c] (a slot
-// of this CTA's own half): the other CTA's consumer warpgroup finished the P V of its copy of the slot's last use
-// (remote arrivals), so the next use may be written and sent; its uses go round kCopies barriers as vt_empty's do
-// (VRings below: peer_empty_of). vt_pairs_sent[s] (V^T halves): piece pairs of the slot written so far (odd: the
-// second pair's warp sends). The shared widening (kPvF16) has no counter: its plan fills shared memory to the byte
-// (the one-CTA accurate plan leaves 36 bytes, and peer_empty takes 32), and the warp of a half's second pair sends.
-template <bool kShareVt, bool kPvF16, int kVtSlots, int kCopies>
+// that it moves no other member (a base would put it before the 1024-byte aligned Q tile). peer_empty[s] (a slot of
+// this CTA's own half): the other CTA's consumer warpgroup finished the P V of its copy of the slot's last use (remote
+// arrivals), so the next use may be written and sent. One barrier a slot, whatever the ring: a pair waits for it
+// only after its local vt_empty passed, i.e. after the slot's previous use was read here, so written, so after that
+// use's pairs passed their own peer_empty wait; a waiter is never two phases ahead (checks/protocol_model.py:
+// run_cluster). vt_pairs_sent[s] (V^T halves): piece pairs of the slot written so far (odd: the second pair's warp
+// sends). The shared widening (kPvF16) has no counter: its plan leaves 16 bytes of the 227 KB (the one-CTA accurate
+// plan 36), and the warp of a half's pair 1 sends.
+template <bool kShareVt, bool kPvF16, int kVtSlots>
 struct ShareVtState {};
-template <int kVtSlots, int kCopies>
-struct ShareVtState<true, false, kVtSlots, kCopies> {
-  cutlass::arch::ClusterBarrier peer_empty[kVtSlots][kCopies];
+template <int kVtSlots>
+struct ShareVtState<true, false, kVtSlots> {
+  cutlass::arch::ClusterBarrier peer_empty[kVtSlots];
   uint32_t vt_pairs_sent[kVtSlots];
 };
-template <int kVtSlots, int kCopies>
-struct ShareVtState<true, true, kVtSlots, kCopies> {
-  cutlass::arch::ClusterBarrier peer_empty[kVtSlots][kCopies];
+template <int kVtSlots>
+struct ShareVtState<true, true, kVtSlots> {
+  cutlass::arch::ClusterBarrier peer_empty[kVtSlots];
 };
 
 // The V slots of both kernels' Traits (Traits below, keys_on_m.h's TraitsKM): a block's V in kParts parts of value
@@ -70,14 +72,6 @@ struct VRings {
   }
   static __host__ __device__ __forceinline__ uint32_t vt_empty_parity(uint32_t use) {
     return (use / uint32_t(kVtEmptyCopies)) & 1u;
-  }
-  // The shared transposition or widening (Traits::kShareVt): the peer's release of its copy of use u of slot s, on
-  // the same round of barriers (a producer warp that reaches use u of a ring of one may find use u - 2's copy still
-  // being read, as with vt_empty), with the parity vt_empty_parity(u).
-  template <class SharedStorage>
-  static __device__ __forceinline__ cutlass::arch::ClusterBarrier& peer_empty_of(SharedStorage& ss, uint32_t slot,
-                                                                                 uint32_t use) {
-    return ss.share.peer_empty[slot][use % uint32_t(kVtEmptyCopies)];
   }
 };
 
@@ -230,7 +224,7 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
     cutlass::arch::ClusterBarrier kv_empty[kStages];
     cutlass::arch::ClusterBarrier vt_full[kVtSlots];
     cutlass::arch::ClusterBarrier vt_empty[kVtSlots][kVtEmptyCopies];
-    ShareVtState<kShareVt, kPvF16, kVtSlots, kVtEmptyCopies> share;  // last: see ShareVtState
+    ShareVtState<kShareVt, kPvF16, kVtSlots> share;  // last: see ShareVtState
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Python model of the sm90 FP8 tensor-core decode kernel's barrier protocol (producer and consumers).
+"""Python model of the sm90 FP8 tensor-core decode kernel's barrier protocol (producer and consumers; run_cluster: the
+2-CTA clusters that share the V transposition or widening).
 
 A mirror of the order of waits, arrivals, reads and writes in producer.cuh (copy_loop, transpose_loop), mainloop.cuh
 (mainloop_wg0 / mainloop_wg1, run_steps, padded_blocks), mainloop_vregs.cuh (the V-in-registers tile: no transposer,
@@ -54,6 +55,15 @@ def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, in
         raise ProtocolError(f"VariantTraits of {launch_cuh} the model cannot read (new Traits arguments?): {missed}")
     return {name: (int(a), int(c), int(d) if d else 2, int(e) if e else 2, f16 == "true")
             for name, a, c, d, e, _share, f16 in found}
+
+
+def read_cluster_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, bool]]:
+    """{variant: (KV stages, left ring, right ring, fp16 P V)} of the VariantTraits whose kShareVt is true: the 2-CTA
+    clusters that share the V transposition (fast mode) or the V widening (kPvF16), which run_cluster plays."""
+    text = launch_cuh.read_text()
+    found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
+                       r",\s*(\d+),\s*(\d+),\s*\d+,\s*\d+,\s*true(?:,\s*(true|false))?", text)
+    return {name: (int(stages), int(left), int(right), f16 == "true") for name, _, stages, left, right, f16 in found}
 
 
 def read_vregs_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, int]:
@@ -485,6 +495,160 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
                f"requests {requests} (stages {stages}, V^T rings {vt_rings})")
 
 
+def run_cluster(requests: list[int], stages: int, vt_rings: tuple[int, int], f16pv: bool,
+                arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
+                starve: str | None = None) -> None:
+    """One random interleaving of a 2-CTA cluster that shares the V transposition or widening (Traits::kShareVt;
+    producer.cuh: transpose_loop_shared, send_vt_half; mainloop.cuh: release_vt). Both CTAs walk the same blocks.
+    CTA r's transposer warps write only half r of each block (its two piece pairs, pair i of block g on warp
+    (2 g + i) % warps), each pair waiting for the slot's local release (vt_empty) and then for the peer's release of
+    its copy (peer_empty, one barrier a slot), and the half's sender (kPvF16: pair 1; otherwise the second pair
+    to finish, a shared counter) waits for the slot's vt_full and queues a bulk copy. Each CTA's copy engine (agent
+    dma<r>) carries the queued copies out in order at any later time: it reads the local slot (which must still hold
+    the block) and writes the peer's slot, completing its vt_full (one arrival). A consumer warpgroup releases a
+    copied half on the peer's peer_empty instead of the local vt_empty. Each CTA's copy lane and consumers are the
+    one-CTA agents, their barriers, buffers and named barriers the CTA's own. Mutations: "peer_empty first" (a pair
+    waits for peer_empty before vt_empty), "send before both pairs" (the sender does not wait for vt_full), "no
+    peer_empty" (a pair does not wait for the peer's release)."""
+    arrivals = dict(read_arrivals() if arrivals is None else arrivals)
+    warps, pairs = arrivals["kNumTransposeWarps"], arrivals["kNumVPairs"]
+    vt = VtRings(*vt_rings, stages)
+    blocks = sum(padded_blocks(n) for n in requests)
+    # traits.h: kKvEmptyArrivalsShared (the owner's four warps and this CTA's two pairs), kVtFullArrivalsCopied (the
+    # peer's one arrival with the bytes), kPeerEmptyArrivals (the four warps of the consumer that read the copy).
+    counts = {"kv_full": 1, "kv_empty": CONSUMER_WARPS + pairs // 2, "vt_empty": arrivals["kVtEmptyArrivals"],
+              "peer_empty": CONSUMER_WARPS}
+    half_of_slot = {vt.slot(h, g): h for h in (0, 1) for g in range(max(vt.ring))}
+
+    class ClusterSim(Sim):
+        def arrive(self, bar, i) -> None:
+            r, base = bar
+            if base == "vt_full":
+                n = arrivals["kVtFullArrivals"] if half_of_slot[i] == r else 1
+            else:
+                n = counts[base]
+            key = (bar, i)
+            self.got[key] = self.got.get(key, 0) + 1
+            if self.got[key] == n:
+                self.got[key] = 0
+                self.done[key] = self.done.get(key, 0) + 1
+
+    sim = ClusterSim(stages, arrivals)
+    # A half of the CTA's own is read by its consumer warpgroup and by the copy to the peer; a copied one by the
+    # consumer alone.
+    readers = {"kv": 1 + pairs // 2, "vt": 1, "vt_own": 2, "p0": 1, "p1": 2}
+    queue = {0: [], 1: []}
+    sent = {}   # (cta, slot) -> pairs written so far (the counter of the non-f16 plan)
+
+    def local(gen, r, wg=None):
+        """A one-CTA agent's operations on CTA r's barriers, buffers and named barriers; a consumer warpgroup's
+        release of the half it gets from the peer goes to the peer's peer_empty."""
+        for op in gen:
+            kind = op[0]
+            if kind == "wait":
+                yield ("wait", (r, op[1]), op[2], op[3])
+            elif kind == "arrive":
+                if wg is not None and op[1] == "vt_empty" and half_of_slot[op[2][0]] != r:
+                    yield ("arrive", (1 - r, "peer_empty"), op[2][0])   # one barrier a slot
+                else:
+                    yield ("arrive", (r, op[1]), op[2])
+            elif kind == "write":
+                yield ("write", (r, op[1]), op[2], op[3])
+            elif kind in ("read_begin", "read_end"):
+                if op[1][0] == "vt":   # a V half is read whole: both piece pairs' parts
+                    for part in (0, 1):
+                        yield (kind, (r, ("vt", op[1][1], part)), op[2])
+                else:
+                    yield (kind, (r, op[1]), op[2])
+            else:   # named barriers
+                yield (kind, (r, op[1]))
+
+    def transposer(r, tw):
+        for g in range(blocks):
+            for i in (0, 1):
+                if (2 * g + i) % warps != tw:
+                    continue
+                slot, use = vt.slot(r, g), vt.use(r, g)
+                if use > 0:
+                    bar, n = vt.empty(slot, use - 1)
+                    peer = [] if mutation == "no peer_empty" else [("wait", (r, "peer_empty"), slot, use - 1)]
+                    local_wait = [("wait", (r, "vt_empty"), bar, n)]
+                    yield from (peer + local_wait if mutation == "peer_empty first" else local_wait + peer)
+                yield ("wait", (r, "kv_full"), g % stages, g // stages)
+                yield ("read_begin", (r, ("kv", g % stages)), g)
+                yield ("write", (r, ("vt", slot, i)), g, "vt_own")   # pair i's part of the half
+                yield ("read_end", (r, ("kv", g % stages)), g)
+                yield ("arrive", (r, "vt_full"), slot)
+                yield ("arrive", (r, "kv_empty"), g % stages)
+                if f16pv:
+                    send = i == 1
+                else:
+                    sent[(r, slot)] = sent.get((r, slot), 0) + 1
+                    send = sent[(r, slot)] % 2 == 0
+                if send:
+                    if mutation != "send before both pairs":
+                        yield ("wait", (r, "vt_full"), slot, use)
+                    yield ("send", r, slot, g)
+
+    def dma(r):
+        for _ in range(blocks):
+            yield ("dma", r)
+
+    agents = {}
+    for r in (0, 1):
+        agents[f"copy{r}"] = local(copy_agent(blocks, stages), r)
+        for w in range(warps):
+            agents[f"transposer{r}.{w}"] = transposer(r, w)
+        agents[f"dma{r}"] = dma(r)
+        for wg in (0, 1):
+            agents[f"wg{wg}@{r}"] = local(consumer_agent(wg, requests, stages, vt, None, f16pv), r, wg)
+    named = {}
+    consumer_gen = {}
+
+    def ready(name, op) -> bool:
+        kind = op[0]
+        if kind == "wait":
+            return sim.can_wait(op[1], op[2], op[3], name)
+        if kind == "dma":
+            return bool(queue[op[1]])
+        if kind == "named_sync":
+            r, nid = op[1]
+            if nid == "consumers":
+                wg = name.split("@")[0]
+                other = f"{'wg1' if wg == 'wg0' else 'wg0'}@{r}"
+                return consumer_gen.get(other, 0) >= consumer_gen.get(name, 0)
+            arr, syn = named.get(op[1], (0, 0))
+            return arr > syn
+        return True
+
+    def execute(name, op) -> None:
+        kind = op[0]
+        if kind == "send":
+            queue[op[1]].append((op[2], op[3]))
+        elif kind == "dma":
+            r = op[1]
+            slot, g = queue[r].pop(0)
+            for part in (0, 1):   # the whole half: both pairs' parts must hold the block
+                sim.read_begin((r, ("vt", slot, part)), g, name)
+                sim.read_end((r, ("vt", slot, part)), g)
+                sim.write((1 - r, ("vt", slot, part)), g, readers["vt"], name)
+            sim.arrive((1 - r, "vt_full"), slot)
+        elif sim.apply(op, readers, name):
+            return
+        elif kind == "named_arrive":
+            arr, syn = named.get(op[1], (0, 0))
+            named[op[1]] = (arr + 1, syn)
+        elif kind == "named_sync":
+            if op[1][1] == "consumers":
+                consumer_gen[name] = consumer_gen.get(name, 0) + 1
+            else:
+                arr, syn = named.get(op[1], (0, 0))
+                named[op[1]] = (arr, syn + 1)
+
+    interleave(agents, ready, execute, seed, starve,
+               f"cluster requests {requests} (stages {stages}, V rings {vt_rings}, fp16 P V {f16pv})")
+
+
 def check_all(seeds: int = 30) -> int:
     """Every variant of launch.cuh over request sequences of 0..7 blocks; returns the number of runs."""
     runs = 0
@@ -503,6 +667,12 @@ def check_all(seeds: int = 30) -> int:
             for seed in range(seeds):
                 run(reqs, stages, (1, 1), seed=seed, vregs=True, starve=[None, "copy", "wg0", "wg1"][seed % 4])
                 runs += 1
+    starved = [None, "dma0", "dma1", "wg0@0", "wg1@1", "copy0", "transposer1.0"]
+    for name, (stages, left, right, f16pv) in read_cluster_variants().items():
+        for reqs in sequences:
+            for seed in range(seeds // 3):
+                run_cluster(reqs, stages, (left, right), f16pv, seed=seed, starve=starved[seed % len(starved)])
+                runs += 1
     return runs
 
 
@@ -512,4 +682,5 @@ if __name__ == "__main__":
     except ProtocolError as e:
         print(f"protocol model: INCONSISTENT: {e}")
         sys.exit(1)
-    print(f"protocol model: consistent ({n} interleavings of {', '.join([*read_variants(), *read_vregs_variants()])})")
+    names = [*read_variants(), *read_vregs_variants(), *(f"{v} as a cluster" for v in read_cluster_variants())]
+    print(f"protocol model: consistent ({n} interleavings of {', '.join(names)})")
