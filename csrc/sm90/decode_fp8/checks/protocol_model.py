@@ -40,7 +40,8 @@ def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, in
     """{variant: (q terms, KV stages, left V^T ring, right V^T ring, fp16 P V)} from VariantTraits in launch.cuh (the
     last is Traits' kPvF16, after the registers and kShareVt; kStackedTerms, after it, changes where Q's rows live, not
     the protocol; kMulticastKv, the last, adds the peer CTA's releases to kv_empty's count, a cross-CTA wait this
-    model does not play, as it does not play kShareVt's hand-off: such a variant is checked as its one CTA)."""
+    model does not play: such a variant is checked as its one CTA; kShareVt's variants are checked as one CTA here
+    and as two by run_cluster)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
                        r"(?:,\s*(\d+))?(?:,\s*(\d+))?(?:,\s*\d+)*(?:,\s*(true|false))?(?:,\s*(true|false))?"
