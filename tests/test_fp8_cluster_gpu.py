@@ -66,27 +66,36 @@ def _kernel_names(fn, kind: str = "fp8_decode_kernel") -> list[str]:
     return [e.key for e in prof.key_averages() if kind in e.key]
 
 
-@pytest.mark.parametrize("flag, case", [pytest.param(f, c, id=f"{name}-{c}") for name, f in PLAN_FLAGS.items()
-                                         for c in CASES]
-                         + [pytest.param(MULTICAST_FLAG, c, id=f"multicast-{c}") for c in MULTICAST_ONLY])
-def test_cluster_plan_is_bitwise_the_one_cta_plan(flag, case, monkeypatch):
-    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
+def _assert_plan_bitwise(run, flag: str, monkeypatch, one_cta_kernel, cluster_re: str, label: str):
+    """run() with FLASHMLA_BACKEND_FP8_DEBUG 0 and then `flag` (twice): the kernels that ran (the one-CTA plan's names
+    accepted by one_cta_kernel, the cluster plan's matching cluster_re), the cluster output free of NaN, deterministic
+    and bitwise the one-CTA output, lse too. Returns the cluster plan's out."""
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "0")
-    out, lse = run_fp8_decode(inp, case, dq, dk)
-    one_cta = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
+    out, lse = run()
+    one_cta = _kernel_names(run)
     monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", flag)
-    out_c, lse_c = run_fp8_decode(inp, case, dq, dk)
-    out_c2, lse_c2 = run_fp8_decode(inp, case, dq, dk)
-    cluster = _kernel_names(lambda: run_fp8_decode(inp, case, dq, dk))
-    print(f"{case}: one-CTA kernel {one_cta}, cluster kernel {cluster}")
-    # The one-CTA plan's traits have no true argument; the cluster plan's kShareVt or kMulticastKv is true.
-    assert one_cta and all("true" not in k for k in one_cta), one_cta
-    assert cluster and all(re.search(PLAN_TRAITS[flag], k) for k in cluster), cluster
+    out_c, lse_c = run()
+    out_c2, lse_c2 = run()
+    cluster = _kernel_names(run)
+    print(f"{label}: one-CTA kernel {one_cta}, cluster kernel {cluster}")
+    assert one_cta and all(one_cta_kernel(k) for k in one_cta), one_cta
+    assert cluster and all(re.search(cluster_re, k) for k in cluster), cluster
     assert not torch.isnan(out_c).any()
     assert torch.equal(out_c.view(torch.int16), out_c2.view(torch.int16)) and torch.equal(lse_c, lse_c2)
     assert torch.equal(out_c.view(torch.int16), out.view(torch.int16)), (
         f"max |diff| {(out_c.float() - out.float()).abs().max().item():.3g}")
     assert torch.equal(lse_c, lse)
+    return out_c
+
+
+@pytest.mark.parametrize("flag, case", [pytest.param(f, c, id=f"{name}-{c}") for name, f in PLAN_FLAGS.items()
+                                         for c in CASES]
+                         + [pytest.param(MULTICAST_FLAG, c, id=f"multicast-{c}") for c in MULTICAST_ONLY])
+def test_cluster_plan_is_bitwise_the_one_cta_plan(flag, case, monkeypatch):
+    inp, dq, dk = fp8_inputs(case, "cuda", q_fp8=True, k_gain=0.7)
+    # The one-CTA plan's traits have no true argument; the cluster plan's kShareVt or kMulticastKv is true.
+    _assert_plan_bitwise(lambda: run_fp8_decode(inp, case, dq, dk), flag, monkeypatch,
+                         lambda k: "true" not in k, PLAN_TRAITS[flag], str(case))
 
 
 @pytest.mark.parametrize("flag", PLAN_FLAGS.values(), ids=PLAN_FLAGS.keys())
@@ -110,21 +119,9 @@ def test_accurate_cluster_plan_is_bitwise_the_one_cta_plan(case, dtype, monkeypa
     exact and both CTAs of a cluster mask the same keys)."""
     case = dataclasses.replace(case, dtype=dtype)
     inp, _, dk = fp8_inputs(case, "cuda", q_fp8=False, k_gain=0.7)
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", "0")
-    out, lse = run_fp8_decode(inp, case, None, dk)
-    one_cta = _kernel_names(lambda: run_fp8_decode(inp, case, None, dk))
-    monkeypatch.setenv("FLASHMLA_BACKEND_FP8_DEBUG", CLUSTER_FLAG)
-    out_c, lse_c = run_fp8_decode(inp, case, None, dk)
-    out_c2, lse_c2 = run_fp8_decode(inp, case, None, dk)
-    cluster = _kernel_names(lambda: run_fp8_decode(inp, case, None, dk))
-    print(f"{case} {dtype}: one-CTA kernel {one_cta}, cluster kernel {cluster}")
-    assert one_cta and all(re.search(ACCURATE_ONE_CTA, k) for k in one_cta), one_cta
-    assert cluster and all(re.search(ACCURATE_CLUSTER, k) for k in cluster), cluster
-    assert out_c.dtype == dtype and not torch.isnan(out_c).any()
-    assert torch.equal(out_c.view(torch.int16), out_c2.view(torch.int16)) and torch.equal(lse_c, lse_c2)
-    assert torch.equal(out_c.view(torch.int16), out.view(torch.int16)), (
-        f"max |diff| {(out_c.float() - out.float()).abs().max().item():.3g}")
-    assert torch.equal(lse_c, lse)
+    out_c = _assert_plan_bitwise(lambda: run_fp8_decode(inp, case, None, dk), CLUSTER_FLAG, monkeypatch,
+                                 lambda k: re.search(ACCURATE_ONE_CTA, k), ACCURATE_CLUSTER, f"{case} {dtype}")
+    assert out_c.dtype == dtype
 
 
 def test_accurate_cluster_flag_leaves_other_shapes_on_their_plan(monkeypatch):

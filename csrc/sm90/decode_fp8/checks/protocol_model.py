@@ -150,10 +150,14 @@ class Sim:
         self.active = {}    # resource -> number of reads in progress
 
     # ---- mbarriers -------------------------------------------------------------------------------------------
-    def arrive(self, bar: str, i: int) -> None:
+    def count_of(self, bar, i: int) -> int:
+        """Arrivals that complete a phase of bar[i]."""
+        return self.count[bar]
+
+    def arrive(self, bar, i: int) -> None:
         key = (bar, i)
         self.got[key] = self.got.get(key, 0) + 1
-        if self.got[key] == self.count[bar]:
+        if self.got[key] == self.count_of(bar, i):
             self.got[key] = 0
             self.done[key] = self.done.get(key, 0) + 1
 
@@ -522,17 +526,11 @@ def run_cluster(requests: list[int], stages: int, vt_rings: tuple[int, int], f16
     half_of_slot = {vt.slot(h, g): h for h in (0, 1) for g in range(max(vt.ring))}
 
     class ClusterSim(Sim):
-        def arrive(self, bar, i) -> None:
+        def count_of(self, bar, i: int) -> int:
             r, base = bar
             if base == "vt_full":
-                n = arrivals["kVtFullArrivals"] if half_of_slot[i] == r else 1
-            else:
-                n = counts[base]
-            key = (bar, i)
-            self.got[key] = self.got.get(key, 0) + 1
-            if self.got[key] == n:
-                self.got[key] = 0
-                self.done[key] = self.done.get(key, 0) + 1
+                return arrivals["kVtFullArrivals"] if half_of_slot[i] == r else 1
+            return counts[base]
 
     sim = ClusterSim(stages, arrivals)
     # A half of the CTA's own is read by its consumer warpgroup and by the copy to the peer; a copied one by the
