@@ -145,7 +145,7 @@ def test_fp8_protocol_model_accepts_the_kernel_schedule():
 def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     variants = fp8_model.read_variants()
     assert set(variants) == {"kFastE4m3Q", "kFastE4m3QStream", "kFastE4m3QCluster", "kFastE4m3QMulticast",
-                             "kAccurateBF16", "kAccurateFP16", "kAccurateClusterBF16", "kAccurateClusterFP16",
+                             "kAccurateBF16", "kAccurateFP16",
                              "kAccurateStackedBF16", "kAccurateStackedBF16Left2",
                              "kAccurateStackedFP16", "kAccurateStackedFP16Left2", "kAccurateStackedP2BF16",
                              "kAccurateStackedP2FP16"}
@@ -153,8 +153,6 @@ def test_fp8_protocol_model_reads_launch_cuh_and_traits_h(fp8_model):
     assert variants["kFastE4m3QMulticast"] == (1, 3, 2, 2, False)
     assert variants["kAccurateStackedP2BF16"] == (2, 3, 2, 2, False) == variants["kAccurateStackedP2FP16"]
     assert variants["kAccurateBF16"] == (2, 2, 1, 1, True) == variants["kAccurateFP16"]
-    # the cluster plan is played as its one CTA (the model does not play the hand-off between the CTAs)
-    assert variants["kAccurateClusterBF16"] == (2, 2, 1, 1, True) == variants["kAccurateClusterFP16"]
     assert variants["kAccurateStackedBF16"] == (2, 3, 1, 1, True) == variants["kAccurateStackedFP16"]
     assert variants["kAccurateStackedBF16Left2"] == (2, 2, 2, 1, True) == variants["kAccurateStackedFP16Left2"]
     assert all(stages >= 2 and left >= 1 and right >= 1 for _, stages, left, right, _ in variants.values())
@@ -204,24 +202,26 @@ def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):
 
 
 def test_fp8_protocol_model_reads_the_cluster_variants(fp8_model):
-    """The 2-CTA cluster plans that share the V transposition (fast mode) or the V widening (accurate mode), which
-    run_cluster plays as two CTAs."""
-    assert fp8_model.read_cluster_variants() == {"kFastE4m3QCluster": (2, 3, 3, False),
-                                                 "kAccurateClusterBF16": (2, 1, 1, True),
-                                                 "kAccurateClusterFP16": (2, 1, 1, True)}
+    """The 2-CTA cluster plan that shares the fast mode's V transposition, which run_cluster plays as two CTAs."""
+    assert fp8_model.read_cluster_variants() == {"kFastE4m3QCluster": (2, 3, 3)}
 
 
-@pytest.mark.parametrize("mutation, f16pv", [("no peer_empty", False), ("no peer_empty", True),
-                                             ("send before both pairs", True), ("peer_empty first", True)])
-def test_fp8_protocol_model_rejects_a_broken_cluster_schedule(fp8_model, mutation, f16pv):
-    """A pair that does not wait for the peer's release of the slot's copy, the accurate plan's sender (pair 1) not
-    waiting for both pairs before the copy, and peer_empty (one barrier a slot) waited for before vt_empty with the
-    accurate plan's rings of one, where a warp can then be two phases ahead of it."""
-    rings = (1, 1) if f16pv else (3, 3)
+def test_fp8_protocol_model_refuses_a_shared_widening(fp8_model, tmp_path):
+    """A kShareVt variant with fp16 P V is an error for the model, which plays only the shared transposition."""
+    launch = tmp_path / "launch.cuh"
+    launch.write_text(fp8_model.LAUNCH_CUH.read_text() + (
+        "template <>\nstruct VariantTraits<Variant::kX> {\n"
+        "  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, true, true>;\n};\n"))
+    with pytest.raises(fp8_model.ProtocolError, match="kPvF16"):
+        fp8_model.read_cluster_variants(launch)
+
+
+def test_fp8_protocol_model_rejects_a_broken_cluster_schedule(fp8_model):
+    """A pair that does not wait for the peer's release of the slot's copy."""
     with pytest.raises(fp8_model.ProtocolError):
         for seed in range(60):
             for reqs in ([9, 4, 7], [12, 4]):
-                fp8_model.run_cluster(reqs, 2, rings, f16pv, seed=seed, mutation=mutation,
+                fp8_model.run_cluster(reqs, 2, (3, 3), seed=seed, mutation="no peer_empty",
                                       starve=[None, "dma0", "wg0@0", "transposer1.0"][seed % 4])
 
 

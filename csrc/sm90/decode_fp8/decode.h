@@ -18,8 +18,6 @@ enum class Variant {
   kFastE4m3QMulticast,  // kFastE4m3QStream as 2-CTA clusters over pairs of M tiles, the KV blocks multicast
   kAccurateBF16, // bf16 q split in two e4m3 terms for Q K^T, P V in fp16 (traits.h: kPvF16), bf16 out
   kAccurateFP16, // fp16 q split in two e4m3 terms for Q K^T, P V in fp16, fp16 out
-  kAccurateClusterBF16,  // kAccurateBF16 as 2-CTA clusters over the two M tiles, sharing the V widening
-  kAccurateClusterFP16,  // the same for an fp16 q
   // The accurate mode for at most 16 query rows a KV head (s_q h_q / h_kv): the keys-on-M tile (keys_on_m.h)
   kAccurateKmBF16R16,
   kAccurateKmFP16R16,
@@ -51,8 +49,7 @@ void run_decode_kernel(const DecodeParams& params, int debug);
 enum DebugFlags : int {
   kDebugNoTranspose = 1,       // the transposer waits and arrives but moves no data: wrong results, its time without it
   kDebugOtherFastPlan = 4,     // the fast mode runs its other pipeline plan (2 KV stages; dispatch.cu) (same results)
-  kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (fast mode) or
-                               // the V widening (the accurate mode's 64-row tile) (same results)
+  kDebugClusterPlan = 8,       // two M tiles: the 2-CTA cluster plan that shares the V transposition (same results)
   kDebugOtherAccurateTile = 16,  // the accurate mode at <= 32 query rows a KV head: the other tile than the default
                                  // (at <= 16 rows the stacked Q tile for keys on M, at 17..32 the two-term 64-row tile
                                  // for the stacked one); the same results within the mode's error

@@ -92,12 +92,10 @@ bool fast_keys_on_m_by_default(const DecodeParams& p) {
 // 64-row tile. FLASHMLA_BACKEND_FP8_DEBUG: bit 16 runs the other tile at <= 32 rows (keys on M <-> stacked up to 16
 // rows, stacked <-> the 64-row tile at 17..32), bit 512 past 32 rows (stacked <-> the 64-row tile), bit 16384 the
 // stacked tile's other P V form than the shape's (stacked_e4m3_pv_by_default), bit 256 the fp16 P V form's other
-// plan, bit 1024 the V-in-registers tile for the two-term 64-row one, bit 8 the two-term 64-row tile's 2-CTA cluster
-// plan where two M tiles see the same keys (cluster_plan_applies).
+// plan, bit 1024 the V-in-registers tile for the two-term 64-row one.
 template <sm90::decode_fp8::Variant kKeysOnM, sm90::decode_fp8::Variant kStacked,
           sm90::decode_fp8::Variant kStackedLeft2, sm90::decode_fp8::Variant kStackedP2,
-          sm90::decode_fp8::Variant kTwoTerms, sm90::decode_fp8::Variant kVRegs,
-          sm90::decode_fp8::Variant kCluster>
+          sm90::decode_fp8::Variant kTwoTerms, sm90::decode_fp8::Variant kVRegs>
 static void run_accurate(const DecodeParams& params, int debug) {
   namespace d = sm90::decode_fp8;
   const bool other = debug & (params.q_rows <= 32 ? d::kDebugOtherAccurateTile : d::kDebugStackedManyRows);
@@ -114,8 +112,6 @@ static void run_accurate(const DecodeParams& params, int debug) {
     d::run_decode_kernel<kKeysOnM>(params, debug);
   } else if (debug & d::kDebugVRegs) {
     d::run_decode_kernel<kVRegs>(params, debug);
-  } else if ((debug & d::kDebugClusterPlan) && d::cluster_plan_applies(params)) {
-    d::run_decode_kernel<kCluster>(params, debug);
   } else {
     d::run_decode_kernel<kTwoTerms>(params, debug);
   }
@@ -161,13 +157,13 @@ void run_sm90_fp8_decode(const DecodeParams& params) {
   switch (params.dtype) {
     case DType::kBF16:
       run_accurate<Variant::kAccurateKmBF16R16, Variant::kAccurateStackedBF16, Variant::kAccurateStackedBF16Left2,
-                   Variant::kAccurateStackedP2BF16, Variant::kAccurateBF16, Variant::kAccurateVRegsBF16,
-                   Variant::kAccurateClusterBF16>(params, debug);
+                   Variant::kAccurateStackedP2BF16, Variant::kAccurateBF16, Variant::kAccurateVRegsBF16>(params,
+                                                                                                          debug);
       return;
     case DType::kFP16:
       run_accurate<Variant::kAccurateKmFP16R16, Variant::kAccurateStackedFP16, Variant::kAccurateStackedFP16Left2,
-                   Variant::kAccurateStackedP2FP16, Variant::kAccurateFP16, Variant::kAccurateVRegsFP16,
-                   Variant::kAccurateClusterFP16>(params, debug);
+                   Variant::kAccurateStackedP2FP16, Variant::kAccurateFP16, Variant::kAccurateVRegsFP16>(params,
+                                                                                                          debug);
       return;
   }
   FMLA_HOST_CHECK(false, "sm90 FP8 decode: unsupported dtype " << int(params.dtype));

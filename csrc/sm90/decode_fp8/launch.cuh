@@ -100,18 +100,6 @@ template <>
 struct VariantTraits<Variant::kAccurateFP16> {
   using type = Traits<cutlass::half_t, 2, 2, 1, 1, 224, 56, false, true>;
 };
-// The accurate mode's two M tiles as 2-CTA clusters (Traits::kShareVt with kPvF16): each CTA widens one fp16 V half
-// and copies it to the other, so each SM widens half of every block (docs/kernel-design.md: the widening's issue
-// slots are about 100 us of the one-CTA plan's 585 at b128 h_q 128). The one-CTA plan's buffers (rings of one fp16 V
-// half). Not yet measured: behind FLASHMLA_BACKEND_FP8_DEBUG bit 8.
-template <>
-struct VariantTraits<Variant::kAccurateClusterBF16> {
-  using type = Traits<cutlass::bfloat16_t, 2, 2, 1, 1, 224, 56, true, true>;
-};
-template <>
-struct VariantTraits<Variant::kAccurateClusterFP16> {
-  using type = Traits<cutlass::half_t, 2, 2, 1, 1, 224, 56, true, true>;
-};
 
 // The accurate mode's tile with both q terms stacked in one Q tile (Traits::kStackedTerms), M tiles of 32 query rows:
 // one Q K^T product a block instead of two, and the Q tile's freed 36 KB for a third KV stage (fp16 V rings of 1 + 1,

@@ -187,9 +187,8 @@ __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorM
   });
 }
 
-// Sends V slot `slot` (written here: a V^T half, 16 KB, or an fp16 V half, 32 KB) to the same slot of the peer CTA:
-// one arrival with the expected bytes on the peer's vt_full[slot], then a shared-memory bulk copy that completes those
-// bytes there. The caller has waited for this CTA's vt_full[slot] (both piece pairs written and fenced for the async
+// Sends V^T slot `slot` (written here, 16 KB) to the same slot of the peer CTA: one arrival with the expected bytes on
+// the peer's vt_full[slot], then a shared-memory bulk copy that completes those bytes there. The caller has waited for this CTA's vt_full[slot] (both piece pairs written and fenced for the async
 // proxy) and, before the pairs were written, for the slot's peer_empty (the peer's previous copy consumed), so the
 // peer's slot is free. The source slot is rewritten only after the peer's consumers released this copy
 // (peer_empty), which they do after its bytes arrived: the copy has read it by then.
@@ -231,7 +230,7 @@ __device__ __forceinline__ void init_pipeline_barriers(typename T::SharedStorage
     for (int c = 0; c < T::kVtEmptyCopies; ++c) ss.vt_empty[b][c].init(kVtEmptyArrivals);
     if constexpr (T::kShareVt) {
       ss.share.peer_empty[b].init(kPeerEmptyArrivals);
-      if constexpr (!T::kPvF16) ss.share.vt_pairs_sent[b] = 0;
+      ss.share.vt_pairs_sent[b] = 0;
     }
   }
   cutlass::arch::fence_barrier_init();
@@ -402,12 +401,11 @@ __device__ __forceinline__ void transpose_one_pair(typename T::SharedStorage& ss
   __syncwarp();
 }
 
-// The shared transposition (Traits::kShareVt; with kPvF16 the shared widening): this CTA transposes (widens) the two
-// pairs of its own half r (= its cluster rank) of every block, in turn over the three warps. A pair waits for its
-// slot's local release (vt_empty) and for the peer's release of the copy it got of the slot's last use (peer_empty).
-// The warp that writes the half's second pair (with kPvF16: pair 1) sends the half to the peer (send_vt_half). The
-// keys masked here are those past the block's last key any row of this CTA sees; the host runs this plan only where
-// both CTAs of a cluster see the same keys (dispatch.cu).
+// The shared transposition (Traits::kShareVt): this CTA transposes the two pairs of its own half r (= its cluster
+// rank) of every block, in turn over the three warps. A pair waits for its slot's local release (vt_empty) and for
+// the peer's release of the copy it got of the slot's last use (peer_empty). The warp that writes the half's second
+// pair sends the half to the peer (send_vt_half). The keys masked here are those past the block's last key any row of
+// this CTA sees; the host runs this plan only where both CTAs of a cluster see the same keys (dispatch.cu).
 template <class T>
 __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typename T::SharedStorage& ss,
                                                       const SchedMetaRow& meta, int begin_req, int end_req,
@@ -432,15 +430,8 @@ __device__ __forceinline__ void transpose_loop_shared(const DecodeParams& p, typ
       if (lane == 0) {
         ss.vt_full[slot].arrive();
         ss.kv_empty[stage].arrive();
-        // The half's second pair to be written (with kPvF16 its pair 1) sends it, once both pairs are written.
-        bool send;
-        if constexpr (T::kPvF16) {
-          send = i == 1;
-        } else {
-          send = atomicAdd(&ss.share.vt_pairs_sent[slot], 1u) & 1u;
-        }
-        if (send) {
-          wait_barrier(ss.vt_full[slot], use & 1u);  // the other pair's stores, acquired
+        if (atomicAdd(&ss.share.vt_pairs_sent[slot], 1u) & 1u) {  // the half's second pair: both are written
+          wait_barrier(ss.vt_full[slot], use & 1u);                // the other pair's stores, acquired
           send_vt_half<T>(ss, slot);
         }
       }

@@ -22,19 +22,13 @@ using namespace cute;
 // arrivals), so the next use may be written and sent. One barrier a slot, whatever the ring: a pair waits for it
 // only after its local vt_empty passed, i.e. after the slot's previous use was read here, so written, so after that
 // use's pairs passed their own peer_empty wait; a waiter is never two phases ahead (checks/protocol_model.py:
-// run_cluster). vt_pairs_sent[s] (V^T halves): piece pairs of the slot written so far (odd: the second pair's warp
-// sends). The shared widening (kPvF16) has no counter: its plan leaves 16 bytes of the 227 KB (the one-CTA accurate
-// plan 36), and the warp of a half's pair 1 sends.
-template <bool kShareVt, bool kPvF16, int kVtSlots>
+// run_cluster). vt_pairs_sent[s]: piece pairs of the slot written so far (odd: the second pair's warp sends).
+template <bool kShareVt, int kVtSlots>
 struct ShareVtState {};
 template <int kVtSlots>
-struct ShareVtState<true, false, kVtSlots> {
+struct ShareVtState<true, kVtSlots> {
   cutlass::arch::ClusterBarrier peer_empty[kVtSlots];
   uint32_t vt_pairs_sent[kVtSlots];
-};
-template <int kVtSlots>
-struct ShareVtState<true, true, kVtSlots> {
-  cutlass::arch::ClusterBarrier peer_empty[kVtSlots];
 };
 
 // The V slots of both kernels' Traits (Traits below, keys_on_m.h's TraitsKM): a block's V in kParts parts of value
@@ -93,9 +87,8 @@ struct VRings {
 // the epilogue writes one of them (kOutRowsPerThread); without it (P V on e4m3 tensor cores, V^T transposed as in
 // the fast mode) the second row carries P's second e4m3 term (kPTerms2). The Q tile is 36 KB instead of 72.
 // kShareVt: the kernel runs as 2-CTA clusters over pairs of M tiles of the same KV blocks (grid x = 2 k, 2 k + 1):
-// CTA rank r transposes (with kPvF16: widens) only V half r of every block and hands a copy to the other CTA with a
-// shared-memory bulk copy (producer.cuh: send_vt_half), so that each SM does half the transposition or widening
-// (docs/kernel-design.md).
+// CTA rank r transposes only V^T half r of every block and hands a copy to the other CTA with a shared-memory bulk
+// copy (producer.cuh: send_vt_half), so that each SM does half the transposition (docs/kernel-design.md).
 // kMulticastKv: the same 2-CTA clusters, each CTA transposing all of its V as the one-CTA plan does, but every KV
 // block read from L2 once a cluster: each CTA issues every other piece of a block (the odd ninth alternating between
 // the ranks by block) as a TMA multicast into both CTAs' stages, so a stage is refilled only once the consumers and
@@ -137,8 +130,7 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
   static constexpr int kOutRowsPerThread = kStackedTerms ? 1 : 2;         // output rows of a thread's accumulator
   static constexpr bool kShareVt = kShareVt_;
   static constexpr bool kKeysOnM = false;  // keys_on_m.h: TraitsKM
-  static_assert(!kShareVt || ((kQFp8 || kPvF16) && !kStackedTerms),
-                "the shared transposition serves the fast mode, the shared widening the accurate mode's 64-row tile");
+  static_assert(!kShareVt || kQFp8, "the shared transposition serves the fast mode");
   static constexpr bool kMulticastKv = kMulticastKv_;
   static_assert(!kMulticastKv || (kQFp8 && !kShareVt), "the multicast copies serve the fast mode's one-CTA plan");
   // Launched as 2-CTA clusters over pairs of M tiles (launch.cuh, kernel.cuh).
@@ -224,7 +216,7 @@ struct Traits : VRings<kStages_, 2, kVtLeft_, kVtRight_> {
     cutlass::arch::ClusterBarrier kv_empty[kStages];
     cutlass::arch::ClusterBarrier vt_full[kVtSlots];
     cutlass::arch::ClusterBarrier vt_empty[kVtSlots][kVtEmptyCopies];
-    ShareVtState<kShareVt, kPvF16, kVtSlots> share;  // last: see ShareVtState
+    ShareVtState<kShareVt, kVtSlots> share;  // last: see ShareVtState
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + kSmemAlign;
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Python model of the sm90 FP8 tensor-core decode kernel's barrier protocol (producer and consumers; run_cluster: the
-2-CTA clusters that share the V transposition or widening).
+2-CTA clusters that share the V transposition).
 
 A mirror of the order of waits, arrivals, reads and writes in producer.cuh (copy_loop, transpose_loop), mainloop.cuh
 (mainloop_wg0 / mainloop_wg1, run_steps, padded_blocks), mainloop_vregs.cuh (the V-in-registers tile: no transposer,
@@ -58,13 +58,16 @@ def read_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, in
             for name, a, c, d, e, _share, f16 in found}
 
 
-def read_cluster_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int, bool]]:
-    """{variant: (KV stages, left ring, right ring, fp16 P V)} of the VariantTraits whose kShareVt is true: the 2-CTA
-    clusters that share the V transposition (fast mode) or the V widening (kPvF16), which run_cluster plays."""
+def read_cluster_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, tuple[int, int, int]]:
+    """{variant: (KV stages, left ring, right ring)} of the VariantTraits whose kShareVt is true: the 2-CTA clusters
+    that share the fast mode's V transposition, which run_cluster plays (traits.h asserts kShareVt only with an e4m3
+    q, so never with the fp16 P V of kPvF16)."""
     text = launch_cuh.read_text()
     found = re.findall(r"VariantTraits<Variant::(\w+)>\s*\{\s*using type = Traits<[^,>]+,\s*(\d+),\s*(\d+)"
                        r",\s*(\d+),\s*(\d+),\s*\d+,\s*\d+,\s*true(?:,\s*(true|false))?", text)
-    return {name: (int(stages), int(left), int(right), f16 == "true") for name, _, stages, left, right, f16 in found}
+    if any(f16 == "true" for *_, f16 in found):
+        raise ProtocolError(f"a kShareVt variant with kPvF16 in {launch_cuh}: the model plays only the transposition")
+    return {name: (int(stages), int(left), int(right)) for name, _, stages, left, right, _ in found}
 
 
 def read_vregs_variants(launch_cuh: Path = LAUNCH_CUH) -> dict[str, int]:
@@ -500,21 +503,20 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
                f"requests {requests} (stages {stages}, V^T rings {vt_rings})")
 
 
-def run_cluster(requests: list[int], stages: int, vt_rings: tuple[int, int], f16pv: bool,
+def run_cluster(requests: list[int], stages: int, vt_rings: tuple[int, int],
                 arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
                 starve: str | None = None) -> None:
-    """One random interleaving of a 2-CTA cluster that shares the V transposition or widening (Traits::kShareVt;
+    """One random interleaving of a 2-CTA cluster that shares the V transposition (Traits::kShareVt;
     producer.cuh: transpose_loop_shared, send_vt_half; mainloop.cuh: release_vt). Both CTAs walk the same blocks.
     CTA r's transposer warps write only half r of each block (its two piece pairs, pair i of block g on warp
     (2 g + i) % warps), each pair waiting for the slot's local release (vt_empty) and then for the peer's release of
-    its copy (peer_empty, one barrier a slot), and the half's sender (kPvF16: pair 1; otherwise the second pair
-    to finish, a shared counter) waits for the slot's vt_full and queues a bulk copy. Each CTA's copy engine (agent
-    dma<r>) carries the queued copies out in order at any later time: it reads the local slot (which must still hold
-    the block) and writes the peer's slot, completing its vt_full (one arrival). A consumer warpgroup releases a
-    copied half on the peer's peer_empty instead of the local vt_empty. Each CTA's copy lane and consumers are the
-    one-CTA agents, their barriers, buffers and named barriers the CTA's own. Mutations: "peer_empty first" (a pair
-    waits for peer_empty before vt_empty), "send before both pairs" (the sender does not wait for vt_full), "no
-    peer_empty" (a pair does not wait for the peer's release)."""
+    its copy (peer_empty, one barrier a slot), and the half's sender (the second pair to finish, a shared counter)
+    waits for the slot's vt_full and queues a bulk copy. Each CTA's copy engine (agent dma<r>) carries the queued
+    copies out in order at any later time: it reads the local slot (which must still hold the block) and writes the
+    peer's slot, completing its vt_full (one arrival). A consumer warpgroup releases a copied half on the peer's
+    peer_empty instead of the local vt_empty. Each CTA's copy lane and consumers are the one-CTA agents, their
+    barriers, buffers and named barriers the CTA's own. Mutation: "no peer_empty" (a pair does not wait for the peer's
+    release)."""
     arrivals = dict(read_arrivals() if arrivals is None else arrivals)
     warps, pairs = arrivals["kNumTransposeWarps"], arrivals["kNumVPairs"]
     vt = VtRings(*vt_rings, stages)
@@ -537,7 +539,7 @@ def run_cluster(requests: list[int], stages: int, vt_rings: tuple[int, int], f16
     # consumer alone.
     readers = {"kv": 1 + pairs // 2, "vt": 1, "vt_own": 2, "p0": 1, "p1": 2}
     queue = {0: [], 1: []}
-    sent = {}   # (cta, slot) -> pairs written so far (the counter of the non-f16 plan)
+    sent = {}   # (cta, slot) -> pairs written so far (vt_pairs_sent)
 
     def local(gen, r, wg=None):
         """A one-CTA agent's operations on CTA r's barriers, buffers and named barriers; a consumer warpgroup's
@@ -570,23 +572,18 @@ def run_cluster(requests: list[int], stages: int, vt_rings: tuple[int, int], f16
                 slot, use = vt.slot(r, g), vt.use(r, g)
                 if use > 0:
                     bar, n = vt.empty(slot, use - 1)
-                    peer = [] if mutation == "no peer_empty" else [("wait", (r, "peer_empty"), slot, use - 1)]
-                    local_wait = [("wait", (r, "vt_empty"), bar, n)]
-                    yield from (peer + local_wait if mutation == "peer_empty first" else local_wait + peer)
+                    yield ("wait", (r, "vt_empty"), bar, n)
+                    if mutation != "no peer_empty":   # after vt_empty: see traits.h, ShareVtState
+                        yield ("wait", (r, "peer_empty"), slot, use - 1)
                 yield ("wait", (r, "kv_full"), g % stages, g // stages)
                 yield ("read_begin", (r, ("kv", g % stages)), g)
                 yield ("write", (r, ("vt", slot, i)), g, "vt_own")   # pair i's part of the half
                 yield ("read_end", (r, ("kv", g % stages)), g)
                 yield ("arrive", (r, "vt_full"), slot)
                 yield ("arrive", (r, "kv_empty"), g % stages)
-                if f16pv:
-                    send = i == 1
-                else:
-                    sent[(r, slot)] = sent.get((r, slot), 0) + 1
-                    send = sent[(r, slot)] % 2 == 0
-                if send:
-                    if mutation != "send before both pairs":
-                        yield ("wait", (r, "vt_full"), slot, use)
+                sent[(r, slot)] = sent.get((r, slot), 0) + 1
+                if sent[(r, slot)] % 2 == 0:
+                    yield ("wait", (r, "vt_full"), slot, use)
                     yield ("send", r, slot, g)
 
     def dma(r):
@@ -600,7 +597,7 @@ def run_cluster(requests: list[int], stages: int, vt_rings: tuple[int, int], f16
             agents[f"transposer{r}.{w}"] = transposer(r, w)
         agents[f"dma{r}"] = dma(r)
         for wg in (0, 1):
-            agents[f"wg{wg}@{r}"] = local(consumer_agent(wg, requests, stages, vt, None, f16pv), r, wg)
+            agents[f"wg{wg}@{r}"] = local(consumer_agent(wg, requests, stages, vt, None, False), r, wg)
     named = {}
     consumer_gen = {}
 
@@ -645,7 +642,7 @@ def run_cluster(requests: list[int], stages: int, vt_rings: tuple[int, int], f16
                 named[op[1]] = (arr, syn + 1)
 
     interleave(agents, ready, execute, seed, starve,
-               f"cluster requests {requests} (stages {stages}, V rings {vt_rings}, fp16 P V {f16pv})")
+               f"cluster requests {requests} (stages {stages}, V^T rings {vt_rings})")
 
 
 def check_all(seeds: int = 30) -> int:
@@ -667,10 +664,10 @@ def check_all(seeds: int = 30) -> int:
                 run(reqs, stages, (1, 1), seed=seed, vregs=True, starve=[None, "copy", "wg0", "wg1"][seed % 4])
                 runs += 1
     starved = [None, "dma0", "dma1", "wg0@0", "wg1@1", "copy0", "transposer1.0"]
-    for name, (stages, left, right, f16pv) in read_cluster_variants().items():
+    for name, (stages, left, right) in read_cluster_variants().items():
         for reqs in sequences:
             for seed in range(seeds // 3):
-                run_cluster(reqs, stages, (left, right), f16pv, seed=seed, starve=starved[seed % len(starved)])
+                run_cluster(reqs, stages, (left, right), seed=seed, starve=starved[seed % len(starved)])
                 runs += 1
     return runs
 
