@@ -20,6 +20,14 @@
 //   syncthreads-arrive  (a) / (b) with a hand-off of the kind the kernels' main loops use between the first barrier
 //   named-arrive        and the writes (bar.arrive by one warpgroup, bar.sync by the other: the pattern of
 //                    named_barrier_war.cu): whether the tool's handling of those barriers spills onto this exchange.
+//   syncthreads-steps   (a) / (b) with the main loops' whole hand-off, kSteps times a request before the writes:
+//   named-steps         three barriers a step in both directions, as the kernels' steps use them (warpgroup 0
+//                    writes scale0 and arrives on barrier 8, warpgroup 1 syncs on it, reads scale0, writes scale1 and
+//                    arrives on 9; warpgroup 0 syncs on 9, reads scale1, writes P0 and arrives on 10; warpgroup 1 syncs
+//                    on 10 and reads P0), every value read checked on the device. In both kernels every row_sum and
+//                    row_max report pairs an access of warpgroup 1 with a later one of warpgroup 0 across the barrier
+//                    of all consumers (journal, 2026-12-01): if these modes get such hazards, the last arrival before
+//                    the barrier being warpgroup 1's bar.arrive is what the tool misreads.
 //   race             control: (a) without the __syncthreads between the writes and the reads, a real race between
 //                    the same two accesses. It shows what a true report looks like, and that racecheck sees these
 //                    accesses at all. Its values are printed but not checked (a race may leave them right or wrong).
@@ -62,11 +70,14 @@ constexpr int kRequests = 4;              // request-loop iterations per CTA
 constexpr int kSmemBytes = 128 * 1024;    // more than half an SM's shared memory: one CTA per SM
 constexpr int kConsumerBarrier = 11;      // the FP8 kernel's kConsumers (3) + CUTLASS's 8 reserved barriers
 constexpr int kHandoffA = 8, kHandoffB = 9;  // main-loop hand-off barriers (the kernels' named barriers start at 8)
+constexpr int kHandoffC = 10;                // the -steps modes' third one (the kernels' kP0Ready)
+constexpr int kSteps = 16;                   // the -steps modes' hand-off steps a request
 
 struct RowState {
   float row_max[kRows];
   float row_sum[2][kRows];
   float slot[kWgThreads];  // the -arrive modes' hand-off slot
+  float step[3][kWgThreads];  // the -steps modes' scale0, scale1 and P0 slots
 };
 
 struct Args {
@@ -75,6 +86,7 @@ struct Args {
   unsigned long long* times;   // [launch][first CTA start, last CTA end] in ns (%globaltimer)
   int seed;                    // 1 or 2: which launch
   int requests;
+  int* step_bad;               // the -steps modes: values read from a step slot that were not the step's
 };
 
 // Small integers: every sum below is exact in fp32 whatever the order of the additions.
@@ -86,6 +98,9 @@ __host__ __device__ inline float row_max_value(int seed, int cta, int req, int r
 }
 __host__ __device__ inline float slot_value(int seed, int cta, int req, int t) {
   return float((seed + cta + req + t) % 5);
+}
+__host__ __device__ inline float step_value(int seed, int cta, int req, int step, int which, int t) {
+  return float((seed * 3 + cta + req * 7 + step * 5 + which * 11 + t) % 251);
 }
 __host__ __device__ inline float producer_value(int seed, int cta, int requests, int t) {
   float acc = 0.f;
@@ -123,7 +138,32 @@ __device__ __forceinline__ void consumers_sync() {
 
 // The request loop of the consumer threads. kWG < 0: one copy for both warpgroups (the 16-bit kernel's loop);
 // kWG = 0 / 1: the copy of that warpgroup (the FP8 kernel's consumer_loop<T, kWG>).
-template <int kWG, bool kNamed, bool kPdl, bool kArrive, bool kRace>
+// The -steps modes' main loop: kSteps of the kernels' three-barrier hand-off (see the header), every read checked.
+__device__ __forceinline__ void hand_off_steps(RowState& s, const Args& a, int req, int wg, int t) {
+  const int cta = blockIdx.x;
+  int bad = 0;
+#pragma unroll 1
+  for (int k = 0; k < kSteps; ++k) {
+    if (wg == 0) {
+      s.step[0][t] = step_value(a.seed, cta, req, k, 0, t);
+      bar_arrive(kHandoffA, kConsumers);
+      bar_sync(kHandoffB, kConsumers);
+      bad += s.step[1][t] != step_value(a.seed, cta, req, k, 1, t);
+      s.step[2][t] = step_value(a.seed, cta, req, k, 2, t);
+      bar_arrive(kHandoffC, kConsumers);
+    } else {
+      bar_sync(kHandoffA, kConsumers);
+      bad += s.step[0][t] != step_value(a.seed, cta, req, k, 0, t);
+      s.step[1][t] = step_value(a.seed, cta, req, k, 1, t);
+      bar_arrive(kHandoffB, kConsumers);
+      bar_sync(kHandoffC, kConsumers);
+      bad += s.step[2][t] != step_value(a.seed, cta, req, k, 2, t);
+    }
+  }
+  if (bad) atomicAdd(a.step_bad, bad);
+}
+
+template <int kWG, bool kNamed, bool kPdl, bool kArrive, bool kRace, bool kStepsMode = false>
 __device__ __forceinline__ void request_loop(RowState& s, const Args& a, int tid) {
   const int wg = kWG >= 0 ? kWG : tid / kWgThreads;
   const int t = tid % kWgThreads;
@@ -152,6 +192,8 @@ __device__ __forceinline__ void request_loop(RowState& s, const Args& a, int tid
       }
     }
 
+    if constexpr (kStepsMode) hand_off_steps(s, a, req, wg, t);
+
     // publish_row_sums: the warpgroup's row sums, one lane of each quad writes them.
     sum[0] = quad_sum(sum[0]);
     sum[1] = quad_sum(sum[1]);
@@ -178,17 +220,17 @@ __device__ __forceinline__ RowState& row_state() {
 }
 
 // (a): 256 threads, __syncthreads.
-template <bool kPdl, bool kArrive, bool kRace>
+template <bool kPdl, bool kArrive, bool kRace, bool kStepsMode = false>
 __global__ void __launch_bounds__(kConsumers, 1) syncthreads_handoff(Args a) {
   const int tid = threadIdx.x;
   if (tid == 0) atomicMin(&a.times[2 * (a.seed - 1)], global_ns());
   if (kPdl) grid_dependency_wait();
-  request_loop<-1, false, kPdl, kArrive, kRace>(row_state(), a, tid);
+  request_loop<-1, false, kPdl, kArrive, kRace, kStepsMode>(row_state(), a, tid);
   if (tid == 0) atomicMax(&a.times[2 * (a.seed - 1) + 1], global_ns());
 }
 
 // (b): 384 threads; two consumer warpgroups with their own loops on barrier 11, a producer warpgroup outside it.
-template <bool kPdl, bool kArrive>
+template <bool kPdl, bool kArrive, bool kStepsMode = false>
 __global__ void __launch_bounds__(3 * kWgThreads, 1) named_handoff(Args a) {
   const int tid = threadIdx.x;
   if (tid == 0) atomicMin(&a.times[2 * (a.seed - 1)], global_ns());
@@ -204,9 +246,9 @@ __global__ void __launch_bounds__(3 * kWgThreads, 1) named_handoff(Args a) {
     a.prod[blockIdx.x * kWgThreads + t] = acc;
     if (t == 0) atomicMax(&a.times[2 * (a.seed - 1) + 1], global_ns());
   } else if (wg == 0) {
-    request_loop<0, true, kPdl, kArrive, false>(row_state(), a, tid);
+    request_loop<0, true, kPdl, kArrive, false, kStepsMode>(row_state(), a, tid);
   } else {
-    request_loop<1, true, kPdl, kArrive, false>(row_state(), a, tid);
+    request_loop<1, true, kPdl, kArrive, false, kStepsMode>(row_state(), a, tid);
   }
   if (tid == 0) atomicMax(&a.times[2 * (a.seed - 1) + 1], global_ns());
 }
@@ -234,6 +276,10 @@ const Mode kModes[] = {
      "(a) + a bar.arrive / bar.sync hand-off between the first barrier and the writes"},
     {"named-arrive", named_handoff<false, true>, 3 * kWgThreads, true, false, true, false,
      "(b) + a bar.arrive / bar.sync hand-off between the first barrier and the writes"},
+    {"syncthreads-steps", syncthreads_handoff<false, false, false, true>, kConsumers, false, false, false, false,
+     "(a) + the main loops' three-barrier hand-off, 16 steps a request, before the writes"},
+    {"named-steps", named_handoff<false, false, true>, 3 * kWgThreads, true, false, false, false,
+     "(b) + the main loops' three-barrier hand-off, 16 steps a request, before the writes"},
     {"race", syncthreads_handoff<false, false, true>, kConsumers, false, false, false, true,
      "control: (a) without the __syncthreads between the writes and the reads (a real race)"},
 };
@@ -280,6 +326,9 @@ int main(int argc, char** argv) {
   CHECK(cudaMalloc(&out, n_out * sizeof(float)));
   CHECK(cudaMalloc(&prod, n_prod * sizeof(float)));
   CHECK(cudaMalloc(&times, 4 * sizeof(unsigned long long)));
+  int* step_bad;
+  CHECK(cudaMalloc(&step_bad, sizeof(int)));
+  CHECK(cudaMemset(step_bad, 0, sizeof(int)));
   CHECK(cudaMemset(out, 0xff, n_out * sizeof(float)));  // NaN: a value never written is wrong
   CHECK(cudaMemset(prod, 0xff, n_prod * sizeof(float)));
   const unsigned long long times0[4] = {~0ull, 0ull, ~0ull, 0ull};
@@ -298,22 +347,25 @@ int main(int argc, char** argv) {
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   for (int seed = 1; seed <= 2; ++seed) {
-    const Args a{out, prod, times, seed, kRequests};
+    const Args a{out, prod, times, seed, kRequests, step_bad};
     CHECK(cudaLaunchKernelEx(&cfg, mode->kernel, a));
   }
   const cudaError_t err = cudaStreamSynchronize(stream);
 
   std::vector<float> host(n_out), host_prod(n_prod);
   unsigned long long t[4] = {0, 0, 0, 0};
+  int host_step_bad = 0;
   if (err == cudaSuccess) {
+    CHECK(cudaMemcpy(&host_step_bad, step_bad, sizeof(int), cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(host.data(), out, n_out * sizeof(float), cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(host_prod.data(), prod, n_prod * sizeof(float), cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(t, times, sizeof(t), cudaMemcpyDeviceToHost));
   }
 
-  // Expected values of the second launch (seed 2).
+  // Expected values of the second launch (seed 2); the -steps modes' hand-off reads of both launches were checked on
+  // the device.
   const int seed = 2;
-  long bad = 0;
+  long bad = host_step_bad;
   for (int cta = 0; cta < ctas; ++cta) {
     for (int req = 0; req < kRequests; ++req) {
       float sums[2][kRows] = {};
