@@ -616,7 +616,7 @@ def test_mbarrier_arrivals_runs_on_the_gpu(tmp_path):
 
 # The probe's modes (row_sum_handoff.cu's header says what each reproduces).
 ROW_SUM_MODES = ("syncthreads", "named", "syncthreads-pdl", "named-pdl", "syncthreads-arrive", "named-arrive",
-                 "syncthreads-steps", "named-steps", "race")
+                 "syncthreads-steps", "named-steps", "named-steps-mbar", "race")
 
 
 def test_row_sum_handoff_compiles(tmp_path):

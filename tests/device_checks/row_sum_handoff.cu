@@ -28,6 +28,11 @@
 //                    row_max report pairs an access of warpgroup 1 with a later one of warpgroup 0 across the barrier
 //                    of all consumers (journal, 2026-12-01): if these modes get such hazards, the last arrival before
 //                    the barrier being warpgroup 1's bar.arrive is what the tool misreads.
+//   named-steps-mbar    named-steps with, at each step's start, a ring of two mbarrier slots that the producer
+//                    warpgroup fills (writes a value, one arrival a warp on full) and both consumer warpgroups read
+//                    (wait on full, check the value, one arrival a warp on empty), as the kernels' consumers wait for
+//                    the producer's stages and V^T halves: mbarrier waits are the next suspect if the -steps modes
+//                    show no row_sum hazard.
 //   race             control: (a) without the __syncthreads between the writes and the reads, a real race between
 //                    the same two accesses. It shows what a true report looks like, and that racecheck sees these
 //                    accesses at all. Its values are printed but not checked (a race may leave them right or wrong).
@@ -63,6 +68,8 @@
 #include <cstring>
 #include <vector>
 
+#include "mbarrier_ptx.cuh"
+
 constexpr int kRows = 64;                 // rows of the M tile (kBlockM)
 constexpr int kWgThreads = 128;           // a warpgroup
 constexpr int kConsumers = 2 * kWgThreads;
@@ -78,6 +85,8 @@ struct RowState {
   float row_sum[2][kRows];
   float slot[kWgThreads];  // the -arrive modes' hand-off slot
   float step[3][kWgThreads];  // the -steps modes' scale0, scale1 and P0 slots
+  float pslot[2][kWgThreads];  // named-steps-mbar: the producer's ring of two slots
+  alignas(8) uint64_t full[2], empty[2];  // and its mbarriers
 };
 
 struct Args {
@@ -139,11 +148,23 @@ __device__ __forceinline__ void consumers_sync() {
 // The request loop of the consumer threads. kWG < 0: one copy for both warpgroups (the 16-bit kernel's loop);
 // kWG = 0 / 1: the copy of that warpgroup (the FP8 kernel's consumer_loop<T, kWG>).
 // The -steps modes' main loop: kSteps of the kernels' three-barrier hand-off (see the header), every read checked.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <bool kMbar>
 __device__ __forceinline__ void hand_off_steps(RowState& s, const Args& a, int req, int wg, int t) {
   const int cta = blockIdx.x;
   int bad = 0;
 #pragma unroll 1
   for (int k = 0; k < kSteps; ++k) {
+    if constexpr (kMbar) {  // the producer's slot of this step (producer_steps)
+      const int n = req * kSteps + k, slot = n % 2;
+      mbar_wait(smem_u32(&s.full[slot]), uint32_t(n / 2) & 1u);
+      bad += s.pslot[slot][t] != step_value(a.seed, cta, req, k, 3, t);
+      __syncwarp();
+      if ((t & 31) == 0) mbar_arrive(smem_u32(&s.empty[slot]));
+    }
     if (wg == 0) {
       s.step[0][t] = step_value(a.seed, cta, req, k, 0, t);
       bar_arrive(kHandoffA, kConsumers);
@@ -163,7 +184,24 @@ __device__ __forceinline__ void hand_off_steps(RowState& s, const Args& a, int r
   if (bad) atomicAdd(a.step_bad, bad);
 }
 
-template <int kWG, bool kNamed, bool kPdl, bool kArrive, bool kRace, bool kStepsMode = false>
+// named-steps-mbar's producer warpgroup: each step's value into the ring (after the slot's last use was read by all
+// eight consumer warps), one arrival a warp on full.
+__device__ __forceinline__ void producer_steps(RowState& s, const Args& a, int t) {
+  const int cta = blockIdx.x;
+#pragma unroll 1
+  for (int req = 0; req < a.requests; ++req) {
+#pragma unroll 1
+    for (int k = 0; k < kSteps; ++k) {
+      const int n = req * kSteps + k, slot = n % 2;
+      if (n >= 2) mbar_wait(smem_u32(&s.empty[slot]), uint32_t(n / 2 - 1) & 1u);
+      s.pslot[slot][t] = step_value(a.seed, cta, req, k, 3, t);
+      __syncwarp();
+      if ((t & 31) == 0) mbar_arrive(smem_u32(&s.full[slot]));
+    }
+  }
+}
+
+template <int kWG, bool kNamed, bool kPdl, bool kArrive, bool kRace, bool kStepsMode = false, bool kMbar = false>
 __device__ __forceinline__ void request_loop(RowState& s, const Args& a, int tid) {
   const int wg = kWG >= 0 ? kWG : tid / kWgThreads;
   const int t = tid % kWgThreads;
@@ -192,7 +230,7 @@ __device__ __forceinline__ void request_loop(RowState& s, const Args& a, int tid
       }
     }
 
-    if constexpr (kStepsMode) hand_off_steps(s, a, req, wg, t);
+    if constexpr (kStepsMode) hand_off_steps<kMbar>(s, a, req, wg, t);
 
     // publish_row_sums: the warpgroup's row sums, one lane of each quad writes them.
     sum[0] = quad_sum(sum[0]);
@@ -230,25 +268,33 @@ __global__ void __launch_bounds__(kConsumers, 1) syncthreads_handoff(Args a) {
 }
 
 // (b): 384 threads; two consumer warpgroups with their own loops on barrier 11, a producer warpgroup outside it.
-template <bool kPdl, bool kArrive, bool kStepsMode = false>
+template <bool kPdl, bool kArrive, bool kStepsMode = false, bool kMbar = false>
 __global__ void __launch_bounds__(3 * kWgThreads, 1) named_handoff(Args a) {
   const int tid = threadIdx.x;
   if (tid == 0) atomicMin(&a.times[2 * (a.seed - 1)], global_ns());
   if (kPdl) grid_dependency_wait();
+  if (kMbar && tid == 0) {
+    RowState& s = row_state();
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(smem_u32(&s.full[i]), 4);    // the producer's four warps
+      mbar_init(smem_u32(&s.empty[i]), 8);   // the consumers' eight warps
+    }
+  }
   __syncthreads();  // the FP8 kernel's one CTA-wide barrier (after its mbarrier init)
   const int wg = __shfl_sync(0xffffffffu, tid / kWgThreads, 0);
   if (wg == 2) {
-    // Producer: a loop of its own, no shared memory, never on barrier 11 (and never launch_dependents).
+    // Producer: a loop of its own, never on barrier 11 (and never launch_dependents); named-steps-mbar: then the ring.
     const int t = tid - kConsumers;
     float acc = 0.f;
 #pragma unroll 1
     for (int r = 0; r < a.requests; ++r) acc += float(r + 1) * partial(a.seed, blockIdx.x, r, 2, t, 0);
     a.prod[blockIdx.x * kWgThreads + t] = acc;
+    if constexpr (kMbar) producer_steps(row_state(), a, t);
     if (t == 0) atomicMax(&a.times[2 * (a.seed - 1) + 1], global_ns());
   } else if (wg == 0) {
-    request_loop<0, true, kPdl, kArrive, false, kStepsMode>(row_state(), a, tid);
+    request_loop<0, true, kPdl, kArrive, false, kStepsMode, kMbar>(row_state(), a, tid);
   } else {
-    request_loop<1, true, kPdl, kArrive, false, kStepsMode>(row_state(), a, tid);
+    request_loop<1, true, kPdl, kArrive, false, kStepsMode, kMbar>(row_state(), a, tid);
   }
   if (tid == 0) atomicMax(&a.times[2 * (a.seed - 1) + 1], global_ns());
 }
@@ -280,6 +326,8 @@ const Mode kModes[] = {
      "(a) + the main loops' three-barrier hand-off, 16 steps a request, before the writes"},
     {"named-steps", named_handoff<false, false, true>, 3 * kWgThreads, true, false, false, false,
      "(b) + the main loops' three-barrier hand-off, 16 steps a request, before the writes"},
+    {"named-steps-mbar", named_handoff<false, false, true, true>, 3 * kWgThreads, true, false, false, false,
+     "named-steps + a ring of two mbarrier slots the producer warpgroup fills and both consumers read, each step"},
     {"race", syncthreads_handoff<false, false, true>, kConsumers, false, false, false, true,
      "control: (a) without the __syncthreads between the writes and the reads (a real race)"},
 };
