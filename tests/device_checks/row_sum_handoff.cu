@@ -145,20 +145,19 @@ __device__ __forceinline__ void consumers_sync() {
   }
 }
 
-// The request loop of the consumer threads. kWG < 0: one copy for both warpgroups (the 16-bit kernel's loop);
-// kWG = 0 / 1: the copy of that warpgroup (the FP8 kernel's consumer_loop<T, kWG>).
-// The -steps modes' main loop: kSteps of the kernels' three-barrier hand-off (see the header), every read checked.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The -steps modes' main loop: kSteps of the kernels' three-barrier hand-off (see the header), every read checked;
+// kMbar: each step first takes the producer's slot of the step from the mbarrier ring (producer_steps).
 template <bool kMbar>
 __device__ __forceinline__ void hand_off_steps(RowState& s, const Args& a, int req, int wg, int t) {
   const int cta = blockIdx.x;
   int bad = 0;
 #pragma unroll 1
   for (int k = 0; k < kSteps; ++k) {
-    if constexpr (kMbar) {  // the producer's slot of this step (producer_steps)
+    if constexpr (kMbar) {
       const int n = req * kSteps + k, slot = n % 2;
       mbar_wait(smem_u32(&s.full[slot]), uint32_t(n / 2) & 1u);
       bad += s.pslot[slot][t] != step_value(a.seed, cta, req, k, 3, t);
@@ -201,6 +200,8 @@ __device__ __forceinline__ void producer_steps(RowState& s, const Args& a, int t
   }
 }
 
+// The request loop of the consumer threads. kWG < 0: one copy for both warpgroups (the 16-bit kernel's loop);
+// kWG = 0 / 1: the copy of that warpgroup (the FP8 kernel's consumer_loop<T, kWG>).
 template <int kWG, bool kNamed, bool kPdl, bool kArrive, bool kRace, bool kStepsMode = false, bool kMbar = false>
 __device__ __forceinline__ void request_loop(RowState& s, const Args& a, int tid) {
   const int wg = kWG >= 0 ? kWG : tid / kWgThreads;
