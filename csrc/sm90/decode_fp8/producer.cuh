@@ -188,10 +188,11 @@ __device__ __forceinline__ void copy_loop(const DecodeParams& p, const CUtensorM
 }
 
 // Sends V^T slot `slot` (written here, 16 KB) to the same slot of the peer CTA: one arrival with the expected bytes on
-// the peer's vt_full[slot], then a shared-memory bulk copy that completes those bytes there. The caller has waited for this CTA's vt_full[slot] (both piece pairs written and fenced for the async
-// proxy) and, before the pairs were written, for the slot's peer_empty (the peer's previous copy consumed), so the
-// peer's slot is free. The source slot is rewritten only after the peer's consumers released this copy
-// (peer_empty), which they do after its bytes arrived: the copy has read it by then.
+// the peer's vt_full[slot], then a shared-memory bulk copy that completes those bytes there. The caller has waited
+// for this CTA's vt_full[slot] (both piece pairs written and fenced for the async proxy) and, before the pairs were
+// written, for the slot's peer_empty (the peer's previous copy consumed), so the peer's slot is free. The source slot
+// is rewritten only after the peer's consumers released this copy (peer_empty), which they do after its bytes
+// arrived: the copy has read it by then.
 template <class T>
 __device__ __forceinline__ void send_vt_half(typename T::SharedStorage& ss, uint32_t slot) {
   const uint32_t src = cute::cast_smem_ptr_to_uint(ss.vt.data()) + slot * T::kVSlotBytes;
