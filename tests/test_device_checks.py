@@ -275,6 +275,24 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation)
                              starve=[None, "gather0", "wg0", "wg1", "transposer0", "transposer1"][seed % 6])
 
 
+def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model):
+    # the measured schedule kDebugQkFirst (lead.cuh: qk_issued) without warpgroup 0's arrival at a row piece's last
+    # block: warpgroup 1 waits forever
+    with pytest.raises(sparse_model.ProtocolError, match="deadlock"):
+        for seed in range(60):
+            sparse_model.run([5, 2, 7], seed=seed, mutation="qk_issued missing at a row piece's last block",
+                             qk_first=True)
+
+
+def test_sparse_protocol_model_rejects_wrong_qk_issued_counts(sparse_model):
+    real = sparse_model.read_counts()
+    for delta in (-1, 1):
+        counts = dict(real, qk_issued=real["qk_issued"] + delta)
+        with pytest.raises(sparse_model.ProtocolError):
+            for seed in range(60):
+                sparse_model.run([5, 2, 7], counts, seed=seed, qk_first=True)
+
+
 def test_sparse_protocol_model_rejects_wrong_arrival_counts(sparse_model):
     real = sparse_model.read_counts()
     # vt_empty - 4: one arrival a warp and half, as when each half had one reader warpgroup.

@@ -52,10 +52,13 @@ def _measure_build():
 
 
 # The kernel as it runs (FLASHMLA_BACKEND_SPARSE_DEBUG unset), and, in a measurement build (docs/build.md), with its
-# mbarrier waits retrying with a suspend-time hint (bit 256; the launcher reads the variable at every launch): the same
-# arithmetic in another timing, so the same results bit for bit.
+# mbarrier waits retrying with a suspend-time hint (bit 256; the launcher reads the variable at every launch) and with
+# warpgroup 1's P V issued behind warpgroup 0's next Q K^T (bit 512, lead.cuh: qk_issued): the same arithmetic in
+# another timing, so the same results bit for bit.
 SUSPEND_HINT = "256"
-VARIANTS = {"default": None, **({"suspend_hint": SUSPEND_HINT} if _measure_build() else {})}
+QK_FIRST = "512"
+SAME_RESULT_SWITCHES = {"suspend_hint": SUSPEND_HINT, "qk_first": QK_FIRST}
+VARIANTS = {"default": None, **(SAME_RESULT_SWITCHES if _measure_build() else {})}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
@@ -99,20 +102,22 @@ def test_sparse_kernel_matches_fp64(case, variant, record_errors):
     assert torch.equal(out.view(torch.int16), out2.view(torch.int16)) and torch.equal(lse, lse2), "not deterministic"
 
 
-def test_the_suspend_hint_changes_no_result(monkeypatch):
+@pytest.mark.parametrize("switch", sorted(SAME_RESULT_SWITCHES))
+def test_a_schedule_switch_changes_no_result(switch, monkeypatch):
     """In a measurement build, bitwise the default; in a default build the switch is compiled out and refused."""
     _sm90()
+    bits = SAME_RESULT_SWITCHES[switch]
     if not _measure_build():
         inp = make_sparse_inputs(CASES[1])
-        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", SUSPEND_HINT)
-        with pytest.raises(RuntimeError, match="FLASHMLA_BACKEND_SPARSE_DEBUG=256.*FLASHMLA_BACKEND_MEASURE=1"):
+        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", bits)
+        with pytest.raises(RuntimeError, match=f"FLASHMLA_BACKEND_SPARSE_DEBUG={bits}.*FLASHMLA_BACKEND_MEASURE=1"):
             _run(inp)
         return
     for case in (CASES[1], CASES[2], CASES[6]):
         inp = make_sparse_inputs(case)
         monkeypatch.delenv("FLASHMLA_BACKEND_SPARSE_DEBUG", raising=False)
         out, lse = _run(inp)
-        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", SUSPEND_HINT)
+        monkeypatch.setenv("FLASHMLA_BACKEND_SPARSE_DEBUG", bits)
         out2, lse2 = _run(inp)
         assert torch.equal(out.view(torch.int16), out2.view(torch.int16)), f"{case}: out differs"
         assert torch.equal(lse, lse2), f"{case}: lse differs"

@@ -56,6 +56,8 @@ enum DebugFlags : int {
   kDebugNoTranspose = 2,  // the transposer warps write no V^T
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
   kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; measured: no change)
+  kDebugQkFirst = 512,    // warpgroup 1 issues a block's P V only once warpgroup 0 issued the next block's Q K^T (same
+                          // results; lead.cuh: qk_issued)
 };
 
 // Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (a warp of a consumer warpgroup once a

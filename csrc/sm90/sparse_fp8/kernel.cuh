@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ss.vt_full[v].init(kVtFullArrivals);
       ss.vt_empty[v].init(kVtEmptyArrivals);
     }
+    ss.qk_issued.init(kQkIssuedArrivals);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

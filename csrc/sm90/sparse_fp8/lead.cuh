@@ -55,13 +55,16 @@ struct alignas(1024) LeadStorage {
   alignas(16) float gfac[kStages][kGroups][2];
   // full: the gather's. empty: warpgroup 0's 4 warps after its words and the transposer warps (kLeadEmptyArrivals).
   // p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full / vt_empty:
-  // a V^T half written (the transposer warps) / each of its two groups read by a P V (4 warps a group).
+  // a V^T half written (the transposer warps) / each of its two groups read by a P V (4 warps a group). qk_issued
+  // (only with kDebugQkFirst): phase g completes when warpgroup 0 (4 warps) has issued the tensor work that follows
+  // block g's P, i.e. the next block's whole Q K^T, or its P V of group 0 at a row piece's last block.
   cutlass::arch::ClusterBarrier full[kStages];
   cutlass::arch::ClusterBarrier empty[kStages];
   cutlass::arch::ClusterBarrier p_full[kPSlots];
   cutlass::arch::ClusterBarrier p_empty[kPSlots];
   cutlass::arch::ClusterBarrier vt_full[2];
   cutlass::arch::ClusterBarrier vt_empty[2];
+  cutlass::arch::ClusterBarrier qk_issued;
 };
 static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 
@@ -72,18 +75,27 @@ static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "
 // until warpgroup 1's last words kept warpgroup 0 waiting for its next gathered block a fifth of its time (ncu).
 constexpr uint32_t kLeadEmptyArrivals = 4 + kTransposeWarps;
 constexpr uint32_t kPSlotArrivals = 4;
+// The schedule of the measurement switch kDebugQkFirst (common.cuh): warpgroup 1 issues a block's P V only once
+// warpgroup 0 has issued the next block's Q K^T. What it tests: if the tensor cores take the two warpgroups' wgmma in
+// the order they were issued, warpgroup 1's three P V of a block (768 of its 2,176 tensor-core cycles) land between
+// warpgroup 0's Q K^T products, on warpgroup 0's path (its chain is the kernel's: docs/perf/journal.md), while the
+// tensor cores idle during warpgroup 0's softmax; issued behind the whole Q K^T they would run during the softmax.
+// Warpgroup 0 is never two phases ahead of warpgroup 1's wait: its arrival for block g + 1 follows its wait for V^T
+// half 0 of block g + 1, which the transposer warps write only after warpgroup 1's group 1 P V of block g, which
+// follows warpgroup 1's wait for phase g (checks/protocol_model.py plays it).
+constexpr uint32_t kQkIssuedArrivals = 4;
 
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 0
 // ------------------------------------------------------------------------------------------------
 // S = Q K^T of block g (all four groups, the rope), after its stage landed; after_first: qk.cuh.
-template <class FragS, class AfterFirst>
+template <class FragS, class AfterFirst, class AfterIssued>
 __device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, uint32_t hint, FragS& S,
-                                        FragS& t0, FragS& t1, AfterFirst&& after_first) {
+                                        FragS& t0, FragS& t1, AfterFirst&& after_first, AfterIssued&& after_issued) {
   const int s = int(g % kStages);
   consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
   cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
-  sparse_qk_block<kQTerms>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], S, t0, t1, after_first);
+  sparse_qk_block<kQTerms>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], S, t0, t1, after_first, after_issued);
 }
 
 __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
@@ -121,7 +133,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     Tensor t0 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     Tensor t1 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
-    if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S, t0, t1, [] {});
+    if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S, t0, t1, [] {}, [] {});
     const bool next = req < end_req;
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
@@ -182,9 +194,15 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
         }
         warp_arrive(ss.vt_empty[0], lane);
       };
+      // Block g's phase of qk_issued (kDebugQkFirst): once the next block's Q K^T is issued, or now at the row
+      // piece's last block.
+      const auto qk_issued = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        if (debug & kDebugQkFirst) warp_arrive(ss.qk_issued, lane);
+      };
       if (blk + 1 < nblk) {
-        lead_qk(ss, g + 1, tid_in_wg, hint, S, t0, t1, release_half0);
+        lead_qk(ss, g + 1, tid_in_wg, hint, S, t0, t1, release_half0, qk_issued);
       } else {
+        qk_issued();
         warpgroup_wait<0>();
         release_half0();
       }
@@ -285,8 +303,11 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
         rescale_group(o3, sc, ratio[2]);
       }
 
-      // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1) ----
-      follow_group<1>(ss, s, c, tid_in_wg, lane, debug, o1, [] {});
+      // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1); with kDebugQkFirst, the first once warpgroup 0
+      // issued its next tensor work (qk_issued) ----
+      follow_group<1>(ss, s, c, tid_in_wg, lane, debug, o1, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        if (debug & kDebugQkFirst) consumer_wait(ss.qk_issued, g & 1u, hint);
+      });
       consumer_wait(ss.vt_full[1], g & 1u, hint);
       follow_group<2>(ss, s, c, tid_in_wg, lane, debug, o2, [] {});
       follow_group<3>(ss, s, c, tid_in_wg, lane, debug, o3,

@@ -57,10 +57,12 @@ constexpr int kKStepsPerGroup = 128 / 32;
 // groups 0..3; the GPU tests' worst errors are the earlier builds'). The pair loop is rolled, one copy of a pair's code (a rolled group loop measured 10% faster at
 // b = 1 h_q 128 and 2-5% at b32, b64 and top-k 512 than the unrolled one; docs/perf/journal.md).
 // after_first: called once, after the wait for the rope product and group 0 (and so for every wgmma the warpgroup
-// committed before this call: warpgroup 0 releases the V^T half of its previous P V there).
-template <int kQTerms, class FragS, class AfterFirst>
+// committed before this call: warpgroup 0 releases the V^T half of its previous P V there). after_issued: called once,
+// when the last pair's products are committed, before their waits (all of the block's tensor work is issued then).
+template <int kQTerms, class FragS, class AfterFirst, class AfterIssued>
 __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                FragS& tSrS, FragS& tmp0, FragS& tmp1, AfterFirst&& after_first) {
+                                                FragS& tSrS, FragS& tmp0, FragS& tmp1, AfterFirst&& after_first,
+                                                AfterIssued&& after_issued) {
   using F8 = QkTypes::F8;
   using BF = QkTypes::BF;
   static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
@@ -119,6 +121,7 @@ __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint
   for (int g = 0; g < kGroups; g += 2) {
     product(g, tmp0);
     product(g + 1, tmp1);
+    if (g + 2 == kGroups) after_issued();
     warpgroup_wait<1>();  // group g (and, at the first pair, the rope product and what the caller committed)
     if (g == 0) after_first();
     fold(g, tmp0);

@@ -25,6 +25,10 @@ warpgroup 1's group 3 P V of block g; the model reads them that long and finds n
 What the model showed: warpgroup 0's wait for a free P slot (p_empty) was implied by the stage ring while warpgroup 1
 held the stage (its Q K^T of block g needed stage g, gathered once warpgroup 1 released stage g - 2 with P of g - 2);
 now nothing else holds warpgroup 0 back, and the model catches the wait's removal ("p slot rewritten early").
+With qk_first (the measurement switch kDebugQkFirst, lead.cuh: qk_issued) warpgroup 1 waits, before its group 1 P V of
+block g, for warpgroup 0's arrival that follows the issue of its next tensor work (the next block's Q K^T, or at once
+at a row piece's last block); the model plays both schedules, checks that the parity wait is never two phases
+behind, and catches a missing arrival at a row piece's last block (a deadlock).
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ def read_counts() -> dict[str, int]:
             "full": ev(_constant(common, "kFullArrivals")) // 33,   # a warp's 33 arrivals counted as one
             "vt_full": ev(_constant(common, "kVtFullArrivals")), "vt_empty": ev(_constant(common, "kVtEmptyArrivals")),
             "lead_empty": ev(_constant(lead, "kLeadEmptyArrivals")),
-            "p_slot": ev(_constant(lead, "kPSlotArrivals")),
+            "p_slot": ev(_constant(lead, "kPSlotArrivals")), "qk_issued": ev(_constant(lead, "kQkIssuedArrivals")),
             "stages": int(_constant(common, "kStages")), "p_slots": int(_constant(lead, "kPSlots"))}
 
 
@@ -133,7 +137,7 @@ def lead_qk(g: int, row: int):
     yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
-def lead_consumer(rows: list[int], p_slots: int, mutation=None):
+def lead_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool = False):
     g = 0
     yield ("write", ("q", 0), 0, "q")               # the first row piece's Q tile: this warpgroup's heads,
     yield ("both_arrive", "first_q")                # then a wait for warpgroup 1's (kBarFirstQ)
@@ -160,6 +164,10 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None):
             yield ("read_begin", ("vt", 0), g)
             if blk + 1 < n:
                 yield from lead_qk(g + 1, row)
+                if qk_first:
+                    yield from warps_arrive("qk_issued", 0)   # the next block's Q K^T issued
+            elif qk_first and mutation != "qk_issued missing at a row piece's last block":
+                yield from warps_arrive("qk_issued", 0)
             if mutation == "half 0 released before its P V":
                 yield from warps_arrive("vt_empty", 0)
                 yield ("read_end", ("vt", 0), g)
@@ -172,7 +180,7 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None):
             yield ("write", ("q", 1), row + 1, "q")
 
 
-def follow_consumer(rows: list[int], p_slots: int, mutation=None):
+def follow_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool = False):
     g = 0
     yield ("write", ("q", 1), 0, "q")               # heads 32..63 of the first Q tile, and no wait
     yield ("both_arrive", "first_q")
@@ -190,6 +198,8 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None):
                 yield ("read_end", ("rsum", c), g)
             yield from factors_and_vt(1, g, mutation)   # the factors and pairs of groups 1..3, read until their words
             yield ("read_end", ("fac", s, 0), g)     # group 1's words
+            if qk_first:
+                yield ("wait", "qk_issued", 0, g)
             yield from pv_group(0, g)               # group 1
             if mutation != "half 1 read before vt_full":
                 yield ("wait", "vt_full", 1, g)
@@ -205,18 +215,20 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None):
 
 
 def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
-        starve: str | None = None) -> None:
-    """One random interleaving of the CTA's agents over row pieces with these block counts."""
+        starve: str | None = None, qk_first: bool = False) -> None:
+    """One random interleaving of the CTA's agents over row pieces with these block counts (qk_first: the
+    kDebugQkFirst schedule)."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
     sim.count = {"full": counts["full"], "empty": counts["lead_empty"], "vt_full": counts["vt_full"],
-                 "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"]}
+                 "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"],
+                 "qk_issued": counts["qk_issued"]}
     blocks = sum(rows)
     agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
         agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation)
-    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation)
-    agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
+    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, qk_first)
+    agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation, qk_first)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
     # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
     # warp 0's factors are read by both warpgroups, warp 1's by warpgroup 1.
@@ -249,7 +261,7 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
 
 
 def check_all(seeds: int = 20) -> int:
-    """Row sequences of 0..9 blocks; returns the number of runs."""
+    """Row sequences of 0..9 blocks, both schedules; returns the number of runs."""
     counts = read_counts()
     gen = random.Random(3)
     sequences = [[n] for n in range(10)] + [[a, b] for a in range(5) for b in range(5)]
@@ -259,8 +271,9 @@ def check_all(seeds: int = 20) -> int:
     runs = 0
     for rows in sequences:
         for seed in range(seeds):
-            run(rows, counts, seed=seed, starve=starved[seed % len(starved)])
-            runs += 1
+            for qk_first in (False, True):
+                run(rows, counts, seed=seed, starve=starved[seed % len(starved)], qk_first=qk_first)
+                runs += 1
     return runs
 
 
