@@ -284,6 +284,14 @@ def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model)
                              qk_first=True)
 
 
+def test_sparse_protocol_model_rejects_a_late_release_of_the_delayed_group_0_p_v(sparse_model):
+    # the measured schedule kDebugPv0Last (lead.cuh) releasing V^T half 0 of block g after its wait for the half of
+    # block g + 1, which the transposer warps can write only after that release
+    with pytest.raises(sparse_model.ProtocolError, match="deadlock"):
+        for seed in range(60):
+            sparse_model.run([5, 2, 7], seed=seed, mutation="half 0 released after its vt_full wait", pv0_last=True)
+
+
 def test_sparse_protocol_model_rejects_wrong_qk_issued_counts(sparse_model):
     real = sparse_model.read_counts()
     for delta in (-1, 1):

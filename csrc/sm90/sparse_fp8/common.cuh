@@ -58,6 +58,8 @@ enum DebugFlags : int {
   kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; measured: no change)
   kDebugQkFirst = 512,    // warpgroup 1 issues a block's P V only once warpgroup 0 issued the next block's Q K^T (same
                           // results; lead.cuh: qk_issued)
+  kDebugPv0Last = 1024,   // warpgroup 0 issues its group 0 P V of a block once the next block's Q K^T is done, not
+                          // before it, and waits for it in the next softmax (same results; lead.cuh)
 };
 
 // Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (a warp of a consumer warpgroup once a
@@ -256,13 +258,15 @@ __device__ __forceinline__ void block_row_max(const FragS& S, float (&mx)[2]) {
 
 // The online softmax of a block's scores S (the thread's two rows), in place: the entries its mask leaves out to
 // -inf, the running max m (log2 domain, sl2 the rows' scale) and the rows' factor sc = exp2(m_before - m_after), the
-// sums l taken to the new max and added to, and S = P = 2^(S sl2 - m + 8) (config.h: kPScaleLog2).
-template <class FragS>
+// sums l taken to the new max and added to, and S = P = 2^(S sl2 - m + 8) (config.h: kPScaleLog2). after_max: called
+// once the block's row max is known, before the exponentials.
+template <class FragS, class AfterMax>
 __device__ __forceinline__ void online_softmax(FragS& S, uint64_t mask, int lane, const float (&sl2)[2], float (&m)[2],
-                                               float (&l)[2], float (&sc)[2]) {
+                                               float (&l)[2], float (&sc)[2], AfterMax&& after_max) {
   mask_block(S, mask, lane);
   float mx[2], m_use[2];
   block_row_max(S, mx);
+  after_max();
   CUTLASS_PRAGMA_UNROLL
   for (int v = 0; v < 2; ++v) {
     float m_new;

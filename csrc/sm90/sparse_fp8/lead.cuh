@@ -88,7 +88,7 @@ constexpr uint32_t kQkIssuedArrivals = 4;
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 0
 // ------------------------------------------------------------------------------------------------
-// S = Q K^T of block g (all four groups, the rope), after its stage landed; after_first: qk.cuh.
+// S = Q K^T of block g (all four groups, the rope), after its stage landed; after_first, after_issued: qk.cuh.
 template <class FragS, class AfterFirst, class AfterIssued>
 __device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, uint32_t hint, FragS& S,
                                         FragS& t0, FragS& t1, AfterFirst&& after_first, AfterIssued&& after_issued) {
@@ -135,6 +135,24 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     Tensor t1 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S, t0, t1, [] {}, [] {});
     const bool next = req < end_req;
+    // P's words of group 0 (the A operand of the group's P V, read from these registers until the P V completes)
+    uint32_t words[kPTerms][8];
+    // V^T half 0 released once this warpgroup's P V of group 0 completed (its words kept until then)
+    const auto release_half0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      warpgroup_fence_operand(o);
+      CUTLASS_PRAGMA_UNROLL
+      for (int t = 0; t < kPTerms; ++t) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
+      }
+      warp_arrive(ss.vt_empty[0], lane);
+    };
+    // kDebugPv0Last: the P V of group 0 is issued once the next block's Q K^T is done, so that it runs under that
+    // block's softmax instead of ahead of its Q K^T on the tensor cores, and is waited for in the softmax once the
+    // row max is taken (half0_pending: that wait and the release are due). In a measurement build the waits are
+    // unconditional (below, and after the loop): under the run-time test ptxas serializes every wgmma (C7515, C7517).
+    const bool pv0_last = debug & kDebugPv0Last;
+    bool half0_pending = false;
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -144,7 +162,15 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
       // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
       float sc[2];
-      online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc);
+      online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        if constexpr (kMeasureBuild) {
+          warpgroup_wait<0>();
+          if (half0_pending) {
+            release_half0();
+            half0_pending = false;
+          }
+        }
+      });
 
       // ---- P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1 read block g - 2) ----
       if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u, hint);
@@ -173,7 +199,6 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       const float ratio[1] = {gf.x};
       F = gf.y;
       if (rescale_needed(sc, ratio)) rescale_group(o, sc, gf.x);
-      uint32_t words[kPTerms][8];
       build_words(
           [&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE {
             CUTLASS_PRAGMA_UNROLL
@@ -183,30 +208,36 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       warp_arrive(ss.empty[s], lane);
 
       // ---- O_0 += P_0 V_0 under the next block's Q K^T, whose first wait covers it (then V^T half 0 is released;
-      // the words stay in their registers until then) ----
-      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
-      const auto release_half0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-        warpgroup_fence_operand(o);
-        CUTLASS_PRAGMA_UNROLL
-        for (int t = 0; t < kPTerms; ++t) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
-        }
-        warp_arrive(ss.vt_empty[0], lane);
-      };
+      // the words stay in their registers until then); with kDebugPv0Last after that Q K^T ----
+      const auto pv0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE { sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o); };
+      if (!pv0_last) pv0();
       // Block g's phase of qk_issued (kDebugQkFirst): once the next block's Q K^T is issued, or now at the row
       // piece's last block.
       const auto qk_issued = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         if (debug & kDebugQkFirst) warp_arrive(ss.qk_issued, lane);
       };
       if (blk + 1 < nblk) {
-        lead_qk(ss, g + 1, tid_in_wg, hint, S, t0, t1, release_half0, qk_issued);
+        lead_qk(
+            ss, g + 1, tid_in_wg, hint, S, t0, t1,
+            [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+              if (!pv0_last) release_half0();
+            },
+            qk_issued);
+        if (pv0_last) {
+          pv0();
+          half0_pending = true;
+        }
       } else {
+        if (pv0_last) pv0();
         qk_issued();
         warpgroup_wait<0>();
         release_half0();
       }
     }
+
+    // No wgmma is in flight here; the wait tells ptxas so, which cannot see that kDebugPv0Last's P V issued after a
+    // block's Q K^T is always waited for in the next block.
+    if constexpr (kMeasureBuild) warpgroup_wait<0>();
 
     // ---- epilogue, and the next row piece's Q tile, made by this warpgroup alone: warpgroup 1 never reads the
     // tile, so neither waits for the other here (warpgroup 1 finishes its last block while this one starts the next

@@ -28,7 +28,10 @@ now nothing else holds warpgroup 0 back, and the model catches the wait's remova
 With qk_first (the measurement switch kDebugQkFirst, lead.cuh: qk_issued) warpgroup 1 waits, before its group 1 P V of
 block g, for warpgroup 0's arrival that follows the issue of its next tensor work (the next block's Q K^T, or at once
 at a row piece's last block); the model plays both schedules, checks that the parity wait is never two phases
-behind, and catches a missing arrival at a row piece's last block (a deadlock).
+behind, and catches a missing arrival at a row piece's last block (a deadlock). With pv0_last (kDebugPv0Last)
+warpgroup 0 issues its group 0 P V of block g after its Q K^T of block g + 1 and releases V^T half 0 in block g + 1's
+softmax, before its waits for the P slot and for V^T half 0 of block g + 1 (at a row piece's last block at once);
+released after that wait instead, the transposer warps could never write the half it waits for (caught: deadlock).
 """
 from __future__ import annotations
 
@@ -137,7 +140,7 @@ def lead_qk(g: int, row: int):
     yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
-def lead_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool = False):
+def lead_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool = False, pv0_last: bool = False):
     g = 0
     yield ("write", ("q", 0), 0, "q")               # the first row piece's Q tile: this warpgroup's heads,
     yield ("both_arrive", "first_q")                # then a wait for warpgroup 1's (kBarFirstQ)
@@ -151,6 +154,10 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool =
             if blk + 1 == n and row + 1 < len(rows):   # the row piece's last Q K^T done: the next Q tile's copy
                 yield ("write", ("q", 0), row + 1, "q")
                 yield ("write", ("q", 1), row + 1, "q")
+            late = mutation == "half 0 released after its vt_full wait"
+            if pv0_last and blk > 0 and not late:     # the softmax: block g - 1's P V of group 0 waited for
+                yield ("read_end", ("vt", 0), g - 1)
+                yield from warps_arrive("vt_empty", 0)
             if g >= p_slots and mutation != "p slot rewritten early":
                 yield ("wait", "p_empty", c, g // p_slots - 1)
             yield ("write", ("p16", c), g, "one")   # P and the rows' factor
@@ -158,16 +165,26 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool =
                 yield ("write", ("rsum", c), g, "one")   # the rows' sums, with the row piece's last P
             yield from warps_arrive("p_full", c)
             yield from factors_and_vt(0, g, mutation)
+            if pv0_last and blk > 0 and late:
+                yield ("read_end", ("vt", 0), g - 1)
+                yield from warps_arrive("vt_empty", 0)
             yield ("read_end", ("stage", s), g)
             yield from warps_arrive("empty", s)
-            # P V of group 0, issued before the next block's Q K^T and released after its first wait
-            yield ("read_begin", ("vt", 0), g)
+            # P V of group 0, issued before the next block's Q K^T and released after its first wait (pv0_last:
+            # issued after it, released in the next block's softmax)
+            if not pv0_last:
+                yield ("read_begin", ("vt", 0), g)
             if blk + 1 < n:
                 yield from lead_qk(g + 1, row)
                 if qk_first:
                     yield from warps_arrive("qk_issued", 0)   # the next block's Q K^T issued
             elif qk_first and mutation != "qk_issued missing at a row piece's last block":
                 yield from warps_arrive("qk_issued", 0)
+            if pv0_last:
+                yield ("read_begin", ("vt", 0), g)
+                if blk + 1 < n:
+                    g += 1
+                    continue
             if mutation == "half 0 released before its P V":
                 yield from warps_arrive("vt_empty", 0)
                 yield ("read_end", ("vt", 0), g)
@@ -215,9 +232,9 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool
 
 
 def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
-        starve: str | None = None, qk_first: bool = False) -> None:
-    """One random interleaving of the CTA's agents over row pieces with these block counts (qk_first: the
-    kDebugQkFirst schedule)."""
+        starve: str | None = None, qk_first: bool = False, pv0_last: bool = False) -> None:
+    """One random interleaving of the CTA's agents over row pieces with these block counts (qk_first, pv0_last:
+    the kDebugQkFirst and kDebugPv0Last schedules)."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
     sim.count = {"full": counts["full"], "empty": counts["lead_empty"], "vt_full": counts["vt_full"],
@@ -227,7 +244,7 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
         agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation)
-    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, qk_first)
+    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, qk_first, pv0_last)
     agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation, qk_first)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
     # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
@@ -261,7 +278,8 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
 
 
 def check_all(seeds: int = 20) -> int:
-    """Row sequences of 0..9 blocks, both schedules; returns the number of runs."""
+    """Row sequences of 0..9 blocks, the default schedule and the measured ones alone and together; returns the
+    number of runs."""
     counts = read_counts()
     gen = random.Random(3)
     sequences = [[n] for n in range(10)] + [[a, b] for a in range(5) for b in range(5)]
@@ -271,8 +289,9 @@ def check_all(seeds: int = 20) -> int:
     runs = 0
     for rows in sequences:
         for seed in range(seeds):
-            for qk_first in (False, True):
-                run(rows, counts, seed=seed, starve=starved[seed % len(starved)], qk_first=qk_first)
+            for qk_first, pv0_last in ((False, False), (True, False), (False, True), (True, True)):
+                run(rows, counts, seed=seed, starve=starved[seed % len(starved)], qk_first=qk_first,
+                    pv0_last=pv0_last)
                 runs += 1
     return runs
 
