@@ -284,6 +284,17 @@ def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model)
                              qk_first=True)
 
 
+def test_sparse_protocol_model_rejects_one_qk_issued_barrier_with_a_v_t_ring(sparse_model):
+    # with V^T half 0 in a ring of two (kDebugVt0Ring) warpgroup 0 can be two blocks ahead of warpgroup 1's qk_issued
+    # wait: one barrier's parity wait would pass on the wrong phase, hence two barriers by turns (lead.cuh)
+    for seed in range(60):
+        sparse_model.run([5, 2, 7], seed=seed, mutation="one qk_issued barrier", qk_first=True)   # fine alone
+    with pytest.raises(sparse_model.ProtocolError, match="phase was missed|would pass"):
+        for seed in range(60):
+            sparse_model.run([5, 2, 7], seed=seed, mutation="one qk_issued barrier", qk_first=True, ring=True,
+                             starve=[None, "gather0", "wg0", "wg1", "transposer0", "transposer1"][seed % 6])
+
+
 def test_sparse_protocol_model_rejects_a_late_release_of_the_delayed_group_0_p_v(sparse_model):
     # the measured schedule kDebugPv0Last (lead.cuh) releasing V^T half 0 of block g after its wait for the half of
     # block g + 1, which the transposer warps can write only after that release

@@ -60,6 +60,7 @@ enum DebugFlags : int {
                           // results; lead.cuh: qk_issued)
   kDebugPv0Last = 1024,   // warpgroup 0 issues its group 0 P V of a block once the next block's Q K^T is done, not
                           // before it, and waits for it in the next softmax (same results; lead.cuh)
+  kDebugVt0Ring = 2048,   // V^T half 0 in a ring of two slots instead of one (same results; lead.cuh: vt_slot)
 };
 
 // Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (a warp of a consumer warpgroup once a
@@ -425,7 +426,7 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
       block_group_factors(ss, s, int((g + kStages - 1) % kStages), blk == 0, twarp, lane);
 #pragma unroll 1
       for (int h = 0; h < 2; ++h) {
-        const uint32_t slot = SS::vt_slot(h, g), use = SS::vt_use(h, g);
+        const uint32_t slot = SS::vt_slot(h, g, debug), use = SS::vt_use(h, g, debug);
         if (use > 0) producer_wait(ss.vt_empty[slot], (use - 1) & 1u, hint);
         if (!(debug & kDebugNoTranspose))
           transpose_part(stage_addr, cute::cast_smem_ptr_to_uint(ss.vt[slot]), h, twarp, lane);

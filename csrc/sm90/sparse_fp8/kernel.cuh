@@ -56,11 +56,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       ss.p_full[c].init(kPSlotArrivals);
       ss.p_empty[c].init(kPSlotArrivals);
     }
-    for (int v = 0; v < 2; ++v) {
+    for (int v = 0; v < LeadStorage::kVtSlots; ++v) {
       ss.vt_full[v].init(kVtFullArrivals);
       ss.vt_empty[v].init(kVtEmptyArrivals);
     }
-    ss.qk_issued.init(kQkIssuedArrivals);
+    ss.qk_issued[0].init(kQkIssuedArrivals);
+    ss.qk_issued[1].init(kQkIssuedArrivals);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();

@@ -35,15 +35,23 @@ static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_f
 // The kernel's shared memory (206 KB with the launch's alignment slack).
 struct alignas(1024) LeadStorage {
   // What the gather and transposer warps (common.cuh) ask of the storage: mask and scales of block g in stage
-  // g % kStages, V^T half h of every block in slot h.
+  // g % kStages, V^T half h of every block in slot h (vt_use: the how-manyth use of the slot block g's half is). With
+  // the measurement switch kDebugVt0Ring half 0 takes slots 0 and 2 by turns, a ring of two: the transposer warps may
+  // then write block g + 1's half 0 while block g's is still read (the third slot, 16 KB, exists only in a
+  // measurement build; 222 KB with the launch's alignment slack).
   static __device__ __forceinline__ uint32_t mask_slot(uint32_t g) { return g % uint32_t(kStages); }
-  static __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t) { return uint32_t(h); }
-  static __device__ __forceinline__ uint32_t vt_use(int, uint32_t g) { return g; }
+  static constexpr int kVtSlots = kMeasureBuild ? 3 : 2;
+  static __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t g, int debug) {
+    return (h == 0 && (debug & kDebugVt0Ring)) ? 2u * (g & 1u) : uint32_t(h);
+  }
+  static __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g, int debug) {
+    return (h == 0 && (debug & kDebugVt0Ring)) ? g / 2u : g;
+  }
 
   alignas(1024) uint8_t q_latent[kQTerms * kLatentBytes];
   alignas(1024) uint8_t q_rope[kRopeBytes];
   alignas(1024) uint8_t stage[kStages][kStageBytes];        // block g in stage g % kStages (layout.h)
-  alignas(1024) uint8_t vt[2][decode_fp8::kVtHalfBytes];    // V^T half h of every block
+  alignas(1024) uint8_t vt[kVtSlots][decode_fp8::kVtHalfBytes];  // V^T halves (vt_slot)
   alignas(16) uint8_t p16[kPSlots][kP16Bytes];              // P of block g in slot g % kPSlots, by thread
   float sc[kPSlots][kTileRows];                             // the rows' factor of block g: exp2(m_before - m_after)
   float rsum[kPSlots][kTileRows];                           // the rows' final sums, with a row piece's last block
@@ -56,15 +64,16 @@ struct alignas(1024) LeadStorage {
   // full: the gather's. empty: warpgroup 0's 4 warps after its words and the transposer warps (kLeadEmptyArrivals).
   // p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full / vt_empty:
   // a V^T half written (the transposer warps) / each of its two groups read by a P V (4 warps a group). qk_issued
-  // (only with kDebugQkFirst): phase g completes when warpgroup 0 (4 warps) has issued the tensor work that follows
-  // block g's P, i.e. the next block's whole Q K^T, or its P V of group 0 at a row piece's last block.
+  // (only with kDebugQkFirst): block g's phase is completion g / 2 of qk_issued[g % 2], when warpgroup 0 (4 warps)
+  // has issued the tensor work that follows block g's P, i.e. the next block's whole Q K^T, or its P V of group 0 at
+  // a row piece's last block.
   cutlass::arch::ClusterBarrier full[kStages];
   cutlass::arch::ClusterBarrier empty[kStages];
   cutlass::arch::ClusterBarrier p_full[kPSlots];
   cutlass::arch::ClusterBarrier p_empty[kPSlots];
-  cutlass::arch::ClusterBarrier vt_full[2];
-  cutlass::arch::ClusterBarrier vt_empty[2];
-  cutlass::arch::ClusterBarrier qk_issued;
+  cutlass::arch::ClusterBarrier vt_full[kVtSlots];
+  cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
+  cutlass::arch::ClusterBarrier qk_issued[2];
 };
 static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 
@@ -80,9 +89,10 @@ constexpr uint32_t kPSlotArrivals = 4;
 // the order they were issued, warpgroup 1's three P V of a block (768 of its 2,176 tensor-core cycles) land between
 // warpgroup 0's Q K^T products, on warpgroup 0's path (its chain is the kernel's: docs/perf/journal.md), while the
 // tensor cores idle during warpgroup 0's softmax; issued behind the whole Q K^T they would run during the softmax.
-// Warpgroup 0 is never two phases ahead of warpgroup 1's wait: its arrival for block g + 1 follows its wait for V^T
-// half 0 of block g + 1, which the transposer warps write only after warpgroup 1's group 1 P V of block g, which
-// follows warpgroup 1's wait for phase g (checks/protocol_model.py plays it).
+// Two barriers by turns, because warpgroup 0 can be two blocks ahead of warpgroup 1's wait (with kDebugVt0Ring's
+// second V^T half 0 slot; the protocol model found it with one barrier: a parity wait that passed on the wrong phase),
+// never three: its arrival for block g follows its P of block g, written once warpgroup 1 released the P slot of block
+// g - 2 (p_empty), after its wait for block g - 2's phase (checks/protocol_model.py plays it).
 constexpr uint32_t kQkIssuedArrivals = 4;
 
 // ------------------------------------------------------------------------------------------------
@@ -137,15 +147,15 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     const bool next = req < end_req;
     // P's words of group 0 (the A operand of the group's P V, read from these registers until the P V completes)
     uint32_t words[kPTerms][8];
-    // V^T half 0 released once this warpgroup's P V of group 0 completed (its words kept until then)
-    const auto release_half0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+    // V^T half 0 (in slot v) released once this warpgroup's P V of group 0 completed (its words kept until then)
+    const auto release_half0 = [&](uint32_t v) CUTLASS_LAMBDA_FUNC_INLINE {
       warpgroup_fence_operand(o);
       CUTLASS_PRAGMA_UNROLL
       for (int t = 0; t < kPTerms; ++t) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
       }
-      warp_arrive(ss.vt_empty[0], lane);
+      warp_arrive(ss.vt_empty[v], lane);
     };
     // kDebugPv0Last: the P V of group 0 is issued once the next block's Q K^T is done, so that it runs under that
     // block's softmax instead of ahead of its Q K^T on the tensor cores, and is waited for in the softmax once the
@@ -153,6 +163,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     // unconditional (below, and after the loop): under the run-time test ptxas serializes every wgmma (C7515, C7517).
     const bool pv0_last = debug & kDebugPv0Last;
     bool half0_pending = false;
+    uint32_t pending_slot = 0;  // the slot of the half then released
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -166,7 +177,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
         if constexpr (kMeasureBuild) {
           warpgroup_wait<0>();
           if (half0_pending) {
-            release_half0();
+            release_half0(pending_slot);
             half0_pending = false;
           }
         }
@@ -194,7 +205,8 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes both); O rescaled, P's words of
       // group 0; the block's stage is done with here ----
-      consumer_wait(ss.vt_full[0], g & 1u, hint);
+      const uint32_t v0 = LeadStorage::vt_slot(0, g, debug);
+      consumer_wait(ss.vt_full[v0], LeadStorage::vt_use(0, g, debug) & 1u, hint);
       const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[s][0][0]);  // (ratio, F) of group 0
       const float ratio[1] = {gf.x};
       F = gf.y;
@@ -209,29 +221,30 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
       // ---- O_0 += P_0 V_0 under the next block's Q K^T, whose first wait covers it (then V^T half 0 is released;
       // the words stay in their registers until then); with kDebugPv0Last after that Q K^T ----
-      const auto pv0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE { sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o); };
+      const auto pv0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE { sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[v0], o); };
       if (!pv0_last) pv0();
       // Block g's phase of qk_issued (kDebugQkFirst): once the next block's Q K^T is issued, or now at the row
       // piece's last block.
       const auto qk_issued = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-        if (debug & kDebugQkFirst) warp_arrive(ss.qk_issued, lane);
+        if (debug & kDebugQkFirst) warp_arrive(ss.qk_issued[g % 2], lane);
       };
       if (blk + 1 < nblk) {
         lead_qk(
             ss, g + 1, tid_in_wg, hint, S, t0, t1,
             [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-              if (!pv0_last) release_half0();
+              if (!pv0_last) release_half0(v0);
             },
             qk_issued);
         if (pv0_last) {
           pv0();
           half0_pending = true;
+          pending_slot = v0;
         }
       } else {
         if (pv0_last) pv0();
         qk_issued();
         warpgroup_wait<0>();
-        release_half0();
+        release_half0(v0);
       }
     }
 
@@ -265,21 +278,21 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 1
 // ------------------------------------------------------------------------------------------------
-// O_g += P_g V_g of block g in stage s for group kG (1..3), P from slot c: the words (P and the pairs a chunk at a
-// time), the product, its wait, and the release of the group's V^T half (one arrival a warp and group). after_words:
-// called once the words are built (the last group releases the P slot there).
+// O_g += P_g V_g of block g in stage s for group kG (1..3), P from slot c, its V^T half in slot v: the words (P and
+// the pairs a chunk at a time), the product, its wait, and the release of the group's V^T half (one arrival a warp and
+// group). after_words: called once the words are built (the last group releases the P slot there).
 template <int kG, class FragO, class AfterWords>
-__device__ __forceinline__ void follow_group(LeadStorage& ss, int s, int c, int tid_in_wg, int lane, int debug,
-                                             FragO& o, AfterWords&& after_words) {
+__device__ __forceinline__ void follow_group(LeadStorage& ss, int s, int c, uint32_t v, int tid_in_wg, int lane,
+                                             int debug, FragO& o, AfterWords&& after_words) {
   uint32_t words[kPTerms][8];
   const uint32_t p_base = decode_fp8::p_chunk_base(ss.p16[c], tid_in_wg);
   build_words([&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE { decode_fp8::load_p_chunk(p_base, k, p4); },
               &ss.sf[s][kG][0][0], lane, debug, words);
   after_words();
-  sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[kG / 2] + (kG % 2) * (decode_fp8::kVtHalfBytes / 2), o);
+  sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[v] + (kG % 2) * (decode_fp8::kVtHalfBytes / 2), o);
   warpgroup_wait<0>();
   warpgroup_fence_operand(o);
-  warp_arrive(ss.vt_empty[kG / 2], lane);
+  warp_arrive(ss.vt_empty[v], lane);
 }
 
 __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
@@ -321,7 +334,8 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       }
 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes all of them); O rescaled ----
-      consumer_wait(ss.vt_full[0], g & 1u, hint);
+      const uint32_t v0 = LeadStorage::vt_slot(0, g, debug), v1 = LeadStorage::vt_slot(1, g, debug);
+      consumer_wait(ss.vt_full[v0], LeadStorage::vt_use(0, g, debug) & 1u, hint);
       const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[s][1][0]);  // (ratio, F) of group 1
       const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);  // of groups 2 and 3
       const float ratio[3] = {f1.x, f23.x, f23.z};
@@ -336,12 +350,12 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
 
       // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1); with kDebugQkFirst, the first once warpgroup 0
       // issued its next tensor work (qk_issued) ----
-      follow_group<1>(ss, s, c, tid_in_wg, lane, debug, o1, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-        if (debug & kDebugQkFirst) consumer_wait(ss.qk_issued, g & 1u, hint);
+      follow_group<1>(ss, s, c, v0, tid_in_wg, lane, debug, o1, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        if (debug & kDebugQkFirst) consumer_wait(ss.qk_issued[g % 2], (g / 2) & 1u, hint);
       });
-      consumer_wait(ss.vt_full[1], g & 1u, hint);
-      follow_group<2>(ss, s, c, tid_in_wg, lane, debug, o2, [] {});
-      follow_group<3>(ss, s, c, tid_in_wg, lane, debug, o3,
+      consumer_wait(ss.vt_full[v1], LeadStorage::vt_use(1, g, debug) & 1u, hint);
+      follow_group<2>(ss, s, c, v1, tid_in_wg, lane, debug, o2, [] {});
+      follow_group<3>(ss, s, c, v1, tid_in_wg, lane, debug, o3,
                       [&]() CUTLASS_LAMBDA_FUNC_INLINE { warp_arrive(ss.p_empty[c], lane); });  // P read
     }
 
