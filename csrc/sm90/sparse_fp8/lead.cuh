@@ -35,7 +35,7 @@ static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_f
 // The kernel's shared memory (206 KB with the launch's alignment slack).
 struct alignas(1024) LeadStorage {
   // What the gather and transposer warps (common.cuh) ask of the storage: mask and scales of block g in stage
-  // g % kStages, V^T half h of every block in slot h (vt_use: the how-manyth use of the slot block g's half is). With
+  // g % kStages, V^T half h of every block in slot h (vt_use: which use of its slot block g's half is, from 0). With
   // the measurement switch kDebugVt0Ring half 0 takes slots 0 and 2 by turns, a ring of two: the transposer warps may
   // then write block g + 1's half 0 while block g's is still read (the third slot, 16 KB, exists only in a
   // measurement build; 222 KB with the launch's alignment slack).
