@@ -158,12 +158,10 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       warp_arrive(ss.vt_empty[v], lane);
     };
     // kDebugPv0Last: the P V of group 0 is issued once the next block's Q K^T is done, so that it runs under that
-    // block's softmax instead of ahead of its Q K^T on the tensor cores, and is waited for in the softmax once the
-    // row max is taken (half0_pending: that wait and the release are due). In a measurement build the waits are
-    // unconditional (below, and after the loop): under the run-time test ptxas serializes every wgmma (C7515, C7517).
+    // block's softmax instead of ahead of its Q K^T on the tensor cores, and the previous block's is waited for in a
+    // block's softmax once the row max is taken. In a measurement build the waits are unconditional (below, and after
+    // the loop): under the run-time test ptxas serializes every wgmma (C7515, C7517).
     const bool pv0_last = debug & kDebugPv0Last;
-    bool half0_pending = false;
-    uint32_t pending_slot = 0;  // the slot of the half then released
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -176,10 +174,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         if constexpr (kMeasureBuild) {
           warpgroup_wait<0>();
-          if (half0_pending) {
-            release_half0(pending_slot);
-            half0_pending = false;
-          }
+          if (pv0_last && blk > 0) release_half0(LeadStorage::vt_slot(0, g - 1, debug));  // block g - 1's half
         }
       });
 
@@ -235,11 +230,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
               if (!pv0_last) release_half0(v0);
             },
             qk_issued);
-        if (pv0_last) {
-          pv0();
-          half0_pending = true;
-          pending_slot = v0;
-        }
+        if (pv0_last) pv0();  // released in the next block's softmax
       } else {
         if (pv0_last) pv0();
         qk_issued();

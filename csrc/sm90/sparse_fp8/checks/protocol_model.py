@@ -142,9 +142,10 @@ def pv_group(slot: int, g: int):
 
 
 # ---- the consumer warpgroups (lead.cuh: lead_loop, follow_loop) ---------------------------------------------------
-def qk_index(g: int, mutation) -> int:
-    """The qk_issued barrier of block g: two by turns (lead.cuh), or the one of an earlier version (a mutation)."""
-    return 0 if mutation == "one qk_issued barrier" else g % 2
+def qk_phase(g: int, mutation) -> tuple[int, int]:
+    """Block g's phase of qk_issued, (barrier, completion): two barriers by turns (lead.cuh), or the one of an
+    earlier version (a mutation)."""
+    return (0, g) if mutation == "one qk_issued barrier" else (g % 2, g // 2)
 
 
 def lead_qk(g: int, row: int):
@@ -196,9 +197,9 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool =
             if blk + 1 < n:
                 yield from lead_qk(g + 1, row)
                 if qk_first:
-                    yield from warps_arrive("qk_issued", qk_index(g, mutation))   # the next Q K^T issued
+                    yield from warps_arrive("qk_issued", qk_phase(g, mutation)[0])   # the next Q K^T issued
             elif qk_first and mutation != "qk_issued missing at a row piece's last block":
-                yield from warps_arrive("qk_issued", qk_index(g, mutation))
+                yield from warps_arrive("qk_issued", qk_phase(g, mutation)[0])
             if pv0_last:
                 yield ("read_begin", ("vt", v0(g)), g)
                 if blk + 1 < n:
@@ -235,7 +236,7 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool
             yield from factors_and_vt(1, g, mutation, ring)   # the factors and pairs of groups 1..3, until their words
             yield ("read_end", ("fac", s, 0), g)     # group 1's words
             if qk_first:
-                yield ("wait", "qk_issued", qk_index(g, mutation), g if mutation == "one qk_issued barrier" else g // 2)
+                yield ("wait", "qk_issued", *qk_phase(g, mutation))
             v0, (v1, use1) = vt_slot_use(0, g, ring)[0], vt_slot_use(1, g, ring)
             yield from pv_group(v0, g)              # group 1
             if mutation != "half 1 read before vt_full":
