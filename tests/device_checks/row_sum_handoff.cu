@@ -63,6 +63,12 @@
 // the second grid start before the first ended (with or without the tool), so PDL was not exercised. So racecheck
 // sees these accesses and accepts the exchange with each of these barriers: the kernels' row_sum reports come from
 // something this probe leaves out (setmaxnreg, mbarriers, TMA, wgmma, the main loops' own named barriers in between).
+// Measured on an H200 (2026-12-01, the same tool) with the -steps modes added: every mode's values right again;
+// syncthreads, named and both -pdl modes 0 hazards; both -arrive modes 2 (their slot, as before); syncthreads-steps,
+// named-steps and named-steps-mbar about 10 errors and a warning each, at the row_sum writes of publish_row_sums and
+// the row_max write at the request's start against final_row_stats' reads, and at the steps' own slot: the kernels'
+// class, reproduced with nothing but barriers whose last operation before the barrier of all consumers is one
+// warpgroup's bar.arrive. So the kernels' row_sum and row_max reports are the tool's reading of those hand-offs.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
