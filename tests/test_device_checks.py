@@ -280,44 +280,30 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation)
 
 
 def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model):
-    # the measured schedule kDebugQkFirst (lead.cuh: qk_issued) without warpgroup 0's arrival at a row piece's last
-    # block: warpgroup 1 waits forever
+    # qk_issued (lead.cuh) without warpgroup 0's arrival at a row piece's last block: warpgroup 1 waits forever
     with pytest.raises(sparse_model.ProtocolError, match="deadlock"):
         for seed in range(60):
-            sparse_model.run([5, 2, 7], seed=seed, mutation="qk_issued missing at a row piece's last block",
-                             qk_first=True)
+            sparse_model.run([5, 2, 7], seed=seed, mutation="qk_issued missing at a row piece's last block")
 
 
-def test_sparse_protocol_model_rejects_one_qk_issued_barrier_with_a_v_t_ring(sparse_model):
-    # with V^T half 0 in a ring of two (kDebugVt0Ring) warpgroup 0 can be two blocks ahead of warpgroup 1's qk_issued
-    # wait: one barrier's parity wait would pass on the wrong phase, hence two barriers by turns (lead.cuh)
+def test_sparse_protocol_model_accepts_one_qk_issued_barrier_with_one_v_t_half_0_slot(sparse_model):
+    # lead.cuh's claim: qk_issued is two barriers by turns so that a ring of V^T half 0 slots would not break its
+    # parity wait; with today's one slot warpgroup 0 cannot get two blocks ahead, and one barrier holds too
     for seed in range(60):
-        sparse_model.run([5, 2, 7], seed=seed, mutation="one qk_issued barrier", qk_first=True)   # fine alone
-    with pytest.raises(sparse_model.ProtocolError, match="phase was missed|would pass"):
-        for seed in range(60):
-            sparse_model.run([5, 2, 7], seed=seed, mutation="one qk_issued barrier", qk_first=True, ring=True,
-                             starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)])
-
-
-def test_sparse_protocol_model_rejects_a_late_release_of_the_delayed_group_0_p_v(sparse_model):
-    # the measured schedule kDebugPv0Last (lead.cuh) releasing V^T half 0 of block g after its wait for the half of
-    # block g + 1, which the transposer warps can write only after that release
-    with pytest.raises(sparse_model.ProtocolError, match="deadlock"):
-        for seed in range(60):
-            sparse_model.run([5, 2, 7], seed=seed, mutation="half 0 released after its vt_full wait", pv0_last=True)
+        sparse_model.run([5, 2, 7], seed=seed, mutation="one qk_issued barrier",
+                         starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)])
 
 
 def test_sparse_protocol_model_rejects_wrong_arrival_counts(sparse_model):
     real = sparse_model.read_counts()
-    # vt_empty - 4: one arrival a warp and half, as when each half had one reader warpgroup. qk_issued: the barrier
-    # of the measured schedule kDebugQkFirst (lead.cuh), played with it.
+    # vt_empty - 4: one arrival a warp and half, as when each half had one reader warpgroup.
     for name, delta in (("lead_empty", -1), ("p_slot", -1), ("p_slot", 1), ("vt_full", -1), ("full", -1),
                         ("vt_empty", -1), ("vt_empty", -4), ("qk_issued", -1), ("qk_issued", 1)):
         counts = dict(real)
         counts[name] = real[name] + delta
         with pytest.raises(sparse_model.ProtocolError):
             for seed in range(60):
-                sparse_model.run([5, 2, 7], counts, seed=seed, qk_first=name == "qk_issued")
+                sparse_model.run([5, 2, 7], counts, seed=seed)
 
 
 @pytest.mark.parametrize("name, count", [

@@ -52,14 +52,10 @@ def _measure_build():
 
 
 # The kernel as it runs (FLASHMLA_BACKEND_SPARSE_DEBUG unset), and, in a measurement build (docs/build.md), with its
-# mbarrier waits retrying with a suspend-time hint (bit 256; the launcher reads the variable at every launch), with
-# warpgroup 1's P V issued behind warpgroup 0's next Q K^T (bit 512, lead.cuh: qk_issued), warpgroup 0's group 0
-# P V issued after it (bit 1024) and V^T half 0 in a ring of two slots (bit 2048), alone and together: the same
-# arithmetic in another timing, so the same results bit for bit.
+# mbarrier waits retrying with a suspend-time hint (bit 256; the launcher reads the variable at every launch): the
+# same arithmetic in another timing, so the same results bit for bit.
 SUSPEND_HINT = "256"
-SAME_RESULT_SWITCHES = {"suspend_hint": SUSPEND_HINT, "qk_first": "512", "pv0_last": "1024",
-                        "qk_first_pv0_last": "1536", "vt0_ring": "2048", "qk_first_vt0_ring": "2560",
-                        "all_three": "3584"}
+SAME_RESULT_SWITCHES = {"suspend_hint": SUSPEND_HINT}
 VARIANTS = {"default": None, **(SAME_RESULT_SWITCHES if _measure_build() else {})}
 
 

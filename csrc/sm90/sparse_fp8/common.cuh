@@ -56,11 +56,6 @@ enum DebugFlags : int {
   kDebugNoTranspose = 2,  // the transposer warps write no V^T
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
   kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; measured: no change)
-  kDebugQkFirst = 512,    // warpgroup 1 issues a block's P V only once warpgroup 0 issued the next block's Q K^T (same
-                          // results; lead.cuh: qk_issued)
-  kDebugPv0Last = 1024,   // warpgroup 0 issues its group 0 P V of a block once the next block's Q K^T is done, not
-                          // before it, and waits for it in the next softmax (same results; lead.cuh)
-  kDebugVt0Ring = 2048,   // V^T half 0 in a ring of two slots instead of one (same results; lead.cuh: vt_slot)
 };
 
 // Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (a warp of a consumer warpgroup once a
@@ -259,15 +254,13 @@ __device__ __forceinline__ void block_row_max(const FragS& S, float (&mx)[2]) {
 
 // The online softmax of a block's scores S (the thread's two rows), in place: the entries its mask leaves out to
 // -inf, the running max m (log2 domain, sl2 the rows' scale) and the rows' factor sc = exp2(m_before - m_after), the
-// sums l taken to the new max and added to, and S = P = 2^(S sl2 - m + 8) (config.h: kPScaleLog2). after_max: called
-// once the block's row max is known, before the exponentials.
-template <class FragS, class AfterMax>
+// sums l taken to the new max and added to, and S = P = 2^(S sl2 - m + 8) (config.h: kPScaleLog2).
+template <class FragS>
 __device__ __forceinline__ void online_softmax(FragS& S, uint64_t mask, int lane, const float (&sl2)[2], float (&m)[2],
-                                               float (&l)[2], float (&sc)[2], AfterMax&& after_max) {
+                                               float (&l)[2], float (&sc)[2]) {
   mask_block(S, mask, lane);
   float mx[2], m_use[2];
   block_row_max(S, mx);
-  after_max();
   CUTLASS_PRAGMA_UNROLL
   for (int v = 0; v < 2; ++v) {
     float m_new;
@@ -406,10 +399,9 @@ __device__ __forceinline__ void block_group_factors(SS& ss, int s, int prev, boo
 }
 
 // The transposer warps (producer warps 2..3, twarp 0..1): the block's group factors (block_group_factors), then part
-// twarp of V^T of every block (pv.cuh: transpose_part), half 0 then half 1, half h of block g into slot
-// SS::vt_slot(h, g) once that slot's previous use (SS::vt_use) was released by its P V. Each warp takes every block in
-// order, so its wait for use u of a slot follows its wait for use u - 1: the parity wait cannot pass on a phase two
-// behind.
+// twarp of V^T of every block (pv.cuh: transpose_part), half 0 then half 1, half h of block g into slot h once block
+// g - 1's half h was released by its P V. Each warp takes every block in order, so its wait for use g of a slot follows
+// its wait for use g - 1: the parity wait cannot pass on a phase two behind.
 template <class SS>
 __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta, int begin_req,
                                                int end_req, int m_block, int twarp, int lane, int debug) {
@@ -426,12 +418,11 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
       block_group_factors(ss, s, int((g + kStages - 1) % kStages), blk == 0, twarp, lane);
 #pragma unroll 1
       for (int h = 0; h < 2; ++h) {
-        const uint32_t slot = SS::vt_slot(h, g, debug), use = SS::vt_use(h, g, debug);
-        if (use > 0) producer_wait(ss.vt_empty[slot], (use - 1) & 1u, hint);
+        if (g > 0) producer_wait(ss.vt_empty[h], (g - 1) & 1u, hint);
         if (!(debug & kDebugNoTranspose))
-          transpose_part(stage_addr, cute::cast_smem_ptr_to_uint(ss.vt[slot]), h, twarp, lane);
+          transpose_part(stage_addr, cute::cast_smem_ptr_to_uint(ss.vt[h]), h, twarp, lane);
         cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
-        warp_arrive(ss.vt_full[slot], lane);
+        warp_arrive(ss.vt_full[h], lane);
       }
       warp_arrive(ss.empty[s], lane);
     }

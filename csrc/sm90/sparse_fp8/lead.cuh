@@ -35,23 +35,15 @@ static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_f
 // The kernel's shared memory (206 KB with the launch's alignment slack).
 struct alignas(1024) LeadStorage {
   // What the gather and transposer warps (common.cuh) ask of the storage: mask and scales of block g in stage
-  // g % kStages, V^T half h of every block in slot h (vt_use: which use of its slot block g's half is, from 0). With
-  // the measurement switch kDebugVt0Ring half 0 takes slots 0 and 2 by turns, a ring of two: the transposer warps may
-  // then write block g + 1's half 0 while block g's is still read (the third slot, 16 KB, exists only in a
-  // measurement build; 222 KB with the launch's alignment slack).
+  // g % kStages, V^T half h of every block in slot h (block g's half is the slot's use g). A ring of two slots for
+  // half 0 (16 KB more) measured no faster (docs/perf/journal.md, 2026-12-01).
   static __device__ __forceinline__ uint32_t mask_slot(uint32_t g) { return g % uint32_t(kStages); }
-  static constexpr int kVtSlots = kMeasureBuild ? 3 : 2;
-  static __device__ __forceinline__ uint32_t vt_slot(int h, uint32_t g, int debug) {
-    return (h == 0 && (debug & kDebugVt0Ring)) ? 2u * (g & 1u) : uint32_t(h);
-  }
-  static __device__ __forceinline__ uint32_t vt_use(int h, uint32_t g, int debug) {
-    return (h == 0 && (debug & kDebugVt0Ring)) ? g / 2u : g;
-  }
+  static constexpr int kVtSlots = 2;
 
   alignas(1024) uint8_t q_latent[kQTerms * kLatentBytes];
   alignas(1024) uint8_t q_rope[kRopeBytes];
   alignas(1024) uint8_t stage[kStages][kStageBytes];        // block g in stage g % kStages (layout.h)
-  alignas(1024) uint8_t vt[kVtSlots][decode_fp8::kVtHalfBytes];  // V^T halves (vt_slot)
+  alignas(1024) uint8_t vt[kVtSlots][decode_fp8::kVtHalfBytes];  // V^T halves
   alignas(16) uint8_t p16[kPSlots][kP16Bytes];              // P of block g in slot g % kPSlots, by thread
   float sc[kPSlots][kTileRows];                             // the rows' factor of block g: exp2(m_before - m_after)
   float rsum[kPSlots][kTileRows];                           // the rows' final sums, with a row piece's last block
@@ -63,10 +55,9 @@ struct alignas(1024) LeadStorage {
   alignas(16) float gfac[kStages][kGroups][2];
   // full: the gather's. empty: warpgroup 0's 4 warps after its words and the transposer warps (kLeadEmptyArrivals).
   // p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full / vt_empty:
-  // a V^T half written (the transposer warps) / each of its two groups read by a P V (4 warps a group). qk_issued
-  // (only with kDebugQkFirst): block g's phase is completion g / 2 of qk_issued[g % 2], when warpgroup 0 (4 warps)
-  // has issued the tensor work that follows block g's P, i.e. the next block's whole Q K^T, or its P V of group 0 at
-  // a row piece's last block.
+  // a V^T half written (the transposer warps) / each of its two groups read by a P V (4 warps a group). qk_issued:
+  // block g's phase is completion g / 2 of qk_issued[g % 2], when warpgroup 0 (4 warps) has issued the tensor work
+  // that follows block g's P, i.e. the next block's whole Q K^T, or its P V of group 0 at a row piece's last block.
   cutlass::arch::ClusterBarrier full[kStages];
   cutlass::arch::ClusterBarrier empty[kStages];
   cutlass::arch::ClusterBarrier p_full[kPSlots];
@@ -84,15 +75,17 @@ static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "
 // until warpgroup 1's last words kept warpgroup 0 waiting for its next gathered block a fifth of its time (ncu).
 constexpr uint32_t kLeadEmptyArrivals = 4 + kTransposeWarps;
 constexpr uint32_t kPSlotArrivals = 4;
-// The schedule of the measurement switch kDebugQkFirst (common.cuh): warpgroup 1 issues a block's P V only once
-// warpgroup 0 has issued the next block's Q K^T. What it tests: if the tensor cores take the two warpgroups' wgmma in
-// the order they were issued, warpgroup 1's three P V of a block (768 of its 2,176 tensor-core cycles) land between
-// warpgroup 0's Q K^T products, on warpgroup 0's path (its chain is the kernel's: docs/perf/journal.md), while the
-// tensor cores idle during warpgroup 0's softmax; issued behind the whole Q K^T they would run during the softmax.
-// Two barriers by turns, because warpgroup 0 can be two blocks ahead of warpgroup 1's wait (with kDebugVt0Ring's
-// second V^T half 0 slot; the protocol model found it with one barrier: a parity wait that passed on the wrong phase),
-// never three: its arrival for block g follows its P of block g, written once warpgroup 1 released the P slot of block
-// g - 2 (p_empty), after its wait for block g - 2's phase (checks/protocol_model.py plays it).
+// Warpgroup 1 issues a block's P V only once warpgroup 0 has issued the next block's Q K^T (qk_issued). The tensor
+// cores take the two warpgroups' wgmma in the order they were issued, so warpgroup 1's three P V of a block (768 of
+// the block's 2,176 tensor-core cycles) issued as soon as their words were ready landed between warpgroup 0's Q K^T
+// products, on warpgroup 0's path (its chain is the kernel's); behind the whole Q K^T they run during its softmax:
+// 3.5-4% faster at top-k 2048 (docs/perf/journal.md, 2026-12-01). Warpgroup 0's own P V of group 0 stays ahead of
+// that Q K^T: issued after it (and waited for in the next softmax) it measured 3-6% slower.
+// Two barriers by turns, so that the parity wait holds however far warpgroup 0 can get ahead: it cannot get three
+// blocks ahead of warpgroup 1's wait, since its arrival for block g follows its P of block g, written once warpgroup 1
+// released the P slot of block g - 2 (p_empty), after its wait for block g - 2's phase. (With V^T half 0 in one slot it
+// cannot get two ahead either, and one barrier would do; with half 0 in a ring of two, measured and dropped, it could:
+// the protocol model found that parity wait passing on the wrong phase. checks/protocol_model.py plays it.)
 constexpr uint32_t kQkIssuedArrivals = 4;
 
 // ------------------------------------------------------------------------------------------------
@@ -147,21 +140,16 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     const bool next = req < end_req;
     // P's words of group 0 (the A operand of the group's P V, read from these registers until the P V completes)
     uint32_t words[kPTerms][8];
-    // V^T half 0 (in slot v) released once this warpgroup's P V of group 0 completed (its words kept until then)
-    const auto release_half0 = [&](uint32_t v) CUTLASS_LAMBDA_FUNC_INLINE {
+    // V^T half 0 released once this warpgroup's P V of group 0 completed (its words kept until then)
+    const auto release_half0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       warpgroup_fence_operand(o);
       CUTLASS_PRAGMA_UNROLL
       for (int t = 0; t < kPTerms; ++t) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
       }
-      warp_arrive(ss.vt_empty[v], lane);
+      warp_arrive(ss.vt_empty[0], lane);
     };
-    // kDebugPv0Last: the P V of group 0 is issued once the next block's Q K^T is done, so that it runs under that
-    // block's softmax instead of ahead of its Q K^T on the tensor cores, and the previous block's is waited for in a
-    // block's softmax once the row max is taken. In a measurement build the waits are unconditional (below, and after
-    // the loop): under the run-time test ptxas serializes every wgmma (C7515, C7517).
-    const bool pv0_last = debug & kDebugPv0Last;
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -171,12 +159,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
       // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
       float sc[2];
-      online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-        if constexpr (kMeasureBuild) {
-          warpgroup_wait<0>();
-          if (pv0_last && blk > 0) release_half0(LeadStorage::vt_slot(0, g - 1, debug));  // block g - 1's half
-        }
-      });
+      online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc);
 
       // ---- P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1 read block g - 2) ----
       if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u, hint);
@@ -200,8 +183,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes both); O rescaled, P's words of
       // group 0; the block's stage is done with here ----
-      const uint32_t v0 = LeadStorage::vt_slot(0, g, debug);
-      consumer_wait(ss.vt_full[v0], LeadStorage::vt_use(0, g, debug) & 1u, hint);
+      consumer_wait(ss.vt_full[0], g & 1u, hint);
       const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[s][0][0]);  // (ratio, F) of group 0
       const float ratio[1] = {gf.x};
       F = gf.y;
@@ -215,33 +197,19 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       warp_arrive(ss.empty[s], lane);
 
       // ---- O_0 += P_0 V_0 under the next block's Q K^T, whose first wait covers it (then V^T half 0 is released;
-      // the words stay in their registers until then); with kDebugPv0Last after that Q K^T ----
-      const auto pv0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE { sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[v0], o); };
-      if (!pv0_last) pv0();
-      // Block g's phase of qk_issued (kDebugQkFirst): once the next block's Q K^T is issued, or now at the row
-      // piece's last block.
-      const auto qk_issued = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-        if (debug & kDebugQkFirst) warp_arrive(ss.qk_issued[g % 2], lane);
-      };
+      // the words stay in their registers until then); block g's phase of qk_issued once that Q K^T is issued, or
+      // now at the row piece's last block ----
+      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
+      const auto qk_issued = [&]() CUTLASS_LAMBDA_FUNC_INLINE { warp_arrive(ss.qk_issued[g % 2], lane); };
       if (blk + 1 < nblk) {
-        lead_qk(
-            ss, g + 1, tid_in_wg, hint, S, t0, t1,
-            [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-              if (!pv0_last) release_half0(v0);
-            },
-            qk_issued);
-        if (pv0_last) pv0();  // released in the next block's softmax
+        lead_qk(ss, g + 1, tid_in_wg, hint, S, t0, t1, [&]() CUTLASS_LAMBDA_FUNC_INLINE { release_half0(); },
+                qk_issued);
       } else {
-        if (pv0_last) pv0();
         qk_issued();
         warpgroup_wait<0>();
-        release_half0(v0);
+        release_half0();
       }
     }
-
-    // No wgmma is in flight here; the wait tells ptxas so, which cannot see that kDebugPv0Last's P V issued after a
-    // block's Q K^T is always waited for in the next block.
-    if constexpr (kMeasureBuild) warpgroup_wait<0>();
 
     // ---- epilogue, and the next row piece's Q tile, made by this warpgroup alone: warpgroup 1 never reads the
     // tile, so neither waits for the other here (warpgroup 1 finishes its last block while this one starts the next
@@ -325,8 +293,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       }
 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes all of them); O rescaled ----
-      const uint32_t v0 = LeadStorage::vt_slot(0, g, debug), v1 = LeadStorage::vt_slot(1, g, debug);
-      consumer_wait(ss.vt_full[v0], LeadStorage::vt_use(0, g, debug) & 1u, hint);
+      consumer_wait(ss.vt_full[0], g & 1u, hint);
       const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[s][1][0]);  // (ratio, F) of group 1
       const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);  // of groups 2 and 3
       const float ratio[3] = {f1.x, f23.x, f23.z};
@@ -339,14 +306,14 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
         rescale_group(o3, sc, ratio[2]);
       }
 
-      // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1); with kDebugQkFirst, the first once warpgroup 0
-      // issued its next tensor work (qk_issued) ----
-      follow_group<1>(ss, s, c, v0, tid_in_wg, lane, debug, o1, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-        if (debug & kDebugQkFirst) consumer_wait(ss.qk_issued[g % 2], (g / 2) & 1u, hint);
+      // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1); the first once warpgroup 0 issued its next tensor
+      // work (qk_issued) ----
+      follow_group<1>(ss, s, c, 0, tid_in_wg, lane, debug, o1, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        consumer_wait(ss.qk_issued[g % 2], (g / 2) & 1u, hint);
       });
-      consumer_wait(ss.vt_full[v1], LeadStorage::vt_use(1, g, debug) & 1u, hint);
-      follow_group<2>(ss, s, c, v1, tid_in_wg, lane, debug, o2, [] {});
-      follow_group<3>(ss, s, c, v1, tid_in_wg, lane, debug, o3,
+      consumer_wait(ss.vt_full[1], g & 1u, hint);
+      follow_group<2>(ss, s, c, 1, tid_in_wg, lane, debug, o2, [] {});
+      follow_group<3>(ss, s, c, 1, tid_in_wg, lane, debug, o3,
                       [&]() CUTLASS_LAMBDA_FUNC_INLINE { warp_arrive(ss.p_empty[c], lane); });  // P read
     }
 

@@ -25,16 +25,12 @@ warpgroup 1's group 3 P V of block g; the model reads them that long and finds n
 What the model showed: warpgroup 0's wait for a free P slot (p_empty) was implied by the stage ring while warpgroup 1
 held the stage (its Q K^T of block g needed stage g, gathered once warpgroup 1 released stage g - 2 with P of g - 2);
 now nothing else holds warpgroup 0 back, and the model catches the wait's removal ("p slot rewritten early").
-With qk_first (the measurement switch kDebugQkFirst, lead.cuh: qk_issued) warpgroup 1 waits, before its group 1 P V of
-block g, for warpgroup 0's arrival that follows the issue of its next tensor work (the next block's Q K^T, or at once
-at a row piece's last block), on qk_issued[g % 2]; the model checks the parity waits and catches a missing arrival at
-a row piece's last block (a deadlock). With a single barrier it found warpgroup 0 two phases ahead of the wait once
-V^T half 0 has a ring of two (vt0_ring, below): a parity wait passing on the wrong phase. With pv0_last (kDebugPv0Last)
-warpgroup 0 issues its group 0 P V of block g after its Q K^T of block g + 1 and releases V^T half 0 in block g + 1's
-softmax, before its waits for the P slot and for V^T half 0 of block g + 1 (at a row piece's last block at once);
-released after that wait instead, the transposer warps could never write the half it waits for (caught: deadlock).
-With vt0_ring (kDebugVt0Ring) V^T half 0 takes slots 0 and 2 by turns (lead.cuh: vt_slot, vt_use); the model plays
-every combination of the three.
+Warpgroup 1 waits, before its group 1 P V of block g, for warpgroup 0's arrival that follows the issue of its next
+tensor work (the next block's Q K^T, or at once at a row piece's last block), on qk_issued[g % 2] (lead.cuh); the
+model checks the parity waits and catches a missing arrival at a row piece's last block (a deadlock). With a single
+barrier it found warpgroup 0 two phases ahead of the wait when V^T half 0 had a ring of two slots (a schedule
+measured and dropped): a parity wait passing on the wrong phase; with today's one slot a single barrier holds
+(tests/test_device_checks.py plays it as a mutation).
 """
 from __future__ import annotations
 
@@ -80,12 +76,6 @@ def read_counts() -> dict[str, int]:
             "stages": int(_constant(common, "kStages")), "p_slots": int(_constant(lead, "kPSlots"))}
 
 
-def vt_slot_use(h: int, g: int, ring: bool) -> tuple[int, int]:
-    """lead.cuh's LeadStorage::vt_slot / vt_use: V^T half h of block g in slot h, its use g; with vt0_ring
-    (kDebugVt0Ring) half 0 in slots 0 and 2 by turns, use g // 2."""
-    return (2 * (g % 2), g // 2) if (h == 0 and ring) else (h, g)
-
-
 # ---- producer agents ---------------------------------------------------------------------------------------------
 def gather_agent(w: int, blocks: int):
     """Gather warp w: half w of every block, ("stage", s, w); a reader of ("stage", s) reads every half (run)."""
@@ -97,18 +87,17 @@ def gather_agent(w: int, blocks: int):
         yield ("arrive", "full", s)   # the warp's 33 arrivals on full[s] as one: they all follow its copies
 
 
-def transposer_agent(w: int, blocks: int, mutation=None, ring: bool = False):
+def transposer_agent(w: int, blocks: int, mutation=None):
     for g in range(blocks):
         s = g % STAGES
         yield ("wait", "full", s, g // STAGES)
         yield ("read_begin", ("stage", s), g)
         yield ("write", ("fac", s, w), g, f"fac{w}")   # the factors of groups 2 w, 2 w + 1 (block_group_factors)
-        for h in (0, 1):
-            slot, use = vt_slot_use(h, g, ring)
-            if use > 0 and mutation != "transposer ignores vt_empty":
-                yield ("wait", "vt_empty", slot, use - 1)
-            yield ("write", ("vt", slot), g, "vt")
-            yield ("arrive", "vt_full", slot)
+        for h in (0, 1):                        # V^T half h of block g in slot h
+            if g > 0 and mutation != "transposer ignores vt_empty":
+                yield ("wait", "vt_empty", h, g - 1)
+            yield ("write", ("vt", h), g, "vt")
+            yield ("arrive", "vt_full", h)
         yield ("read_end", ("stage", s), g)
         yield ("arrive", "empty", s)
 
@@ -118,19 +107,18 @@ def warps_arrive(bar: str, i: int):
         yield ("arrive", bar, i)
 
 
-def factors_and_vt(wg: int, g: int, mutation=None, ring: bool = False):
+def factors_and_vt(wg: int, g: int, mutation=None):
     """The consumer's wait for V^T half 0 of block g, which also publishes the block's group factors, read then
     (warpgroup 0: group 0's, of transposer warp 0; warpgroup 1: groups 1..3, of both transposer warps)."""
     s = g % STAGES
-    slot, use = vt_slot_use(0, g, ring)
     if mutation != "factors read before vt_full":
-        yield ("wait", "vt_full", slot, use)
+        yield ("wait", "vt_full", 0, g)
     for w in ((0,) if wg == 0 else (0, 1)):
         yield ("read_begin", ("fac", s, w), g)
     if wg == 0:
         yield ("read_end", ("fac", s, 0), g)   # group 0's factor and pairs: its words follow at once
     if mutation == "factors read before vt_full":
-        yield ("wait", "vt_full", slot, use)
+        yield ("wait", "vt_full", 0, g)
 
 
 def pv_group(slot: int, g: int):
@@ -157,10 +145,7 @@ def lead_qk(g: int, row: int):
     yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
-def lead_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool = False, pv0_last: bool = False,
-                  ring: bool = False):
-    def v0(b):   # the slot of block b's V^T half 0
-        return vt_slot_use(0, b, ring)[0]
+def lead_consumer(rows: list[int], p_slots: int, mutation=None):
     g = 0
     yield ("write", ("q", 0), 0, "q")               # the first row piece's Q tile: this warpgroup's heads,
     yield ("both_arrive", "first_q")                # then a wait for warpgroup 1's (kBarFirstQ)
@@ -174,50 +159,35 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool =
             if blk + 1 == n and row + 1 < len(rows):   # the row piece's last Q K^T done: the next Q tile's copy
                 yield ("write", ("q", 0), row + 1, "q")
                 yield ("write", ("q", 1), row + 1, "q")
-            late = mutation == "half 0 released after its vt_full wait"
-            if pv0_last and blk > 0 and not late:     # the softmax: block g - 1's P V of group 0 waited for
-                yield ("read_end", ("vt", v0(g - 1)), g - 1)
-                yield from warps_arrive("vt_empty", v0(g - 1))
             if g >= p_slots and mutation != "p slot rewritten early":
                 yield ("wait", "p_empty", c, g // p_slots - 1)
             yield ("write", ("p16", c), g, "one")   # P and the rows' factor
             if blk + 1 == n:
                 yield ("write", ("rsum", c), g, "one")   # the rows' sums, with the row piece's last P
             yield from warps_arrive("p_full", c)
-            yield from factors_and_vt(0, g, mutation, ring)
-            if pv0_last and blk > 0 and late:
-                yield ("read_end", ("vt", v0(g - 1)), g - 1)
-                yield from warps_arrive("vt_empty", v0(g - 1))
+            yield from factors_and_vt(0, g, mutation)
             yield ("read_end", ("stage", s), g)
             yield from warps_arrive("empty", s)
-            # P V of group 0, issued before the next block's Q K^T and released after its first wait (pv0_last:
-            # issued after it, released in the next block's softmax)
-            if not pv0_last:
-                yield ("read_begin", ("vt", v0(g)), g)
+            # P V of group 0, issued before the next block's Q K^T and released after its first wait
+            yield ("read_begin", ("vt", 0), g)
             if blk + 1 < n:
                 yield from lead_qk(g + 1, row)
-                if qk_first:
-                    yield from warps_arrive("qk_issued", qk_phase(g, mutation)[0])   # the next Q K^T issued
-            elif qk_first and mutation != "qk_issued missing at a row piece's last block":
+                yield from warps_arrive("qk_issued", qk_phase(g, mutation)[0])   # the next Q K^T issued
+            elif mutation != "qk_issued missing at a row piece's last block":
                 yield from warps_arrive("qk_issued", qk_phase(g, mutation)[0])
-            if pv0_last:
-                yield ("read_begin", ("vt", v0(g)), g)
-                if blk + 1 < n:
-                    g += 1
-                    continue
             if mutation == "half 0 released before its P V":
-                yield from warps_arrive("vt_empty", v0(g))
-                yield ("read_end", ("vt", v0(g)), g)
+                yield from warps_arrive("vt_empty", 0)
+                yield ("read_end", ("vt", 0), g)
             else:
-                yield ("read_end", ("vt", v0(g)), g)
-                yield from warps_arrive("vt_empty", v0(g))
+                yield ("read_end", ("vt", 0), g)
+                yield from warps_arrive("vt_empty", 0)
             g += 1
         if row + 1 < len(rows) and n == 0:          # the next row piece's Q tile, this warpgroup alone
             yield ("write", ("q", 0), row + 1, "q")
             yield ("write", ("q", 1), row + 1, "q")
 
 
-def follow_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool = False, ring: bool = False):
+def follow_consumer(rows: list[int], p_slots: int, mutation=None):
     g = 0
     yield ("write", ("q", 1), 0, "q")               # heads 32..63 of the first Q tile, and no wait
     yield ("both_arrive", "first_q")
@@ -233,29 +203,26 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None, qk_first: bool
             if last and mutation != "row sums read early":
                 yield ("read_begin", ("rsum", c), g)   # the rows' sums of the row piece
                 yield ("read_end", ("rsum", c), g)
-            yield from factors_and_vt(1, g, mutation, ring)   # the factors and pairs of groups 1..3, until their words
+            yield from factors_and_vt(1, g, mutation)   # the factors and pairs of groups 1..3, until their words
             yield ("read_end", ("fac", s, 0), g)     # group 1's words
-            if qk_first:
-                yield ("wait", "qk_issued", *qk_phase(g, mutation))
-            v0, (v1, use1) = vt_slot_use(0, g, ring)[0], vt_slot_use(1, g, ring)
-            yield from pv_group(v0, g)              # group 1
+            yield ("wait", "qk_issued", *qk_phase(g, mutation))
+            yield from pv_group(0, g)               # group 1
             if mutation != "half 1 read before vt_full":
-                yield ("wait", "vt_full", v1, use1)
-            yield from pv_group(v1, g)              # group 2
+                yield ("wait", "vt_full", 1, g)
+            yield from pv_group(1, g)               # group 2
             if mutation != "pairs read after their half's release":
                 yield ("read_end", ("fac", s, 1), g)     # group 3's words (group 2's pairs read before its P V)
             yield ("read_end", ("p16", c), g)
             yield from warps_arrive("p_empty", c)
-            yield from pv_group(v1, g)              # group 3
+            yield from pv_group(1, g)               # group 3
             if mutation == "pairs read after their half's release":
                 yield ("read_end", ("fac", s, 1), g)
             g += 1
 
 
 def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
-        starve: str | None = None, qk_first: bool = False, pv0_last: bool = False, ring: bool = False) -> None:
-    """One random interleaving of the CTA's agents over row pieces with these block counts (qk_first, pv0_last,
-    ring: the kDebugQkFirst, kDebugPv0Last and kDebugVt0Ring schedules)."""
+        starve: str | None = None) -> None:
+    """One random interleaving of the CTA's agents over row pieces with these block counts."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
     sim.count = {"full": counts["full"], "empty": counts["lead_empty"], "vt_full": counts["vt_full"],
@@ -264,9 +231,9 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     blocks = sum(rows)
     agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
-        agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation, ring)
-    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, qk_first, pv0_last, ring)
-    agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation, qk_first, ring)
+        agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation)
+    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation)
+    agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
     # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
     # warp 0's factors are read by both warpgroups, warp 1's by warpgroup 1.
@@ -299,8 +266,7 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
 
 
 def check_all(seeds: int = 20) -> int:
-    """Row sequences of 0..9 blocks, the default schedule and the measured ones in every combination; returns the
-    number of runs."""
+    """Row sequences of 0..9 blocks; returns the number of runs."""
     counts = read_counts()
     gen = random.Random(3)
     sequences = [[n] for n in range(10)] + [[a, b] for a in range(5) for b in range(5)]
@@ -310,10 +276,8 @@ def check_all(seeds: int = 20) -> int:
     runs = 0
     for rows in sequences:
         for seed in range(seeds):
-            for bits in range(8):   # every combination of the three measured schedules
-                run(rows, counts, seed=seed, starve=starved[seed % len(starved)], qk_first=bool(bits & 1),
-                    pv0_last=bool(bits & 2), ring=bool(bits & 4))
-                runs += 1
+            run(rows, counts, seed=seed, starve=starved[seed % len(starved)])
+            runs += 1
     return runs
 
 
