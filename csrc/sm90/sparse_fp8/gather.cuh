@@ -39,15 +39,20 @@ __device__ __forceinline__ void cp_async_16_or_zeros(uint32_t smem_addr, const v
       : "memory");
 }
 
-// The address of token t's bytes at `base` (the cache's address plus the lane's chunk offset): base + t * 656. ptxas
-// 13.0 turns this mad.wide.u32 into a wide multiply and a 64-bit add (three instructions). The C++ expression
-// base + uint64_t(t) * 656 (or a mul.wide.u32 and a C++ add) compiles to one IMAD.WIDE.U32 with the 64-bit addend in
-// the kernel (112 fewer instructions), but makes ptxas 13.0 abort on checks/gather_probe.cu and attention_probe.cu
-// ("C7600: Register allocation failed with register count of '7'"), so the PTX form stays.
+// The address of token t's bytes at `base` (the cache's address plus the lane's chunk offset): base + t * 656. The
+// C++ expression compiles to one IMAD.WIDE.U32 with the 64-bit addend (about 100 fewer instructions in the gather's
+// loops than PTX's mad.wide.u32, which ptxas 13.0 turns into a wide multiply and a 64-bit add). ptxas 13.0 aborts on
+// checks/gather_probe.cu and attention_probe.cu with that form ("C7600: Register allocation failed with register
+// count of '7'"), so the probes define FMLA_SPARSE_TOKEN_ADDRESS_PTX (checks/probe_common.cuh) and get the PTX form:
+// the same address.
 __device__ __forceinline__ const void* token_address(uint64_t base, uint32_t t) {
+#if defined(FMLA_SPARSE_TOKEN_ADDRESS_PTX)
   uint64_t a;
   asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(a) : "r"(t), "r"(uint32_t(kTokenBytes)), "l"(base));
   return reinterpret_cast<const void*>(a);
+#else
+  return reinterpret_cast<const void*>(base + uint64_t(t) * uint32_t(kTokenBytes));
+#endif
 }
 
 // Half h of a block, entries first + 32 h .. first + 32 h + 31 of a query token's index row `row` (n_used entries

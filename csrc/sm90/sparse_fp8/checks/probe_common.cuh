@@ -3,6 +3,9 @@
 // bf16 q. The error macro and the GPU check also serve decode_fp8/checks/vregs_probe.cu. Not part of the extension.
 #pragma once
 
+// The gather's token address in its PTX form (gather.cuh: token_address says why the probes need it).
+#define FMLA_SPARSE_TOKEN_ADDRESS_PTX 1
+
 #include <cuda_runtime.h>
 
 #include <cmath>
