@@ -71,7 +71,12 @@ __device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, const 
   const uint32_t bits = __ballot_sync(0xffffffffu, ok);
   const int v = ok ? t_lane : 0;
   // The latent part: one token an instruction, lane l its chunk l (piece l / 4, chunk l % 4 of the piece's 64-byte
-  // row, XORed with bits 1..2 of the row: decode_fp8::sw64_offset; row 32 h + i has the bits of i).
+  // row, XORed with bits 1..2 of the row: decode_fp8::sw64_offset; row 32 h + i has the bits of i). The eight pieces
+  // are 4 KB apart, so a token's 32 chunks land on the same 16 banks: 8 shared-memory wavefronts for 512 bytes. Two
+  // tokens an instruction (lanes 16..31 on the pair's other row, the other 16 banks: 4 wavefronts) made each copy's
+  // shuffle lane, row and mask bit run-time values, about 55 more instructions a half block, and the kernel 12%
+  // slower (even with the one-token order through the same code): the gather's instruction stream is on the kernel's
+  // path, its bank conflicts are not (docs/perf/journal.md, 2026-12-02).
   {
     const uint64_t src_lane = reinterpret_cast<uint64_t>(cache) + uint32_t(lane * kChunkBytes);
     const uint32_t base = stage_addr + uint32_t(32 * h * decode_fp8::kSwizzleRowBytes) +
