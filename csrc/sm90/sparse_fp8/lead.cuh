@@ -5,7 +5,8 @@
 // multiplies them by their V^T. The group factors and the words' s F pairs come from the transposer warps (common.cuh:
 // block_group_factors). Nothing is computed twice (a split plan that ran the softmax in both warpgroups and exchanged
 // 16 KB of scores a block and direction measured 12% slower, and was removed), and the two warpgroups are not locked
-// into one phase: warpgroup 1's words and P V of a block run while warpgroup 0 computes the next block's scores.
+// into one phase: warpgroup 1's words of a block are built while warpgroup 0 computes the next block's scores, and its
+// P V run once that Q K^T is issued (qk_issued, below).
 //   warpgroup 0: S = Q K^T (all groups), P = 2^(S sl2 - m + 8), O_0 = O_0 sc + P_0 V_0
 //   warpgroup 1: O_g = O_g sc + P_g V_g (g = 1, 2, 3), P and sc from warpgroup 0
 // Warpgroup 0 was the critical path with two groups a warpgroup (docs/perf/journal.md: it issued 1.3 times warpgroup
@@ -79,7 +80,8 @@ constexpr uint32_t kPSlotArrivals = 4;
 // cores take the two warpgroups' wgmma in the order they were issued, so warpgroup 1's three P V of a block (768 of
 // the block's 2,176 tensor-core cycles) issued as soon as their words were ready landed between warpgroup 0's Q K^T
 // products, on warpgroup 0's path (its chain is the kernel's); behind the whole Q K^T they run during its softmax:
-// 3.5-4% faster at top-k 2048 (docs/perf/journal.md, 2026-12-01). Warpgroup 0's own P V of group 0 stays ahead of
+// 3.5-4% faster at top-k 2048 in a measurement build, under 1% in a default build (docs/perf/journal.md, 2026-12-01
+// and 2026-12-02). Warpgroup 0's own P V of group 0 stays ahead of
 // that Q K^T: issued after it (and waited for in the next softmax) it measured 3-6% slower.
 // Two barriers by turns, so that the parity wait holds however far warpgroup 0 can get ahead: it cannot get three
 // blocks ahead of warpgroup 1's wait, since its arrival for block g follows its P of block g, written once warpgroup 1
