@@ -323,6 +323,12 @@ __device__ __forceinline__ void build_words(PChunk&& p_chunk, const uint32_t* sf
 // The gather warps (producer warps 0..1, gwarp 0..1): half gwarp of block g into stage g % kStages (gather.cuh), once
 // the stage's previous block was released (empty), full[s] completing when both warps' copies have landed and their
 // lane 0 wrote their half of the block's mask (ss.mask[SS::mask_slot(g)], its 32-bit half gwarp).
+// Each lane loads its entry of the block's index row first (gather.cuh: half_index), and the copies wait for that
+// load: once a stage is released, an index load's latency and then the copies' lie on the path to the block's Q K^T
+// (the gather's instruction stream is on the kernel's path: docs/kernel-design.md). Built with
+// -DFMLA_SPARSE_INDEX_PREFETCH (FLASHMLA_BACKEND_NVCC_FLAGS, docs/build.md) the lane loads block blk + 1's entry before
+// it waits for block blk's stage, so that the load's latency passes during that wait and those copies: a candidate
+// not yet measured, to be timed against the default build (docs/perf/journal.md, 2026-12-02).
 constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
 template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
@@ -335,14 +341,26 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
     const int* row = p.indices + int64_t(req) * p.indices_stride;
     int stop;
     const int nblk = counted_blocks(p, w, stop);
+    const auto entry = [&](int blk) CUTLASS_LAMBDA_FUNC_INLINE {
+      return half_index(row, (w.first_page + blk) * kBlockTokens, stop, gwarp, lane);
+    };
+#if defined(FMLA_SPARSE_INDEX_PREFETCH)
+    int t_next = nblk > 0 ? entry(0) : -1;
+#endif
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
+#if defined(FMLA_SPARSE_INDEX_PREFETCH)
+      const int t_lane = t_next;
+      if (blk + 1 < nblk) t_next = entry(blk + 1);
+      const auto lane_entry = [&]() CUTLASS_LAMBDA_FUNC_INLINE { return t_lane; };
+#else
+      const auto lane_entry = [&]() CUTLASS_LAMBDA_FUNC_INLINE { return entry(blk); };  // after the wait
+#endif
       if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
       const uint32_t mask = (debug & kDebugNoGather)
                                 ? ~0u
-                                : gather_half_warp(stage_addr, cache, p.num_kv_tokens, row,
-                                                   (w.first_page + blk) * kBlockTokens, stop, gwarp, lane);
+                                : gather_half_warp(stage_addr, cache, p.num_kv_tokens, lane_entry(), gwarp, lane);
       // full[s] completes when both warps' lanes' copies have landed (their cp.async arrivals) and their lane 0
       // wrote its half of the mask.
       cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));

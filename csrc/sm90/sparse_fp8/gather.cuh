@@ -55,18 +55,23 @@ __device__ __forceinline__ const void* token_address(uint64_t base, uint32_t t) 
 #endif
 }
 
-// Half h of a block, entries first + 32 h .. first + 32 h + 31 of a query token's index row `row` (n_used entries
-// count), into the stage at stage_addr (a shared address, 1024-byte aligned; layout.h). Called by all 32 lanes of a
-// warp; returns the mask of the half's entries that name a token (bit e: entry first + 32 h + e),
-// the same in every lane. Lane l loads entry l of the half; every copy's row within the half is a compile-time
+// Lane l's entry of half h of a block: entry first + 32 h + l of a query token's index row `row`, of which n_used
+// entries count (-1 for one that does not).
+__device__ __forceinline__ int half_index(const int* row, int first, int n_used, int h, int lane) {
+  const int e = first + 32 * h + lane;
+  return e < n_used ? __ldg(row + e) : -1;
+}
+
+// Half h of a block, entries first + 32 h .. first + 32 h + 31 of a query token's index row, into the stage at
+// stage_addr (a shared address, 1024-byte aligned; layout.h), t_lane the lane's entry (half_index). Called by all 32
+// lanes of a warp; returns the mask of the half's entries that name a token (bit e: entry first + 32 h + e),
+// the same in every lane. Lane l holds entry l of the half; every copy's row within the half is a compile-time
 // constant and every lane-dependent part of its address is computed once, so a latent copy is a shuffle, a wide
 // multiply-add, a predicate and the cp.async (with run-time rows and the swizzle computed per copy, one warp issued
 // about 1,400 instructions a block and was the kernel's bottleneck: docs/perf/journal.md, the lead plan's profile).
 // A skipped entry's token index is 0 for its address, which the copy then does not read.
 __device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,
-                                                     const int* row, int first, int n_used, int h, int lane) {
-  const int e = first + 32 * h + lane;
-  const int t_lane = e < n_used ? __ldg(row + e) : -1;
+                                                     int t_lane, int h, int lane) {
   const bool ok = index_valid(t_lane, num_tokens);
   const uint32_t bits = __ballot_sync(0xffffffffu, ok);
   const int v = ok ? t_lane : 0;
@@ -117,8 +122,10 @@ __device__ __forceinline__ uint32_t gather_half_warp(uint32_t stage_addr, const 
 // The whole block by one warp (the probes): both halves; bit e of the mask is entry first + e.
 __device__ __forceinline__ uint64_t gather_block_warp(uint32_t stage_addr, const uint8_t* cache, int64_t num_tokens,
                                                       const int* row, int first, int n_used, int lane) {
-  const uint32_t lo = gather_half_warp(stage_addr, cache, num_tokens, row, first, n_used, 0, lane);
-  const uint32_t hi = gather_half_warp(stage_addr, cache, num_tokens, row, first, n_used, 1, lane);
+  const uint32_t lo =
+      gather_half_warp(stage_addr, cache, num_tokens, half_index(row, first, n_used, 0, lane), 0, lane);
+  const uint32_t hi =
+      gather_half_warp(stage_addr, cache, num_tokens, half_index(row, first, n_used, 1, lane), 1, lane);
   return uint64_t(lo) | (uint64_t(hi) << 32);
 }
 
