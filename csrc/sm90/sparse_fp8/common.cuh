@@ -326,50 +326,82 @@ __device__ __forceinline__ void build_words(PChunk&& p_chunk, const uint32_t* sf
 // Each lane loads its entry of the block's index row first (gather.cuh: half_index), and the copies wait for that
 // load: once a stage is released, an index load's latency and then the copies' lie on the path to the block's Q K^T
 // (the gather's instruction stream is on the kernel's path: docs/kernel-design.md). Built with
-// -DFMLA_SPARSE_INDEX_PREFETCH (FLASHMLA_BACKEND_NVCC_FLAGS, docs/build.md) the lane loads block blk + 1's entry before
-// it waits for block blk's stage, so that the load's latency passes during that wait and those copies: a candidate
-// not yet measured, to be timed against the default build (docs/perf/journal.md, 2026-12-02).
+// -DFMLA_SPARSE_INDEX_PREFETCH (FLASHMLA_BACKEND_NVCC_FLAGS, docs/build.md) the lane loads the next block's entry
+// before it waits for this block's stage, across row pieces too (the next piece's row is made a piece ahead), so that
+// the load's latency passes during that wait and those copies: a candidate not yet measured, to be timed against the
+// default build (docs/perf/journal.md, 2026-12-02).
 constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
+
+// What the gather needs of a row piece: its index row, first block, counted entries' end and block count.
+struct GatherPiece {
+  const int* row;
+  int first_page, stop, nblk;
+};
+__device__ __forceinline__ GatherPiece gather_piece(const DecodeParams& p, const SchedMetaRow& meta, int req,
+                                                    int m_block) {
+  const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+  GatherPiece q;
+  q.row = p.indices + int64_t(req) * p.indices_stride;
+  q.first_page = w.first_page;
+  q.nblk = counted_blocks(p, w, q.stop);
+  return q;
+}
+
 template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int gwarp, int lane, int debug) {
   const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
   const uint32_t hint = suspend_hint(debug);
+  const auto entry = [&](const GatherPiece& q, int blk) CUTLASS_LAMBDA_FUNC_INLINE {
+    return half_index(q.row, (q.first_page + blk) * kBlockTokens, q.stop, gwarp, lane);
+  };
+  // Block blk of the piece q into stage g % kStages, t_lane the lane's entry; before the copies (after the wait for
+  // the stage) load_entry() gives it.
   uint32_t g = 0;
-  for (int req = begin_req; req <= end_req; ++req) {
-    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-    const int* row = p.indices + int64_t(req) * p.indices_stride;
-    int stop;
-    const int nblk = counted_blocks(p, w, stop);
-    const auto entry = [&](int blk) CUTLASS_LAMBDA_FUNC_INLINE {
-      return half_index(row, (w.first_page + blk) * kBlockTokens, stop, gwarp, lane);
-    };
-#if defined(FMLA_SPARSE_INDEX_PREFETCH)
-    int t_next = nblk > 0 ? entry(0) : -1;
-#endif
-    for (int blk = 0; blk < nblk; ++blk, ++g) {
-      const int s = int(g % kStages);
-#if defined(FMLA_SPARSE_INDEX_PREFETCH)
-      const int t_lane = t_next;
-      if (blk + 1 < nblk) t_next = entry(blk + 1);
-      const auto lane_entry = [&]() CUTLASS_LAMBDA_FUNC_INLINE { return t_lane; };
-#else
-      const auto lane_entry = [&]() CUTLASS_LAMBDA_FUNC_INLINE { return entry(blk); };  // after the wait
-#endif
-      if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
-      const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-      const uint32_t mask = (debug & kDebugNoGather)
-                                ? ~0u
-                                : gather_half_warp(stage_addr, cache, p.num_kv_tokens, lane_entry(), gwarp, lane);
-      // full[s] completes when both warps' lanes' copies have landed (their cp.async arrivals) and their lane 0
-      // wrote its half of the mask.
-      cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
-      if (lane == 0) {
-        reinterpret_cast<uint32_t*>(&ss.mask[SS::mask_slot(g)])[gwarp] = mask;
-        ss.full[s].arrive();
-      }
+  const auto gather_block = [&](int blk, auto&& load_entry) CUTLASS_LAMBDA_FUNC_INLINE {
+    const int s = int(g % kStages);
+    if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
+    const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
+    const uint32_t mask = (debug & kDebugNoGather)
+                              ? ~0u
+                              : gather_half_warp(stage_addr, cache, p.num_kv_tokens, load_entry(), gwarp, lane);
+    // full[s] completes when both warps' lanes' copies have landed (their cp.async arrivals) and their lane 0
+    // wrote its half of the mask.
+    cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
+    if (lane == 0) {
+      reinterpret_cast<uint32_t*>(&ss.mask[SS::mask_slot(g)])[gwarp] = mask;
+      ss.full[s].arrive();
     }
+    ++g;
+  };
+#if defined(FMLA_SPARSE_INDEX_PREFETCH)
+  // t_next: the lane's entry of the next block to gather (that of the first piece with blocks, once the piece before
+  // is done).
+  GatherPiece cur = gather_piece(p, meta, begin_req, m_block);
+  int t_next = cur.nblk > 0 ? entry(cur, 0) : -1;
+  for (int req = begin_req; req <= end_req; ++req) {
+    const bool has_next = req < end_req;
+    const GatherPiece nxt = has_next ? gather_piece(p, meta, req + 1, m_block) : cur;
+    const bool next_blocks = has_next && nxt.nblk > 0;
+    for (int blk = 0; blk < cur.nblk; ++blk) {
+      const int t_lane = t_next;
+      if (blk + 1 < cur.nblk) {
+        t_next = entry(cur, blk + 1);
+      } else if (next_blocks) {
+        t_next = entry(nxt, 0);
+      }
+      gather_block(blk, [&]() CUTLASS_LAMBDA_FUNC_INLINE { return t_lane; });
+    }
+    if (cur.nblk == 0 && next_blocks) t_next = entry(nxt, 0);
+    cur = nxt;
   }
+#else
+  for (int req = begin_req; req <= end_req; ++req) {
+    const GatherPiece q = gather_piece(p, meta, req, m_block);
+    for (int blk = 0; blk < q.nblk; ++blk)
+      gather_block(blk, [&]() CUTLASS_LAMBDA_FUNC_INLINE { return entry(q, blk); });  // after the wait
+  }
+#endif
   decode::cp_async_wait_all();  // no copy outlives the warp
 }
 
