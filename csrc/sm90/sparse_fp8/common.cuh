@@ -355,10 +355,10 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
   const auto entry = [&](const GatherPiece& q, int blk) CUTLASS_LAMBDA_FUNC_INLINE {
     return half_index(q.row, (q.first_page + blk) * kBlockTokens, q.stop, gwarp, lane);
   };
-  // Block blk of the piece q into stage g % kStages, t_lane the lane's entry; before the copies (after the wait for
-  // the stage) load_entry() gives it.
+  // The next block (g) into stage g % kStages; load_entry() gives the lane's entry, asked after the wait for the
+  // stage, before the copies.
   uint32_t g = 0;
-  const auto gather_block = [&](int blk, auto&& load_entry) CUTLASS_LAMBDA_FUNC_INLINE {
+  const auto gather_block = [&](auto&& load_entry) CUTLASS_LAMBDA_FUNC_INLINE {
     const int s = int(g % kStages);
     if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
     const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
@@ -390,7 +390,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
       } else if (next_blocks) {
         t_next = entry(nxt, 0);
       }
-      gather_block(blk, [&]() CUTLASS_LAMBDA_FUNC_INLINE { return t_lane; });
+      gather_block([&]() CUTLASS_LAMBDA_FUNC_INLINE { return t_lane; });
     }
     if (cur.nblk == 0 && next_blocks) t_next = entry(nxt, 0);
     cur = nxt;
@@ -399,7 +399,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
   for (int req = begin_req; req <= end_req; ++req) {
     const GatherPiece q = gather_piece(p, meta, req, m_block);
     for (int blk = 0; blk < q.nblk; ++blk)
-      gather_block(blk, [&]() CUTLASS_LAMBDA_FUNC_INLINE { return entry(q, blk); });  // after the wait
+      gather_block([&]() CUTLASS_LAMBDA_FUNC_INLINE { return entry(q, blk); });  // loaded after the wait
   }
 #endif
   decode::cp_async_wait_all();  // no copy outlives the warp

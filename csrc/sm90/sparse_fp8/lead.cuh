@@ -81,8 +81,8 @@ constexpr uint32_t kPSlotArrivals = 4;
 // the block's 2,176 tensor-core cycles) issued as soon as their words were ready landed between warpgroup 0's Q K^T
 // products, on warpgroup 0's path (its chain is the kernel's); behind the whole Q K^T they run during its softmax:
 // 3.5-4% faster at top-k 2048 in a measurement build, under 1% in a default build (docs/perf/journal.md, 2026-12-01
-// and 2026-12-02). Warpgroup 0's own P V of group 0 stays ahead of
-// that Q K^T: issued after it (and waited for in the next softmax) it measured 3-6% slower.
+// and 2026-12-02). Warpgroup 0's own P V of group 0 stays ahead of that Q K^T: issued after it (and waited for in the
+// next softmax) it measured 3-6% slower.
 // Two barriers by turns, so that the parity wait holds however far warpgroup 0 can get ahead: it cannot get three
 // blocks ahead of warpgroup 1's wait, since its arrival for block g follows its P of block g, written once warpgroup 1
 // released the P slot of block g - 2 (p_empty), after its wait for block g - 2's phase. (With V^T half 0 in one slot it
