@@ -451,19 +451,17 @@ def _run_sparse_probe(tmp_path: Path, source: Path, timeout: int) -> subprocess.
     return res
 
 
-@pytest.mark.parametrize("defines", [[], ["-DFMLA_SPARSE_INDEX_PREFETCH=1"]], ids=["default", "index_prefetch"])
-def test_sparse_kernel_wgmma_is_not_serialized(tmp_path, defines):
+def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     """The sparse kernel's translation unit compiles for sm_90a without ptxas's wgmma serialization notes
     (C7510-C7515: ptxas 13 prints them as infos, which --warning-as-error does not catch) and without spills. A
-    run-time branch around a wgmma (a measurement switch that skipped P V) once serialized every wgmma of the kernel.
-    index_prefetch: the gather's build switch (common.cuh: gather_warp), kept compiling until it is timed."""
+    run-time branch around a wgmma (a measurement switch that skipped P V) once serialized every wgmma of the kernel."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:
         pytest.skip(reason)
     source = ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu"
     args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG",
-            "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v", *defines, f"-I{ROOT / 'csrc'}",
+            "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{ROOT / 'csrc'}",
             f"-I{cutlass}", "-c", str(source), "-o", str(tmp_path / "sparse.o")]
     res = subprocess.run(args, capture_output=True, text=True)
     assert res.returncode == 0, f"sparse.cu does not compile:\n{res.stderr[-4000:]}"

@@ -323,13 +323,10 @@ __device__ __forceinline__ void build_words(PChunk&& p_chunk, const uint32_t* sf
 // The gather warps (producer warps 0..1, gwarp 0..1): half gwarp of block g into stage g % kStages (gather.cuh), once
 // the stage's previous block was released (empty), full[s] completing when both warps' copies have landed and their
 // lane 0 wrote their half of the block's mask (ss.mask[SS::mask_slot(g)], its 32-bit half gwarp).
-// Each lane loads its entry of the block's index row first (gather.cuh: half_index), and the copies wait for that
-// load: once a stage is released, an index load's latency and then the copies' lie on the path to the block's Q K^T
-// (the gather's instruction stream is on the kernel's path: docs/kernel-design.md). Built with
-// -DFMLA_SPARSE_INDEX_PREFETCH (FLASHMLA_BACKEND_NVCC_FLAGS, docs/build.md) the lane loads the next block's entry
-// before it waits for this block's stage, across row pieces too (the next piece's row is made a piece ahead), so that
-// the load's latency passes during that wait and those copies: a candidate not yet measured, to be timed against the
-// default build (docs/perf/journal.md, 2026-12-02).
+// Each lane loads its entry of the block's index row first (gather.cuh: half_index), after the wait for the stage, and
+// the copies wait for that load. Loading the next block's entry before the wait instead (across row pieces too) was
+// measured 1-2% slower at every shape of the benchmark table (docs/perf/journal.md, 2026-12-02): the load's latency
+// it hides is not on the path, its instructions are (the gather's instruction stream is: docs/kernel-design.md).
 constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
 
 // What the gather needs of a row piece: its index row, first block, counted entries' end and block count.
@@ -374,34 +371,11 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
     }
     ++g;
   };
-#if defined(FMLA_SPARSE_INDEX_PREFETCH)
-  // t_next: the lane's entry of the next block to gather (that of the first piece with blocks, once the piece before
-  // is done).
-  GatherPiece cur = gather_piece(p, meta, begin_req, m_block);
-  int t_next = cur.nblk > 0 ? entry(cur, 0) : -1;
-  for (int req = begin_req; req <= end_req; ++req) {
-    const bool has_next = req < end_req;
-    const GatherPiece nxt = has_next ? gather_piece(p, meta, req + 1, m_block) : cur;
-    const bool next_blocks = has_next && nxt.nblk > 0;
-    for (int blk = 0; blk < cur.nblk; ++blk) {
-      const int t_lane = t_next;
-      if (blk + 1 < cur.nblk) {
-        t_next = entry(cur, blk + 1);
-      } else if (next_blocks) {
-        t_next = entry(nxt, 0);
-      }
-      gather_block([&]() CUTLASS_LAMBDA_FUNC_INLINE { return t_lane; });
-    }
-    if (cur.nblk == 0 && next_blocks) t_next = entry(nxt, 0);
-    cur = nxt;
-  }
-#else
   for (int req = begin_req; req <= end_req; ++req) {
     const GatherPiece q = gather_piece(p, meta, req, m_block);
     for (int blk = 0; blk < q.nblk; ++blk)
       gather_block([&]() CUTLASS_LAMBDA_FUNC_INLINE { return entry(q, blk); });  // loaded after the wait
   }
-#endif
   decode::cp_async_wait_all();  // no copy outlives the warp
 }
 
