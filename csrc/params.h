@@ -198,7 +198,9 @@ constexpr uint32_t kv_format_bit(KvFormat f) { return 1u << static_cast<int>(f);
   ARG(int64_t, indices_stride)                                                                                \
   ARG(int64_t, num_kv_tokens)                                                                                 \
   ARG(const int32_t*, topk_length)                                                                            \
-  ARG(int, sparse_seqlen_q)
+  ARG(int, sparse_seqlen_q)                                                                                   \
+  ARG(bool, skip_combine) /* sparse decode only: no row has more than one split (the caller computed the schedule \
+                             on the host too), so the combine is not launched */
 
 #define FMLA_DECODE_PARAMS_MEMBER(type, name) type name;
 struct DecodeParams {
@@ -216,7 +218,8 @@ static_assert(offsetof(DecodeParams, num_sm_parts) == 36 && offsetof(DecodeParam
                   offsetof(DecodeParams, descale_q_stride_b) == 272 &&
                   offsetof(DecodeParams, descale_k_stride_h) == 296 && offsetof(DecodeParams, q_pe) == 304 &&
                   offsetof(DecodeParams, q_pe_stride_h) == 328 && offsetof(DecodeParams, indices) == 336 &&
-                  offsetof(DecodeParams, num_kv_tokens) == 352 && offsetof(DecodeParams, sparse_seqlen_q) == 368,
+                  offsetof(DecodeParams, num_kv_tokens) == 352 && offsetof(DecodeParams, sparse_seqlen_q) == 368 &&
+                  offsetof(DecodeParams, skip_combine) == 372,
               "DecodeParams layout changed");
 
 // Fills the DERIVED fields from the ARG fields. The one place they are computed; safe on any input

@@ -17,6 +17,7 @@ decode on them; CPU tensors run the reference.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -167,6 +168,7 @@ def _decode_cuda(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale
     a.scale = scale
     a.causal = causal
     a.pdl = device.device_props(index).major >= 9
+    a.skip_combine = False
     a.q = q.data_ptr()
     a.q_stride_b, a.q_stride_s, a.q_stride_h = qst[0], qst[1], qst[2]
     if q_pe is None:  # one [.., 576] q: its rope columns start HEAD_DIM_V elements into each row
@@ -483,6 +485,19 @@ def _with_attn_sink(out, lse, attn_sink):
     return (out.float() * factor.transpose(1, 2)[..., None]).to(out.dtype), lse
 
 
+@functools.lru_cache(maxsize=1024)
+def _sparse_schedule_splits(rows: int, topk: int, parts: int) -> bool:
+    """Whether the sparse schedule of `rows` rows of topk entries on `parts` parts cuts a row in splits, from the tile
+    scheduler's Python mirror (the same metadata as the GPU's, bit for bit; a few ms at 16k rows, once per shape).
+    Where it cuts none (b >= 64 at top-k 2048 and h_q 128, say), every row is written by the decode kernel and the
+    combine is not launched: its grid of CTAs that all return at once cost about 5 µs at b128 h_q 128."""
+    if rows == 0:
+        return False
+    _, splits = scheduler.schedule(torch.full((rows,), topk, dtype=torch.int32), parts,
+                                   scheduler.SPARSE_MIN_PART_BLOCKS)
+    return bool((splits[1:] - splits[:-1]).max() > 1)
+
+
 def _fill_sparse_schedule(meta: FlashMLASchedMeta, config, rows: int, topk: int, h_q: int, dev: torch.device) -> None:
     """The sparse schedule of `meta` on a CUDA device: rows of topk entries, h_q heads (one latent KV head)."""
     if torch.cuda.is_current_stream_capturing():
@@ -495,6 +510,7 @@ def _fill_sparse_schedule(meta: FlashMLASchedMeta, config, rows: int, topk: int,
     parts = scheduler.num_sm_parts(device.sm_count(dev), 1, h_q)
     tile_md, splits = _metadata_impl(lengths, parts, scheduler.SPARSE_MIN_PART_BLOCKS)
     meta.tile_scheduler_metadata, meta.num_splits, meta.sparse_lengths = tile_md, splits, lengths
+    meta.sparse_split = _sparse_schedule_splits(rows, topk, parts)
     meta.config, meta.have_initialized = config, True
 
 
@@ -591,6 +607,7 @@ def _sparse_decode_cuda(q, k_cache, meta, config, scale, indices, topk_length, a
     a.scale = scale
     a.causal = False
     a.pdl = True
+    a.skip_combine = not meta.sparse_split
     a.q = q.data_ptr()
     a.q_stride_b, a.q_stride_s, a.q_stride_h = row_stride(qst), 0, qst[2]
     a.q_pe = q.data_ptr() + HEAD_DIM_V * q.element_size()

@@ -53,6 +53,8 @@ class FlashMLASchedMeta:
     num_splits: torch.Tensor | None = None                # [b + 1] int32 (dense decode; sparse: [b s_q + 1])
     sparse_lengths: torch.Tensor | None = None            # sparse decode on CUDA: [b s_q] int32, the rows' lengths
                                                           # of the schedule (topk each)
+    sparse_split: bool | None = None                      # sparse decode on CUDA: whether the schedule cuts a row
+                                                          # in splits (the combine runs only then)
 
     def config_of(self, q: torch.Tensor, k_cache: torch.Tensor, causal: bool, is_fp8_kvcache: bool,
                   topk: int | None) -> Config:

@@ -306,6 +306,7 @@ def test_ops_sparse_path_sets_every_decode_field(monkeypatch):
     assert (a.indices, a.indices_stride, a.topk_length) == (indices.data_ptr(), topk, topk_length.data_ptr())
     assert (a.num_kv_tokens, a.max_pages_per_seq, a.num_sm_parts) == (4 * geometry.PAGE_SIZE, 2, 66)
     assert meta.sparse_lengths.tolist() == [topk] * (b * s_q)  # the schedule does not depend on topk_length
+    assert a.skip_combine is False and meta.sparse_split is True  # 6 rows of 2 blocks on 66 parts: rows are cut
     assert out.shape == (b, s_q, h_q, geometry.HEAD_DIM_V) and lse.shape == (b, h_q, s_q) and lse.is_contiguous()
 
     # s_q 1: the rows are the requests, a step of q's and indices' first strides (a size-1 dimension's stride can be
@@ -387,6 +388,9 @@ def test_mla_decode_refuses_bad_arguments_before_any_launch():
         C.mla_decode(a)
     a.kv_format, a.q_fp8 = 0, True
     with pytest.raises(RuntimeError, match=r"q_fp8 needs kv_format fp8_e4m3"):
+        C.mla_decode(a)
+    a.q_fp8, a.skip_combine = False, True
+    with pytest.raises(RuntimeError, match=r"skip_combine is for sparse decode \(indices\)"):
         C.mla_decode(a)
 
 

@@ -490,3 +490,19 @@ def test_codec_round_trip_through_the_api():
     out8, _ = api(inp.replace(k_cache=ds, q=inp.q), is_fp8_kvcache=True)
     err = float((out8.float() - out16.float()).norm() / out16.float().norm())
     assert 1e-4 < err < 0.06, err
+
+
+@pytest.mark.parametrize("rows,topk,h_q,cut", [
+    (128, 2048, 128, False), (256, 2048, 128, False), (128, 2048, 64, False), (64, 2048, 128, False),
+    (128, 512, 128, False), (32, 2048, 128, True), (1, 2048, 128, True), (100, 2048, 128, True), (0, 2048, 128, False)])
+def test_the_combine_runs_only_where_the_sparse_schedule_cuts_a_row(rows, topk, h_q, cut):
+    """ops._sparse_schedule_splits (the host's mirror of the GPU's schedule) says whether any row is cut in splits: the
+    benchmark table's shapes at b >= 64 are scheduled whole (one row a part or rows whole on 66 parts at h_q 128, 132
+    at h_q 64), b32 and b1 are cut; the sparse path then launches the decode without the combine (skip_combine)."""
+    from flashmla_backend import ops, scheduler
+    parts = scheduler.num_sm_parts(132, 1, h_q)
+    assert ops._sparse_schedule_splits(rows, topk, parts) is cut
+    if rows:
+        _, splits = scheduler.schedule(torch.full((rows,), topk, dtype=torch.int32), parts,
+                                       scheduler.SPARSE_MIN_PART_BLOCKS)
+        assert bool((splits[1:] - splits[:-1]).max() > 1) is cut

@@ -90,7 +90,12 @@ def _check(out, lse, inp, record_errors=None):
 def test_sparse_kernel_matches_fp64(case, variant, record_errors):
     _sm90()
     inp = make_sparse_inputs(case)
-    out, lse = _run(inp)
+    meta = fb.get_mla_metadata()[0]
+    out, lse = _run(inp, meta)
+    # The combine runs only where the host's mirror of the schedule cuts a row (ops._sparse_schedule_splits): it must
+    # agree with the metadata the GPU's scheduler made (the cases hold schedules with and without cut rows).
+    counts = meta.num_splits.cpu()
+    assert meta.sparse_split == bool((counts[1:] - counts[:-1]).max() > 1), (case, counts.tolist())
     assert out.shape == (case.b, case.s_q, case.h_q, D_V) and out.dtype == torch.bfloat16 and out.is_cuda
     assert lse.shape == (case.b, case.h_q, case.s_q) and lse.dtype == torch.float32 and lse.is_contiguous()
     figures = _check(out, lse, inp, record_errors)

@@ -153,7 +153,10 @@ void mla_decode(const DecodeArgs& args) {
   } else {
     FMLA_HOST_CHECK(false, "unknown kernel '" << args.kernel << "' (expected 'portable' or 'sm90')");
   }
-  run_combine(p);
+  // Sparse decode knows its schedule on the host (flashmla_backend/ops.py: _sparse_schedule_splits): where it cuts
+  // no row, every row was written by the decode kernel and the combine, whose CTAs would all return at once, is not
+  // launched (about 5 us of 4,096 empty CTAs at b128 h_q 128; docs/perf/journal.md, 2026-12-02).
+  if (!p.skip_combine) run_combine(p);
 }
 
 void tile_scheduler(std::uintptr_t seqlens, int batch, int num_sm_parts, int min_part_blocks, std::uintptr_t metadata,

@@ -96,6 +96,8 @@ inline void check_decode_params(const DecodeParams& p, const DecodeRequirements&
   FMLA_HOST_CHECK(!kv_e4m3 || p.descale_k != nullptr,
                   k << ": kv_format fp8_e4m3 needs descale_k (an fp32 tensor, [1] or [b, h_kv])");
   FMLA_HOST_CHECK(!p.q_fp8 || p.descale_q != nullptr, k << ": q_fp8 needs descale_q (an fp32 tensor, [1] or [b, h_kv])");
+  FMLA_HOST_CHECK(!p.skip_combine || p.indices != nullptr,
+                  k << ": skip_combine is for sparse decode (indices), whose schedule the caller computes on the host");
   FMLA_HOST_CHECK(p.descale_q_stride_b >= 0 && p.descale_q_stride_h >= 0 && p.descale_k_stride_b >= 0 &&
                       p.descale_k_stride_h >= 0,
                   k << ": descale strides must be >= 0 (0, 0 for a per-tensor scale), got descale_q ("
