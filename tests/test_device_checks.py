@@ -472,6 +472,24 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(n == "0" for n in spills), "the sparse kernel spills:\n" + res.stderr[-2000:]
 
 
+def test_sparse_timeline_build_keeps_wgmma_unserialized(tmp_path):
+    """The sparse kernel's timeline build (-DFMLA_SPARSE_TIMELINE, csrc/sm90/sparse_fp8/timeline.cuh) compiles without
+    ptxas's wgmma serialization notes, so that its records time the kernel as it runs: its first form printed with device
+    printf, a call that serialized every wgmma (C7510)."""
+    nvcc, cutlass = _nvcc(), _cutlass_include()
+    reason = _missing(nvcc, cutlass)
+    if reason:
+        pytest.skip(reason)
+    source = ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu"
+    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-DFMLA_SPARSE_TIMELINE=1",
+            "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{ROOT / 'csrc'}", f"-I{cutlass}", "-c",
+            str(source), "-o", str(tmp_path / "sparse_timeline.o")]
+    res = subprocess.run(args, capture_output=True, text=True)
+    assert res.returncode == 0, f"the timeline build of sparse.cu does not compile:\n{res.stderr[-4000:]}"
+    notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
+    assert not notes, "ptxas serializes wgmma in the timeline build:\n" + "\n".join(notes)
+
+
 def test_sparse_block_probe_compiles(tmp_path):
     _build_sparse_probe(tmp_path, SPARSE_BLOCK_PROBE)
 

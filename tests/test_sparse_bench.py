@@ -521,3 +521,56 @@ def test_kernel_times_add_a_calls_launches_of_one_name():
           SimpleNamespace(key="setup_kernel", device_type=cuda, count=1, device_time_total=9.0),
           SimpleNamespace(key="aten::copy_", device_type=cpu, count=20, device_time_total=0.0)]
     assert per_call_kernel_times(ev, 20) == {"sm90_decode_kernel": 200.0, "elementwise_kernel": 8.0}
+
+
+# ---- benchmarks/sparse_timeline.py --------------------------------------------------------------------------------
+
+def test_sparse_timeline_decodes_and_orders_the_records(capsys):
+    """read() unpacks the kernel's records (timeline.cuh: code << 24 | cycles, counts a CTA and role, three global
+    times a CTA) and report() prints a CTA's events of every role merged in time order, in µs at the CTA's own clock
+    (the lead's cycles over its ns), with the spread of starts and ends."""
+    import sparse_timeline
+
+    ctas, roles, events = 3, 4, 8
+    words = [0] * (ctas * roles * events)
+    counts = [0] * (ctas * roles)
+    ns = [0] * (ctas * 3)
+
+    def put(c, r, recs):
+        for i, (code, cyc) in enumerate(recs):
+            words[(c * roles + r) * events + i] = code << 24 | cyc
+        counts[c * roles + r] = len(recs)
+
+    # CTA 0: lead 2000 cycles over 1000 ns (2 GHz); CTA 2: a later start; CTA 1 had no work (no records).
+    put(0, 0, [(0, 100), (3, 1000), (99, 2000)])
+    put(0, 1, [(0, 120), (10, 1500), (99, 1900)])
+    put(0, 2, [(20, 400)])
+    put(2, 0, [(0, 100), (99, 4000)])
+    ns[0:3] = [5000, 6000, 5950]
+    ns[6:9] = [5500, 7500, 7600]
+
+    class FakeExt:
+        def sparse_timeline(self, device):
+            return {"max_ctas": ctas, "roles": roles, "events": events, "words": words, "counts": counts, "ns": ns}
+
+    recs = sparse_timeline.read(FakeExt(), 0)
+    assert sorted(recs) == [0, 2]
+    assert recs[0][0][0] == [(0, 100), (3, 1000), (99, 2000)] and recs[0][0][1] == [(0, 120), (10, 1500), (99, 1900)]
+    sparse_timeline.report(recs, [0, 1], 40)
+    out = capsys.readouterr().out
+    assert "2 CTAs with records; start spread 0.50 µs; lead end 1.00-2.50 µs, follower end 0.95-2.60 µs" in out
+    assert "clock 2.000 GHz" in out and "CTA 1: no records" in out
+    lines = [line.split() for line in out.splitlines() if line.startswith("    ")]
+    assert [(float(t), role, ev) for t, role, ev in lines] == [
+        (0.05, "lead", "start"), (0.06, "follow", "start"), (0.2, "gather", "stage_free"), (0.5, "lead", "qk_done"),
+        (0.75, "follow", "p_full"), (0.95, "follow", "end"), (1.0, "lead", "end")]
+
+
+def test_sparse_timeline_keeps_the_ends_of_long_lists(capsys):
+    import sparse_timeline
+
+    recs = {0: ([[(2, 10 * i) for i in range(1, 11)], [], [], []], [0, 100, 0])}
+    sparse_timeline.report(recs, [0], 2)
+    out = capsys.readouterr().out
+    lead = [line.split() for line in out.splitlines() if line.startswith("    ")]
+    assert [x[-1] for x in lead] == ["full", "full", "...", "full", "full"]

@@ -217,6 +217,20 @@ PYBIND11_MODULE(_C, m) {
   m.def("measure_build", &measure_build);
 #ifdef FLASHMLA_BACKEND_WITH_SM90
   m.def("sm90_decode_smem_bytes", &sm90_decode_smem_bytes);
+  m.def(
+      "sparse_timeline",
+      [](int device) {
+        DeviceGuard guard(device);
+        SparseTimeline t;
+        FMLA_HOST_CHECK(read_sm90_sparse_timeline(t),
+                        "this build records no sparse timeline; configure it with "
+                        "FLASHMLA_BACKEND_NVCC_FLAGS=-DFMLA_SPARSE_TIMELINE=1 (docs/build.md)");
+        return py::dict(py::arg("max_ctas") = t.max_ctas, py::arg("roles") = t.roles, py::arg("events") = t.events,
+                        py::arg("words") = t.words, py::arg("counts") = t.counts, py::arg("ns") = t.ns);
+      },
+      py::arg("device"),
+      "The sparse kernel's timeline of its last launch on `device` (a timeline build only: "
+      "csrc/sm90/sparse_fp8/timeline.cuh); its counts are cleared.");
 #endif
 #ifndef FLASHMLA_BACKEND_ARCH_LIST
 #error "CMakeLists.txt passes -DFLASHMLA_BACKEND_ARCH_LIST=\"80;90a\" (the targets this build compiled)"

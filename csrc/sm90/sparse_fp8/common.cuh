@@ -29,6 +29,7 @@
 #include "sm90/sparse_fp8/layout.h"
 #include "sm90/sparse_fp8/pv.cuh"
 #include "sm90/sparse_fp8/qk.cuh"
+#include "sm90/sparse_fp8/timeline.cuh"
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
@@ -205,6 +206,7 @@ template <class SS>
 __device__ __forceinline__ void first_q_tile_slot(const DecodeParams& p, SS& ss, int req, int m_block, int t) {
   QSlot q;
   q_slot_load(p, req, m_block, t, q);
+  FMLA_TL(ss, kTlLead, kTlFirstQLoaded, t == 0);
   q_slot_split(p, ss, t, q);
   cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
 }
@@ -325,7 +327,7 @@ __device__ __forceinline__ void build_words(PChunk&& p_chunk, const uint32_t* sf
 // lane 0 wrote their half of the block's mask (ss.mask[SS::mask_slot(g)], its 32-bit half gwarp).
 // Each lane loads its entry of the block's index row first (gather.cuh: half_index), after the wait for the stage, and
 // the copies wait for that load. Loading the next block's entry before the wait instead (across row pieces too) was
-// measured 1-2% slower at every shape of the benchmark table (docs/perf/journal.md, 2026-12-02): the load's latency
+// measured 0.3-2.5% slower at every shape of the benchmark table (docs/perf/journal.md, 2026-12-02): the load's latency
 // it hides is not on the path, its instructions are (the gather's instruction stream is: docs/kernel-design.md).
 constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
 
@@ -358,6 +360,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
   const auto gather_block = [&](auto&& load_entry) CUTLASS_LAMBDA_FUNC_INLINE {
     const int s = int(g % kStages);
     if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
+    FMLA_TL(ss, kTlGather, kTlStageFree, gwarp == 0 && lane == 0);
     const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
     const uint32_t mask = (debug & kDebugNoGather)
                               ? ~0u
@@ -369,6 +372,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
       reinterpret_cast<uint32_t*>(&ss.mask[SS::mask_slot(g)])[gwarp] = mask;
       ss.full[s].arrive();
     }
+    FMLA_TL(ss, kTlGather, kTlCopies, gwarp == 0 && lane == 0);
     ++g;
   };
   for (int req = begin_req; req <= end_req; ++req) {
@@ -377,6 +381,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
       gather_block([&]() CUTLASS_LAMBDA_FUNC_INLINE { return entry(q, blk); });  // loaded after the wait
   }
   decode::cp_async_wait_all();  // no copy outlives the warp
+  FMLA_TL_FINISH(ss, kTlGather, gwarp == 0 && lane == 0);
 }
 
 // The group factors of a block, made once by transposer warp t for groups g0 = 2 t, g0 + 1 instead of by each
@@ -438,8 +443,10 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       producer_wait(ss.full[s], (g / kStages) & 1u, hint);
+      FMLA_TL(ss, kTlTranspose, kTlTFull, twarp == 0 && lane == 0);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
       block_group_factors(ss, s, int((g + kStages - 1) % kStages), blk == 0, twarp, lane);
+      FMLA_TL(ss, kTlTranspose, kTlFactors, twarp == 0 && lane == 0);
 #pragma unroll 1
       for (int h = 0; h < 2; ++h) {
         if (g > 0) producer_wait(ss.vt_empty[h], (g - 1) & 1u, hint);
@@ -447,10 +454,12 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
           transpose_part(stage_addr, cute::cast_smem_ptr_to_uint(ss.vt[h]), h, twarp, lane);
         cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
         warp_arrive(ss.vt_full[h], lane);
+        FMLA_TL(ss, kTlTranspose, kTlHalf, twarp == 0 && lane == 0);
       }
       warp_arrive(ss.empty[s], lane);
     }
   }
+  FMLA_TL_FINISH(ss, kTlTranspose, twarp == 0 && lane == 0);
 }
 // ------------------------------------------------------------------------------------------------
 // Consumer warpgroup kWG

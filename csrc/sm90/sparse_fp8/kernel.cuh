@@ -31,6 +31,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug_arg) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using SS = LeadStorage;
+#if defined(FMLA_SPARSE_TIMELINE)
+  const long long tl_start = clock64();  // timeline.cuh
+  const unsigned long long tl_start_ns = global_timer_ns();
+#endif
   const DecodeParams& p = params;
   const int debug = kMeasureBuild ? debug_arg : 0;  // common/measure.h
   extern __shared__ uint8_t smem_raw[];
@@ -62,9 +66,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     ss.qk_issued[0].init(kQkIssuedArrivals);
     ss.qk_issued[1].init(kQkIssuedArrivals);
+#if defined(FMLA_SPARSE_TIMELINE)
+    tl_init(ss.tl, tl_start, tl_start_ns);
+#endif
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  FMLA_TL(ss, tid / kWgThreads, kTlStart, tid == 0 || tid == kWgThreads);
+  FMLA_TL(ss, kTlGather, kTlStart, tid == kNumConsumerThreads);
+  FMLA_TL(ss, kTlTranspose, kTlStart, tid == kNumConsumerThreads + 32 * kGatherWarps);
 
   if (wg == 2) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();

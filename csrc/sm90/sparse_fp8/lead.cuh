@@ -66,6 +66,9 @@ struct alignas(1024) LeadStorage {
   cutlass::arch::ClusterBarrier vt_full[kVtSlots];
   cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
   cutlass::arch::ClusterBarrier qk_issued[2];
+#if defined(FMLA_SPARSE_TIMELINE)
+  Timeline tl;  // timeline.cuh
+#endif
 };
 static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "shared memory plan exceeds 227 KB");
 
@@ -99,8 +102,10 @@ __device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_
                                         FragS& t0, FragS& t1, AfterFirst&& after_first, AfterIssued&& after_issued) {
   const int s = int(g % kStages);
   consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
+  FMLA_TL(ss, kTlLead, kTlFull, tid_in_wg == 0);
   cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
   sparse_qk_block<kQTerms>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], S, t0, t1, after_first, after_issued);
+  FMLA_TL(ss, kTlLead, kTlQk, tid_in_wg == 0);
 }
 
 __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
@@ -116,6 +121,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
   // The first row piece's Q tile: heads 0..31 here, 32..63 in warpgroup 1 (common.cuh: q_slot_split).
   first_q_tile_slot(p, ss, begin_req, m_block, tid_in_wg);
   NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_and_wait_unaligned();
+  FMLA_TL(ss, kTlLead, kTlFirstQ, tid_in_wg == 0);
   // The 16-bit q of row piece req's Q tile into the tile by cp.async (this warpgroup's slots t and t + 128), one
   // commit group; split in place after the row piece before it.
   const auto copy_q_tile = [&](int req) CUTLASS_LAMBDA_FUNC_INLINE {
@@ -182,10 +188,12 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
         }
       }
       warp_arrive(ss.p_full[c], lane);
+      FMLA_TL(ss, kTlLead, kTlPHanded, tid_in_wg == 0);
 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes both); O rescaled, P's words of
       // group 0; the block's stage is done with here ----
       consumer_wait(ss.vt_full[0], g & 1u, hint);
+      FMLA_TL(ss, kTlLead, kTlVt0, tid_in_wg == 0);
       const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[s][0][0]);  // (ratio, F) of group 0
       const float ratio[1] = {gf.x};
       F = gf.y;
@@ -210,6 +218,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
         qk_issued();
         warpgroup_wait<0>();
         release_half0();
+        FMLA_TL(ss, kTlLead, kTlPv0Done, tid_in_wg == 0);
       }
     }
 
@@ -221,19 +230,24 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     inv_out(F, l, inv);
     store_group(p, w, 0, rows, lane, o, inv);
     store_lse(p, w, rows, lane, l, m);
+    FMLA_TL(ss, kTlLead, kTlEpilogue, tid_in_wg == 0);
     if (next) {
       if (nblk == 0) copy_q_tile(req + 1);  // no block: not copied yet
       decode::cp_async_wait_all();  // this thread's own copies: the split reads only them
+      FMLA_TL(ss, kTlLead, kTlQCopied, tid_in_wg == 0);
 #pragma unroll 1
       for (int k = 0; k < 2; ++k) {
         QSlot q;
         q_slot_read(ss, tid_in_wg + k * kWgThreads, q);
         q_slot_split(p, ss, tid_in_wg + k * kWgThreads, q);
       }
+      FMLA_TL(ss, kTlLead, kTlQSplit, tid_in_wg == 0);
       cutlass::arch::fence_view_async_shared();
       NamedBarrier(kWgThreads, kBarLeadQ).arrive_and_wait_unaligned();
+      FMLA_TL(ss, kTlLead, kTlNextQ, tid_in_wg == 0);
     }
   }
+  FMLA_TL_FINISH(ss, kTlLead, tid_in_wg == 0);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -268,6 +282,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
   // Heads 32..63 of the first row piece's Q tile (lead_loop); warpgroup 0 waits for them, this one does not.
   first_q_tile_slot(p, ss, begin_req, m_block, kWgThreads + tid_in_wg);
   NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_unaligned();
+  FMLA_TL(ss, kTlFollow, kTlFirstQ, tid_in_wg == 0);
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -288,6 +303,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       const int c = int(g % kPSlots);
       // ---- the rows' factor of block g from warpgroup 0 (its P stays in slot c until the last group's words) ----
       consumer_wait(ss.p_full[c], (g / kPSlots) & 1u, hint);
+      FMLA_TL(ss, kTlFollow, kTlPFull, tid_in_wg == 0);
       const float sc[2] = {ss.sc[c][row_in_tile[0]], ss.sc[c][row_in_tile[1]]};
       if (blk + 1 == nblk) {
         l[0] = ss.rsum[c][row_in_tile[0]];
@@ -296,6 +312,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes all of them); O rescaled ----
       consumer_wait(ss.vt_full[0], g & 1u, hint);
+      FMLA_TL(ss, kTlFollow, kTlVt0, tid_in_wg == 0);
       const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[s][1][0]);  // (ratio, F) of group 1
       const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);  // of groups 2 and 3
       const float ratio[3] = {f1.x, f23.x, f23.z};
@@ -312,11 +329,13 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       // work (qk_issued) ----
       follow_group<1>(ss, s, c, 0, tid_in_wg, lane, debug, o1, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         consumer_wait(ss.qk_issued[g % 2], (g / 2) & 1u, hint);
+        FMLA_TL(ss, kTlFollow, kTlQkIssued, tid_in_wg == 0);
       });
       consumer_wait(ss.vt_full[1], g & 1u, hint);
       follow_group<2>(ss, s, c, 1, tid_in_wg, lane, debug, o2, [] {});
       follow_group<3>(ss, s, c, 1, tid_in_wg, lane, debug, o3,
                       [&]() CUTLASS_LAMBDA_FUNC_INLINE { warp_arrive(ss.p_empty[c], lane); });  // P read
+      FMLA_TL(ss, kTlFollow, kTlBlockDone, tid_in_wg == 0);
     }
 
     // ---- epilogue ----
@@ -328,7 +347,9 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
     store_group(p, w, 2, rows, lane, o2, inv);
     inv_out(F[2], l, inv);
     store_group(p, w, 3, rows, lane, o3, inv);
+    FMLA_TL(ss, kTlFollow, kTlEpilogue, tid_in_wg == 0);
   }
+  FMLA_TL_FINISH(ss, kTlFollow, tid_in_wg == 0);
 }
 
 }  // namespace flashmla_backend::sm90::sparse_fp8

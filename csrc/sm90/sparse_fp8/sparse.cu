@@ -67,4 +67,26 @@ void run_sm90_sparse_decode(const DecodeParams& p) {
   FMLA_CHECK_LAUNCH("sm90_sparse_fp8_decode_kernel");
 }
 
+bool read_sm90_sparse_timeline(SparseTimeline& t) {
+#if defined(FMLA_SPARSE_TIMELINE)
+  using namespace sm90::sparse_fp8;
+  t.max_ctas = kTlMaxCtas;
+  t.roles = kTlRoles;
+  t.events = kTlEvents;
+  t.words.resize(size_t(kTlMaxCtas) * kTlRoles * kTlEvents);
+  t.counts.resize(size_t(kTlMaxCtas) * kTlRoles);
+  t.ns.resize(size_t(kTlMaxCtas) * 3);
+  FMLA_CUDA_CHECK(cudaDeviceSynchronize());
+  FMLA_CUDA_CHECK(cudaMemcpyFromSymbol(t.words.data(), g_tl_events, t.words.size() * sizeof(uint32_t)));
+  FMLA_CUDA_CHECK(cudaMemcpyFromSymbol(t.counts.data(), g_tl_count, t.counts.size() * sizeof(uint32_t)));
+  FMLA_CUDA_CHECK(cudaMemcpyFromSymbol(t.ns.data(), g_tl_ns, t.ns.size() * sizeof(unsigned long long)));
+  const std::vector<uint32_t> zero(t.counts.size(), 0u);
+  FMLA_CUDA_CHECK(cudaMemcpyToSymbol(g_tl_count, zero.data(), zero.size() * sizeof(uint32_t)));
+  return true;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
 }  // namespace flashmla_backend
