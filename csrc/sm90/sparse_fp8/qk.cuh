@@ -58,7 +58,8 @@ constexpr int kKStepsPerGroup = 128 / 32;
 // code (a rolled group loop measured 10% faster at b = 1 h_q 128 and 2-5% at b32, b64 and top-k 512 than the unrolled
 // one; docs/perf/journal.md). The tensor cores drain between the two pairs (the next pair is issued after both folds);
 // the unrolled order that issues group g + 2 right after group g's fold, so that a product is always queued, was
-// measured 0.5-3% slower at every shape of the table (journal, 2026-12-02): the pair's gap is not on the path.
+// measured level at b = 1 and 0.3-3% slower at the table's other shapes (journal, 2026-12-02): the pair's
+// gap is not on the path.
 // after_first: called once, after the wait for the rope product and group 0 (and so for every wgmma the warpgroup
 // committed before this call: warpgroup 0 releases the V^T half of its previous P V there). after_issued: called once,
 // when the last pair's products are committed, before their waits (all of the block's tensor work is issued then).
