@@ -174,10 +174,19 @@ __device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int 
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < 4; ++k) {  // decode_fp8::split_e4m3x2: the difference in fp16
       uint32_t h0, l0, h1, l1;
+#if defined(FMLA_SPARSE_Q_SPLIT_F32)
+      // Build switch (docs/build.md), not yet timed: two conversions a pair instead of four (q_tile.cuh:
+      // split_e4m3x2_f32), for the split at a row piece's start that the timeline build puts on the path.
+      decode_fp8::split_e4m3x2_f32(__uint_as_float(w[2 * k] << 16) * inv,
+                                   __uint_as_float(w[2 * k] & 0xffff0000u) * inv, h0, l0);
+      decode_fp8::split_e4m3x2_f32(__uint_as_float(w[2 * k + 1] << 16) * inv,
+                                   __uint_as_float(w[2 * k + 1] & 0xffff0000u) * inv, h1, l1);
+#else
       decode_fp8::split_e4m3x2(__uint_as_float(w[2 * k] << 16) * inv, __uint_as_float(w[2 * k] & 0xffff0000u) * inv,
                                h0, l0);
       decode_fp8::split_e4m3x2(__uint_as_float(w[2 * k + 1] << 16) * inv,
                                __uint_as_float(w[2 * k + 1] & 0xffff0000u) * inv, h1, l1);
+#endif
       hi[k] = h0 | (h1 << 16);
       lo[k] = l0 | (l1 << 16);
     }
