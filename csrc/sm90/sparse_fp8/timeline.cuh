@@ -1,9 +1,9 @@
-// The sparse decode kernel's timeline build (-DFMLA_SPARSE_TIMELINE, through FLASHMLA_BACKEND_NVCC_FLAGS: docs/build.md):
-// one thread of each role records the SM clock at the events of its loop (the codes below) in device globals, which
-// flashmla_backend._ext.ext().sparse_timeline() returns after a launch (benchmarks/sparse_timeline.py prints them).
-// A measurement tool only: the clock reads and stores change the timing a little, and the default build has none of
-// it (FMLA_TL expands to nothing; the shared-memory plan and the SASS are the default's). Device printf was the first
-// form: its call made ptxas serialize every wgmma of the kernel (C7510, a call crossing the wgmma pipeline).
+// The sparse decode kernel's timeline build (-DFMLA_SPARSE_TIMELINE, given through FLASHMLA_BACKEND_NVCC_FLAGS:
+// docs/build.md): one thread of each role records the SM clock at the events of its loop (the codes below) in device
+// globals, which flashmla_backend._ext.ext().sparse_timeline() returns after a launch (benchmarks/sparse_timeline.py
+// prints them). A measurement tool only: the clock reads and stores change the timing a little, and the default build
+// has none of it (FMLA_TL expands to nothing; the shared-memory plan and the SASS are the default's). Device printf was
+// the first form: its call made ptxas serialize every wgmma of the kernel (C7510, a call crossing the wgmma pipeline).
 #pragma once
 
 #include <cstdint>
@@ -43,8 +43,8 @@ constexpr int kTlEvents = 256;   // a role's events a CTA (the later ones droppe
 constexpr int kTlMaxCtas = 512;  // CTAs recorded (blockIdx.z * gridDim.x + blockIdx.x below this)
 
 // Device globals, read by sparse_timeline() (sparse.cu) after a launch: event i of role r of CTA c is
-// g_tl_events[c][r][i] = code << 24 | SM cycles since the CTA's start; g_tl_count[c][r] its events (0 for a CTA that had
-// no work); g_tl_ns[c] = {global timer at the CTA's start, at the lead's end, at the follower's end}.
+// g_tl_events[c][r][i] = code << 24 | SM cycles since the CTA's start; g_tl_count[c][r] its events (0 for a CTA that
+// had no work); g_tl_ns[c] = {global timer at the CTA's start, at the lead's end, at the follower's end}.
 __device__ uint32_t g_tl_events[kTlMaxCtas][kTlRoles][kTlEvents];
 __device__ uint32_t g_tl_count[kTlMaxCtas][kTlRoles];
 __device__ unsigned long long g_tl_ns[kTlMaxCtas][3];
