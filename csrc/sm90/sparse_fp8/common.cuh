@@ -340,54 +340,36 @@ __device__ __forceinline__ void build_words(PChunk&& p_chunk, const uint32_t* sf
 // it hides is not on the path, its instructions are (the gather's instruction stream is: docs/kernel-design.md).
 constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
 
-// What the gather needs of a row piece: its index row, first block, counted entries' end and block count.
-struct GatherPiece {
-  const int* row;
-  int first_page, stop, nblk;
-};
-__device__ __forceinline__ GatherPiece gather_piece(const DecodeParams& p, const SchedMetaRow& meta, int req,
-                                                    int m_block) {
-  const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-  GatherPiece q;
-  q.row = p.indices + int64_t(req) * p.indices_stride;
-  q.first_page = w.first_page;
-  q.nblk = counted_blocks(p, w, q.stop);
-  return q;
-}
-
 template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int gwarp, int lane, int debug) {
   const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
   const uint32_t hint = suspend_hint(debug);
-  const auto entry = [&](const GatherPiece& q, int blk) CUTLASS_LAMBDA_FUNC_INLINE {
-    return half_index(q.row, (q.first_page + blk) * kBlockTokens, q.stop, gwarp, lane);
-  };
-  // The next block (g) into stage g % kStages; load_entry() gives the lane's entry, asked after the wait for the
-  // stage, before the copies.
   uint32_t g = 0;
-  const auto gather_block = [&](auto&& load_entry) CUTLASS_LAMBDA_FUNC_INLINE {
-    const int s = int(g % kStages);
-    if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
-    FMLA_TL(ss, kTlGather, kTlStageFree, gwarp == 0 && lane == 0);
-    const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-    const uint32_t mask = (debug & kDebugNoGather)
-                              ? ~0u
-                              : gather_half_warp(stage_addr, cache, p.num_kv_tokens, load_entry(), gwarp, lane);
-    // full[s] completes when both warps' lanes' copies have landed (their cp.async arrivals) and their lane 0
-    // wrote its half of the mask.
-    cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
-    if (lane == 0) {
-      reinterpret_cast<uint32_t*>(&ss.mask[SS::mask_slot(g)])[gwarp] = mask;
-      ss.full[s].arrive();
-    }
-    FMLA_TL(ss, kTlGather, kTlCopies, gwarp == 0 && lane == 0);
-    ++g;
-  };
   for (int req = begin_req; req <= end_req; ++req) {
-    const GatherPiece q = gather_piece(p, meta, req, m_block);
-    for (int blk = 0; blk < q.nblk; ++blk)
-      gather_block([&]() CUTLASS_LAMBDA_FUNC_INLINE { return entry(q, blk); });  // loaded after the wait
+    const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
+    const int* row = p.indices + int64_t(req) * p.indices_stride;
+    int stop;
+    const int nblk = counted_blocks(p, w, stop);
+    for (int blk = 0; blk < nblk; ++blk, ++g) {
+      const int s = int(g % kStages);
+      if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
+      FMLA_TL(ss, kTlGather, kTlStageFree, gwarp == 0 && lane == 0);
+      const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
+      const uint32_t mask =
+          (debug & kDebugNoGather)
+              ? ~0u
+              : gather_half_warp(stage_addr, cache, p.num_kv_tokens,
+                                 half_index(row, (w.first_page + blk) * kBlockTokens, stop, gwarp, lane), gwarp, lane);
+      // full[s] completes when both warps' lanes' copies have landed (their cp.async arrivals) and their lane 0
+      // wrote its half of the mask.
+      cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
+      if (lane == 0) {
+        reinterpret_cast<uint32_t*>(&ss.mask[SS::mask_slot(g)])[gwarp] = mask;
+        ss.full[s].arrive();
+      }
+      FMLA_TL(ss, kTlGather, kTlCopies, gwarp == 0 && lane == 0);
+    }
   }
   decode::cp_async_wait_all();  // no copy outlives the warp
   FMLA_TL_FINISH(ss, kTlGather, gwarp == 0 && lane == 0);
