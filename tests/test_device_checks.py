@@ -56,7 +56,6 @@ ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 SPARSE_GATHER_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_probe.cu"
 SPARSE_ATTENTION_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "attention_probe.cu"
-SPARSE_Q_SPLIT_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "q_split_probe.cu"
 FP8_VREGS_PROBE = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "vregs_probe.cu"
 SPARSE_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "protocol_model.py"
 
@@ -473,12 +472,11 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(n == "0" for n in spills), "the sparse kernel spills:\n" + res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE", "FMLA_SPARSE_Q_SPLIT_F32"])
+@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE"])
 def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
-    form printed with device printf, a call that serialized every wgmma, C7510) and the q split with two conversions a
-    pair (not yet timed; it spills a few bytes, which the default build must not)."""
+    form printed with device printf, a call that serialized every wgmma, C7510)."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:
@@ -530,22 +528,6 @@ def test_sparse_gather_probe_reads_every_chunk_right_on_the_gpu(tmp_path):
         res.stdout + res.stderr
     assert all(c[2] == "0" and c[3] == "0" for c in cases), res.stdout
     assert res.returncode == 0 and "gather probe: ok" in res.stdout, res.stdout + res.stderr
-
-
-def test_sparse_q_split_probe_compiles(tmp_path):
-    _build_sparse_probe(tmp_path, SPARSE_Q_SPLIT_PROBE)
-
-
-@pytest.mark.gpu
-def test_the_two_forms_of_the_q_split_agree_on_the_gpu(tmp_path):
-    """q_tile.cuh's split_e4m3x2 (the difference in fp16) and split_e4m3x2_f32 (in fp32, two conversions a pair
-    fewer; the sparse kernel's build switch FMLA_SPARSE_Q_SPLIT_F32) give the same terms for every bf16 value at every
-    scale, a zero lo's sign aside."""
-    res = _run_sparse_probe(tmp_path, SPARSE_Q_SPLIT_PROBE, timeout=120)
-    m = re.search(r"q split probe: (\d+) pairs, (\d+) hi and (\d+) lo terms differ", res.stdout)
-    assert m and int(m.group(1)) == 32768 * 281, res.stdout + res.stderr
-    assert (m.group(2), m.group(3)) == ("0", "0"), res.stdout
-    assert res.returncode == 0 and "q split probe: ok" in res.stdout, res.stdout + res.stderr
 
 
 def test_sparse_attention_probe_compiles(tmp_path):

@@ -125,31 +125,6 @@ __device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float x0, float x1) {
 __device__ __forceinline__ uint32_t f32x4_to_e4m3x4(float x0, float x1, float x2, float x3) {
   return f32x2_to_e4m3x2(x0, x1) | (f32x2_to_e4m3x2(x2, x3) << 16);
 }
-// The value of the e4m3 byte in b's low 8 bits, in fp32, without the conversion pipe: the byte's exponent and mantissa
-// bits placed at the low end of fp32's exponent and the top of its mantissa, times 2^120 (e4m3's bias 7 against
-// fp32's 127); an e4m3 subnormal (exponent 0) is then an fp32 subnormal that the multiply (mul.rn.f32, which keeps
-// subnormals whatever -ftz says) scales exactly. The NaN byte 0x7f gives 480 (its caller's difference is NaN anyway).
-// tests/test_q_split_terms.py checks the formula for every byte on the CPU.
-__device__ __forceinline__ float e4m3_bits_to_f32(uint32_t b) {
-  const float f = __uint_as_float(((b & 0x7fu) << 20) | ((b & 0x80u) << 24));
-  float v;
-  asm("mul.rn.f32 %0, %1, 0f7B800000;" : "=f"(v) : "f"(f));  // 2^120
-  return v;
-}
-// split_e4m3x2's terms with two conversions a pair instead of four: lo from the fp32 difference, hi widened back by
-// e4m3_bits_to_f32 on the integer and FMA pipes. Hopper's conversions (F2FP) issue at a fraction of the other pipes'
-// rate, so where a split is bound by them this trades two of them for about eight cheap instructions. The same terms
-// as split_e4m3x2 (the fp32 difference is the form its header compares with; a zero lo may differ in sign only):
-// checks/q_split_probe.cu compares the two on a GPU for every bf16 value at every scale that matters.
-__device__ __forceinline__ void split_e4m3x2_f32(float y0, float y1, uint32_t& hi, uint32_t& lo) {
-  uint16_t h, l;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(y1), "f"(y0));
-  const float d0 = y0 - e4m3_bits_to_f32(h);
-  const float d1 = y1 - e4m3_bits_to_f32(uint32_t(h) >> 8);
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(l) : "f"(d1), "f"(d0));
-  hi = h;
-  lo = l;
-}
 // The two e4m3 terms of y0, y1 (q / s, so |y| <= 448): hi = e4m3(y), lo = e4m3(y - hi), y0's in the low byte of each.
 // y - hi is taken in fp16, where it is exact for a 16-bit q: y has at most 11 significant bits (8 for bf16) and hi is
 // y to 4, so the difference needs at most 7 bits above y's last one; y itself is exact in fp16 down to 2^-14, and

@@ -82,42 +82,18 @@ __device__ __forceinline__ void producer_wait(Barrier& bar, uint32_t parity, uin
 }
 
 // ------------------------------------------------------------------------------------------------
-// The Q tile of a row, written by q_slot_split from q_slot_load's registers, one slot t (0..255) at a time: head
-// 64 m + t / 4, latent group t % 4 (128 channels) and rope channels 16 (t % 4) .. + 15. q ~ s_r (hi + lo),
-// s_r = 2^ceil(log2(amax / 448)) over the head's latent part (qk.cuh's header); heads past h_q get zeros. Only
-// warpgroup 0 reads the tile (its Q K^T), so only the CTA's first row piece is loaded by both warpgroups (slots tid);
-// warpgroup 0 loads every later one alone (slots t and t + 128): copied into the tile by cp.async once its last Q K^T
-// of the row piece before is complete, split in place after that row piece's stores (lead.cuh).
+// The Q tile of a row, one slot t (0..255) at a time: head 64 m + t / 4, latent group t % 4 (128 channels) and rope
+// channels 16 (t % 4) .. + 15. q ~ s_r (hi + lo), s_r = 2^ceil(log2(amax / 448)) over the head's latent part (qk.cuh's
+// header); heads past h_q get zeros. A thread copies its slot's 16-bit q into the tile (q_slot_copy, cp.async) and,
+// once its copies have landed, splits it in place (q_slot_split). Only warpgroup 0 reads the tile (its Q K^T), so
+// only the CTA's first row piece is made by both warpgroups (slot tid each); warpgroup 0 makes every later one alone
+// (slots t and t + 128): copied once its last Q K^T of the row piece before is complete, split after that row
+// piece's stores (lead.cuh).
 // ------------------------------------------------------------------------------------------------
-struct QSlot {
-  uint4 lat[16], rope[2];
-};
-
-__device__ __forceinline__ void q_slot_load(const DecodeParams& p, int req, int m_block, int t, QSlot& q) {
-  const int h = m_block * kTileRows + (t >> 2), qq = t & 3;
-  if (h < p.num_heads_q) {
-    const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const cutlass::bfloat16_t*>(p.q) +
-                                                      int64_t(req) * p.q_stride_b + int64_t(h) * p.q_stride_h) +
-                       16 * qq;
-    const uint4* src_pe = reinterpret_cast<const uint4*>(
-                              reinterpret_cast<const cutlass::bfloat16_t*>(p.q_pe) + int64_t(req) * p.q_pe_stride_b +
-                              int64_t(h) * p.q_pe_stride_h) +
-                          2 * qq;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 16; ++i) q.lat[i] = __ldg(src + i);
-    q.rope[0] = __ldg(src_pe);
-    q.rope[1] = __ldg(src_pe + 1);
-  } else {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < 16; ++i) q.lat[i] = make_uint4(0, 0, 0, 0);
-    q.rope[0] = q.rope[1] = make_uint4(0, 0, 0, 0);
-  }
-}
-
 // Slot t's 16-bit q copied by cp.async (no commit) into the bytes its terms go to: latent channels 16 c .. + 7 of
 // the slot's group where chunk c's hi term goes, 16 c + 8 .. + 15 where its lo term goes, the rope chunks where they
 // stay (zeros for heads past h_q). Two e4m3 terms are as many bytes as the 16-bit q, so the tile holds it exactly, and
-// q_slot_read gives the thread back its own bytes as q_slot_load's registers: the split needs no barrier before it.
+// the split reads only the bytes its own thread copied: it needs no barrier before it.
 template <class SS>
 __device__ __forceinline__ void q_slot_copy(const DecodeParams& p, SS& ss, int req, int m_block, int t) {
   const int r = t >> 2, qq = t & 3;
@@ -137,86 +113,82 @@ __device__ __forceinline__ void q_slot_copy(const DecodeParams& p, SS& ss, int r
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < 2; ++c) decode::cp_async_16(rope + sw128_offset(r, 2 * qq + c), src_pe + 8 * c, valid);
 }
+// Slot t split in place: its 16-bit q, where q_slot_copy put it, replaced by its two e4m3 terms and its rope by the
+// rope divided by s_r; the head's s_r (the max over its four slots: lanes t ^ 1 and t ^ 2) into row_scale_log2.
+// The chunks are a loop of two a trip, not unrolled: the split runs once a row piece, after code that has pushed its
+// own out of the instruction cache. In ncu's samples at b128 top-k 128 (every cache flushed before the launch) the
+// unrolled form (about 1,000 instructions a slot, 8,168 in the kernel against 6,792) stalled 72% of its samples on
+// instruction fetch (no_inst) and the kernel took 49.3 µs; with this loop 43.0 (66% of the loop's samples on the short
+// scoreboard: its conversions and loads; four chunks a trip 46.4). In CUDA-graph replays, where the code stays cached
+// from the call before, the two forms are within 1% but at b = 1 (top-k 2048 3% slower, top-k 512 5% faster):
+// docs/perf/journal.md, 2026-12-02 (afternoon).
 template <class SS>
-__device__ __forceinline__ void q_slot_read(SS& ss, int t, QSlot& q) {
-  const int r = t >> 2, qq = t & 3;
-  CUTLASS_PRAGMA_UNROLL
-  for (int c = 0; c < 8; ++c) {
-    const uint32_t off = gather_chunk_offset(r, 8 * qq + c);
-    q.lat[2 * c] = *reinterpret_cast<const uint4*>(ss.q_latent + off);
-    q.lat[2 * c + 1] = *reinterpret_cast<const uint4*>(ss.q_latent + kLatentBytes + off);
-  }
-  CUTLASS_PRAGMA_UNROLL
-  for (int c = 0; c < 2; ++c) q.rope[c] = *reinterpret_cast<const uint4*>(ss.q_rope + sw128_offset(r, 2 * qq + c));
-}
-
-template <class SS>
-__device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int t, const QSlot& q) {
+__device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int t) {
+  constexpr int kTrip = 2;  // chunks a trip
   const int r = t >> 2, qq = t & 3;
   // max |x| over the head's 512 latent values (four slots): bf16 pairs, |.| and max (NaN dropped, as fmaxf does)
   __nv_bfloat162 m2 = __float2bfloat162_rn(0.f);
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < 16; ++i) {
-    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&q.lat[i]);
+  for (int c = 0; c < 8; ++c) {
+    const uint32_t off = gather_chunk_offset(r, 8 * qq + c);
+    const uint4 a = *reinterpret_cast<const uint4*>(ss.q_latent + off);
+    const uint4 b = *reinterpret_cast<const uint4*>(ss.q_latent + kLatentBytes + off);
+    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 4; ++k) m2 = __hmax2(m2, __habs2(v[k]));
+    for (int k = 0; k < 8; ++k) m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w[k])));
   }
   float amax = fmaxf(__low2float(m2), __high2float(m2));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
   const float s = amax > 0.f ? exp2f(ceilf(log2f(amax / decode_fp8::kE4m3Max))) : 1.f;
   const float inv = 1.f / s;
-  CUTLASS_PRAGMA_UNROLL
-  for (int c = 0; c < 8; ++c) {  // chunk 8 qq + c: 16 latent channels, words 2 k and 2 k + 1 of them in word k
-    const uint32_t w[8] = {q.lat[2 * c].x,     q.lat[2 * c].y,     q.lat[2 * c].z,     q.lat[2 * c].w,
-                           q.lat[2 * c + 1].x, q.lat[2 * c + 1].y, q.lat[2 * c + 1].z, q.lat[2 * c + 1].w};
-    uint32_t hi[4], lo[4];
+#pragma unroll 1
+  for (int c0 = 0; c0 < 8; c0 += kTrip) {
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 4; ++k) {  // decode_fp8::split_e4m3x2: the difference in fp16
-      uint32_t h0, l0, h1, l1;
-#if defined(FMLA_SPARSE_Q_SPLIT_F32)
-      // Build switch (docs/build.md), not yet timed: two conversions a pair instead of four (q_tile.cuh:
-      // split_e4m3x2_f32), for the split at a row piece's start that the timeline build puts on the path.
-      decode_fp8::split_e4m3x2_f32(__uint_as_float(w[2 * k] << 16) * inv,
-                                   __uint_as_float(w[2 * k] & 0xffff0000u) * inv, h0, l0);
-      decode_fp8::split_e4m3x2_f32(__uint_as_float(w[2 * k + 1] << 16) * inv,
-                                   __uint_as_float(w[2 * k + 1] & 0xffff0000u) * inv, h1, l1);
-#else
-      decode_fp8::split_e4m3x2(__uint_as_float(w[2 * k] << 16) * inv, __uint_as_float(w[2 * k] & 0xffff0000u) * inv,
-                               h0, l0);
-      decode_fp8::split_e4m3x2(__uint_as_float(w[2 * k + 1] << 16) * inv,
-                               __uint_as_float(w[2 * k + 1] & 0xffff0000u) * inv, h1, l1);
-#endif
-      hi[k] = h0 | (h1 << 16);
-      lo[k] = l0 | (l1 << 16);
+    for (int cc = 0; cc < kTrip; ++cc) {  // chunk 8 qq + c0 + cc: 16 latent channels, words 2 k and 2 k + 1 in word k
+      const uint32_t off = gather_chunk_offset(r, 8 * qq + c0 + cc);
+      const uint4 a = *reinterpret_cast<const uint4*>(ss.q_latent + off);
+      const uint4 b = *reinterpret_cast<const uint4*>(ss.q_latent + kLatentBytes + off);
+      const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      uint32_t hi[4], lo[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 4; ++k) {  // decode_fp8::split_e4m3x2: the difference in fp16
+        uint32_t h0, l0, h1, l1;
+        decode_fp8::split_e4m3x2(__uint_as_float(w[2 * k] << 16) * inv,
+                                 __uint_as_float(w[2 * k] & 0xffff0000u) * inv, h0, l0);
+        decode_fp8::split_e4m3x2(__uint_as_float(w[2 * k + 1] << 16) * inv,
+                                 __uint_as_float(w[2 * k + 1] & 0xffff0000u) * inv, h1, l1);
+        hi[k] = h0 | (h1 << 16);
+        lo[k] = l0 | (l1 << 16);
+      }
+      *reinterpret_cast<uint4*>(ss.q_latent + off) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      *reinterpret_cast<uint4*>(ss.q_latent + kLatentBytes + off) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
-    const uint32_t off = gather_chunk_offset(r, 8 * qq + c);
-    *reinterpret_cast<uint4*>(ss.q_latent + off) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    *reinterpret_cast<uint4*>(ss.q_latent + kLatentBytes + off) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   }
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < 2; ++c) {  // rope chunk 2 qq + c: 8 channels, divided by s (a power of two: exact)
-    uint4 o;
-    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&q.rope[c]);
-    __nv_bfloat162* w = reinterpret_cast<__nv_bfloat162*>(&o);
+    uint4* const at = reinterpret_cast<uint4*>(ss.q_rope + sw128_offset(r, 2 * qq + c));
+    uint4 o = *at;
+    __nv_bfloat162* v = reinterpret_cast<__nv_bfloat162*>(&o);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < 4; ++k) {
       const float2 f = __bfloat1622float2(v[k]);
-      w[k] = __floats2bfloat162_rn(f.x * inv, f.y * inv);
+      v[k] = __floats2bfloat162_rn(f.x * inv, f.y * inv);
     }
-    *reinterpret_cast<uint4*>(ss.q_rope + sw128_offset(r, 2 * qq + c)) = o;
+    *at = o;
   }
   if (qq == 0) ss.row_scale_log2[r] = p.scale_log2 * s;
 }
 
-// The CTA's first Q tile, slots t of one warpgroup (both warpgroups make it, lead.cuh), from global memory through
-// registers, made visible to the tensor cores; the caller's named barrier follows.
+// The CTA's first Q tile, slot t of one warpgroup (both warpgroups make it, lead.cuh), made visible to the tensor
+// cores; the caller's named barrier follows.
 template <class SS>
 __device__ __forceinline__ void first_q_tile_slot(const DecodeParams& p, SS& ss, int req, int m_block, int t) {
-  QSlot q;
-  q_slot_load(p, req, m_block, t, q);
+  q_slot_copy(p, ss, req, m_block, t);
+  decode::cp_async_commit();
+  decode::cp_async_wait_all();  // this thread's own copies: the split reads only them
   FMLA_TL(ss, kTlLead, kTlFirstQLoaded, t == 0);
-  q_slot_split(p, ss, t, q);
+  q_slot_split(p, ss, t);
   cutlass::arch::fence_view_async_shared();  // Q written by st.shared, read by wgmma
 }
 

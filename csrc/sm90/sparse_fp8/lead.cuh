@@ -236,11 +236,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       decode::cp_async_wait_all();  // this thread's own copies: the split reads only them
       FMLA_TL(ss, kTlLead, kTlQCopied, tid_in_wg == 0);
 #pragma unroll 1
-      for (int k = 0; k < 2; ++k) {
-        QSlot q;
-        q_slot_read(ss, tid_in_wg + k * kWgThreads, q);
-        q_slot_split(p, ss, tid_in_wg + k * kWgThreads, q);
-      }
+      for (int k = 0; k < 2; ++k) q_slot_split(p, ss, tid_in_wg + k * kWgThreads);
       FMLA_TL(ss, kTlLead, kTlQSplit, tid_in_wg == 0);
       cutlass::arch::fence_view_async_shared();
       NamedBarrier(kWgThreads, kBarLeadQ).arrive_and_wait_unaligned();
