@@ -11,6 +11,7 @@
 
 #include "common/check.h"
 #include "common/check_params.h"
+#include "common/tensor_map.h"
 #include "launch.h"
 #include "params.h"
 #include "sm90/decode/decode.h"
@@ -18,24 +19,7 @@
 
 namespace flashmla_backend::sm90::decode {
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point: the extension does not link
-// libcuda. Resolved once per process.
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-inline EncodeTiledFn get_encode_tiled() {
-  static EncodeTiledFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    FMLA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                                     &status));
-    FMLA_HOST_CHECK(status == cudaDriverEntryPointSuccess && ptr != nullptr,
-                    "cuTensorMapEncodeTiled is not available from the CUDA driver");
-    return reinterpret_cast<EncodeTiledFn>(ptr);
-  }();
-  return fn;
-}
+using flashmla_backend::get_encode_tiled;  // common/tensor_map.h
 
 // KV cache [num_pages, 64, h_kv, 576] as a 4-d tensor map with dims (fastest first)
 // (576 columns, h_kv, 64 tokens, num_pages): strides grow in this order for a contiguous cache.
