@@ -1,8 +1,9 @@
 // The sparse kernel's Q tile copied by the tensor-memory accelerator instead of cp.async: a candidate for the copy
 // of a later row piece's tile, which the lead warpgroup now issues as 36 cp.async a thread at the piece's last block
 // (in ncu, 5-7% of the kernel's samples at b128 top-k 128, half of them MIO throttle: docs/perf/journal.md,
-// 2026-12-02 afternoon). One thread would issue the tile's copies, completing on an mbarrier. Not used by the kernel
-// yet; checks/q_tma_probe.cu checks on a GPU that the maps below place q exactly where q_slot_copy does.
+// 2026-12-02 afternoon). One thread issues the tile's copies, completing on an mbarrier. Used by the kernel only in a
+// build with FMLA_SPARSE_Q_TMA (below); checks/q_tma_probe.cu checks on a GPU that the maps below place q exactly
+// where q_slot_copy does.
 //
 // Where q_slot_copy puts head row r's 16-bit latent channels (common.cuh): channel 64 P + 16 k + 8 h + e (piece P
 // 0..7, chunk k 0..3 of the piece, half h 0..1, e 0..7) at byte h * kLatentBytes + tile_chunk_offset(r, 4 P + k) +
@@ -11,9 +12,11 @@
 // apart), the row (q's row stride), P (8, 128 bytes apart), h (2, 16 bytes apart); a box of (8, 4, 64, 8, 2) is laid
 // out in shared memory as h, P, row, k, e from slowest to fastest, i.e. h * 32 KB + P * 4 KB + row * 64 + k * 16 +
 // 2 e, which the 64B swizzle (16-byte chunk k XOR bits 1..2 of the row) turns into tile_chunk_offset. The strides of
-// P and h are smaller than the row's: if the driver refuses such a map (or the swizzle is not a function of the
-// address alone), the two-map form below (one 4-dimensional map a half, the second at q + 8) does the same with two
-// copies. The rope: (64 values, the row) with a box of (64, 64) and the 128B swizzle is sw128_offset's tile.
+// P and h are smaller than the row's, and h's than k's. The two-map form below (one 4-dimensional map a half, the
+// second at q + 8) does the same with two copies and without h's dimension; P's stride is still below the row's in
+// it. If the driver refuses both (or the swizzle is not a function of the shared-memory address alone), one
+// 3-dimensional map (e, k, row) a piece and half, 16 copies, remains. The rope: (64 values, the row) with a box of
+// (64, 64) and the 128B swizzle is sw128_offset's tile.
 //
 // The row dimension runs over every query row of the call (request r's head h is row r * h_q + h), so q's request
 // stride must be h_q times its head stride; a tile's rows past the last row of the call are filled with zeros. With
