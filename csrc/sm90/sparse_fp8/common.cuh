@@ -113,6 +113,14 @@ __device__ __forceinline__ void q_slot_copy(const DecodeParams& p, SS& ss, int r
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < 2; ++c) decode::cp_async_16(rope + sw128_offset(r, 2 * qq + c), src_pe + 8 * c, valid);
 }
+// The 16 latent channels of a slot's chunk at tile offset off, as q_slot_copy put them (8 where the hi term goes, 8
+// where the lo term goes): 8 words of bf16 pairs.
+template <class SS>
+__device__ __forceinline__ void q_chunk_words(SS& ss, uint32_t off, uint32_t (&w)[8]) {
+  const uint4 a = *reinterpret_cast<const uint4*>(ss.q_latent + off);
+  const uint4 b = *reinterpret_cast<const uint4*>(ss.q_latent + kLatentBytes + off);
+  w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+}
 // Slot t split in place: its 16-bit q, where q_slot_copy put it, replaced by its two e4m3 terms and its rope by the
 // rope divided by s_r; the head's s_r (the max over its four slots: lanes t ^ 1 and t ^ 2) into row_scale_log2.
 // The chunks are a loop of two a trip, not unrolled: the split runs once a row piece, after code that has pushed its
@@ -130,10 +138,8 @@ __device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int 
   __nv_bfloat162 m2 = __float2bfloat162_rn(0.f);
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < 8; ++c) {
-    const uint32_t off = gather_chunk_offset(r, 8 * qq + c);
-    const uint4 a = *reinterpret_cast<const uint4*>(ss.q_latent + off);
-    const uint4 b = *reinterpret_cast<const uint4*>(ss.q_latent + kLatentBytes + off);
-    const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    uint32_t w[8];
+    q_chunk_words(ss, gather_chunk_offset(r, 8 * qq + c), w);
     CUTLASS_PRAGMA_UNROLL
     for (int k = 0; k < 8; ++k) m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&w[k])));
   }
@@ -147,9 +153,8 @@ __device__ __forceinline__ void q_slot_split(const DecodeParams& p, SS& ss, int 
     CUTLASS_PRAGMA_UNROLL
     for (int cc = 0; cc < kTrip; ++cc) {  // chunk 8 qq + c0 + cc: 16 latent channels, words 2 k and 2 k + 1 in word k
       const uint32_t off = gather_chunk_offset(r, 8 * qq + c0 + cc);
-      const uint4 a = *reinterpret_cast<const uint4*>(ss.q_latent + off);
-      const uint4 b = *reinterpret_cast<const uint4*>(ss.q_latent + kLatentBytes + off);
-      const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+      uint32_t w[8];
+      q_chunk_words(ss, off, w);
       uint32_t hi[4], lo[4];
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < 4; ++k) {  // decode_fp8::split_e4m3x2: the difference in fp16

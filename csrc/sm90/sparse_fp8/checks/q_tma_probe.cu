@@ -6,7 +6,7 @@
 // on a GPU.
 //
 // One CTA of 128 threads copies the tile of rows row0 .. row0 + 63 of a bf16 q with the latent map(s) and the rope
-// map into 72 KB of shared memory (one thread arms an mbarrier with the tile's bytes and issues the copies; all wait),
+// map into 72 KB of shared memory (one thread arms a transaction barrier with the tile's bytes and issues the copies; all wait),
 // then writes the shared memory out; the host compares every byte with the expected tile (zeros for rows past the
 // last). Two q layouts: q and q_pe as separate contiguous tensors ([rows, 512], [rows, 64]), and both as views of one
 // [rows, 576] tensor (q_pe at q + 512, row stride 576, as the engines pass them); 130 rows, so the tile at row 128
@@ -23,6 +23,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <cutlass/arch/barrier.h>
 
 #include "sm90/sparse_fp8/checks/probe_common.cuh"
 #include "sm90/sparse_fp8/layout.h"
@@ -43,18 +45,18 @@ __global__ void __launch_bounds__(128) q_tma_kernel(const __grid_constant__ Maps
                                                     uint8_t* out) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  __shared__ __align__(8) uint64_t bar;
-  const uint32_t bar_addr = static_cast<uint32_t>(__cvta_generic_to_shared(&bar));
+  __shared__ __align__(8) uint64_t bar_word;
+  auto& bar = *reinterpret_cast<cutlass::arch::ClusterTransactionBarrier*>(&bar_word);
+  const uint32_t bar_addr = static_cast<uint32_t>(__cvta_generic_to_shared(&bar_word));
   const uint32_t lat = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t rope = lat + kQTmaLatentBytes;
   if (threadIdx.x == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_addr) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    bar.init(1);
+    cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_addr), "r"(uint32_t(kTileBytes))
-                 : "memory");
+    bar.arrive_and_expect_tx(uint32_t(kTileBytes));  // the kernel's q_full (lead.cuh) the same way
     if (form == 0) {
       q_tma_latent(&maps.latent, lat, bar_addr, row0);
     } else {
@@ -63,14 +65,7 @@ __global__ void __launch_bounds__(128) q_tma_kernel(const __grid_constant__ Maps
     }
     q_tma_rope(&maps.rope, rope, bar_addr, row0);
   }
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar_addr)
-        : "memory");
-  }
+  bar.wait(0);
   for (int i = threadIdx.x; i < kTileBytes / 16; i += blockDim.x)
     reinterpret_cast<uint4*>(out)[i] = reinterpret_cast<const uint4*>(smem)[i];
 }
@@ -130,6 +125,8 @@ int main() {
     if (er != CUDA_SUCCESS) {
       printf("q tma case %s: rope map encode failed, CUresult %d\n", layouts[layout], int(er));
       right[0] = right[1] = false;
+      CUDA_OK(cudaFree(d_q));
+      if (d_pe) CUDA_OK(cudaFree(d_pe));
       continue;
     }
     for (int form = 0; form < 2; ++form) {
