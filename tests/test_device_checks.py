@@ -55,7 +55,6 @@ MBARRIER_ARRIVALS = ROOT / "tests" / "device_checks" / "mbarrier_arrivals.cu"
 ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 SPARSE_GATHER_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_probe.cu"
-SPARSE_Q_TMA_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "q_tma_probe.cu"
 SPARSE_ATTENTION_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "attention_probe.cu"
 FP8_VREGS_PROBE = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "vregs_probe.cu"
 SPARSE_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "protocol_model.py"
@@ -473,27 +472,23 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(n == "0" for n in spills), "the sparse kernel spills:\n" + res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1", "FMLA_SPARSE_Q_TMA=5", "FMLA_SPARSE_Q_TMA=4"])
+@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE"])
 def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
-    form printed with device printf, a call that serialized every wgmma, C7510) and the later Q tiles copied by the
-    tensor-memory accelerator (q_tma.h, both forms; not yet timed), which must not spill either."""
+    form printed with device printf, a call that serialized every wgmma, C7510)."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:
         pytest.skip(reason)
     source = ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu"
-    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", f"-D{define}",
+    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", f"-D{define}=1",
             "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{ROOT / 'csrc'}", f"-I{cutlass}", "-c",
             str(source), "-o", str(tmp_path / "sparse_switch.o")]
     res = subprocess.run(args, capture_output=True, text=True)
     assert res.returncode == 0, f"sparse.cu with -D{define} does not compile:\n{res.stderr[-4000:]}"
     notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
     assert not notes, f"ptxas serializes wgmma with -D{define}:\n" + "\n".join(notes)
-    if define.startswith("FMLA_SPARSE_Q_TMA"):  # the timeline build's records cost it a few bytes of spills
-        spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-        assert spills and all(n == "0" for n in spills), f"-D{define} spills:\n" + res.stderr[-2000:]
 
 
 def test_sparse_block_probe_compiles(tmp_path):
@@ -533,23 +528,6 @@ def test_sparse_gather_probe_reads_every_chunk_right_on_the_gpu(tmp_path):
         res.stdout + res.stderr
     assert all(c[2] == "0" and c[3] == "0" for c in cases), res.stdout
     assert res.returncode == 0 and "gather probe: ok" in res.stdout, res.stdout + res.stderr
-
-
-def test_sparse_q_tma_probe_compiles(tmp_path):
-    _build_sparse_probe(tmp_path, SPARSE_Q_TMA_PROBE)
-
-
-@pytest.mark.gpu
-def test_a_tensor_map_places_q_where_the_q_tile_copy_does_on_the_gpu(tmp_path):
-    """csrc/sm90/sparse_fp8/q_tma.h: the tensor maps of a candidate Q tile copy by the tensor-memory accelerator give,
-    byte for byte, the tile q_slot_copy writes (two q layouts, a tile with rows past the end); at least one of the two
-    latent forms (one five-dimensional map, or one four-dimensional map a half) must be right in every case, and the
-    probe names which."""
-    res = _run_sparse_probe(tmp_path, SPARSE_Q_TMA_PROBE, timeout=120)
-    cases = re.findall(r"q tma case (\S+) form ([\w-]+)(?: tile (\d+): (\d+) wrong bytes|: encode failed)", res.stdout)
-    assert {(c[0], c[1]) for c in cases} == {(lay, form) for lay in ("separate", "one-576-row")
-                                             for form in ("5d", "4d-halves")}, res.stdout + res.stderr
-    assert res.returncode == 0 and "q tma probe: ok" in res.stdout, res.stdout + res.stderr
 
 
 def test_sparse_attention_probe_compiles(tmp_path):

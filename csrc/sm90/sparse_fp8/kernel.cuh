@@ -28,12 +28,7 @@ namespace flashmla_backend::sm90::sparse_fp8 {
 constexpr int kSmemBytes = int(sizeof(LeadStorage)) + 1024;
 
 __global__ void __launch_bounds__(kNumThreads, 1)
-    sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug_arg
-#if defined(FMLA_SPARSE_Q_TMA)
-                                  ,
-                                  const __grid_constant__ QTmaMaps q_maps  // q_tma.h (a FMLA_SPARSE_Q_TMA build)
-#endif
-    ) {
+    sm90_sparse_fp8_decode_kernel(const __grid_constant__ DecodeParams params, int debug_arg) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using SS = LeadStorage;
 #if defined(FMLA_SPARSE_TIMELINE)
@@ -71,9 +66,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     ss.qk_issued[0].init(kQkIssuedArrivals);
     ss.qk_issued[1].init(kQkIssuedArrivals);
-#if defined(FMLA_SPARSE_Q_TMA)
-    ss.q_full.init(1);
-#endif
 #if defined(FMLA_SPARSE_TIMELINE)
     tl_init(ss.tl, tl_start, tl_start_ns);
 #endif
@@ -94,11 +86,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   } else if (wg == 0) {
     cutlass::arch::warpgroup_reg_alloc<kLeadRegs>();
-#if defined(FMLA_SPARSE_Q_TMA)
-    lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug, &q_maps);
-#else
-    lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug, nullptr);
-#endif
+    lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
   } else {
     cutlass::arch::warpgroup_reg_alloc<kFollowRegs>();
     follow_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);

@@ -22,7 +22,6 @@
 #include <cuda_fp16.h>
 
 #include "sm90/sparse_fp8/common.cuh"
-#include "sm90/sparse_fp8/q_tma.h"
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
@@ -67,9 +66,6 @@ struct alignas(1024) LeadStorage {
   cutlass::arch::ClusterBarrier vt_full[kVtSlots];
   cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
   cutlass::arch::ClusterBarrier qk_issued[2];
-#if defined(FMLA_SPARSE_Q_TMA)
-  cutlass::arch::ClusterTransactionBarrier q_full;  // a later row piece's Q tile landed (q_tma.h)
-#endif
 #if defined(FMLA_SPARSE_TIMELINE)
   Timeline tl;  // timeline.cuh
 #endif
@@ -113,8 +109,7 @@ __device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_
 }
 
 __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss, const SchedMetaRow& meta,
-                                          int begin_req, int end_req, int m_block, int tid, int debug,
-                                          const QTmaMaps* q_maps) {
+                                          int begin_req, int end_req, int m_block, int tid, int debug) {
   const int tid_in_wg = tid % kWgThreads;
   const int lane = tid & 31;
   const uint32_t hint = suspend_hint(debug);
@@ -130,29 +125,10 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
   // The 16-bit q of row piece req's Q tile into the tile by cp.async (this warpgroup's slots t and t + 128), one
   // commit group; split in place after the row piece before it.
   const auto copy_q_tile = [&](int req) CUTLASS_LAMBDA_FUNC_INLINE {
-#if defined(FMLA_SPARSE_Q_TMA)
-    if (tid_in_wg == 0) {  // q_tma.h: the whole tile by one thread, completing on q_full
-      const uint32_t bar = cute::cast_smem_ptr_to_uint(&ss.q_full);
-      const uint32_t lat = cute::cast_smem_ptr_to_uint(ss.q_latent);
-      const int row0 = req * p.num_heads_q + m_block * kTileRows;
-      ss.q_full.arrive_and_expect_tx(kQTmaLatentBytes + kQTmaRopeBytes);
-#if FMLA_SPARSE_Q_TMA == 5
-      q_tma_latent(&q_maps->latent[0], lat, bar, row0);
-#else
-      q_tma_latent_half(&q_maps->latent[0], lat, bar, row0);
-      q_tma_latent_half(&q_maps->latent[1], lat + kLatentBytes, bar, row0);
-#endif
-      q_tma_rope(&q_maps->rope, cute::cast_smem_ptr_to_uint(ss.q_rope), bar, row0);
-    }
-#else
     q_slot_copy(p, ss, req, m_block, tid_in_wg);
     q_slot_copy(p, ss, req, m_block, tid_in_wg + kWgThreads);
     decode::cp_async_commit();
-#endif
   };
-#if defined(FMLA_SPARSE_Q_TMA)
-  uint32_t q_phase = 0;  // completions of q_full so far, mod 2
-#endif
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -257,12 +233,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     FMLA_TL(ss, kTlLead, kTlEpilogue, tid_in_wg == 0);
     if (next) {
       if (nblk == 0) copy_q_tile(req + 1);  // no block: not copied yet
-#if defined(FMLA_SPARSE_Q_TMA)
-      ss.q_full.wait(q_phase);
-      q_phase ^= 1u;
-#else
       decode::cp_async_wait_all();  // this thread's own copies: the split reads only them
-#endif
       FMLA_TL(ss, kTlLead, kTlQCopied, tid_in_wg == 0);
 #pragma unroll 1
       for (int k = 0; k < 2; ++k) q_slot_split(p, ss, tid_in_wg + k * kWgThreads);

@@ -2,7 +2,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
-#include <cstring>
 
 #include "common/check.h"
 #include "common/check_params.h"
@@ -64,29 +63,7 @@ void run_sm90_sparse_decode(const DecodeParams& p) {
   cfg.stream = static_cast<cudaStream_t>(p.stream);
   cfg.attrs = attrs;
   cfg.numAttrs = 1;
-#if defined(FMLA_SPARSE_Q_TMA)
-  // q_tma.h: a build switch not yet timed. Its maps need q's rows one dimension (request stride h_q head strides).
-  QTmaMaps maps;
-  std::memset(&maps, 0, sizeof(maps));
-  FMLA_HOST_CHECK(p.q_stride_b == int64_t(p.num_heads_q) * p.q_stride_h &&
-                      p.q_pe_stride_b == int64_t(p.num_heads_q) * p.q_pe_stride_h &&
-                      q_tma_fits(p.q, p.q_stride_h, p.q_pe, p.q_pe_stride_h),
-                  r.kernel << " (FMLA_SPARSE_Q_TMA build): q and q_pe must hold a query token's heads one after "
-                              "another, 16-byte aligned (request stride = num_heads_q * head stride)");
-  const int64_t q_rows = int64_t(p.batch) * p.num_heads_q;
-  CUresult res = encode_q_rope_map(&maps.rope, p.q_pe, q_rows, p.q_pe_stride_h);
-#if FMLA_SPARSE_Q_TMA == 5
-  if (res == CUDA_SUCCESS) res = encode_q_latent_map(&maps.latent[0], p.q, q_rows, p.q_stride_h);
-#else
-  if (res == CUDA_SUCCESS) res = encode_q_latent_half_map(&maps.latent[0], p.q, q_rows, p.q_stride_h, 0);
-  if (res == CUDA_SUCCESS) res = encode_q_latent_half_map(&maps.latent[1], p.q, q_rows, p.q_stride_h, 1);
-#endif
-  FMLA_HOST_CHECK(res == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed for the sparse kernel's q (CUresult "
-                                           << int(res) << ")");
-  FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, debug, maps));
-#else
   FMLA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, debug));
-#endif
   FMLA_CHECK_LAUNCH("sm90_sparse_fp8_decode_kernel");
 }
 
