@@ -13,11 +13,11 @@
 // instruction of the warp (lane l: chunk l, 512 contiguous bytes), 32 of them; the scale chunks of the 32 tokens are
 // one instruction (lane l: the entry whose index it loaded itself); the 8 rope chunks of four tokens are one
 // instruction (128 contiguous bytes a token), 8 of them. The lanes get the other tokens' indices by shuffles.
-Copying by tokens instead (lane l all 41 chunks of its own entry's token: no shuffles, one predicate, every address a
-base plus a constant; about 90 instructions a half block against 250, and no shared-memory bank conflicts) was
-measured 2.07x slower at b128 top-k 2048 (405 against 195 µs; docs/perf/journal.md, 2026-12-02 evening): an instruction
-whose lanes read 16 bytes of 32 different tokens is 32 separate requests, so what the gather costs is its requests,
-more than its instructions.
+// Copying by tokens instead (lane l all 41 chunks of its own entry's token: no shuffles, one predicate, every address
+// a base plus a constant; about 90 instructions a half block against 250, and no shared-memory bank conflicts) was
+// measured 2.07x slower at b128 top-k 2048 (405 against 195 µs; docs/perf/journal.md, 2026-12-02 evening): an
+// instruction whose lanes read 16 bytes of 32 different tokens is 32 separate requests, so what the gather costs is
+// its requests, more than its instructions.
 //
 // Completion is the caller's: the copies are the calling lane's cp.async operations. A lane that issued a block either
 // commits them as a group, waits for the group (cp.async.wait_group) and makes them visible to the tensor cores
