@@ -272,18 +272,21 @@ def test_sparse_protocol_model_accepts_the_kernel_schedule():
                                       "factors read before vt_full", "half 0 released before its P V",
                                       "half 1 read before vt_full", "pairs read after their half's release",
                                       "p slot rewritten early", "first q half read before it was written"])
-def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation):
+@pytest.mark.parametrize("overlap", [False, True], ids=["default-order", "lead-overlap"])
+def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation, overlap):
     with pytest.raises(sparse_model.ProtocolError):
         for seed in range(60):
             sparse_model.run([5, 2, 7], seed=seed, mutation=mutation,
-                             starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)])
+                             starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)], overlap=overlap)
 
 
-def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model):
+@pytest.mark.parametrize("overlap", [False, True], ids=["default-order", "lead-overlap"])
+def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model, overlap):
     # qk_issued (lead.cuh) without warpgroup 0's arrival at a row piece's last block: warpgroup 1 waits forever
     with pytest.raises(sparse_model.ProtocolError, match="deadlock"):
         for seed in range(60):
-            sparse_model.run([5, 2, 7], seed=seed, mutation="qk_issued missing at a row piece's last block")
+            sparse_model.run([5, 2, 7], seed=seed, mutation="qk_issued missing at a row piece's last block",
+                             overlap=overlap)
 
 
 def test_sparse_protocol_model_accepts_one_qk_issued_barrier_with_one_v_t_half_0_slot(sparse_model):
@@ -472,11 +475,12 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(n == "0" for n in spills), "the sparse kernel spills:\n" + res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE"])
+@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE", "FMLA_SPARSE_LEAD_OVERLAP"])
 def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
-    form printed with device printf, a call that serialized every wgmma, C7510)."""
+    form printed with device printf, a call that serialized every wgmma, C7510) and warpgroup 0's overlapped order
+    (lead.cuh; its first form, a second score accumulator, serialized them for want of registers, C7512)."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:

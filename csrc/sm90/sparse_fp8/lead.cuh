@@ -25,6 +25,10 @@
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
+#if !defined(FMLA_SPARSE_LEAD_OVERLAP)
+#define FMLA_SPARSE_LEAD_OVERLAP 0
+#endif
+
 constexpr int kPSlots = 2;                             // blocks of P in flight from warpgroup 0 to warpgroup 1
 constexpr int kP16Words = 16;                          // a thread's 64 x 64 P in fp16: word k = (P(2 k), P(2 k + 1))
 constexpr int kP16Bytes = kP16Words * 4 * kWgThreads;  // 8 KB
@@ -158,6 +162,86 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       }
       warp_arrive(ss.vt_empty[0], lane);
     };
+#if FMLA_SPARSE_LEAD_OVERLAP
+    // Candidate (not yet run on a GPU): the first two group products of block g + 1's Q K^T issued before block g's
+    // softmax, into the two temporaries, so that they run on the tensor cores while this warpgroup's softmax, P
+    // hand-off and words run (the default order, below, issues the whole Q K^T after them: the tensor cores wait for
+    // the softmax; docs/perf/journal.md, 2026-12-02 evening). S, free once P is made of it, then takes block g + 1's
+    // rope product and the folds. The row piece's last block has no next block and runs after the loop.
+    // Block g's softmax, P hand-off, V^T half 0 wait, factors and words of group 0, and its stage released.
+    const auto hand_and_words = [&](uint32_t gg, bool last) CUTLASS_LAMBDA_FUNC_INLINE {
+      const int s = int(gg % kStages);
+      const int c = int(gg % kPSlots);
+      float sc[2];
+      online_softmax(S, ss.mask[ss.mask_slot(gg)], lane, sl2, m, l, sc);
+      if (gg >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((gg / kPSlots) - 1) & 1u, hint);
+      uint32_t p16[kP16Words];
+      decode_fp8::p16_fragment(S, p16);
+      decode_fp8::store_p(ss.p16[c], tid_in_wg, p16);
+      if ((lane & 3) == 0) {
+        ss.sc[c][row_in_tile[0]] = sc[0];
+        ss.sc[c][row_in_tile[1]] = sc[1];
+      }
+      if (last) {
+        l[0] = decode::quad_sum(l[0]);
+        l[1] = decode::quad_sum(l[1]);
+        if ((lane & 3) == 0) {
+          ss.rsum[c][row_in_tile[0]] = l[0];
+          ss.rsum[c][row_in_tile[1]] = l[1];
+        }
+      }
+      warp_arrive(ss.p_full[c], lane);
+      FMLA_TL(ss, kTlLead, kTlPHanded, tid_in_wg == 0);
+      consumer_wait(ss.vt_full[0], gg & 1u, hint);
+      FMLA_TL(ss, kTlLead, kTlVt0, tid_in_wg == 0);
+      const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[s][0][0]);
+      const float ratio[1] = {gf.x};
+      F = gf.y;
+      if (rescale_needed(sc, ratio)) rescale_group(o, sc, gf.x);
+      build_words(
+          [&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE {
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < 4; ++i) p4[i] = p16[4 * k + i];
+          },
+          &ss.sf[s][0][0][0], lane, debug, words);
+      warp_arrive(ss.empty[s], lane);
+    };
+    for (int blk = 0; blk + 1 < nblk; ++blk, ++g) {
+      const int sn = int((g + 1) % kStages);
+      uint8_t* stage_n = ss.stage[sn];
+      consumer_wait(ss.full[sn], ((g + 1) / kStages) & 1u, hint);
+      FMLA_TL(ss, kTlLead, kTlFull, tid_in_wg == 0);
+      cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
+      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 0, t0);
+      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 1, t1);
+      hand_and_words(g, false);
+      qk_issue_rope(tid_in_wg, ss.q_rope, stage_n, S);          // S = block g + 1's rope product
+      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);  // O_0 += P_0 V_0 of block g
+      warpgroup_wait<1>();  // groups 0 and 1 and the rope product (the P V in flight)
+      qk_fold_group(tid_in_wg, stage_n, 0, t0, S);
+      qk_fold_group(tid_in_wg, stage_n, 1, t1, S);
+      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 2, t0);
+      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 3, t1);
+      warp_arrive(ss.qk_issued[g % 2], lane);  // block g + 1's Q K^T is all issued: warpgroup 1's P V of block g next
+      warpgroup_wait<2>();  // the P V: V^T half 0 released, the words free
+      release_half0();
+      warpgroup_wait<1>();  // group 2
+      qk_fold_group(tid_in_wg, stage_n, 2, t0, S);
+      warpgroup_wait<0>();  // group 3
+      qk_fold_group(tid_in_wg, stage_n, 3, t1, S);
+      FMLA_TL(ss, kTlLead, kTlQk, tid_in_wg == 0);
+    }
+    if (nblk > 0) {  // the row piece's last block: its Q K^T is complete, the next Q tile's copy goes now
+      if (next) copy_q_tile(req + 1);
+      hand_and_words(g, true);
+      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
+      warp_arrive(ss.qk_issued[g % 2], lane);
+      warpgroup_wait<0>();
+      release_half0();
+      FMLA_TL(ss, kTlLead, kTlPv0Done, tid_in_wg == 0);
+      ++g;
+    }
+#else
     for (int blk = 0; blk < nblk; ++blk, ++g) {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -221,6 +305,8 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
         FMLA_TL(ss, kTlLead, kTlPv0Done, tid_in_wg == 0);
       }
     }
+
+#endif
 
     // ---- epilogue, and the next row piece's Q tile, made by this warpgroup alone: warpgroup 1 never reads the
     // tile, so neither waits for the other here (warpgroup 1 finishes its last block while this one starts the next

@@ -134,4 +134,66 @@ __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint
   }
 }
 
+// The steps of sparse_qk_block for a caller that puts other work between them (lead.cuh, FMLA_SPARSE_LEAD_OVERLAP):
+// qk_issue_rope, then qk_issue_group for groups 0..3 and qk_fold_group for each once its commit group was waited
+// for. Each issue is one commit group.
+template <class FragS>
+__device__ __forceinline__ void qk_issue_rope(int tid, uint8_t* q_rope, uint8_t* stage, FragS& tSrS) {
+  using BF = QkTypes::BF;
+  typename QkTypes::TiledMmaRope mma_r;
+  auto thr_r = mma_r.get_slice(tid);
+  Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(q_rope)), typename QkTypes::RopeLayout{});
+  Tensor sKr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(stage + kRopeAt)), typename QkTypes::RopeLayout{});
+  Tensor tQr = thr_r.partition_fragment_A(sQr);
+  Tensor tKr = thr_r.partition_fragment_B(sKr);
+  mma_r.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(tSrS);
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < 4; ++kb) {
+    cute::gemm(mma_r, tQr(_, _, kb), tKr(_, _, kb), tSrS);
+    mma_r.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tSrS);
+}
+// t = S_g (the group's latent product, both q terms), one commit group.
+template <int kQTerms, class FragS>
+__device__ __forceinline__ void qk_issue_group(int tid, uint8_t* q_latent, uint8_t* stage, int g, FragS& t) {
+  using F8 = QkTypes::F8;
+  typename QkTypes::TiledMmaLatent mma_l;
+  auto thr_l = mma_l.get_slice(tid);
+  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(stage)), typename QkTypes::LatentLayout{});
+  Tensor tKl = thr_l.partition_fragment_B(sK);
+  mma_l.accumulate_ = GMMA::ScaleOut::Zero;
+  warpgroup_fence_operand(t);
+  warpgroup_arrive();
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kQTerms; ++q) {
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(q_latent + q * kLatentBytes)),
+                            typename QkTypes::LatentLayout{});
+    Tensor tQl = thr_l.partition_fragment_A(sQ);
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kKStepsPerGroup; ++k) {
+      cute::gemm(mma_l, tQl(_, _, kKStepsPerGroup * g + k), tKl(_, _, kKStepsPerGroup * g + k), t);
+      mma_l.accumulate_ = GMMA::ScaleOut::One;
+    }
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(t);
+}
+// S += t s[token, g], after t's commit group was waited for.
+template <class FragS>
+__device__ __forceinline__ void qk_fold_group(int tid, const uint8_t* stage, int g, FragS& t, FragS& tSrS) {
+  const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
+  const int lane = tid & 31;
+  warpgroup_fence_operand(t);
+  warpgroup_fence_operand(tSrS);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tSrS); ++i) {
+    const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+    tSrS(i) = fmaf(t(i), scales[token * kGroups + g], tSrS(i));
+  }
+}
+
 }  // namespace flashmla_backend::sm90::sparse_fp8
