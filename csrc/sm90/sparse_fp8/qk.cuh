@@ -48,95 +48,9 @@ struct QkTypes {
 // The group g of a 128-channel latent group is k32 steps 4 g .. 4 g + 3 of the latent tiles.
 constexpr int kKStepsPerGroup = 128 / 32;
 
-// S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the
-// row's split scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h),
-// whose scales are read here. The rope product goes into S first; then S_g of two groups at a time into the two
-// temporaries, and each added into S with 32 FFMA by the token's scale of group g (16 distinct tokens a thread:
-// accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)) once it is waited for, so that group 2 j + 1's
-// product runs under group 2 j's FFMAs. The operations are the one-temporary form's, in the same order (rope, then
-// groups 0..3; the GPU tests' worst errors are the earlier builds'). The pair loop is rolled, one copy of a pair's
-// code (a rolled group loop measured 10% faster at b = 1 h_q 128 and 2-5% at b32, b64 and top-k 512 than the unrolled
-// one; docs/perf/journal.md). The tensor cores drain between the two pairs (the next pair is issued after both folds);
-// the unrolled order that issues group g + 2 right after group g's fold, so that a product is always queued, was
-// measured level at b = 1 and 0.3-3% slower at the table's other shapes (journal, 2026-12-02): the pair's
-// gap is not on the path.
-// after_first: called once, after the wait for the rope product and group 0 (and so for every wgmma the warpgroup
-// committed before this call: warpgroup 0 releases the V^T half of its previous P V there). after_issued: called once,
-// when the last pair's products are committed, before their waits (all of the block's tensor work is issued then).
-template <int kQTerms, class FragS, class AfterFirst, class AfterIssued>
-__device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                FragS& tSrS, FragS& tmp0, FragS& tmp1, AfterFirst&& after_first,
-                                                AfterIssued&& after_issued) {
-  using F8 = QkTypes::F8;
-  using BF = QkTypes::BF;
-  static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
-  static_assert(kGroups % 2 == 0, "groups in pairs");
-  typename QkTypes::TiledMmaRope mma_r;
-  auto thr_r = mma_r.get_slice(tid);
-  Tensor sQr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(q_rope)), typename QkTypes::RopeLayout{});
-  Tensor sKr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(stage + kRopeAt)), typename QkTypes::RopeLayout{});
-  Tensor tQr = thr_r.partition_fragment_A(sQr);
-  Tensor tKr = thr_r.partition_fragment_B(sKr);
-  mma_r.accumulate_ = GMMA::ScaleOut::Zero;
-  warpgroup_fence_operand(tSrS);
-  warpgroup_arrive();
-  CUTLASS_PRAGMA_UNROLL
-  for (int kb = 0; kb < 4; ++kb) {
-    cute::gemm(mma_r, tQr(_, _, kb), tKr(_, _, kb), tSrS);
-    mma_r.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-
-  typename QkTypes::TiledMmaLatent mma_l;
-  auto thr_l = mma_l.get_slice(tid);
-  Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(stage)), typename QkTypes::LatentLayout{});
-  Tensor tKl = thr_l.partition_fragment_B(sK);  // (MMA, 1, 16)
-  const int lane = tid & 31;
-  const float* scales = reinterpret_cast<const float*>(stage + kScalesAt);
-  // S_g into t: one commit group.
-  const auto product = [&](int g, FragS& t) CUTLASS_LAMBDA_FUNC_INLINE {
-    mma_l.accumulate_ = GMMA::ScaleOut::Zero;
-    warpgroup_fence_operand(t);
-    warpgroup_arrive();
-    CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < kQTerms; ++q) {
-      Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<F8*>(q_latent + q * kLatentBytes)),
-                              typename QkTypes::LatentLayout{});
-      Tensor tQl = thr_l.partition_fragment_A(sQ);
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kKStepsPerGroup; ++k) {
-        cute::gemm(mma_l, tQl(_, _, kKStepsPerGroup * g + k), tKl(_, _, kKStepsPerGroup * g + k), t);
-        mma_l.accumulate_ = GMMA::ScaleOut::One;
-      }
-    }
-    warpgroup_commit_batch();
-  };
-  // S += S_g s[t, g], after t was waited for.
-  const auto fold = [&](int g, FragS& t) CUTLASS_LAMBDA_FUNC_INLINE {
-    warpgroup_fence_operand(t);
-    warpgroup_fence_operand(tSrS);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) {
-      const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      tSrS(i) = fmaf(t(i), scales[token * kGroups + g], tSrS(i));
-    }
-  };
-#pragma unroll 1
-  for (int g = 0; g < kGroups; g += 2) {
-    product(g, tmp0);
-    product(g + 1, tmp1);
-    if (g + 2 == kGroups) after_issued();
-    warpgroup_wait<1>();  // group g (and, at the first pair, the rope product and what the caller committed)
-    if (g == 0) after_first();
-    fold(g, tmp0);
-    warpgroup_wait<0>();
-    fold(g + 1, tmp1);
-  }
-}
-
-// The steps of sparse_qk_block for a caller that puts other work between them (lead.cuh, FMLA_SPARSE_LEAD_OVERLAP):
-// qk_issue_rope, then qk_issue_group for groups 0..3 and qk_fold_group for each once its commit group was waited
-// for. Each issue is one commit group.
+// The steps of a block's Q K^T (sparse_qk_block below, and lead.cuh's FMLA_SPARSE_LEAD_OVERLAP order, which puts other
+// work between them): qk_issue_rope, then qk_issue_group for groups 0..3 and qk_fold_group for each once its commit
+// group was waited for. Each issue is one commit group.
 template <class FragS>
 __device__ __forceinline__ void qk_issue_rope(int tid, uint8_t* q_rope, uint8_t* stage, FragS& tSrS) {
   using BF = QkTypes::BF;
@@ -160,6 +74,7 @@ __device__ __forceinline__ void qk_issue_rope(int tid, uint8_t* q_rope, uint8_t*
 // t = S_g (the group's latent product, both q terms), one commit group.
 template <int kQTerms, class FragS>
 __device__ __forceinline__ void qk_issue_group(int tid, uint8_t* q_latent, uint8_t* stage, int g, FragS& t) {
+  static_assert(kQTerms == 1 || kQTerms == 2, "one or two e4m3 terms of q");
   using F8 = QkTypes::F8;
   typename QkTypes::TiledMmaLatent mma_l;
   auto thr_l = mma_l.get_slice(tid);
@@ -193,6 +108,40 @@ __device__ __forceinline__ void qk_fold_group(int tid, const uint8_t* stage, int
   for (int i = 0; i < size(tSrS); ++i) {
     const int token = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
     tSrS(i) = fmaf(t(i), scales[token * kGroups + g], tSrS(i));
+  }
+}
+
+// S (64 x 64 fp32 accumulator fragment of thread `tid`, 0..127 in the warpgroup) = the block's scores without the
+// row's split scale (header). q_latent: term t at q_latent + t * kLatentBytes; stage: the gathered block (layout.h),
+// whose scales are read here. The rope product goes into S first; then S_g of two groups at a time into the two
+// temporaries, and each added into S with 32 FFMA by the token's scale of group g (16 distinct tokens a thread:
+// accumulator element i is token 8 (i >> 2) + 2 (lane % 4) + (i & 1)) once it is waited for, so that group 2 j + 1's
+// product runs under group 2 j's FFMAs. The operations are the one-temporary form's, in the same order (rope, then
+// groups 0..3; the GPU tests' worst errors are the earlier builds'). The pair loop is rolled, one copy of a pair's
+// code (a rolled group loop measured 10% faster at b = 1 h_q 128 and 2-5% at b32, b64 and top-k 512 than the unrolled
+// one; docs/perf/journal.md). The tensor cores drain between the two pairs (the next pair is issued after both folds);
+// the unrolled order that issues group g + 2 right after group g's fold, so that a product is always queued, was
+// measured level at b = 1 and 0.3-3% slower at the table's other shapes (journal, 2026-12-02): the pair's
+// gap is not on the path.
+// after_first: called once, after the wait for the rope product and group 0 (and so for every wgmma the warpgroup
+// committed before this call: warpgroup 0 releases the V^T half of its previous P V there). after_issued: called once,
+// when the last pair's products are committed, before their waits (all of the block's tensor work is issued then).
+template <int kQTerms, class FragS, class AfterFirst, class AfterIssued>
+__device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
+                                                FragS& tSrS, FragS& tmp0, FragS& tmp1, AfterFirst&& after_first,
+                                                AfterIssued&& after_issued) {
+  static_assert(kGroups % 2 == 0, "groups in pairs");
+  qk_issue_rope(tid, q_rope, stage, tSrS);
+#pragma unroll 1
+  for (int g = 0; g < kGroups; g += 2) {
+    qk_issue_group<kQTerms>(tid, q_latent, stage, g, tmp0);
+    qk_issue_group<kQTerms>(tid, q_latent, stage, g + 1, tmp1);
+    if (g + 2 == kGroups) after_issued();
+    warpgroup_wait<1>();  // group g (and, at the first pair, the rope product and what the caller committed)
+    if (g == 0) after_first();
+    qk_fold_group(tid, stage, g, tmp0, tSrS);
+    warpgroup_wait<0>();
+    qk_fold_group(tid, stage, g + 1, tmp1, tSrS);
   }
 }
 
