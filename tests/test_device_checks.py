@@ -272,7 +272,7 @@ def test_sparse_protocol_model_accepts_the_kernel_schedule():
                                       "factors read before vt_full", "half 0 released before its P V",
                                       "half 1 read before vt_full", "pairs read after their half's release",
                                       "p slot rewritten early", "first q half read before it was written"])
-@pytest.mark.parametrize("overlap", [False, True], ids=["default-order", "lead-overlap"])
+@pytest.mark.parametrize("overlap", [False, True, "mixed"], ids=["default-order", "lead-overlap", "lead-overlap-2"])
 def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation, overlap):
     with pytest.raises(sparse_model.ProtocolError):
         for seed in range(60):
@@ -280,7 +280,7 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation,
                              starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)], overlap=overlap)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["default-order", "lead-overlap"])
+@pytest.mark.parametrize("overlap", [False, True, "mixed"], ids=["default-order", "lead-overlap", "lead-overlap-2"])
 def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model, overlap):
     # qk_issued (lead.cuh) without warpgroup 0's arrival at a row piece's last block: warpgroup 1 waits forever
     with pytest.raises(sparse_model.ProtocolError, match="deadlock"):
@@ -475,7 +475,8 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(n == "0" for n in spills), "the sparse kernel spills:\n" + res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE", "FMLA_SPARSE_LEAD_OVERLAP"])
+@pytest.mark.parametrize("define",
+                         ["FMLA_SPARSE_TIMELINE=1", "FMLA_SPARSE_LEAD_OVERLAP=1", "FMLA_SPARSE_LEAD_OVERLAP=2"])
 def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
@@ -486,7 +487,7 @@ def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     if reason:
         pytest.skip(reason)
     source = ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu"
-    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", f"-D{define}=1",
+    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", f"-D{define}",
             "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{ROOT / 'csrc'}", f"-I{cutlass}", "-c",
             str(source), "-o", str(tmp_path / "sparse_switch.o")]
     res = subprocess.run(args, capture_output=True, text=True)

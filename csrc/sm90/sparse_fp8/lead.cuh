@@ -28,6 +28,19 @@ namespace flashmla_backend::sm90::sparse_fp8 {
 #if !defined(FMLA_SPARSE_LEAD_OVERLAP)
 #define FMLA_SPARSE_LEAD_OVERLAP 0
 #endif
+#if FMLA_SPARSE_LEAD_OVERLAP == 2
+// Whether `x` holds in any thread of warpgroup 0 (all 128 threads call it; a barrier reduction on warpgroup 0's own
+// named barrier, kBarLeadQ, whose other use is by the same 128 threads).
+__device__ __forceinline__ bool warpgroup_any(bool x) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.b32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(uint32_t(x)), "n"(kBarLeadQ + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount), "n"(kWgThreads)
+      : "memory");
+  return r != 0;
+}
+#endif
 
 constexpr int kPSlots = 2;                             // blocks of P in flight from warpgroup 0 to warpgroup 1
 constexpr int kP16Words = 16;                          // a thread's 64 x 64 P in fp16: word k = (P(2 k), P(2 k + 1))
@@ -209,12 +222,23 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     for (int blk = 0; blk + 1 < nblk; ++blk, ++g) {
       const int sn = int((g + 1) % kStages);
       uint8_t* stage_n = ss.stage[sn];
-      consumer_wait(ss.full[sn], ((g + 1) / kStages) & 1u, hint);
-      FMLA_TL(ss, kTlLead, kTlFull, tid_in_wg == 0);
-      cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
-      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 0, t0);
-      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 1, t1);
+      const auto first_pair = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        consumer_wait(ss.full[sn], ((g + 1) / kStages) & 1u, hint);
+        FMLA_TL(ss, kTlLead, kTlFull, tid_in_wg == 0);
+        cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
+        qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 0, t0);
+        qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 1, t1);
+      };
+#if FMLA_SPARSE_LEAD_OVERLAP == 2
+      // Early only where block g + 1 has landed (any warp's test: a completed phase stays completed), else after the
+      // words, so that a late gather does not hold the softmax
+      const bool early = warpgroup_any(ss.full[sn].test_wait(((g + 1) / kStages) & 1u));
+#else
+      constexpr bool early = true;
+#endif
+      if (early) first_pair();
       hand_and_words(g, false);
+      if (!early) first_pair();
       qk_issue_rope(tid_in_wg, ss.q_rope, stage_n, S);          // S = block g + 1's rope product
       sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);  // O_0 += P_0 V_0 of block g
       warpgroup_wait<1>();  // groups 0 and 1 and the rope product (the P V in flight)
