@@ -11,8 +11,9 @@
 //   warpgroup 1: O_g = O_g sc + P_g V_g (g = 1, 2, 3), P and sc from warpgroup 0
 // Warpgroup 0 was the critical path with two groups a warpgroup (docs/perf/journal.md: it issued 1.3 times warpgroup
 // 1's instructions a block, and warpgroup 1 waited for P half of its time), so it keeps one group's O (64 registers),
-// and with them the room for its P V to run under the next block's Q K^T (the half's release after the first wait
-// there) and for two Q K^T temporaries (qk.cuh: group g + 1's product under group g's fold). With O of two groups
+// and with them the room for two Q K^T temporaries (qk.cuh: group g + 1's product under group g's fold), which let the
+// next block's first two group products run under this block's softmax (lead_loop), and its P V under the next
+// block's last two. With O of two groups
 // either made ptxas serialize the kernel's wgmma for want of registers (C7512) even at 248 a thread. Warpgroup 1 holds
 // O of three groups (192) and builds each group's words from P and the pairs read a 16-byte chunk at a time; it is now
 // the busier of the two (its words, and its three P V waited for one by one).
@@ -25,10 +26,6 @@
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
-#if !defined(FMLA_SPARSE_LEAD_OVERLAP)
-#define FMLA_SPARSE_LEAD_OVERLAP 0
-#endif
-#if FMLA_SPARSE_LEAD_OVERLAP == 2
 // Whether `x` holds in any thread of warpgroup 0 (all 128 threads call it; a barrier reduction on warpgroup 0's own
 // named barrier, kBarLeadQ, whose other use is by the same 128 threads).
 __device__ __forceinline__ bool warpgroup_any(bool x) {
@@ -40,7 +37,6 @@ __device__ __forceinline__ bool warpgroup_any(bool x) {
       : "memory");
   return r != 0;
 }
-#endif
 
 constexpr int kPSlots = 2;                             // blocks of P in flight from warpgroup 0 to warpgroup 1
 constexpr int kP16Words = 16;                          // a thread's 64 x 64 P in fp16: word k = (P(2 k), P(2 k + 1))
@@ -101,7 +97,8 @@ constexpr uint32_t kPSlotArrivals = 4;
 // the block's 2,176 tensor-core cycles) issued as soon as their words were ready landed between warpgroup 0's Q K^T
 // products, on warpgroup 0's path (its chain is the kernel's); behind the whole Q K^T they run during its softmax:
 // 3.5-4% faster at top-k 2048 in a measurement build, under 1% in a default build (docs/perf/journal.md, 2026-12-01
-// and 2026-12-02). Warpgroup 0's own P V of group 0 stays ahead of that Q K^T: issued after it (and waited for in the
+// and 2026-12-02). Warpgroup 0's own P V of group 0 is issued among that Q K^T's products (after the first two and the
+// rope, before the last two) and waited for before the last two folds; issued after all of them (and waited for in the
 // next softmax) it measured 3-6% slower.
 // Two barriers by turns, so that the parity wait holds however far warpgroup 0 can get ahead: it cannot get three
 // blocks ahead of warpgroup 1's wait, since its arrival for block g follows its P of block g, written once warpgroup 1
@@ -113,15 +110,16 @@ constexpr uint32_t kQkIssuedArrivals = 4;
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 0
 // ------------------------------------------------------------------------------------------------
-// S = Q K^T of block g (all four groups, the rope), after its stage landed; after_first, after_issued: qk.cuh.
-template <class FragS, class AfterFirst, class AfterIssued>
+// S = Q K^T of block g (all four groups, the rope), after its stage landed: a row piece's first block (lead_loop
+// overlaps the later ones with the block before).
+template <class FragS>
 __device__ __forceinline__ void lead_qk(LeadStorage& ss, uint32_t g, int tid_in_wg, uint32_t hint, FragS& S,
-                                        FragS& t0, FragS& t1, AfterFirst&& after_first, AfterIssued&& after_issued) {
+                                        FragS& t0, FragS& t1) {
   const int s = int(g % kStages);
   consumer_wait(ss.full[s], (g / kStages) & 1u, hint);
   FMLA_TL(ss, kTlLead, kTlFull, tid_in_wg == 0);
   cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
-  sparse_qk_block<kQTerms>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], S, t0, t1, after_first, after_issued);
+  sparse_qk_block<kQTerms>(tid_in_wg, ss.q_latent, ss.q_rope, ss.stage[s], S, t0, t1);
   FMLA_TL(ss, kTlLead, kTlQk, tid_in_wg == 0);
 }
 
@@ -161,7 +159,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     Tensor S = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     Tensor t0 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
     Tensor t1 = partition_fragment_C(mma_s, Shape<Int<kTileRows>, Int<kBlockTokens>>{});
-    if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S, t0, t1, [] {}, [] {});
+    if (nblk > 0) lead_qk(ss, g, tid_in_wg, hint, S, t0, t1);
     const bool next = req < end_req;
     // P's words of group 0 (the A operand of the group's P V, read from these registers until the P V completes)
     uint32_t words[kPTerms][8];
@@ -175,109 +173,15 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       }
       warp_arrive(ss.vt_empty[0], lane);
     };
-#if FMLA_SPARSE_LEAD_OVERLAP
-    // Candidate (not yet run on a GPU): the first two group products of block g + 1's Q K^T issued before block g's
-    // softmax, into the two temporaries, so that they run on the tensor cores while this warpgroup's softmax, P
-    // hand-off and words run (the default order, below, issues the whole Q K^T after them: the tensor cores wait for
-    // the softmax; docs/perf/journal.md, 2026-12-02 evening). S, free once P is made of it, then takes block g + 1's
-    // rope product and the folds. The row piece's last block has no next block and runs after the loop.
-    // Block g's softmax, P hand-off, V^T half 0 wait, factors and words of group 0, and its stage released.
-    const auto hand_and_words = [&](uint32_t gg, bool last) CUTLASS_LAMBDA_FUNC_INLINE {
-      const int s = int(gg % kStages);
-      const int c = int(gg % kPSlots);
-      float sc[2];
-      online_softmax(S, ss.mask[ss.mask_slot(gg)], lane, sl2, m, l, sc);
-      if (gg >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((gg / kPSlots) - 1) & 1u, hint);
-      uint32_t p16[kP16Words];
-      decode_fp8::p16_fragment(S, p16);
-      decode_fp8::store_p(ss.p16[c], tid_in_wg, p16);
-      if ((lane & 3) == 0) {
-        ss.sc[c][row_in_tile[0]] = sc[0];
-        ss.sc[c][row_in_tile[1]] = sc[1];
-      }
-      if (last) {
-        l[0] = decode::quad_sum(l[0]);
-        l[1] = decode::quad_sum(l[1]);
-        if ((lane & 3) == 0) {
-          ss.rsum[c][row_in_tile[0]] = l[0];
-          ss.rsum[c][row_in_tile[1]] = l[1];
-        }
-      }
-      warp_arrive(ss.p_full[c], lane);
-      FMLA_TL(ss, kTlLead, kTlPHanded, tid_in_wg == 0);
-      consumer_wait(ss.vt_full[0], gg & 1u, hint);
-      FMLA_TL(ss, kTlLead, kTlVt0, tid_in_wg == 0);
-      const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[s][0][0]);
-      const float ratio[1] = {gf.x};
-      F = gf.y;
-      if (rescale_needed(sc, ratio)) rescale_group(o, sc, gf.x);
-      build_words(
-          [&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE {
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < 4; ++i) p4[i] = p16[4 * k + i];
-          },
-          &ss.sf[s][0][0][0], lane, debug, words);
-      warp_arrive(ss.empty[s], lane);
-    };
-    for (int blk = 0; blk + 1 < nblk; ++blk, ++g) {
-      const int sn = int((g + 1) % kStages);
-      uint8_t* stage_n = ss.stage[sn];
-      const auto first_pair = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
-        consumer_wait(ss.full[sn], ((g + 1) / kStages) & 1u, hint);
-        FMLA_TL(ss, kTlLead, kTlFull, tid_in_wg == 0);
-        cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
-        qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 0, t0);
-        qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 1, t1);
-      };
-#if FMLA_SPARSE_LEAD_OVERLAP == 2
-      // Early only where block g + 1 has landed (any warp's test: a completed phase stays completed), else after the
-      // words, so that a late gather does not hold the softmax
-      const bool early = warpgroup_any(ss.full[sn].test_wait(((g + 1) / kStages) & 1u));
-#else
-      constexpr bool early = true;
-#endif
-      if (early) first_pair();
-      hand_and_words(g, false);
-      if (!early) first_pair();
-      qk_issue_rope(tid_in_wg, ss.q_rope, stage_n, S);          // S = block g + 1's rope product
-      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);  // O_0 += P_0 V_0 of block g
-      warpgroup_wait<1>();  // groups 0 and 1 and the rope product (the P V in flight)
-      qk_fold_group(tid_in_wg, stage_n, 0, t0, S);
-      qk_fold_group(tid_in_wg, stage_n, 1, t1, S);
-      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 2, t0);
-      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 3, t1);
-      warp_arrive(ss.qk_issued[g % 2], lane);  // block g + 1's Q K^T is all issued: warpgroup 1's P V of block g next
-      warpgroup_wait<2>();  // the P V: V^T half 0 released, the words free
-      release_half0();
-      warpgroup_wait<1>();  // group 2
-      qk_fold_group(tid_in_wg, stage_n, 2, t0, S);
-      warpgroup_wait<0>();  // group 3
-      qk_fold_group(tid_in_wg, stage_n, 3, t1, S);
-      FMLA_TL(ss, kTlLead, kTlQk, tid_in_wg == 0);
-    }
-    if (nblk > 0) {  // the row piece's last block: its Q K^T is complete, the next Q tile's copy goes now
-      if (next) copy_q_tile(req + 1);
-      hand_and_words(g, true);
-      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
-      warp_arrive(ss.qk_issued[g % 2], lane);
-      warpgroup_wait<0>();
-      release_half0();
-      FMLA_TL(ss, kTlLead, kTlPv0Done, tid_in_wg == 0);
-      ++g;
-    }
-#else
-    for (int blk = 0; blk < nblk; ++blk, ++g) {
+    // Block g's softmax (P = 2^(S sl2 - m + 8)), P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1
+    // read block g - 2; with the row piece's last block also the rows' final sums, a quad's parts added, so that
+    // warpgroup 1 needs no barrier for them), then V^T half 0 and the block's group factors and pairs (vt_full
+    // publishes both): O rescaled, P's words of group 0; the block's stage is done with here.
+    const auto hand_and_words = [&](bool last) CUTLASS_LAMBDA_FUNC_INLINE {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
-      // The row piece's last Q K^T is complete: the next one's 16-bit q goes into the tile now, its latency under this
-      // block's work and the epilogue (split in place after the stores)
-      if (next && blk + 1 == nblk) copy_q_tile(req + 1);
-
-      // ---- mask, online softmax: P = 2^(S sl2 - m + 8) ----
       float sc[2];
       online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc);
-
-      // ---- P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1 read block g - 2) ----
       if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u, hint);
       uint32_t p16[kP16Words];  // also this warpgroup's P for its words
       decode_fp8::p16_fragment(S, p16);
@@ -286,8 +190,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
         ss.sc[c][row_in_tile[0]] = sc[0];
         ss.sc[c][row_in_tile[1]] = sc[1];
       }
-      if (blk + 1 == nblk) {  // the rows' final sums (a quad's parts added) go with the last block's P (warpgroup 1
-                              // needs no barrier for them); l is not added to after this
+      if (last) {  // l is not added to after this
         l[0] = decode::quad_sum(l[0]);
         l[1] = decode::quad_sum(l[1]);
         if ((lane & 3) == 0) {
@@ -297,9 +200,6 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       }
       warp_arrive(ss.p_full[c], lane);
       FMLA_TL(ss, kTlLead, kTlPHanded, tid_in_wg == 0);
-
-      // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes both); O rescaled, P's words of
-      // group 0; the block's stage is done with here ----
       consumer_wait(ss.vt_full[0], g & 1u, hint);
       FMLA_TL(ss, kTlLead, kTlVt0, tid_in_wg == 0);
       const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[s][0][0]);  // (ratio, F) of group 0
@@ -313,24 +213,56 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
           },
           &ss.sf[s][0][0][0], lane, debug, words);
       warp_arrive(ss.empty[s], lane);
-
-      // ---- O_0 += P_0 V_0 under the next block's Q K^T, whose first wait covers it (then V^T half 0 is released;
-      // the words stay in their registers until then); block g's phase of qk_issued once that Q K^T is issued, or
-      // now at the row piece's last block ----
-      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
-      const auto qk_issued = [&]() CUTLASS_LAMBDA_FUNC_INLINE { warp_arrive(ss.qk_issued[g % 2], lane); };
-      if (blk + 1 < nblk) {
-        lead_qk(ss, g + 1, tid_in_wg, hint, S, t0, t1, [&]() CUTLASS_LAMBDA_FUNC_INLINE { release_half0(); },
-                qk_issued);
-      } else {
-        qk_issued();
-        warpgroup_wait<0>();
-        release_half0();
-        FMLA_TL(ss, kTlLead, kTlPv0Done, tid_in_wg == 0);
-      }
+    };
+    // Every block but the row piece's last: block g + 1's Q K^T overlaps block g's softmax where it can. Its first two
+    // group products go into the two temporaries before block g's softmax if block g + 1's stage has landed (else
+    // after the words, so that a late gather does not hold the softmax: waiting for the stage there, whether landed
+    // or not, measured 23% slower at b128 top-k 2048, docs/perf/journal.md); S, free once P is made of it, then takes
+    // block g + 1's rope product, and the four folds follow in the order of sparse_qk_block, so the scores are its
+    // bits. O_0 += P_0 V_0 of block g runs under the products of groups 2 and 3; block g's phase of qk_issued once
+    // block g + 1's whole Q K^T is issued (warpgroup 1's P V of block g next).
+    for (int blk = 0; blk + 1 < nblk; ++blk, ++g) {
+      const int sn = int((g + 1) % kStages);
+      uint8_t* stage_n = ss.stage[sn];
+      const auto first_pair = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        consumer_wait(ss.full[sn], ((g + 1) / kStages) & 1u, hint);
+        FMLA_TL(ss, kTlLead, kTlFull, tid_in_wg == 0);
+        cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
+        qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 0, t0);
+        qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 1, t1);
+      };
+      // Whether block g + 1 has landed: any warp's test (all four issue each wgmma, and a completed phase stays so)
+      const bool early = warpgroup_any(ss.full[sn].test_wait(((g + 1) / kStages) & 1u));
+      if (early) first_pair();
+      hand_and_words(false);
+      if (!early) first_pair();
+      qk_issue_rope(tid_in_wg, ss.q_rope, stage_n, S);          // S = block g + 1's rope product
+      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);  // O_0 += P_0 V_0 of block g
+      warpgroup_wait<1>();  // groups 0 and 1 and the rope product (the P V in flight)
+      qk_fold_group(tid_in_wg, stage_n, 0, t0, S);
+      qk_fold_group(tid_in_wg, stage_n, 1, t1, S);
+      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 2, t0);
+      qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 3, t1);
+      warp_arrive(ss.qk_issued[g % 2], lane);  // block g + 1's Q K^T is all issued: warpgroup 1's P V of block g next
+      warpgroup_wait<2>();                     // the P V: V^T half 0 released, the words free
+      release_half0();
+      warpgroup_wait<1>();  // group 2
+      qk_fold_group(tid_in_wg, stage_n, 2, t0, S);
+      warpgroup_wait<0>();  // group 3
+      qk_fold_group(tid_in_wg, stage_n, 3, t1, S);
+      FMLA_TL(ss, kTlLead, kTlQk, tid_in_wg == 0);
     }
-
-#endif
+    if (nblk > 0) {  // the row piece's last block: its Q K^T is complete, the next Q tile's copy goes now (its
+                     // latency under this block's work and the epilogue; split in place after the stores)
+      if (next) copy_q_tile(req + 1);
+      hand_and_words(true);
+      sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
+      warp_arrive(ss.qk_issued[g % 2], lane);  // block g's phase: its P V of group 0 is the tensor work after its P
+      warpgroup_wait<0>();
+      release_half0();
+      FMLA_TL(ss, kTlLead, kTlPv0Done, tid_in_wg == 0);
+      ++g;
+    }
 
     // ---- epilogue, and the next row piece's Q tile, made by this warpgroup alone: warpgroup 1 never reads the
     // tile, so neither waits for the other here (warpgroup 1 finishes its last block while this one starts the next

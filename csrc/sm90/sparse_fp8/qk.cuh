@@ -48,9 +48,9 @@ struct QkTypes {
 // The group g of a 128-channel latent group is k32 steps 4 g .. 4 g + 3 of the latent tiles.
 constexpr int kKStepsPerGroup = 128 / 32;
 
-// The steps of a block's Q K^T (sparse_qk_block below, and lead.cuh's FMLA_SPARSE_LEAD_OVERLAP order, which puts other
-// work between them): qk_issue_rope, then qk_issue_group for groups 0..3 and qk_fold_group for each once its commit
-// group was waited for. Each issue is one commit group.
+// The steps of a block's Q K^T (sparse_qk_block below, and lead.cuh's overlapped order, which puts the block before's
+// softmax and P V between them): qk_issue_rope, then qk_issue_group for groups 0..3 and qk_fold_group for each once
+// its commit group was waited for. Each issue is one commit group.
 template <class FragS>
 __device__ __forceinline__ void qk_issue_rope(int tid, uint8_t* q_rope, uint8_t* stage, FragS& tSrS) {
   using BF = QkTypes::BF;
@@ -123,22 +123,16 @@ __device__ __forceinline__ void qk_fold_group(int tid, const uint8_t* stage, int
 // the unrolled order that issues group g + 2 right after group g's fold, so that a product is always queued, was
 // measured level at b = 1 and 0.3-3% slower at the table's other shapes (journal, 2026-12-02): the pair's
 // gap is not on the path.
-// after_first: called once, after the wait for the rope product and group 0 (and so for every wgmma the warpgroup
-// committed before this call: warpgroup 0 releases the V^T half of its previous P V there). after_issued: called once,
-// when the last pair's products are committed, before their waits (all of the block's tensor work is issued then).
-template <int kQTerms, class FragS, class AfterFirst, class AfterIssued>
+template <int kQTerms, class FragS>
 __device__ __forceinline__ void sparse_qk_block(int tid, uint8_t* q_latent, uint8_t* q_rope, uint8_t* stage,
-                                                FragS& tSrS, FragS& tmp0, FragS& tmp1, AfterFirst&& after_first,
-                                                AfterIssued&& after_issued) {
+                                                FragS& tSrS, FragS& tmp0, FragS& tmp1) {
   static_assert(kGroups % 2 == 0, "groups in pairs");
   qk_issue_rope(tid, q_rope, stage, tSrS);
 #pragma unroll 1
   for (int g = 0; g < kGroups; g += 2) {
     qk_issue_group<kQTerms>(tid, q_latent, stage, g, tmp0);
     qk_issue_group<kQTerms>(tid, q_latent, stage, g + 1, tmp1);
-    if (g + 2 == kGroups) after_issued();
     warpgroup_wait<1>();  // group g (and, at the first pair, the rope product and what the caller committed)
-    if (g == 0) after_first();
     qk_fold_group(tid, stage, g, tmp0, tSrS);
     warpgroup_wait<0>();
     qk_fold_group(tid, stage, g + 1, tmp1, tSrS);

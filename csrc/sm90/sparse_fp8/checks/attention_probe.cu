@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(128, 1) attention_probe_kernel(const uint8_t* 
         if (lane == 0) *reinterpret_cast<uint64_t*>(smem + kMaskAt) = mask;
       }
       __syncthreads();
-      sparse_qk_block<2>(tid, smem + kQLatentAt, smem + kQRopeAt, smem, s, tmp, tmp1, [] {}, [] {});
+      sparse_qk_block<2>(tid, smem + kQLatentAt, smem + kQRopeAt, smem, s, tmp, tmp1);
       const uint64_t mask = *reinterpret_cast<const uint64_t*>(smem + kMaskAt);
 
       // Scores in the log2 domain, masked; the rows' new max (a quad's four lanes hold a row's 64 keys).

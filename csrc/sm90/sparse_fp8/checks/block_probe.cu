@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(128, 1) qk_probe_kernel(const uint8_t* pool, c
   Tensor tSrS = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockTokens>>{});
   Tensor tmp0 = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockTokens>>{});
   Tensor tmp1 = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockTokens>>{});
-  sparse_qk_block<kQTerms>(tid, smem + kQLatentAt, smem + kQRopeAt, smem, tSrS, tmp0, tmp1, [] {}, [] {});
+  sparse_qk_block<kQTerms>(tid, smem + kQLatentAt, smem + kQRopeAt, smem, tSrS, tmp0, tmp1);
 
   const float* rs = reinterpret_cast<const float*>(smem + kRowScaleAt);
   for (int i = 0; i < size(tSrS); ++i) {

@@ -145,12 +145,12 @@ def lead_qk(g: int, row: int):
     yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
-def lead_consumer(rows: list[int], p_slots: int, mutation=None, overlap=False, seed: int = 0):
-    """overlap: True, the order of a FMLA_SPARSE_LEAD_OVERLAP=1 build (lead.cuh): block g + 1's first two group
-    products issued, so its stage waited for and read, before block g's softmax, P and words; its phase of qk_issued
-    once its last two products are issued after block g's P V of group 0. "mixed", a FMLA_SPARSE_LEAD_OVERLAP=2 build:
-    each block takes that order or (where block g + 1 had not landed) waits for it after its words, before its P V
-    (here chosen at random a block)."""
+def lead_consumer(rows: list[int], p_slots: int, mutation=None, seed: int = 0):
+    """lead.cuh's order: block g + 1's first two group products issued (so its stage waited for and read) before
+    block g's softmax, P and words where block g + 1 has landed, else after the words; either way before block g's
+    P V of group 0, and block g's phase of qk_issued once block g + 1's last two products are issued after that P V.
+    The kernel takes the early place only where the stage's phase has completed; here it is chosen at random a block,
+    and the wait may block there (a superset of the kernel's interleavings)."""
     pick = random.Random(seed + 7919)
     g = 0
     yield ("write", ("q", 0), 0, "q")               # the first row piece's Q tile: this warpgroup's heads,
@@ -165,7 +165,7 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, overlap=False, s
             if blk + 1 == n and row + 1 < len(rows):   # the row piece's last Q K^T done: the next Q tile's copy
                 yield ("write", ("q", 0), row + 1, "q")
                 yield ("write", ("q", 1), row + 1, "q")
-            early = overlap is True or (overlap == "mixed" and pick.random() < 0.5)
+            early = pick.random() < 0.5
             if early and blk + 1 < n:
                 yield from lead_qk(g + 1, row)      # its products begin under this block's softmax
             if g >= p_slots and mutation != "p slot rewritten early":
@@ -177,13 +177,11 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, overlap=False, s
             yield from factors_and_vt(0, g, mutation)
             yield ("read_end", ("stage", s), g)
             yield from warps_arrive("empty", s)
-            if overlap and not early and blk + 1 < n:
+            if not early and blk + 1 < n:
                 yield from lead_qk(g + 1, row)      # the stage had not landed: its products after the words
-            # P V of group 0, issued before the next block's Q K^T and released after its first wait
+            # P V of group 0, issued after the next block's first products and released after its last issue
             yield ("read_begin", ("vt", 0), g)
             if blk + 1 < n:
-                if not overlap:
-                    yield from lead_qk(g + 1, row)
                 yield from warps_arrive("qk_issued", qk_phase(g, mutation)[0])   # the next Q K^T issued
             elif mutation != "qk_issued missing at a row piece's last block":
                 yield from warps_arrive("qk_issued", qk_phase(g, mutation)[0])
@@ -233,7 +231,7 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None):
 
 
 def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
-        starve: str | None = None, overlap=False) -> None:
+        starve: str | None = None) -> None:
     """One random interleaving of the CTA's agents over row pieces with these block counts."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
@@ -244,7 +242,7 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
         agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation)
-    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, overlap, seed)
+    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, seed)
     agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
     # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
@@ -277,7 +275,7 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     _dense.interleave(agents, ready, execute, seed, starve, f"rows {rows}")
 
 
-def check_all(seeds: int = 20, overlap=False) -> int:
+def check_all(seeds: int = 20) -> int:
     """Row sequences of 0..9 blocks; returns the number of runs."""
     counts = read_counts()
     gen = random.Random(3)
@@ -288,7 +286,7 @@ def check_all(seeds: int = 20, overlap=False) -> int:
     runs = 0
     for rows in sequences:
         for seed in range(seeds):
-            run(rows, counts, seed=seed, starve=starved[seed % len(starved)], overlap=overlap)
+            run(rows, counts, seed=seed, starve=starved[seed % len(starved)])
             runs += 1
     return runs
 
@@ -296,10 +294,7 @@ def check_all(seeds: int = 20, overlap=False) -> int:
 if __name__ == "__main__":
     try:
         n = check_all()
-        n += check_all(overlap=True)
-        n += check_all(overlap="mixed")
     except ProtocolError as e:
         print(f"sparse protocol model: INCONSISTENT: {e}")
         sys.exit(1)
-    print(f"sparse protocol model: consistent ({n} interleavings, the default order and FMLA_SPARSE_LEAD_OVERLAP's "
-          "two)")
+    print(f"sparse protocol model: consistent ({n} interleavings)")
