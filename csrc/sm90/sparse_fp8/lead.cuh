@@ -52,7 +52,20 @@ struct alignas(1024) LeadStorage {
   // g % kStages, V^T half h of every block in slot h (block g's half is the slot's use g). A ring of two slots for
   // half 0 (16 KB more) measured no faster (docs/perf/journal.md, 2026-12-01).
   static __device__ __forceinline__ uint32_t mask_slot(uint32_t g) { return g % uint32_t(kStages); }
+#if FMLA_SPARSE_VT1_RING
+  // Candidate (FMLA_SPARSE_VT1_RING=1, not yet timed): V^T half 1 in a ring of two slots (16 KB more), block g's in
+  // slot 1 + g % 2, so that the transposer warps' half 1 of block g waits for warpgroup 1's P V of block g - 2 instead
+  // of g - 1 and the stage is released sooner (the gather is late at warpgroup 0's softmax in about nine blocks of ten:
+  // docs/perf/journal.md, 2026-12-02 night). The transposer warps then make a block's factors after their wait for
+  // V^T half 0 (common.cuh: transpose_warp), since half 1 no longer orders them after warpgroup 1's last words.
+  static constexpr int kVtSlots = 3;
+  static __device__ __forceinline__ uint32_t vt1_slot(uint32_t g) { return 1u + (g & 1u); }
+  static __device__ __forceinline__ uint32_t vt1_use(uint32_t g) { return g / 2u; }  // block g's use of its slot
+#else
   static constexpr int kVtSlots = 2;
+  static __device__ __forceinline__ uint32_t vt1_slot(uint32_t) { return 1u; }
+  static __device__ __forceinline__ uint32_t vt1_use(uint32_t g) { return g; }
+#endif
 
   alignas(1024) uint8_t q_latent[kQTerms * kLatentBytes];
   alignas(1024) uint8_t q_rope[kRopeBytes];
@@ -369,9 +382,10 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
         consumer_wait(ss.qk_issued[g % 2], (g / 2) & 1u, hint);
         FMLA_TL(ss, kTlFollow, kTlQkIssued, tid_in_wg == 0);
       });
-      consumer_wait(ss.vt_full[1], g & 1u, hint);
-      follow_group<2>(ss, s, c, 1, tid_in_wg, lane, debug, o2, [] {});
-      follow_group<3>(ss, s, c, 1, tid_in_wg, lane, debug, o3,
+      const uint32_t v1 = LeadStorage::vt1_slot(g);
+      consumer_wait(ss.vt_full[v1], LeadStorage::vt1_use(g) & 1u, hint);
+      follow_group<2>(ss, s, c, v1, tid_in_wg, lane, debug, o2, [] {});
+      follow_group<3>(ss, s, c, v1, tid_in_wg, lane, debug, o3,
                       [&]() CUTLASS_LAMBDA_FUNC_INLINE { warp_arrive(ss.p_empty[c], lane); });  // P read
       FMLA_TL(ss, kTlFollow, kTlBlockDone, tid_in_wg == 0);
     }
