@@ -318,74 +318,11 @@ __device__ __forceinline__ void build_words(PChunk&& p_chunk, const uint32_t* sf
 // Each lane loads its entry of the block's index row first (gather.cuh: half_index), after the wait for the stage, and
 // the copies wait for that load. Loading the next block's entry before the wait instead (across row pieces too) was
 // measured 0.3-2.5% slower at every shape of the benchmark table (docs/perf/journal.md, 2026-12-02): the load's latency
-// it hides is not on the path, its instructions are (the gather's instruction stream is: docs/kernel-design.md).
+// it hides is not on the path, its instructions are (the gather's instruction stream is: docs/kernel-design.md). So it
+// was again with warpgroup 0's overlapped order (1-1.5% slower at top-k 2048), although the next block is late at
+// warpgroup 0's softmax in about nine blocks of ten there (journal, 2026-12-02 night).
 constexpr uint32_t kFullArrivals = kGatherWarps * (32 + 1);  // each gather warp's lanes (copies landed) and lane 0
 
-#if !defined(FMLA_SPARSE_INDEX_PREFETCH)
-#define FMLA_SPARSE_INDEX_PREFETCH 0
-#endif
-#if FMLA_SPARSE_INDEX_PREFETCH
-// Candidate (FMLA_SPARSE_INDEX_PREFETCH=1, not yet timed in this order): the lane loads the next block's entry before
-// it waits for this block's stage, across row pieces too, so that the load's latency passes during that wait and these
-// copies. Measured 0.3-2.5% slower when warpgroup 0 waited for a block after its words (docs/perf/journal.md,
-// 2026-12-02); with the overlapped order the next block is late at the softmax in about nine blocks of ten (ncu,
-// 2026-12-02 night), so the gather's chain from a stage's release to its copies is on the path again.
-struct GatherPiece {
-  const int* row;
-  int first_page, stop, nblk;
-};
-__device__ __forceinline__ GatherPiece gather_piece(const DecodeParams& p, const SchedMetaRow& meta, int req,
-                                                    int m_block) {
-  const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
-  GatherPiece q;
-  q.row = p.indices + int64_t(req) * p.indices_stride;
-  q.first_page = w.first_page;
-  q.nblk = counted_blocks(p, w, q.stop);
-  return q;
-}
-template <class SS>
-__device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
-                                            int begin_req, int end_req, int m_block, int gwarp, int lane, int debug) {
-  const uint8_t* cache = reinterpret_cast<const uint8_t*>(p.kv);
-  const uint32_t hint = suspend_hint(debug);
-  const auto entry = [&](const GatherPiece& q, int blk) CUTLASS_LAMBDA_FUNC_INLINE {
-    return half_index(q.row, (q.first_page + blk) * kBlockTokens, q.stop, gwarp, lane);
-  };
-  uint32_t g = 0;
-  GatherPiece cur = gather_piece(p, meta, begin_req, m_block);
-  int t_next = cur.nblk > 0 ? entry(cur, 0) : -1;  // the lane's entry of the next block to gather
-  for (int req = begin_req; req <= end_req; ++req) {
-    const bool has_next = req < end_req;
-    const GatherPiece nxt = has_next ? gather_piece(p, meta, req + 1, m_block) : cur;
-    const bool next_blocks = has_next && nxt.nblk > 0;
-    for (int blk = 0; blk < cur.nblk; ++blk, ++g) {
-      const int t_lane = t_next;
-      if (blk + 1 < cur.nblk) {
-        t_next = entry(cur, blk + 1);
-      } else if (next_blocks) {
-        t_next = entry(nxt, 0);
-      }
-      const int s = int(g % kStages);
-      if (g >= uint32_t(kStages)) producer_wait(ss.empty[s], ((g / kStages) - 1) & 1u, hint);
-      FMLA_TL(ss, kTlGather, kTlStageFree, gwarp == 0 && lane == 0);
-      const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-      const uint32_t mask = (debug & kDebugNoGather)
-                                ? ~0u
-                                : gather_half_warp(stage_addr, cache, p.num_kv_tokens, t_lane, gwarp, lane);
-      cp_async_arrive_on(cute::cast_smem_ptr_to_uint(&ss.full[s]));
-      if (lane == 0) {
-        reinterpret_cast<uint32_t*>(&ss.mask[SS::mask_slot(g)])[gwarp] = mask;
-        ss.full[s].arrive();
-      }
-      FMLA_TL(ss, kTlGather, kTlCopies, gwarp == 0 && lane == 0);
-    }
-    if (cur.nblk == 0 && next_blocks) t_next = entry(nxt, 0);
-    cur = nxt;
-  }
-  decode::cp_async_wait_all();  // no copy outlives the warp
-  FMLA_TL_FINISH(ss, kTlGather, gwarp == 0 && lane == 0);
-}
-#else
 template <class SS>
 __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const SchedMetaRow& meta,
                                             int begin_req, int end_req, int m_block, int gwarp, int lane, int debug) {
@@ -421,7 +358,6 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
   FMLA_TL_FINISH(ss, kTlGather, gwarp == 0 && lane == 0);
 }
 
-#endif
 
 // The group factors of a block, made once by transposer warp t for groups g0 = 2 t, g0 + 1 instead of by each
 // consumer thread (measured: the kernel 10-12% faster at every shape of the benchmark table; docs/perf/journal.md):
@@ -433,7 +369,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
 // until set) to ss.sf[s][g][q][a] for tokens t = 8 a + 2 q: lane l has tokens 2 l and 2 l + 1 (a = l / 4, q = l % 4).
 // The stage's vt_full arrivals that follow publish them to the consumer warpgroups.
 template <class SS>
-__device__ __forceinline__ void block_group_factors(SS& ss, int s, int prev, bool first, int twarp, int lane) {
+__device__ __forceinline__ void block_group_factors(SS& ss, int s, int slot, int prev, bool first, int twarp, int lane) {
   const int g0 = 2 * twarp;
   const float* scales = reinterpret_cast<const float*>(ss.stage[s] + kScalesAt);
   const float2 x = *reinterpret_cast<const float2*>(scales + (2 * lane) * kGroups + g0);
@@ -461,9 +397,9 @@ __device__ __forceinline__ void block_group_factors(SS& ss, int s, int prev, boo
     }
     const float f = factor_in_use(F[gg]);
     const __half2 pair = __floats2half2_rn(xs[gg] * f, ys[gg] * f);
-    ss.sf[s][g0 + gg][lane & 3][lane >> 2] = *reinterpret_cast<const uint32_t*>(&pair);
+    ss.sf[slot][g0 + gg][lane & 3][lane >> 2] = *reinterpret_cast<const uint32_t*>(&pair);
   }
-  if (lane == 0) *reinterpret_cast<float4*>(&ss.gfac[s][g0][0]) = make_float4(ratio[0], F[0], ratio[1], F[1]);
+  if (lane == 0) *reinterpret_cast<float4*>(&ss.gfac[slot][g0][0]) = make_float4(ratio[0], F[0], ratio[1], F[1]);
 }
 
 // The transposer warps (producer warps 2..3, twarp 0..1): the block's group factors (block_group_factors), then part
@@ -484,18 +420,15 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
       producer_wait(ss.full[s], (g / kStages) & 1u, hint);
       FMLA_TL(ss, kTlTranspose, kTlTFull, twarp == 0 && lane == 0);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-#if FMLA_SPARSE_VT1_RING
-      // the factors of block g overwrite those of block g - 2, which warpgroup 1 reads until its group 3 words of
-      // block g - 2: before its group 1 P V of block g - 1, which the wait for half 0 (use g - 1) follows
-      if (g > 0) producer_wait(ss.vt_empty[0], (g - 1) & 1u, hint);
-#endif
-      block_group_factors(ss, s, int((g + kStages - 1) % kStages), blk == 0, twarp, lane);
+      constexpr uint32_t kF = uint32_t(SS::kFacSlots);
+      block_group_factors(ss, s, int(g % kF), int((g + kF - 1) % kF), blk == 0, twarp, lane);
       FMLA_TL(ss, kTlTranspose, kTlFactors, twarp == 0 && lane == 0);
 #pragma unroll 1
       for (int h = 0; h < 2; ++h) {
 #if FMLA_SPARSE_VT1_RING
         const uint32_t v = h == 0 ? 0u : SS::vt1_slot(g);
-        if (h == 1 && g >= 2u) producer_wait(ss.vt_empty[v], (SS::vt1_use(g) - 1) & 1u, hint);
+        const uint32_t use = h == 0 ? g : SS::vt1_use(g);  // block g's use of slot v
+        if (use > 0) producer_wait(ss.vt_empty[v], (use - 1) & 1u, hint);
 #else
         const int v = h;
         if (g > 0) producer_wait(ss.vt_empty[h], (g - 1) & 1u, hint);

@@ -92,18 +92,21 @@ def vt1(g: int, ring: bool) -> tuple[int, int]:
     return (1 + g % 2, g // 2) if ring else (1, g)
 
 
+def fac_slot(g: int, ring: bool, mutation=None) -> int:
+    """The slot of block g's group factors and pairs: its stage's, or with the ring one of four (lead.cuh)."""
+    return g % 4 if ring and mutation != "ring factors in the stage's slots" else g % STAGES
+
+
 def transposer_agent(w: int, blocks: int, mutation=None, ring=False):
     for g in range(blocks):
         s = g % STAGES
         yield ("wait", "full", s, g // STAGES)
         yield ("read_begin", ("stage", s), g)
-        early = ring and mutation != "ring factors before the half 0 wait"
-        if early and g > 0 and mutation != "transposer ignores vt_empty":
-            yield ("wait", "vt_empty", 0, g - 1)   # before the factors: warpgroup 1's last words of block g - 2
-        yield ("write", ("fac", s, w), g, f"fac{w}")   # the factors of groups 2 w, 2 w + 1 (block_group_factors)
+        # the factors of groups 2 w, 2 w + 1 (block_group_factors)
+        yield ("write", ("fac", fac_slot(g, ring, mutation), w), g, f"fac{w}")
         for h in (0, 1):                        # V^T half h of block g in slot h (half 1: vt1)
             slot, use = (0, g) if h == 0 else vt1(g, ring)
-            if use > 0 and not (early and h == 0) and mutation != "transposer ignores vt_empty":
+            if use > 0 and mutation != "transposer ignores vt_empty":
                 yield ("wait", "vt_empty", slot, use - 1)
             yield ("write", ("vt", slot), g, "vt")
             yield ("arrive", "vt_full", slot)
@@ -116,10 +119,10 @@ def warps_arrive(bar: str, i: int):
         yield ("arrive", bar, i)
 
 
-def factors_and_vt(wg: int, g: int, mutation=None):
+def factors_and_vt(wg: int, g: int, mutation=None, ring=False):
     """The consumer's wait for V^T half 0 of block g, which also publishes the block's group factors, read then
     (warpgroup 0: group 0's, of transposer warp 0; warpgroup 1: groups 1..3, of both transposer warps)."""
-    s = g % STAGES
+    s = fac_slot(g, ring, mutation)
     if mutation != "factors read before vt_full":
         yield ("wait", "vt_full", 0, g)
     for w in ((0,) if wg == 0 else (0, 1)):
@@ -154,7 +157,7 @@ def lead_qk(g: int, row: int):
     yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
-def lead_consumer(rows: list[int], p_slots: int, mutation=None, seed: int = 0):
+def lead_consumer(rows: list[int], p_slots: int, mutation=None, seed: int = 0, ring=False):
     """lead.cuh's order: block g + 1's first two group products issued (so its stage waited for and read) before
     block g's softmax, P and words where block g + 1 has landed, else after the words; either way before block g's
     P V of group 0, and block g's phase of qk_issued once block g + 1's last two products are issued after that P V.
@@ -183,7 +186,7 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, seed: int = 0):
             if blk + 1 == n:
                 yield ("write", ("rsum", c), g, "one")   # the rows' sums, with the row piece's last P
             yield from warps_arrive("p_full", c)
-            yield from factors_and_vt(0, g, mutation)
+            yield from factors_and_vt(0, g, mutation, ring)
             yield ("read_end", ("stage", s), g)
             yield from warps_arrive("empty", s)
             if not early and blk + 1 < n:
@@ -212,7 +215,7 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None, ring=False):
     yield ("both_arrive", "first_q")
     for row, n in enumerate(rows):
         for blk in range(n):
-            s, c = g % STAGES, g % p_slots
+            c = g % p_slots
             last = blk + 1 == n
             if last and mutation == "row sums read early":
                 yield ("read_begin", ("rsum", c), g)
@@ -222,8 +225,9 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None, ring=False):
             if last and mutation != "row sums read early":
                 yield ("read_begin", ("rsum", c), g)   # the rows' sums of the row piece
                 yield ("read_end", ("rsum", c), g)
-            yield from factors_and_vt(1, g, mutation)   # the factors and pairs of groups 1..3, until their words
-            yield ("read_end", ("fac", s, 0), g)     # group 1's words
+            fs = fac_slot(g, ring, mutation)
+            yield from factors_and_vt(1, g, mutation, ring)   # the factors and pairs of groups 1..3, until their words
+            yield ("read_end", ("fac", fs, 0), g)    # group 1's words
             yield ("wait", "qk_issued", *qk_phase(g, mutation))
             yield from pv_group(0, g)               # group 1
             slot, use = vt1(g, ring)
@@ -231,12 +235,12 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None, ring=False):
                 yield ("wait", "vt_full", slot, use)
             yield from pv_group(slot, g)            # group 2
             if mutation != "pairs read after their half's release":
-                yield ("read_end", ("fac", s, 1), g)     # group 3's words (group 2's pairs read before its P V)
+                yield ("read_end", ("fac", fs, 1), g)    # group 3's words (group 2's pairs read before its P V)
             yield ("read_end", ("p16", c), g)
             yield from warps_arrive("p_empty", c)
             yield from pv_group(slot, g)            # group 3
             if mutation == "pairs read after their half's release":
-                yield ("read_end", ("fac", s, 1), g)
+                yield ("read_end", ("fac", fs, 1), g)
             g += 1
 
 
@@ -252,7 +256,7 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
         agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation, ring)
-    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, seed)
+    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, seed, ring)
     agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation, ring)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
     # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
