@@ -279,15 +279,6 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation)
                              starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)])
 
 
-def test_sparse_protocol_model_rejects_ring_factors_in_the_stage_slots(sparse_model):
-    # FMLA_SPARSE_VT1_RING (lead.cuh): with V^T half 1 in a ring, nothing orders the transposer warps' rewrite of a
-    # stage's factors after warpgroup 1's last words of the block two before, so they take four slots
-    with pytest.raises(sparse_model.ProtocolError, match="fac"):
-        for seed in range(60):
-            sparse_model.run([5, 2, 7], seed=seed, mutation="ring factors in the stage's slots",
-                             starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)], ring=True)
-
-
 def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model):
     # qk_issued (lead.cuh) without warpgroup 0's arrival at a row piece's last block: warpgroup 1 waits forever
     with pytest.raises(sparse_model.ProtocolError, match="deadlock"):
@@ -482,12 +473,11 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(int(n) <= 8 for n in spills), "the sparse kernel spills more:\n" + res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1", "FMLA_SPARSE_VT1_RING=1"])
+@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1"])
 def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
-    form printed with device printf, a call that serialized every wgmma, C7510) and the candidates not yet timed
-    (lead.cuh: V^T half 1 in a ring)."""
+    form printed with device printf, a call that serialized every wgmma, C7510)."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:

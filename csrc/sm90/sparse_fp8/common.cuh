@@ -31,10 +31,6 @@
 #include "sm90/sparse_fp8/qk.cuh"
 #include "sm90/sparse_fp8/timeline.cuh"
 
-#if !defined(FMLA_SPARSE_VT1_RING)
-#define FMLA_SPARSE_VT1_RING 0  // a candidate's build switch: lead.cuh, LeadStorage
-#endif
-
 namespace flashmla_backend::sm90::sparse_fp8 {
 
 using namespace cute;
@@ -358,7 +354,6 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
   FMLA_TL_FINISH(ss, kTlGather, gwarp == 0 && lane == 0);
 }
 
-
 // The group factors of a block, made once by transposer warp t for groups g0 = 2 t, g0 + 1 instead of by each
 // consumer thread (measured: the kernel 10-12% faster at every shape of the benchmark table; docs/perf/journal.md):
 // the block's largest scale of each group over its 64 tokens (0 for skipped entries, gathered as zeros); the group's
@@ -369,7 +364,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
 // until set) to ss.sf[s][g][q][a] for tokens t = 8 a + 2 q: lane l has tokens 2 l and 2 l + 1 (a = l / 4, q = l % 4).
 // The stage's vt_full arrivals that follow publish them to the consumer warpgroups.
 template <class SS>
-__device__ __forceinline__ void block_group_factors(SS& ss, int s, int slot, int prev, bool first, int twarp, int lane) {
+__device__ __forceinline__ void block_group_factors(SS& ss, int s, int prev, bool first, int twarp, int lane) {
   const int g0 = 2 * twarp;
   const float* scales = reinterpret_cast<const float*>(ss.stage[s] + kScalesAt);
   const float2 x = *reinterpret_cast<const float2*>(scales + (2 * lane) * kGroups + g0);
@@ -397,9 +392,9 @@ __device__ __forceinline__ void block_group_factors(SS& ss, int s, int slot, int
     }
     const float f = factor_in_use(F[gg]);
     const __half2 pair = __floats2half2_rn(xs[gg] * f, ys[gg] * f);
-    ss.sf[slot][g0 + gg][lane & 3][lane >> 2] = *reinterpret_cast<const uint32_t*>(&pair);
+    ss.sf[s][g0 + gg][lane & 3][lane >> 2] = *reinterpret_cast<const uint32_t*>(&pair);
   }
-  if (lane == 0) *reinterpret_cast<float4*>(&ss.gfac[slot][g0][0]) = make_float4(ratio[0], F[0], ratio[1], F[1]);
+  if (lane == 0) *reinterpret_cast<float4*>(&ss.gfac[s][g0][0]) = make_float4(ratio[0], F[0], ratio[1], F[1]);
 }
 
 // The transposer warps (producer warps 2..3, twarp 0..1): the block's group factors (block_group_factors), then part
@@ -420,23 +415,15 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
       producer_wait(ss.full[s], (g / kStages) & 1u, hint);
       FMLA_TL(ss, kTlTranspose, kTlTFull, twarp == 0 && lane == 0);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
-      constexpr uint32_t kF = uint32_t(SS::kFacSlots);
-      block_group_factors(ss, s, int(g % kF), int((g + kF - 1) % kF), blk == 0, twarp, lane);
+      block_group_factors(ss, s, int((g + kStages - 1) % kStages), blk == 0, twarp, lane);
       FMLA_TL(ss, kTlTranspose, kTlFactors, twarp == 0 && lane == 0);
 #pragma unroll 1
       for (int h = 0; h < 2; ++h) {
-#if FMLA_SPARSE_VT1_RING
-        const uint32_t v = h == 0 ? 0u : SS::vt1_slot(g);
-        const uint32_t use = h == 0 ? g : SS::vt1_use(g);  // block g's use of slot v
-        if (use > 0) producer_wait(ss.vt_empty[v], (use - 1) & 1u, hint);
-#else
-        const int v = h;
         if (g > 0) producer_wait(ss.vt_empty[h], (g - 1) & 1u, hint);
-#endif
         if (!(debug & kDebugNoTranspose))
-          transpose_part(stage_addr, cute::cast_smem_ptr_to_uint(ss.vt[v]), h, twarp, lane);
+          transpose_part(stage_addr, cute::cast_smem_ptr_to_uint(ss.vt[h]), h, twarp, lane);
         cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
-        warp_arrive(ss.vt_full[v], lane);
+        warp_arrive(ss.vt_full[h], lane);
         FMLA_TL(ss, kTlTranspose, kTlHalf, twarp == 0 && lane == 0);
       }
       warp_arrive(ss.empty[s], lane);

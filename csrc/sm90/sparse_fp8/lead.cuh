@@ -50,27 +50,14 @@ static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_f
 struct alignas(1024) LeadStorage {
   // What the gather and transposer warps (common.cuh) ask of the storage: mask and scales of block g in stage
   // g % kStages, V^T half h of every block in slot h (block g's half is the slot's use g). A ring of two slots for
-  // half 0 (16 KB more) measured no faster (docs/perf/journal.md, 2026-12-01).
+  // half 0 (16 KB more) measured no faster (docs/perf/journal.md, 2026-12-01). Nor did one for half 1 (block g's in
+  // slot 1 + g % 2, so that the transposer warps' half 1 of block g waits for warpgroup 1's P V of block g - 2 and the
+  // stage goes back sooner; the factors then in four slots of their own): level in the same run, 191.6-192.5 against
+  // 192.4-193.3 µs at b128 top-k 2048, 1% faster at h_q 64, 0.5% slower at b = 1 (journal, 2026-12-03). With the
+  // factors made after the wait for half 0 instead (in the stage's slots) it was 7% slower: they lay on warpgroup 0's
+  // path.
   static __device__ __forceinline__ uint32_t mask_slot(uint32_t g) { return g % uint32_t(kStages); }
-#if FMLA_SPARSE_VT1_RING
-  // Candidate (FMLA_SPARSE_VT1_RING=1, not yet timed): V^T half 1 in a ring of two slots (16 KB more), block g's in
-  // slot 1 + g % 2, so that the transposer warps' half 1 of block g waits for warpgroup 1's P V of block g - 2 instead
-  // of g - 1 and the stage is released sooner (the gather is late at warpgroup 0's softmax in about nine blocks of ten:
-  // docs/perf/journal.md, 2026-12-02 night). Half 1 then no longer orders the rewrite of a block's factors after
-  // warpgroup 1's last words of the block two before, so the factors take four slots (block g's in g % 4): block
-  // g's are written after half 1 of block g - 1, which waited for warpgroup 1's P V of block g - 3, after its words of
-  // block g - 4. (Made after the wait for V^T half 0 instead, in the stage's slots, the factors lay on warpgroup 0's
-  // path: 7% slower at b128 top-k 2048.)
-  static constexpr int kVtSlots = 3;
-  static constexpr int kFacSlots = 4;
-  static __device__ __forceinline__ uint32_t vt1_slot(uint32_t g) { return 1u + (g & 1u); }
-  static __device__ __forceinline__ uint32_t vt1_use(uint32_t g) { return g / 2u; }  // block g's use of its slot
-#else
   static constexpr int kVtSlots = 2;
-  static constexpr int kFacSlots = kStages;  // block g's factors and pairs with its stage
-  static __device__ __forceinline__ uint32_t vt1_slot(uint32_t) { return 1u; }
-  static __device__ __forceinline__ uint32_t vt1_use(uint32_t g) { return g; }
-#endif
 
   alignas(1024) uint8_t q_latent[kQTerms * kLatentBytes];
   alignas(1024) uint8_t q_rope[kRopeBytes];
@@ -83,8 +70,8 @@ struct alignas(1024) LeadStorage {
   float row_scale_log2[kTileRows];
   // The block in stage s (common.cuh: block_group_factors): its words' s F pairs of group g, [g][q][a] (f16x2), and
   // (ratio, F) of group g.
-  alignas(16) uint32_t sf[kFacSlots][kGroups][4][8];
-  alignas(16) float gfac[kFacSlots][kGroups][2];
+  alignas(16) uint32_t sf[kStages][kGroups][4][8];
+  alignas(16) float gfac[kStages][kGroups][2];
   // full: the gather's. empty: warpgroup 0's 4 warps after its words and the transposer warps (kLeadEmptyArrivals).
   // p_full[c]: warpgroup 0 wrote P slot c (4 warps). p_empty[c]: warpgroup 1 read it (4 warps). vt_full / vt_empty:
   // a V^T half written (the transposer warps) / each of its two groups read by a P V (4 warps a group). qk_issued:
@@ -220,8 +207,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       FMLA_TL(ss, kTlLead, kTlPHanded, tid_in_wg == 0);
       consumer_wait(ss.vt_full[0], g & 1u, hint);
       FMLA_TL(ss, kTlLead, kTlVt0, tid_in_wg == 0);
-      const int f = int(g % LeadStorage::kFacSlots);
-      const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[f][0][0]);  // (ratio, F) of group 0
+      const float2 gf = *reinterpret_cast<const float2*>(&ss.gfac[s][0][0]);  // (ratio, F) of group 0
       const float ratio[1] = {gf.x};
       F = gf.y;
       if (rescale_needed(sc, ratio)) rescale_group(o, sc, gf.x);
@@ -230,7 +216,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < 4; ++i) p4[i] = p16[4 * k + i];
           },
-          &ss.sf[f][0][0][0], lane, debug, words);
+          &ss.sf[s][0][0][0], lane, debug, words);
       warp_arrive(ss.empty[s], lane);
     };
     // Every block but the row piece's last: block g + 1's Q K^T overlaps block g's softmax where it can. Its first two
@@ -310,16 +296,16 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
 // ------------------------------------------------------------------------------------------------
 // Warpgroup 1
 // ------------------------------------------------------------------------------------------------
-// O_g += P_g V_g of block g for group kG (1..3), its pairs in factor slot f, P from slot c, its V^T half in slot v: the
-// words (P and the pairs a chunk at a time), the product, its wait, and the release of the group's V^T half (one arrival a warp and
+// O_g += P_g V_g of block g in stage s for group kG (1..3), P from slot c, its V^T half in slot v: the words (P and
+// the pairs a chunk at a time), the product, its wait, and the release of the group's V^T half (one arrival a warp and
 // group). after_words: called once the words are built (the last group releases the P slot there).
 template <int kG, class FragO, class AfterWords>
-__device__ __forceinline__ void follow_group(LeadStorage& ss, int f, int c, uint32_t v, int tid_in_wg, int lane,
+__device__ __forceinline__ void follow_group(LeadStorage& ss, int s, int c, uint32_t v, int tid_in_wg, int lane,
                                              int debug, FragO& o, AfterWords&& after_words) {
   uint32_t words[kPTerms][8];
   const uint32_t p_base = decode_fp8::p_chunk_base(ss.p16[c], tid_in_wg);
   build_words([&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE { decode_fp8::load_p_chunk(p_base, k, p4); },
-              &ss.sf[f][kG][0][0], lane, debug, words);
+              &ss.sf[s][kG][0][0], lane, debug, words);
   after_words();
   sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[v] + (kG % 2) * (decode_fp8::kVtHalfBytes / 2), o);
   warpgroup_wait<0>();
@@ -356,7 +342,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
     int stop;
     const int nblk = counted_blocks(p, w, stop);
     for (int blk = 0; blk < nblk; ++blk, ++g) {
-      const int fs = int(g % LeadStorage::kFacSlots);  // the block's factors and pairs
+      const int s = int(g % kStages);
       const int c = int(g % kPSlots);
       // ---- the rows' factor of block g from warpgroup 0 (its P stays in slot c until the last group's words) ----
       consumer_wait(ss.p_full[c], (g / kPSlots) & 1u, hint);
@@ -370,8 +356,8 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes all of them); O rescaled ----
       consumer_wait(ss.vt_full[0], g & 1u, hint);
       FMLA_TL(ss, kTlFollow, kTlVt0, tid_in_wg == 0);
-      const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[fs][1][0]);  // (ratio, F) of group 1
-      const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[fs][2][0]);  // of groups 2 and 3
+      const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[s][1][0]);  // (ratio, F) of group 1
+      const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);  // of groups 2 and 3
       const float ratio[3] = {f1.x, f23.x, f23.z};
       F[0] = f1.y;
       F[1] = f23.y;
@@ -384,14 +370,13 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
 
       // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1); the first once warpgroup 0 issued its next tensor
       // work (qk_issued) ----
-      follow_group<1>(ss, fs, c, 0, tid_in_wg, lane, debug, o1, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      follow_group<1>(ss, s, c, 0, tid_in_wg, lane, debug, o1, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         consumer_wait(ss.qk_issued[g % 2], (g / 2) & 1u, hint);
         FMLA_TL(ss, kTlFollow, kTlQkIssued, tid_in_wg == 0);
       });
-      const uint32_t v1 = LeadStorage::vt1_slot(g);
-      consumer_wait(ss.vt_full[v1], LeadStorage::vt1_use(g) & 1u, hint);
-      follow_group<2>(ss, fs, c, v1, tid_in_wg, lane, debug, o2, [] {});
-      follow_group<3>(ss, fs, c, v1, tid_in_wg, lane, debug, o3,
+      consumer_wait(ss.vt_full[1], g & 1u, hint);
+      follow_group<2>(ss, s, c, 1, tid_in_wg, lane, debug, o2, [] {});
+      follow_group<3>(ss, s, c, 1, tid_in_wg, lane, debug, o3,
                       [&]() CUTLASS_LAMBDA_FUNC_INLINE { warp_arrive(ss.p_empty[c], lane); });  // P read
       FMLA_TL(ss, kTlFollow, kTlBlockDone, tid_in_wg == 0);
     }

@@ -87,29 +87,17 @@ def gather_agent(w: int, blocks: int):
         yield ("arrive", "full", s)   # the warp's 33 arrivals on full[s] as one: they all follow its copies
 
 
-def vt1(g: int, ring: bool) -> tuple[int, int]:
-    """V^T half 1 of block g: (slot, the block's use of it); ring: a FMLA_SPARSE_VT1_RING build (lead.cuh)."""
-    return (1 + g % 2, g // 2) if ring else (1, g)
-
-
-def fac_slot(g: int, ring: bool, mutation=None) -> int:
-    """The slot of block g's group factors and pairs: its stage's, or with the ring one of four (lead.cuh)."""
-    return g % 4 if ring and mutation != "ring factors in the stage's slots" else g % STAGES
-
-
-def transposer_agent(w: int, blocks: int, mutation=None, ring=False):
+def transposer_agent(w: int, blocks: int, mutation=None):
     for g in range(blocks):
         s = g % STAGES
         yield ("wait", "full", s, g // STAGES)
         yield ("read_begin", ("stage", s), g)
-        # the factors of groups 2 w, 2 w + 1 (block_group_factors)
-        yield ("write", ("fac", fac_slot(g, ring, mutation), w), g, f"fac{w}")
-        for h in (0, 1):                        # V^T half h of block g in slot h (half 1: vt1)
-            slot, use = (0, g) if h == 0 else vt1(g, ring)
-            if use > 0 and mutation != "transposer ignores vt_empty":
-                yield ("wait", "vt_empty", slot, use - 1)
-            yield ("write", ("vt", slot), g, "vt")
-            yield ("arrive", "vt_full", slot)
+        yield ("write", ("fac", s, w), g, f"fac{w}")   # the factors of groups 2 w, 2 w + 1 (block_group_factors)
+        for h in (0, 1):                        # V^T half h of block g in slot h
+            if g > 0 and mutation != "transposer ignores vt_empty":
+                yield ("wait", "vt_empty", h, g - 1)
+            yield ("write", ("vt", h), g, "vt")
+            yield ("arrive", "vt_full", h)
         yield ("read_end", ("stage", s), g)
         yield ("arrive", "empty", s)
 
@@ -119,10 +107,10 @@ def warps_arrive(bar: str, i: int):
         yield ("arrive", bar, i)
 
 
-def factors_and_vt(wg: int, g: int, mutation=None, ring=False):
+def factors_and_vt(wg: int, g: int, mutation=None):
     """The consumer's wait for V^T half 0 of block g, which also publishes the block's group factors, read then
     (warpgroup 0: group 0's, of transposer warp 0; warpgroup 1: groups 1..3, of both transposer warps)."""
-    s = fac_slot(g, ring, mutation)
+    s = g % STAGES
     if mutation != "factors read before vt_full":
         yield ("wait", "vt_full", 0, g)
     for w in ((0,) if wg == 0 else (0, 1)):
@@ -157,7 +145,7 @@ def lead_qk(g: int, row: int):
     yield ("read_begin", ("stage", s), g)   # Q K^T, then the mask and the scales, until the words
 
 
-def lead_consumer(rows: list[int], p_slots: int, mutation=None, seed: int = 0, ring=False):
+def lead_consumer(rows: list[int], p_slots: int, mutation=None, seed: int = 0):
     """lead.cuh's order: block g + 1's first two group products issued (so its stage waited for and read) before
     block g's softmax, P and words where block g + 1 has landed, else after the words; either way before block g's
     P V of group 0, and block g's phase of qk_issued once block g + 1's last two products are issued after that P V.
@@ -186,7 +174,7 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, seed: int = 0, r
             if blk + 1 == n:
                 yield ("write", ("rsum", c), g, "one")   # the rows' sums, with the row piece's last P
             yield from warps_arrive("p_full", c)
-            yield from factors_and_vt(0, g, mutation, ring)
+            yield from factors_and_vt(0, g, mutation)
             yield ("read_end", ("stage", s), g)
             yield from warps_arrive("empty", s)
             if not early and blk + 1 < n:
@@ -209,13 +197,13 @@ def lead_consumer(rows: list[int], p_slots: int, mutation=None, seed: int = 0, r
             yield ("write", ("q", 1), row + 1, "q")
 
 
-def follow_consumer(rows: list[int], p_slots: int, mutation=None, ring=False):
+def follow_consumer(rows: list[int], p_slots: int, mutation=None):
     g = 0
     yield ("write", ("q", 1), 0, "q")               # heads 32..63 of the first Q tile, and no wait
     yield ("both_arrive", "first_q")
     for row, n in enumerate(rows):
         for blk in range(n):
-            c = g % p_slots
+            s, c = g % STAGES, g % p_slots
             last = blk + 1 == n
             if last and mutation == "row sums read early":
                 yield ("read_begin", ("rsum", c), g)
@@ -225,27 +213,25 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None, ring=False):
             if last and mutation != "row sums read early":
                 yield ("read_begin", ("rsum", c), g)   # the rows' sums of the row piece
                 yield ("read_end", ("rsum", c), g)
-            fs = fac_slot(g, ring, mutation)
-            yield from factors_and_vt(1, g, mutation, ring)   # the factors and pairs of groups 1..3, until their words
-            yield ("read_end", ("fac", fs, 0), g)    # group 1's words
+            yield from factors_and_vt(1, g, mutation)   # the factors and pairs of groups 1..3, until their words
+            yield ("read_end", ("fac", s, 0), g)     # group 1's words
             yield ("wait", "qk_issued", *qk_phase(g, mutation))
             yield from pv_group(0, g)               # group 1
-            slot, use = vt1(g, ring)
             if mutation != "half 1 read before vt_full":
-                yield ("wait", "vt_full", slot, use)
-            yield from pv_group(slot, g)            # group 2
+                yield ("wait", "vt_full", 1, g)
+            yield from pv_group(1, g)               # group 2
             if mutation != "pairs read after their half's release":
-                yield ("read_end", ("fac", fs, 1), g)    # group 3's words (group 2's pairs read before its P V)
+                yield ("read_end", ("fac", s, 1), g)     # group 3's words (group 2's pairs read before its P V)
             yield ("read_end", ("p16", c), g)
             yield from warps_arrive("p_empty", c)
-            yield from pv_group(slot, g)            # group 3
+            yield from pv_group(1, g)               # group 3
             if mutation == "pairs read after their half's release":
-                yield ("read_end", ("fac", fs, 1), g)
+                yield ("read_end", ("fac", s, 1), g)
             g += 1
 
 
 def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
-        starve: str | None = None, ring=False) -> None:
+        starve: str | None = None) -> None:
     """One random interleaving of the CTA's agents over row pieces with these block counts."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
@@ -255,9 +241,9 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     blocks = sum(rows)
     agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
-        agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation, ring)
-    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, seed, ring)
-    agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation, ring)
+        agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation)
+    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, seed)
+    agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
     # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
     # warp 0's factors are read by both warpgroups, warp 1's by warpgroup 1.
@@ -289,7 +275,7 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     _dense.interleave(agents, ready, execute, seed, starve, f"rows {rows}")
 
 
-def check_all(seeds: int = 20, ring=False) -> int:
+def check_all(seeds: int = 20) -> int:
     """Row sequences of 0..9 blocks; returns the number of runs."""
     counts = read_counts()
     gen = random.Random(3)
@@ -300,7 +286,7 @@ def check_all(seeds: int = 20, ring=False) -> int:
     runs = 0
     for rows in sequences:
         for seed in range(seeds):
-            run(rows, counts, seed=seed, starve=starved[seed % len(starved)], ring=ring)
+            run(rows, counts, seed=seed, starve=starved[seed % len(starved)])
             runs += 1
     return runs
 
@@ -308,8 +294,7 @@ def check_all(seeds: int = 20, ring=False) -> int:
 if __name__ == "__main__":
     try:
         n = check_all()
-        n += check_all(ring=True)
     except ProtocolError as e:
         print(f"sparse protocol model: INCONSISTENT: {e}")
         sys.exit(1)
-    print(f"sparse protocol model: consistent ({n} interleavings, the default build and FMLA_SPARSE_VT1_RING's)")
+    print(f"sparse protocol model: consistent ({n} interleavings)")
