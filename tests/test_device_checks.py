@@ -19,6 +19,9 @@
 - csrc/sm90/sparse_fp8/checks/gather_probe.cu: the sparse kernel's gather (sparse_fp8/gather.cuh) as a two-stage
   pipeline, every chunk of every block and its entry mask checked (skipped, out-of-cache and unused entries read as
   zeros; compiled on the CPU; run on a GPU).
+- csrc/sm90/sparse_fp8/checks/gather_rate_probe.cu: how fast one SM gathers fp8_ds_mla tokens alone, the kernel's
+  cp.async gather against the bulk copy engine (a token a lane), with 1..4 stages; the last block of every SM checked
+  byte for byte (compiled on the CPU; run on a GPU).
 - csrc/sm90/sparse_fp8/checks/attention_probe.cu: the sparse kernel's arithmetic end to end in one warpgroup (gather,
   group-scaled Q K^T, masks, online softmax, two-term P V under group factors that only go down, out and lse) against
   fp64 attention on the dequantized tokens, rows with no token included (compiled on the CPU; run on a GPU).
@@ -55,6 +58,7 @@ MBARRIER_ARRIVALS = ROOT / "tests" / "device_checks" / "mbarrier_arrivals.cu"
 ROW_SUM_HANDOFF = ROOT / "tests" / "device_checks" / "row_sum_handoff.cu"
 SPARSE_BLOCK_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "block_probe.cu"
 SPARSE_GATHER_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_probe.cu"
+SPARSE_GATHER_RATE_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "gather_rate_probe.cu"
 SPARSE_ATTENTION_PROBE = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "attention_probe.cu"
 FP8_VREGS_PROBE = ROOT / "csrc" / "sm90" / "decode_fp8" / "checks" / "vregs_probe.cu"
 SPARSE_PROTOCOL_MODEL = ROOT / "csrc" / "sm90" / "sparse_fp8" / "checks" / "protocol_model.py"
@@ -529,6 +533,20 @@ def test_sparse_gather_probe_reads_every_chunk_right_on_the_gpu(tmp_path):
         res.stdout + res.stderr
     assert all(c[2] == "0" and c[3] == "0" for c in cases), res.stdout
     assert res.returncode == 0 and "gather probe: ok" in res.stdout, res.stdout + res.stderr
+
+
+def test_sparse_gather_rate_probe_compiles(tmp_path):
+    _build_sparse_probe(tmp_path, SPARSE_GATHER_RATE_PROBE)
+
+
+@pytest.mark.gpu
+def test_sparse_gather_rate_probe_lands_every_byte_on_the_gpu(tmp_path):
+    res = _run_sparse_probe(tmp_path, SPARSE_GATHER_RATE_PROBE, timeout=300)
+    rows = re.findall(r"\| (cp\.async|bulk|bulk2) \| (\d) \| ([\d.]+) \| ([\d.]+) \| (\d+) \|", res.stdout)
+    assert {(r[0], r[1]) for r in rows} == {(v, str(s)) for v in ("cp.async", "bulk", "bulk2") for s in range(1, 5)}, \
+        res.stdout + res.stderr
+    assert all(float(r[2]) > 0 for r in rows), res.stdout
+    assert res.returncode == 0 and "gather rate probe: ok" in res.stdout, res.stdout + res.stderr
 
 
 def test_sparse_attention_probe_compiles(tmp_path):
