@@ -22,7 +22,8 @@
 //   bulk2     the same with two warps, a half block each.
 // Prints, per variant and stage count, the median kernel time over 20 launches, the time a block (kernel time /
 // blocks, each SM gathering its own), and the bytes gathered per second over all SMs; a check that the last block of
-// every CTA holds the right bytes (both layouts) fails the probe ("FAILED", exit 1) if it does not.
+// every CTA holds the right bytes (both layouts) fails the probe ("FAILED", exit 1) if it does not. Then the same with
+// two stages on a half, a quarter and an eighth of the SMs: whether a block's time is an SM's limit or the memory's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -191,6 +192,29 @@ int main() {
         printf("  %s, %d stages: %lld wrong chunks in the last blocks\n", names[variant], stages, (long long)wrong);
         ok = false;
       }
+    }
+  }
+  // The same with fewer SMs gathering (two stages): a block's time that stays the same is an SM's own limit (its
+  // copies in flight), one that drops is the memory's (all SMs together).
+  printf("\n| variant | SMs gathering | kernel us | us a block | GB/s gathered |\n|---|---|---|---|---|\n");
+  for (int variant = 0; variant < 3; variant += 2) {
+    for (int ctas : {sms, sms / 2, sms / 4, sms / 8}) {
+      std::vector<float> ms;
+      for (int rep = 0; rep < 21; ++rep) {
+        CUDA_OK(cudaMemsetAsync(scrub, rep, scrub_bytes));
+        CUDA_OK(cudaEventRecord(t0));
+        gather_rate_kernel<<<ctas, kThreads, kSmemBytes>>>(variant, 2, blocks, cache, num_tokens, rows, check);
+        CUDA_OK(cudaEventRecord(t1));
+        CUDA_OK(cudaEventSynchronize(t1));
+        CUDA_OK(cudaGetLastError());
+        float m = 0.f;
+        CUDA_OK(cudaEventElapsedTime(&m, t0, t1));
+        if (rep > 0) ms.push_back(m);
+      }
+      std::sort(ms.begin(), ms.end());
+      const double us = 1e3 * ms[ms.size() / 2];
+      const double bytes = double(ctas) * blocks * kBlockTokens * kTokenBytes;
+      printf("| %s | %d | %.1f | %.3f | %.0f |\n", names[variant], ctas, us, us / blocks, bytes / us * 1e-3);
     }
   }
   printf("gather rate probe: %s\n", ok ? "ok" : "FAILED");
