@@ -55,6 +55,8 @@ constexpr int kProducerRegs = 56;
 enum DebugFlags : int {
   kDebugNoGather = 1,     // the gather warps issue no copies (the stages keep what they held)
   kDebugNoTranspose = 2,  // the transposer warps write no V^T
+  kDebugHalfGather = 4,   // gather warp 1 issues no copies: an SM gathers half of each block, as each of a 2-CTA
+                          // cluster's SMs would if the pair shared the gather of the M tiles' common tokens
   kDebugNoWords = 16,     // the consumers build no P words (zeros)
   kDebugSuspend = 256,    // every mbarrier wait retries with a suspend-time hint (kSuspendHintNs; measured: no change)
 };
@@ -336,7 +338,7 @@ __device__ __forceinline__ void gather_warp(const DecodeParams& p, SS& ss, const
       FMLA_TL(ss, kTlGather, kTlStageFree, gwarp == 0 && lane == 0);
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
       const uint32_t mask =
-          (debug & kDebugNoGather)
+          ((debug & kDebugNoGather) || ((debug & kDebugHalfGather) && gwarp == 1))
               ? ~0u
               : gather_half_warp(stage_addr, cache, p.num_kv_tokens,
                                  half_index(row, (w.first_page + blk) * kBlockTokens, stop, gwarp, lane), gwarp, lane);
