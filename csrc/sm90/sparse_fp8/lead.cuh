@@ -187,6 +187,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       const int c = int(g % kPSlots);
       float sc[2];
       online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc);
+      FMLA_TL(ss, kTlLead, kTlSoftmax, tid_in_wg == 0);
       if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u, hint);
       uint32_t p16[kP16Words];  // also this warpgroup's P for its words
       decode_fp8::p16_fragment(S, p16);
@@ -217,6 +218,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
             for (int i = 0; i < 4; ++i) p4[i] = p16[4 * k + i];
           },
           &ss.sf[s][0][0][0], lane, debug, words);
+      FMLA_TL(ss, kTlLead, kTlWords, tid_in_wg == 0);
       warp_arrive(ss.empty[s], lane);
     };
     // Every block but the row piece's last: block g + 1's Q K^T overlaps block g's softmax where it can. Its first two
@@ -235,6 +237,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
         cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
         qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 0, t0);
         qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 1, t1);
+        FMLA_TL(ss, kTlLead, kTlPairIssued, tid_in_wg == 0);
       };
       // Whether block g + 1 has landed: any warp's test (all four issue each wgmma, and a completed phase stays so)
       const bool early = warpgroup_any(ss.full[sn].test_wait(((g + 1) / kStages) & 1u));
@@ -246,6 +249,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       warpgroup_wait<1>();  // groups 0 and 1 and the rope product (the P V in flight)
       qk_fold_group(tid_in_wg, stage_n, 0, t0, S);
       qk_fold_group(tid_in_wg, stage_n, 1, t1, S);
+      FMLA_TL(ss, kTlLead, kTlFold01, tid_in_wg == 0);
       qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 2, t0);
       qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 3, t1);
       warp_arrive(ss.qk_issued[g % 2], lane);  // block g + 1's Q K^T is all issued: warpgroup 1's P V of block g next

@@ -27,6 +27,10 @@ enum TlCode : int {
   kTlQCopied = 9,      // lead: the next row piece's Q tile copied (this thread's copies, before its split)
   kTlQSplit = 13,      // lead: this thread's slots of the next Q tile split (before the warpgroup's barrier)
   kTlFirstQLoaded = 14,  // lead: this thread's slot of the first Q tile loaded (before its split)
+  kTlPairIssued = 15,  // lead: the next block's first two group products issued (early or late)
+  kTlSoftmax = 16,     // lead: a block's softmax done (before its P hand-off)
+  kTlWords = 17,       // lead: a block's words of group 0 built
+  kTlFold01 = 18,      // lead: the next block's groups 0 and 1 folded
   kTlPFull = 10,       // follower: a block's P arrived
   kTlQkIssued = 11,    // follower: the lead's next tensor work issued (its wait done)
   kTlBlockDone = 12,   // follower: group 3's P V of a block done
