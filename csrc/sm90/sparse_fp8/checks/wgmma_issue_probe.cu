@@ -1,0 +1,149 @@
+// GPU probe: how long does a warpgroup take to issue a batch of e4m3 wgmma (both operands in shared memory), and how
+// long until the batch completes?
+//   nvcc -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -I csrc -I <cutlass include>
+//        csrc/sm90/sparse_fp8/checks/wgmma_issue_probe.cu -o /tmp/wgmma_issue_probe && /tmp/wgmma_issue_probe
+// (one command) Not part of the extension build; tests/test_device_checks.py compiles it (no GPU needed).
+//
+// The question: the sparse kernel's timeline build shows warpgroup 0 spending 0.39-0.48 µs issuing the next block's
+// first two group products (16 wgmma m64n64k32, 512 tensor-core cycles), about their execution time, so the
+// products it issues "before the softmax" may not run under the softmax at all (docs/perf/journal.md, 2026-12-03). If
+// issuing a wgmma waits for room in a short queue, a warpgroup only overlaps its own CUDA-core work with the last few
+// products it issued, and instruction size (N) decides how much that is.
+//
+// One CTA an SM, one warpgroup; for each instruction shape (m64nNk32 e4m3, N = 64, 128, 256) and batch size k, the
+// warpgroup issues k products into one accumulator as one commit group, thread 0 reading the SM clock before the
+// first, after the last (issue) and after the wait for the group (total); 20 repetitions, the median of CTA 0 printed
+// with the tensor-core cycles of the batch (k N / 2: 64 x N x 32 at 8,192 e4m3 FLOP a cycle an SM). Then the same
+// batch issued, followed by 200 cycles of dependent CUDA-core arithmetic, then the wait: the arithmetic overlaps the
+// products only if the issue returned before they ran. The operands are zeros (the time does not depend on values).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/float8.h>
+
+#include "sm90/sparse_fp8/checks/probe_common.cuh"
+
+using namespace cute;
+using flashmla_backend::sm90::sparse_fp8::probe::have_sm90;
+using F8 = cutlass::float_e4m3_t;
+
+constexpr int kReps = 20;
+constexpr int kMaxK = 16;  // k32 steps in the operand tiles
+
+template <int N>
+struct Shapes {
+  using Mma = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<F8, F8, float, Shape<Int<64>, Int<N>, Int<32 * kMaxK>>, GMMA::Major::K, GMMA::Major::K>()));
+  using ALayout = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<F8>{}, Shape<Int<64>, Int<32 * kMaxK>>{}));
+  using BLayout = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<F8>{}, Shape<Int<N>, Int<32 * kMaxK>>{}));
+};
+
+// out[rep * 3 + {0, 1, 2}]: issue cycles, total cycles, and (with arithmetic) total cycles
+template <int N, int K>
+__global__ void __launch_bounds__(128, 1) wgmma_issue_kernel(long long* out, float* sink) {
+  extern __shared__ __align__(1024) uint8_t raw[];
+  using S = Shapes<N>;
+  F8* a = reinterpret_cast<F8*>(raw);
+  F8* b = reinterpret_cast<F8*>(raw + 64 * 32 * kMaxK);
+  for (int i = threadIdx.x; i < (64 + N) * 32 * kMaxK / 16; i += 128) reinterpret_cast<uint4*>(raw)[i] = uint4{};
+  __syncthreads();
+  cutlass::arch::fence_view_async_shared();
+  typename S::Mma mma;
+  auto thr = mma.get_slice(threadIdx.x);
+  Tensor sA = make_tensor(make_smem_ptr(a), typename S::ALayout{});
+  Tensor sB = make_tensor(make_smem_ptr(b), typename S::BLayout{});
+  Tensor tA = thr.partition_fragment_A(sA);
+  Tensor tB = thr.partition_fragment_B(sB);
+  Tensor acc = partition_fragment_C(mma, Shape<Int<64>, Int<N>>{});
+  float x = float(threadIdx.x);
+  for (int rep = 0; rep < kReps; ++rep) {
+    for (int arith = 0; arith < 2; ++arith) {
+      __syncwarp();
+      asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      const long long t0 = clock64();
+      mma.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < K; ++k) {
+        cute::gemm(mma, tA(_, _, k % kMaxK), tB(_, _, k % kMaxK), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      const long long t1 = clock64();
+      if (arith) {
+#pragma unroll 1
+        for (int i = 0; i < 50; ++i) x = fmaf(x, 1.0001f, 0.5f);  // ~200 cycles of dependent FMA
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      const long long t2 = clock64();
+      if (threadIdx.x == 0 && blockIdx.x == 0) {
+        if (!arith) {
+          out[rep * 3 + 0] = t1 - t0;
+          out[rep * 3 + 1] = t2 - t0;
+        } else {
+          out[rep * 3 + 2] = t2 - t0;
+        }
+      }
+    }
+  }
+  float s = x;
+  for (int i = 0; i < size(acc); ++i) s += acc(i);
+  if (s == 12345.f) sink[threadIdx.x] = s;  // keeps the products and the arithmetic
+}
+
+template <int N, int K>
+void run(int sms, long long* d_out, float* d_sink) {
+  const int smem = (64 + N) * 32 * kMaxK;
+  auto kern = wgmma_issue_kernel<N, K>;
+  CUDA_OK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kern<<<sms, 128, smem>>>(d_out, d_sink);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<long long> h(kReps * 3);
+  CUDA_OK(cudaMemcpy(h.data(), d_out, h.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  auto med = [&](int j) {
+    std::vector<long long> v;
+    for (int r = 2; r < kReps; ++r) v.push_back(h[r * 3 + j]);
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  printf("| m64n%dk32 | %d | %d | %lld | %lld | %lld |\n", N, K, K * N / 2, med(0), med(1), med(2));
+}
+
+int main() {
+  if (!have_sm90("wgmma issue probe")) return 2;
+  int sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  long long* d_out = nullptr;
+  float* d_sink = nullptr;
+  CUDA_OK(cudaMalloc(&d_out, kReps * 3 * sizeof(long long)));
+  CUDA_OK(cudaMalloc(&d_sink, 128 * sizeof(float)));
+  printf("wgmma issue probe: %d SMs, one warpgroup each; SM cycles, medians of CTA 0\n", sms);
+  printf("| instruction | batch | tensor cycles | issue | issue + wait | with 200 cycles of FMA before the wait |\n");
+  printf("|---|---|---|---|---|---|\n");
+  run<64, 1>(sms, d_out, d_sink);
+  run<64, 2>(sms, d_out, d_sink);
+  run<64, 4>(sms, d_out, d_sink);
+  run<64, 8>(sms, d_out, d_sink);
+  run<64, 16>(sms, d_out, d_sink);
+  run<64, 32>(sms, d_out, d_sink);
+  run<128, 1>(sms, d_out, d_sink);
+  run<128, 2>(sms, d_out, d_sink);
+  run<128, 4>(sms, d_out, d_sink);
+  run<128, 8>(sms, d_out, d_sink);
+  run<128, 16>(sms, d_out, d_sink);
+  run<256, 1>(sms, d_out, d_sink);
+  run<256, 2>(sms, d_out, d_sink);
+  run<256, 4>(sms, d_out, d_sink);
+  run<256, 8>(sms, d_out, d_sink);
+  printf("wgmma issue probe: ok\n");
+  return 0;
+}
