@@ -23,7 +23,8 @@
   cp.async gather against the bulk copy engine (a token a lane), with 1..4 stages; the last block of every SM checked
   byte for byte (compiled on the CPU; run on a GPU).
 - csrc/sm90/sparse_fp8/checks/wgmma_issue_probe.cu: how long a warpgroup takes to issue a batch of e4m3 wgmma and
-  until it completes, for m64nNk32 with N 64, 128 and 256 (compiled on the CPU; run on a GPU).
+  until it completes, for m64nNk32 with N 64, 128 and 256, by one warpgroup and by two at once (compiled on the CPU;
+  run on a GPU).
 - csrc/sm90/sparse_fp8/checks/attention_probe.cu: the sparse kernel's arithmetic end to end in one warpgroup (gather,
   group-scaled Q K^T, masks, online softmax, two-term P V under group factors that only go down, out and lse) against
   fp64 attention on the dequantized tokens, rows with no token included (compiled on the CPU; run on a GPU).
@@ -559,10 +560,11 @@ def test_sparse_wgmma_issue_probe_compiles(tmp_path):
 @pytest.mark.gpu
 def test_sparse_wgmma_issue_probe_times_every_batch_on_the_gpu(tmp_path):
     res = _run_sparse_probe(tmp_path, SPARSE_WGMMA_ISSUE_PROBE, timeout=120)
-    rows = re.findall(r"\| m64n(\d+)k32 \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|", res.stdout)
+    rows = re.findall(r"\| m64n(\d+)k32 \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|", res.stdout)
     assert len(rows) == 15, res.stdout + res.stderr
     # a batch completes no sooner than it is issued, and no sooner than its tensor-core cycles
     assert all(int(r[4]) >= int(r[3]) and int(r[4]) >= int(r[2]) for r in rows), res.stdout
+    assert len(re.findall(r"\| 2 x m64n(\d+)k32 \|", res.stdout)) == 5, res.stdout   # two warpgroups at once
     assert res.returncode == 0 and "wgmma issue probe: ok" in res.stdout, res.stdout + res.stderr
 
 
