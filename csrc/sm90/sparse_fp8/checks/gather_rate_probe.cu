@@ -156,24 +156,28 @@ int main() {
   const char* names[] = {"cp.async", "bulk", "bulk2"};
   printf("gather rate probe: %d SMs, %d blocks of 64 tokens an SM, a 688 MB cache, random tokens\n", sms, blocks);
   printf("| variant | stages | kernel us | us a block | GB/s gathered |\n|---|---|---|---|---|\n");
+  // One configuration: the median of 20 launches (after one more), each after the scrub; its row of the table.
+  const auto time_row = [&](int variant, int stages, int ctas, int shown) {
+    std::vector<float> ms;
+    for (int rep = 0; rep < 21; ++rep) {
+      CUDA_OK(cudaMemsetAsync(scrub, rep, scrub_bytes));
+      CUDA_OK(cudaEventRecord(t0));
+      gather_rate_kernel<<<ctas, kThreads, kSmemBytes>>>(variant, stages, blocks, cache, num_tokens, rows, check);
+      CUDA_OK(cudaEventRecord(t1));
+      CUDA_OK(cudaEventSynchronize(t1));
+      CUDA_OK(cudaGetLastError());
+      float m = 0.f;
+      CUDA_OK(cudaEventElapsedTime(&m, t0, t1));
+      if (rep > 0) ms.push_back(m);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double us = 1e3 * ms[ms.size() / 2];
+    const double bytes = double(ctas) * blocks * kBlockTokens * kTokenBytes;
+    printf("| %s | %d | %.1f | %.3f | %.0f |\n", names[variant], shown, us, us / blocks, bytes / us * 1e-3);
+  };
   for (int variant = 0; variant < 3; ++variant) {
     for (int stages = 1; stages <= kMaxStages; ++stages) {
-      std::vector<float> ms;
-      for (int rep = 0; rep < 21; ++rep) {
-        CUDA_OK(cudaMemsetAsync(scrub, rep, scrub_bytes));
-        CUDA_OK(cudaEventRecord(t0));
-        gather_rate_kernel<<<sms, kThreads, kSmemBytes>>>(variant, stages, blocks, cache, num_tokens, rows, check);
-        CUDA_OK(cudaEventRecord(t1));
-        CUDA_OK(cudaEventSynchronize(t1));
-        CUDA_OK(cudaGetLastError());
-        float m = 0.f;
-        CUDA_OK(cudaEventElapsedTime(&m, t0, t1));
-        if (rep > 0) ms.push_back(m);
-      }
-      std::sort(ms.begin(), ms.end());
-      const double us = 1e3 * ms[ms.size() / 2];
-      const double bytes = double(sms) * blocks * kBlockTokens * kTokenBytes;
-      printf("| %s | %d | %.1f | %.3f | %.0f |\n", names[variant], stages, us, us / blocks, bytes / us * 1e-3);
+      time_row(variant, stages, sms, stages);
       // the last block of every CTA, byte for byte
       CUDA_OK(cudaMemcpy(h_check.data(), check, h_check.size(), cudaMemcpyDeviceToHost));
       int64_t wrong = 0;
@@ -198,24 +202,7 @@ int main() {
   // copies in flight), one that drops is the memory's (all SMs together).
   printf("\n| variant | SMs gathering | kernel us | us a block | GB/s gathered |\n|---|---|---|---|---|\n");
   for (int variant = 0; variant < 3; variant += 2) {
-    for (int ctas : {sms, sms / 2, sms / 4, sms / 8}) {
-      std::vector<float> ms;
-      for (int rep = 0; rep < 21; ++rep) {
-        CUDA_OK(cudaMemsetAsync(scrub, rep, scrub_bytes));
-        CUDA_OK(cudaEventRecord(t0));
-        gather_rate_kernel<<<ctas, kThreads, kSmemBytes>>>(variant, 2, blocks, cache, num_tokens, rows, check);
-        CUDA_OK(cudaEventRecord(t1));
-        CUDA_OK(cudaEventSynchronize(t1));
-        CUDA_OK(cudaGetLastError());
-        float m = 0.f;
-        CUDA_OK(cudaEventElapsedTime(&m, t0, t1));
-        if (rep > 0) ms.push_back(m);
-      }
-      std::sort(ms.begin(), ms.end());
-      const double us = 1e3 * ms[ms.size() / 2];
-      const double bytes = double(ctas) * blocks * kBlockTokens * kTokenBytes;
-      printf("| %s | %d | %.1f | %.3f | %.0f |\n", names[variant], ctas, us, us / blocks, bytes / us * 1e-3);
-    }
+    for (int ctas : {sms, sms / 2, sms / 4, sms / 8}) time_row(variant, 2, ctas, ctas);
   }
   printf("gather rate probe: %s\n", ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
