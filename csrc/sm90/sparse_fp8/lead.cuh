@@ -182,12 +182,14 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     // read block g - 2; with the row piece's last block also the rows' final sums, a quad's parts added, so that
     // warpgroup 1 needs no barrier for them), then V^T half 0 and the block's group factors and pairs (vt_full
     // publishes both): O rescaled, P's words of group 0; the block's stage is done with here.
-    const auto hand_and_words = [&](bool last) CUTLASS_LAMBDA_FUNC_INLINE {
+    // after_softmax: called between the softmax and the P hand-off (FMLA_SPARSE_SPLIT_PAIR issues there).
+    const auto hand_and_words = [&](bool last, auto&& after_softmax) CUTLASS_LAMBDA_FUNC_INLINE {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
       float sc[2];
       online_softmax(S, ss.mask[ss.mask_slot(g)], lane, sl2, m, l, sc);
       FMLA_TL(ss, kTlLead, kTlSoftmax, tid_in_wg == 0);
+      after_softmax();
       if (g >= uint32_t(kPSlots)) consumer_wait(ss.p_empty[c], ((g / kPSlots) - 1) & 1u, hint);
       uint32_t p16[kP16Words];  // also this warpgroup's P for its words
       decode_fp8::p16_fragment(S, p16);
@@ -231,19 +233,36 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     for (int blk = 0; blk + 1 < nblk; ++blk, ++g) {
       const int sn = int((g + 1) % kStages);
       uint8_t* stage_n = ss.stage[sn];
-      const auto first_pair = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+      const auto first_group = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         consumer_wait(ss.full[sn], ((g + 1) / kStages) & 1u, hint);
         FMLA_TL(ss, kTlLead, kTlFull, tid_in_wg == 0);
         cutlass::arch::fence_view_async_shared();  // the gather's cp.async writes (generic proxy), read by wgmma
         qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 0, t0);
+      };
+      const auto second_group = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         qk_issue_group<kQTerms>(tid_in_wg, ss.q_latent, stage_n, 1, t1);
         FMLA_TL(ss, kTlLead, kTlPairIssued, tid_in_wg == 0);
       };
       // Whether block g + 1 has landed: any warp's test (all four issue each wgmma, and a completed phase stays so)
       const bool early = warpgroup_any(ss.full[sn].test_wait(((g + 1) / kStages) & 1u));
-      if (early) first_pair();
-      hand_and_words(false);
-      if (!early) first_pair();
+      if (early) first_group();
+#if FMLA_SPARSE_SPLIT_PAIR
+      // Candidate (not yet timed): group 1's product issued after the softmax instead of before it. A warpgroup can
+      // have about eight wgmma outstanding, and issuing more blocks it until the oldest complete
+      // (checks/wgmma_issue_probe.cu), so the pair's 16 products issued before the softmax held warpgroup 0 for
+      // 0.39-0.48 µs (the timeline), about their execution time; one group's 8 return at once and run under the
+      // softmax, the other's under the P hand-off.
+      hand_and_words(false, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
+        if (early) second_group();
+      });
+#else
+      if (early) second_group();
+      hand_and_words(false, [] {});
+#endif
+      if (!early) {
+        first_group();
+        second_group();
+      }
       qk_issue_rope(tid_in_wg, ss.q_rope, stage_n, S);          // S = block g + 1's rope product
       sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);  // O_0 += P_0 V_0 of block g
       warpgroup_wait<1>();  // groups 0 and 1 and the rope product (the P V in flight)
@@ -264,7 +283,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     if (nblk > 0) {  // the row piece's last block: its Q K^T is complete, the next Q tile's copy goes now (its
                      // latency under this block's work and the epilogue; split in place after the stores)
       if (next) copy_q_tile(req + 1);
-      hand_and_words(true);
+      hand_and_words(true, [] {});
       sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
       warp_arrive(ss.qk_issued[g % 2], lane);  // block g's phase: its P V of group 0 is the tensor work after its P
       warpgroup_wait<0>();
