@@ -287,6 +287,24 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation)
                              starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)])
 
 
+def test_sparse_protocol_model_plays_the_scores_to_warpgroup_1_order():
+    """The candidate of csrc/sm90/sparse_fp8/scores_to_wg1.cuh (FMLA_SPARSE_SCORES_TO_WG1) is played too, and found
+    consistent without s_empty and p_empty waits (the file's header says why they are implied)."""
+    res = subprocess.run([sys.executable, str(SPARSE_PROTOCOL_MODEL)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "sparse protocol model, scores to warpgroup 1: consistent" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("mutation", ["scores read before s_full", "rows' scale read before the scores",
+                                      "factors read before vt_full", "half 1 read before vt_full",
+                                      "transposer ignores vt_empty"])
+def test_sparse_protocol_model_rejects_a_broken_scores_to_warpgroup_1_order(sparse_model, mutation):
+    with pytest.raises(sparse_model.ProtocolError):
+        for seed in range(60):
+            sparse_model.run([5, 2, 7], seed=seed, mutation=mutation,
+                             starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)], order="w1")
+
+
 def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model):
     # qk_issued (lead.cuh) without warpgroup 0's arrival at a row piece's last block: warpgroup 1 waits forever
     with pytest.raises(sparse_model.ProtocolError, match="deadlock"):
@@ -481,12 +499,12 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(int(n) <= 8 for n in spills), "the sparse kernel spills more:\n" + res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1", "FMLA_SPARSE_SPLIT_PAIR=1"])
+@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1", "FMLA_SPARSE_SPLIT_PAIR=1", "FMLA_SPARSE_SCORES_TO_WG1=1"])
 def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
     form printed with device printf, a call that serialized every wgmma, C7510) and the candidates not yet timed
-    (lead.cuh: the next block's group 1 issued after the softmax)."""
+    (lead.cuh: the next block's group 1 issued after the softmax; scores_to_wg1.cuh: the softmax in warpgroup 1)."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:

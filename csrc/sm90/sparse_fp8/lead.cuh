@@ -41,8 +41,14 @@ __device__ __forceinline__ bool warpgroup_any(bool x) {
 constexpr int kPSlots = 2;                             // blocks of P in flight from warpgroup 0 to warpgroup 1
 constexpr int kP16Words = 16;                          // a thread's 64 x 64 P in fp16: word k = (P(2 k), P(2 k + 1))
 constexpr int kP16Bytes = kP16Words * 4 * kWgThreads;  // 8 KB
+#if FMLA_SPARSE_SCORES_TO_WG1
+// scores_to_wg1.cuh: warpgroup 1 holds a block's scores (32) beside its three O (192) in the softmax
+constexpr int kLeadRegs = 200;
+constexpr int kFollowRegs = 248;
+#else
 constexpr int kLeadRegs = 208;
 constexpr int kFollowRegs = 240;
+#endif
 static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
               "register split exceeds the CTA's allocation");
 
@@ -84,6 +90,12 @@ struct alignas(1024) LeadStorage {
   cutlass::arch::ClusterBarrier vt_full[kVtSlots];
   cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
   cutlass::arch::ClusterBarrier qk_issued[2];
+#if FMLA_SPARSE_SCORES_TO_WG1
+  // The candidate of scores_to_wg1.cuh: block g's masked scores, fp32 by thread (16 KB, one slot), from warpgroup 0
+  // to warpgroup 1; s_full: warpgroup 0 wrote them (4 warps). Their release needs no barrier (that file's header).
+  alignas(16) uint8_t s32[kTileRows * kBlockTokens * 4];
+  cutlass::arch::ClusterBarrier s_full;
+#endif
 #if defined(FMLA_SPARSE_TIMELINE)
   Timeline tl;  // timeline.cuh
 #endif
