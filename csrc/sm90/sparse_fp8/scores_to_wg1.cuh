@@ -107,7 +107,7 @@ __device__ __forceinline__ void w1_lead_loop(const DecodeParams& p, LeadStorage&
       warp_arrive(ss.empty[s], lane);
       store_scores(ss.s32, tid_in_wg, S);  // free: block g - 1's P was waited for (header)
       warp_arrive(ss.s_full, lane);
-      FMLA_TL(ss, kTlLead, kTlPHanded, tid_in_wg == 0);
+      FMLA_TL(ss, kTlLead, kTlPHanded, tid_in_wg == 0);  // the timeline's p_handed: here the scores handed
       // ---- the next block's scores (S is free), or the next row piece's Q tile (its last Q K^T is complete) ----
       if (blk + 1 < nblk) {
         lead_qk(ss, g + 1, tid_in_wg, hint, S, t0, t1);
@@ -202,7 +202,7 @@ __device__ __forceinline__ void w1_follow_loop(const DecodeParams& p, LeadStorag
       const int c = int(g % kPSlots);
       // ---- block g's scores from warpgroup 0: the softmax, P and the rows' factors (and sums) back to it ----
       consumer_wait(ss.s_full, g & 1u, hint);
-      FMLA_TL(ss, kTlFollow, kTlPFull, tid_in_wg == 0);
+      FMLA_TL(ss, kTlFollow, kTlPFull, tid_in_wg == 0);  // the timeline's p_full: here the scores arrived
       if (blk == 0) {  // the rows' scale, written with the row piece's Q tile before its first block's scores
         sl2[0] = ss.row_scale_log2[row_in_tile[0]];
         sl2[1] = ss.row_scale_log2[row_in_tile[1]];
