@@ -499,12 +499,14 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(int(n) <= 8 for n in spills), "the sparse kernel spills more:\n" + res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1", "FMLA_SPARSE_SPLIT_PAIR=1", "FMLA_SPARSE_SCORES_TO_WG1=1"])
+@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1", "FMLA_SPARSE_SPLIT_PAIR=1", "FMLA_SPARSE_SCORES_TO_WG1=1",
+                                    "FMLA_SPARSE_SCORES_TO_WG1=2"])
 def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
     form printed with device printf, a call that serialized every wgmma, C7510) and the candidates not yet timed
-    (lead.cuh: the next block's group 1 issued after the softmax; scores_to_wg1.cuh: the softmax in warpgroup 1)."""
+    (lead.cuh: the next block's group 1 issued after the softmax; scores_to_wg1.cuh: the softmax in warpgroup 1, and
+    with 2 also each group's words built under the P V before it)."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:

@@ -28,6 +28,8 @@
 //   only after its wait for the last P of this one.
 // - lse is stored by warpgroup 1 (it keeps m and l); warpgroup 0 gets the rows' final sums with the last P.
 // qk_issued is not used: the order of the two warpgroups' products on the tensor cores is left to their issue.
+// FMLA_SPARSE_SCORES_TO_WG1=2 also has warpgroup 1 build each group's words while the P V before it runs (two word
+// sets: 12 bytes of spills at 248 registers), for where warpgroup 1's chain is the longer one.
 #pragma once
 
 #include "sm90/sparse_fp8/lead.cuh"
@@ -245,10 +247,51 @@ __device__ __forceinline__ void w1_follow_loop(const DecodeParams& p, LeadStorag
         rescale_group(o3, sc, ratio[2]);
       }
       // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1), P from the slot this warpgroup wrote ----
+#if FMLA_SPARSE_SCORES_TO_WG1 == 2
+      // FMLA_SPARSE_SCORES_TO_WG1=2: each group's words built while the P V before it runs (two word sets; the
+      // products read their words from registers until they complete, so a set is rebuilt only after its P V was
+      // waited for). The same waits and arrivals as follow_group's, in the same order.
+      {
+        const uint32_t p_base = decode_fp8::p_chunk_base(ss.p16[c], tid_in_wg);
+        const auto words_of = [&](int grp, uint32_t (&wd)[kPTerms][8]) CUTLASS_LAMBDA_FUNC_INLINE {
+          build_words(
+              [&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE { decode_fp8::load_p_chunk(p_base, k, p4); },
+              &ss.sf[s][grp][0][0], lane, debug, wd);
+        };
+        const auto keep = [](uint32_t (&wd)[kPTerms][8]) CUTLASS_LAMBDA_FUNC_INLINE {
+          CUTLASS_PRAGMA_UNROLL
+          for (int t = 0; t < kPTerms; ++t) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(wd[t][i]));
+          }
+        };
+        uint32_t wa[kPTerms][8], wb[kPTerms][8];
+        words_of(1, wa);
+        sparse_pv_group<kPTerms>(tid_in_wg, wa, ss.vt[0] + (1 % 2) * (decode_fp8::kVtHalfBytes / 2), o1);
+        words_of(2, wb);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(o1);
+        keep(wa);
+        warp_arrive(ss.vt_empty[0], lane);
+        consumer_wait(ss.vt_full[1], g & 1u, hint);
+        sparse_pv_group<kPTerms>(tid_in_wg, wb, ss.vt[1] + (2 % 2) * (decode_fp8::kVtHalfBytes / 2), o2);
+        words_of(3, wa);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(o2);
+        keep(wb);
+        warp_arrive(ss.vt_empty[1], lane);
+        sparse_pv_group<kPTerms>(tid_in_wg, wa, ss.vt[1] + (3 % 2) * (decode_fp8::kVtHalfBytes / 2), o3);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(o3);
+        keep(wa);
+        warp_arrive(ss.vt_empty[1], lane);
+      }
+#else
       follow_group<1>(ss, s, c, 0, tid_in_wg, lane, debug, o1, [] {});
       consumer_wait(ss.vt_full[1], g & 1u, hint);
       follow_group<2>(ss, s, c, 1, tid_in_wg, lane, debug, o2, [] {});
       follow_group<3>(ss, s, c, 1, tid_in_wg, lane, debug, o3, [] {});
+#endif
       FMLA_TL(ss, kTlFollow, kTlBlockDone, tid_in_wg == 0);
     }
 
