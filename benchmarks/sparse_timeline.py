@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 ROLES = ("lead", "follow", "gather", "transpose")
 CODES = {0: "start", 1: "first_q", 2: "full", 3: "qk_done", 4: "p_handed", 5: "vt0_ready", 6: "pv0_done",
          7: "epilogue", 8: "next_q", 9: "q_copied", 10: "p_full", 11: "qk_issued", 12: "block_done", 13: "q_split",
-         14: "first_q_loaded", 15: "pair_issued", 16: "softmax", 17: "words", 18: "fold01", 20: "stage_free", 21: "copies", 30: "t_full", 31: "factors", 32: "half", 99: "end"}
+         14: "first_q_loaded", 15: "pair_issued", 16: "softmax", 17: "words", 18: "fold01", 20: "stage_free",
+         21: "copies", 30: "t_full", 31: "factors", 32: "half", 99: "end"}
 
 
 def parse_args(argv=None):
