@@ -125,6 +125,67 @@ constexpr uint32_t kPSlotArrivals = 4;
 constexpr uint32_t kQkIssuedArrivals = 4;
 
 // ------------------------------------------------------------------------------------------------
+// Pieces both consumer orders use (lead_loop / follow_loop here, w1_lead_loop / w1_follow_loop in scores_to_wg1.cuh)
+// ------------------------------------------------------------------------------------------------
+// The 16-bit q of row piece req's Q tile into the tile by cp.async (warpgroup 0's slots t and t + 128), one commit
+// group; split in place (split_next_q_tile) after the row piece before it.
+__device__ __forceinline__ void copy_next_q_tile(const DecodeParams& p, LeadStorage& ss, int req, int m_block,
+                                                 int tid_in_wg) {
+  q_slot_copy(p, ss, req, m_block, tid_in_wg);
+  q_slot_copy(p, ss, req, m_block, tid_in_wg + kWgThreads);
+  decode::cp_async_commit();
+}
+// The copied tile split in place by warpgroup 0 alone (its slots), after its epilogue, and made visible to its Q K^T.
+__device__ __forceinline__ void split_next_q_tile(const DecodeParams& p, LeadStorage& ss, int tid_in_wg) {
+  decode::cp_async_wait_all();  // this thread's own copies: the split reads only them
+  FMLA_TL(ss, kTlLead, kTlQCopied, tid_in_wg == 0);
+#pragma unroll 1
+  for (int k = 0; k < 2; ++k) q_slot_split(p, ss, tid_in_wg + k * kWgThreads);
+  FMLA_TL(ss, kTlLead, kTlQSplit, tid_in_wg == 0);
+  cutlass::arch::fence_view_async_shared();
+  NamedBarrier(kWgThreads, kBarLeadQ).arrive_and_wait_unaligned();
+  FMLA_TL(ss, kTlLead, kTlNextQ, tid_in_wg == 0);
+}
+// A P V's words kept in their registers until here (called after the wait for the product, which reads them).
+__device__ __forceinline__ void keep_words(uint32_t (&words)[kPTerms][8]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < kPTerms; ++t) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
+  }
+}
+// Warpgroup 1: block g's factors of groups 1..3 (factor slot s; V^T half 0's vt_full published them) into F, and O
+// of those groups rescaled by the rows' factors sc and the groups' ratios where any differs from 1.
+template <class FragO>
+__device__ __forceinline__ void follow_factors(const LeadStorage& ss, int s, const float (&sc)[2], float (&F)[3],
+                                               FragO& o1, FragO& o2, FragO& o3) {
+  const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[s][1][0]);  // (ratio, F) of group 1
+  const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);  // of groups 2 and 3
+  const float ratio[3] = {f1.x, f23.x, f23.z};
+  F[0] = f1.y;
+  F[1] = f23.y;
+  F[2] = f23.w;
+  if (rescale_needed(sc, ratio)) {
+    rescale_group(o1, sc, ratio[0]);
+    rescale_group(o2, sc, ratio[1]);
+    rescale_group(o3, sc, ratio[2]);
+  }
+}
+// Warpgroup 1's stores of a row piece: out of groups 1..3 (common.cuh: inv_out, store_group), l the rows' final sums.
+template <class FragO>
+__device__ __forceinline__ void follow_store(const DecodeParams& p, const decode::RequestPiece& w,
+                                             const int (&rows)[2], int lane, const float (&F)[3], const float (&l)[2],
+                                             const FragO& o1, const FragO& o2, const FragO& o3) {
+  float inv[2];
+  inv_out(F[0], l, inv);
+  store_group(p, w, 1, rows, lane, o1, inv);
+  inv_out(F[1], l, inv);
+  store_group(p, w, 2, rows, lane, o2, inv);
+  inv_out(F[2], l, inv);
+  store_group(p, w, 3, rows, lane, o3, inv);
+}
+
+// ------------------------------------------------------------------------------------------------
 // Warpgroup 0
 // ------------------------------------------------------------------------------------------------
 // S = Q K^T of block g (all four groups, the rope), after its stage landed: a row piece's first block (lead_loop
@@ -154,13 +215,6 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
   first_q_tile_slot(p, ss, begin_req, m_block, tid_in_wg);
   NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_and_wait_unaligned();
   FMLA_TL(ss, kTlLead, kTlFirstQ, tid_in_wg == 0);
-  // The 16-bit q of row piece req's Q tile into the tile by cp.async (this warpgroup's slots t and t + 128), one
-  // commit group; split in place after the row piece before it.
-  const auto copy_q_tile = [&](int req) CUTLASS_LAMBDA_FUNC_INLINE {
-    q_slot_copy(p, ss, req, m_block, tid_in_wg);
-    q_slot_copy(p, ss, req, m_block, tid_in_wg + kWgThreads);
-    decode::cp_async_commit();
-  };
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -183,11 +237,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     // V^T half 0 released once this warpgroup's P V of group 0 completed (its words kept until then)
     const auto release_half0 = [&]() CUTLASS_LAMBDA_FUNC_INLINE {
       warpgroup_fence_operand(o);
-      CUTLASS_PRAGMA_UNROLL
-      for (int t = 0; t < kPTerms; ++t) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));
-      }
+      keep_words(words);
       warp_arrive(ss.vt_empty[0], lane);
     };
     // Block g's softmax (P = 2^(S sl2 - m + 8)), P and the rows' factor to warpgroup 1 (slot c, free once warpgroup 1
@@ -294,7 +344,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     }
     if (nblk > 0) {  // the row piece's last block: its Q K^T is complete, the next Q tile's copy goes now (its
                      // latency under this block's work and the epilogue; split in place after the stores)
-      if (next) copy_q_tile(req + 1);
+      if (next) copy_next_q_tile(p, ss, req + 1, m_block, tid_in_wg);
       hand_and_words(true, [] {});
       sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
       warp_arrive(ss.qk_issued[g % 2], lane);  // block g's phase: its P V of group 0 is the tensor work after its P
@@ -314,15 +364,8 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     store_lse(p, w, rows, lane, l, m);
     FMLA_TL(ss, kTlLead, kTlEpilogue, tid_in_wg == 0);
     if (next) {
-      if (nblk == 0) copy_q_tile(req + 1);  // no block: not copied yet
-      decode::cp_async_wait_all();  // this thread's own copies: the split reads only them
-      FMLA_TL(ss, kTlLead, kTlQCopied, tid_in_wg == 0);
-#pragma unroll 1
-      for (int k = 0; k < 2; ++k) q_slot_split(p, ss, tid_in_wg + k * kWgThreads);
-      FMLA_TL(ss, kTlLead, kTlQSplit, tid_in_wg == 0);
-      cutlass::arch::fence_view_async_shared();
-      NamedBarrier(kWgThreads, kBarLeadQ).arrive_and_wait_unaligned();
-      FMLA_TL(ss, kTlLead, kTlNextQ, tid_in_wg == 0);
+      if (nblk == 0) copy_next_q_tile(p, ss, req + 1, m_block, tid_in_wg);  // no block: not copied yet
+      split_next_q_tile(p, ss, tid_in_wg);
     }
   }
   FMLA_TL_FINISH(ss, kTlLead, tid_in_wg == 0);
@@ -391,17 +434,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes all of them); O rescaled ----
       consumer_wait(ss.vt_full[0], g & 1u, hint);
       FMLA_TL(ss, kTlFollow, kTlVt0, tid_in_wg == 0);
-      const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[s][1][0]);  // (ratio, F) of group 1
-      const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);  // of groups 2 and 3
-      const float ratio[3] = {f1.x, f23.x, f23.z};
-      F[0] = f1.y;
-      F[1] = f23.y;
-      F[2] = f23.w;
-      if (rescale_needed(sc, ratio)) {
-        rescale_group(o1, sc, ratio[0]);
-        rescale_group(o2, sc, ratio[1]);
-        rescale_group(o3, sc, ratio[2]);
-      }
+      follow_factors(ss, s, sc, F, o1, o2, o3);
 
       // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1); the first once warpgroup 0 issued its next tensor
       // work (qk_issued) ----
@@ -418,13 +451,7 @@ __device__ __forceinline__ void follow_loop(const DecodeParams& p, LeadStorage& 
 
     // ---- epilogue ----
     if (req == end_req) pdl_launch_dependents();
-    float inv[2];
-    inv_out(F[0], l, inv);
-    store_group(p, w, 1, rows, lane, o1, inv);
-    inv_out(F[1], l, inv);
-    store_group(p, w, 2, rows, lane, o2, inv);
-    inv_out(F[2], l, inv);
-    store_group(p, w, 3, rows, lane, o3, inv);
+    follow_store(p, w, rows, lane, F, l, o1, o2, o3);
     FMLA_TL(ss, kTlFollow, kTlEpilogue, tid_in_wg == 0);
   }
   FMLA_TL_FINISH(ss, kTlFollow, tid_in_wg == 0);

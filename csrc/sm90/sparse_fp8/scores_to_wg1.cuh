@@ -81,11 +81,6 @@ __device__ __forceinline__ void w1_lead_loop(const DecodeParams& p, LeadStorage&
   first_q_tile_slot(p, ss, begin_req, m_block, tid_in_wg);
   NamedBarrier(kNumConsumerThreads, kBarFirstQ).arrive_and_wait_unaligned();
   FMLA_TL(ss, kTlLead, kTlFirstQ, tid_in_wg == 0);
-  const auto copy_q_tile = [&](int req) CUTLASS_LAMBDA_FUNC_INLINE {
-    q_slot_copy(p, ss, req, m_block, tid_in_wg);
-    q_slot_copy(p, ss, req, m_block, tid_in_wg + kWgThreads);
-    decode::cp_async_commit();
-  };
   uint32_t g = 0;
   for (int req = begin_req; req <= end_req; ++req) {
     const decode::RequestPiece w = decode::make_request_piece(p, meta, req, m_block);
@@ -114,7 +109,7 @@ __device__ __forceinline__ void w1_lead_loop(const DecodeParams& p, LeadStorage&
       if (blk + 1 < nblk) {
         lead_qk(ss, g + 1, tid_in_wg, hint, S, t0, t1);
       } else if (next) {
-        copy_q_tile(req + 1);
+        copy_next_q_tile(p, ss, req + 1, m_block, tid_in_wg);
       }
       // ---- O_0 = O_0 sc + P_0 V_0 of block g, P and the rows' factors from warpgroup 1 ----
       consumer_wait(ss.p_full[c], (g / kPSlots) & 1u, hint);
@@ -137,11 +132,7 @@ __device__ __forceinline__ void w1_lead_loop(const DecodeParams& p, LeadStorage&
       sparse_pv_group<kPTerms>(tid_in_wg, words, ss.vt[0], o);
       warpgroup_wait<0>();
       warpgroup_fence_operand(o);
-      CUTLASS_PRAGMA_UNROLL
-      for (int t = 0; t < kPTerms; ++t) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(words[t][i]));  // kept until the P V completed
-      }
+      keep_words(words);
       warp_arrive(ss.vt_empty[0], lane);
       FMLA_TL(ss, kTlLead, kTlPv0Done, tid_in_wg == 0);
     }
@@ -153,15 +144,8 @@ __device__ __forceinline__ void w1_lead_loop(const DecodeParams& p, LeadStorage&
     store_group(p, w, 0, rows, lane, o, inv);
     FMLA_TL(ss, kTlLead, kTlEpilogue, tid_in_wg == 0);
     if (next) {
-      if (nblk == 0) copy_q_tile(req + 1);  // no block: not copied yet
-      decode::cp_async_wait_all();          // this thread's own copies: the split reads only them
-      FMLA_TL(ss, kTlLead, kTlQCopied, tid_in_wg == 0);
-#pragma unroll 1
-      for (int k = 0; k < 2; ++k) q_slot_split(p, ss, tid_in_wg + k * kWgThreads);
-      FMLA_TL(ss, kTlLead, kTlQSplit, tid_in_wg == 0);
-      cutlass::arch::fence_view_async_shared();
-      NamedBarrier(kWgThreads, kBarLeadQ).arrive_and_wait_unaligned();
-      FMLA_TL(ss, kTlLead, kTlNextQ, tid_in_wg == 0);
+      if (nblk == 0) copy_next_q_tile(p, ss, req + 1, m_block, tid_in_wg);  // no block: not copied yet
+      split_next_q_tile(p, ss, tid_in_wg);
     }
   }
   FMLA_TL_FINISH(ss, kTlLead, tid_in_wg == 0);
@@ -235,17 +219,7 @@ __device__ __forceinline__ void w1_follow_loop(const DecodeParams& p, LeadStorag
       // ---- V^T half 0 and the block's group factors and pairs (vt_full publishes all of them); O rescaled ----
       consumer_wait(ss.vt_full[0], g & 1u, hint);
       FMLA_TL(ss, kTlFollow, kTlVt0, tid_in_wg == 0);
-      const float2 f1 = *reinterpret_cast<const float2*>(&ss.gfac[s][1][0]);  // (ratio, F) of group 1
-      const float4 f23 = *reinterpret_cast<const float4*>(&ss.gfac[s][2][0]);  // of groups 2 and 3
-      const float ratio[3] = {f1.x, f23.x, f23.z};
-      F[0] = f1.y;
-      F[1] = f23.y;
-      F[2] = f23.w;
-      if (rescale_needed(sc, ratio)) {
-        rescale_group(o1, sc, ratio[0]);
-        rescale_group(o2, sc, ratio[1]);
-        rescale_group(o3, sc, ratio[2]);
-      }
+      follow_factors(ss, s, sc, F, o1, o2, o3);
       // ---- O_g += P_g V_g, g = 1 (V^T half 0), 2 and 3 (half 1), P from the slot this warpgroup wrote ----
 #if FMLA_SPARSE_SCORES_TO_WG1 == 2
       // FMLA_SPARSE_SCORES_TO_WG1=2: each group's words built while the P V before it runs (two word sets; the
@@ -258,32 +232,25 @@ __device__ __forceinline__ void w1_follow_loop(const DecodeParams& p, LeadStorag
               [&](int k, uint32_t (&p4)[4]) CUTLASS_LAMBDA_FUNC_INLINE { decode_fp8::load_p_chunk(p_base, k, p4); },
               &ss.sf[s][grp][0][0], lane, debug, wd);
         };
-        const auto keep = [](uint32_t (&wd)[kPTerms][8]) CUTLASS_LAMBDA_FUNC_INLINE {
-          CUTLASS_PRAGMA_UNROLL
-          for (int t = 0; t < kPTerms; ++t) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < 8; ++i) asm volatile("" : "+r"(wd[t][i]));
-          }
-        };
         uint32_t wa[kPTerms][8], wb[kPTerms][8];
         words_of(1, wa);
         sparse_pv_group<kPTerms>(tid_in_wg, wa, ss.vt[0] + (1 % 2) * (decode_fp8::kVtHalfBytes / 2), o1);
         words_of(2, wb);
         warpgroup_wait<0>();
         warpgroup_fence_operand(o1);
-        keep(wa);
+        keep_words(wa);
         warp_arrive(ss.vt_empty[0], lane);
         consumer_wait(ss.vt_full[1], g & 1u, hint);
         sparse_pv_group<kPTerms>(tid_in_wg, wb, ss.vt[1] + (2 % 2) * (decode_fp8::kVtHalfBytes / 2), o2);
         words_of(3, wa);
         warpgroup_wait<0>();
         warpgroup_fence_operand(o2);
-        keep(wb);
+        keep_words(wb);
         warp_arrive(ss.vt_empty[1], lane);
         sparse_pv_group<kPTerms>(tid_in_wg, wa, ss.vt[1] + (3 % 2) * (decode_fp8::kVtHalfBytes / 2), o3);
         warpgroup_wait<0>();
         warpgroup_fence_operand(o3);
-        keep(wa);
+        keep_words(wa);
         warp_arrive(ss.vt_empty[1], lane);
       }
 #else
@@ -297,13 +264,7 @@ __device__ __forceinline__ void w1_follow_loop(const DecodeParams& p, LeadStorag
 
     // ---- epilogue: out of groups 1..3 and the rows' lse ----
     if (req == end_req) pdl_launch_dependents();
-    float inv[2];
-    inv_out(F[0], l, inv);
-    store_group(p, w, 1, rows, lane, o1, inv);
-    inv_out(F[1], l, inv);
-    store_group(p, w, 2, rows, lane, o2, inv);
-    inv_out(F[2], l, inv);
-    store_group(p, w, 3, rows, lane, o3, inv);
+    follow_store(p, w, rows, lane, F, l, o1, o2, o3);
     store_lse(p, w, rows, lane, l, m);
     FMLA_TL(ss, kTlFollow, kTlEpilogue, tid_in_wg == 0);
   }
