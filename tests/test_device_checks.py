@@ -273,12 +273,7 @@ SPARSE_STARVED = [None, "gather0", "wg0", "wg1", "transposer0", "transposer1"]
 
 
 def test_sparse_protocol_model_accepts_the_kernel_schedule():
-    """The kernel's order, and the candidate of csrc/sm90/sparse_fp8/scores_to_wg1.cuh (FMLA_SPARSE_SCORES_TO_WG1),
-    played without s_empty and p_empty waits (that file's header says why they are implied)."""
-    res = subprocess.run([sys.executable, str(SPARSE_PROTOCOL_MODEL)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert "sparse protocol model: consistent" in res.stdout, res.stdout
-    assert "sparse protocol model, scores to warpgroup 1: consistent" in res.stdout, res.stdout
+    _assert_script_says_consistent(SPARSE_PROTOCOL_MODEL)
 
 
 @pytest.mark.parametrize("mutation", ["transposer ignores vt_empty", "row sums read early",
@@ -290,16 +285,6 @@ def test_sparse_protocol_model_rejects_a_broken_schedule(sparse_model, mutation)
         for seed in range(60):
             sparse_model.run([5, 2, 7], seed=seed, mutation=mutation,
                              starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)])
-
-
-@pytest.mark.parametrize("mutation", ["scores read before s_full", "rows' scale read before the scores",
-                                      "factors read before vt_full", "half 1 read before vt_full",
-                                      "transposer ignores vt_empty"])
-def test_sparse_protocol_model_rejects_a_broken_scores_to_warpgroup_1_order(sparse_model, mutation):
-    with pytest.raises(sparse_model.ProtocolError):
-        for seed in range(60):
-            sparse_model.run([5, 2, 7], seed=seed, mutation=mutation,
-                             starve=SPARSE_STARVED[seed % len(SPARSE_STARVED)], order="w1")
 
 
 def test_sparse_protocol_model_rejects_a_missing_qk_issued_arrival(sparse_model):
@@ -496,14 +481,11 @@ def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     assert spills and all(int(n) <= 8 for n in spills), "the sparse kernel spills more:\n" + res.stderr[-2000:]
 
 
-@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1", "FMLA_SPARSE_SPLIT_PAIR=1", "FMLA_SPARSE_SCORES_TO_WG1=1",
-                                    "FMLA_SPARSE_SCORES_TO_WG1=2"])
+@pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1"])
 def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
-    form printed with device printf, a call that serialized every wgmma, C7510) and the candidates not yet timed
-    (lead.cuh: the next block's group 1 issued after the softmax; scores_to_wg1.cuh: the softmax in warpgroup 1, and
-    with 2 also each group's words built under the P V before it)."""
+    form printed with device printf, a call that serialized every wgmma, C7510)."""
     nvcc, cutlass = _nvcc(), _cutlass_include()
     reason = _missing(nvcc, cutlass)
     if reason:

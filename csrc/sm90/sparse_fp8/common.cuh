@@ -31,13 +31,6 @@
 #include "sm90/sparse_fp8/qk.cuh"
 #include "sm90/sparse_fp8/timeline.cuh"
 
-#if !defined(FMLA_SPARSE_SCORES_TO_WG1)
-#define FMLA_SPARSE_SCORES_TO_WG1 0  // a candidate's build switch, not yet timed: scores_to_wg1.cuh
-#endif
-#if !defined(FMLA_SPARSE_SPLIT_PAIR)
-#define FMLA_SPARSE_SPLIT_PAIR 0  // a candidate's build switch, not yet timed: lead.cuh
-#endif
-
 namespace flashmla_backend::sm90::sparse_fp8 {
 
 using namespace cute;

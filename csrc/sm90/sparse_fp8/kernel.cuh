@@ -22,7 +22,6 @@
 #include "common/measure.h"
 #include "sm90/sparse_fp8/common.cuh"
 #include "sm90/sparse_fp8/lead.cuh"
-#include "sm90/sparse_fp8/scores_to_wg1.cuh"
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
@@ -67,9 +66,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     ss.qk_issued[0].init(kQkIssuedArrivals);
     ss.qk_issued[1].init(kQkIssuedArrivals);
-#if FMLA_SPARSE_SCORES_TO_WG1
-    ss.s_full.init(kSSlotArrivals);
-#endif
 #if defined(FMLA_SPARSE_TIMELINE)
     tl_init(ss.tl, tl_start, tl_start_ns);
 #endif
@@ -90,18 +86,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
   } else if (wg == 0) {
     cutlass::arch::warpgroup_reg_alloc<kLeadRegs>();
-#if FMLA_SPARSE_SCORES_TO_WG1
-    w1_lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
-#else
     lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
-#endif
   } else {
     cutlass::arch::warpgroup_reg_alloc<kFollowRegs>();
-#if FMLA_SPARSE_SCORES_TO_WG1
-    w1_follow_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
-#else
     follow_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
-#endif
   }
 #else
   if (threadIdx.x == 0) printf("flashmla_backend: sm90 sparse decode kernel was not compiled for sm_90a\n");

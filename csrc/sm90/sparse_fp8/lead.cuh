@@ -41,14 +41,8 @@ __device__ __forceinline__ bool warpgroup_any(bool x) {
 constexpr int kPSlots = 2;                             // blocks of P in flight from warpgroup 0 to warpgroup 1
 constexpr int kP16Words = 16;                          // a thread's 64 x 64 P in fp16: word k = (P(2 k), P(2 k + 1))
 constexpr int kP16Bytes = kP16Words * 4 * kWgThreads;  // 8 KB
-#if FMLA_SPARSE_SCORES_TO_WG1
-// scores_to_wg1.cuh: warpgroup 1 holds a block's scores (32) beside its three O (192) in the softmax
-constexpr int kLeadRegs = 200;
-constexpr int kFollowRegs = 248;
-#else
 constexpr int kLeadRegs = 208;
 constexpr int kFollowRegs = 240;
-#endif
 static_assert(kWgThreads * (kLeadRegs + kFollowRegs + kProducerRegs) <= decode_fp8::kCtaRegisters,
               "register split exceeds the CTA's allocation");
 
@@ -90,12 +84,6 @@ struct alignas(1024) LeadStorage {
   cutlass::arch::ClusterBarrier vt_full[kVtSlots];
   cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
   cutlass::arch::ClusterBarrier qk_issued[2];
-#if FMLA_SPARSE_SCORES_TO_WG1
-  // The candidate of scores_to_wg1.cuh: block g's masked scores, fp32 by thread (16 KB, one slot), from warpgroup 0
-  // to warpgroup 1; s_full: warpgroup 0 wrote them (4 warps). Their release needs no barrier (that file's header).
-  alignas(16) uint8_t s32[kTileRows * kBlockTokens * 4];
-  cutlass::arch::ClusterBarrier s_full;
-#endif
 #if defined(FMLA_SPARSE_TIMELINE)
   Timeline tl;  // timeline.cuh
 #endif
@@ -125,7 +113,7 @@ constexpr uint32_t kPSlotArrivals = 4;
 constexpr uint32_t kQkIssuedArrivals = 4;
 
 // ------------------------------------------------------------------------------------------------
-// Pieces both consumer orders use (lead_loop / follow_loop here, w1_lead_loop / w1_follow_loop in scores_to_wg1.cuh)
+// Pieces of the two consumer loops below
 // ------------------------------------------------------------------------------------------------
 // The 16-bit q of row piece req's Q tile into the tile by cp.async (warpgroup 0's slots t and t + 128), one commit
 // group; split in place (split_next_q_tile) after the row piece before it.
@@ -244,7 +232,7 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     // read block g - 2; with the row piece's last block also the rows' final sums, a quad's parts added, so that
     // warpgroup 1 needs no barrier for them), then V^T half 0 and the block's group factors and pairs (vt_full
     // publishes both): O rescaled, P's words of group 0; the block's stage is done with here.
-    // after_softmax: called between the softmax and the P hand-off (FMLA_SPARSE_SPLIT_PAIR issues there).
+    // after_softmax: called between the softmax and the P hand-off (the next block's group 1 product is issued there).
     const auto hand_and_words = [&](bool last, auto&& after_softmax) CUTLASS_LAMBDA_FUNC_INLINE {
       const int s = int(g % kStages);
       const int c = int(g % kPSlots);
@@ -285,10 +273,15 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       FMLA_TL(ss, kTlLead, kTlWords, tid_in_wg == 0);
       warp_arrive(ss.empty[s], lane);
     };
-    // Every block but the row piece's last: block g + 1's Q K^T overlaps block g's softmax where it can. Its first two
-    // group products go into the two temporaries before block g's softmax if block g + 1's stage has landed (else
-    // after the words, so that a late gather does not hold the softmax: waiting for the stage there, whether landed
-    // or not, measured 23% slower at b128 top-k 2048, docs/perf/journal.md); S, free once P is made of it, then takes
+    // Every block but the row piece's last: block g + 1's Q K^T overlaps block g's softmax where it can. If block g + 1's
+    // stage has landed, its group 0 product goes into t0 before block g's softmax and its group 1 product into t1 right
+    // after it, before the P hand-off (else both after the words, so that a late gather does not hold the softmax:
+    // waiting for the stage there, whether landed or not, measured 23% slower at b128 top-k 2048, docs/perf/journal.md).
+    // The two groups are issued apart because about eight wgmma can be outstanding in an SM, whichever warpgroup
+    // issued them, and issuing more blocks the issuing warpgroup until the oldest complete
+    // (checks/wgmma_issue_probe.cu): both groups' 16 products before the softmax held warpgroup 0 0.39-0.48 µs, about
+    // their execution time; apart, each group's 8 return at once (0.3-0.8% faster at every shape, the same bits:
+    // docs/perf/journal.md, 2026-12-03 12:05). S, free once P is made of it, then takes
     // block g + 1's rope product, and the four folds follow in the order of sparse_qk_block, so the scores are its
     // bits. O_0 += P_0 V_0 of block g runs under the products of groups 2 and 3; block g's phase of qk_issued once
     // block g + 1's whole Q K^T is issued (warpgroup 1's P V of block g next).
@@ -308,19 +301,9 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       // Whether block g + 1 has landed: any warp's test (all four issue each wgmma, and a completed phase stays so)
       const bool early = warpgroup_any(ss.full[sn].test_wait(((g + 1) / kStages) & 1u));
       if (early) first_group();
-#if FMLA_SPARSE_SPLIT_PAIR
-      // Candidate (not yet timed): group 1's product issued after the softmax instead of before it. A warpgroup can
-      // have about eight wgmma outstanding, and issuing more blocks it until the oldest complete
-      // (checks/wgmma_issue_probe.cu), so the pair's 16 products issued before the softmax held warpgroup 0 for
-      // 0.39-0.48 µs (the timeline), about their execution time; one group's 8 return at once and run under the
-      // softmax, the other's under the P hand-off.
       hand_and_words(false, [&]() CUTLASS_LAMBDA_FUNC_INLINE {
         if (early) second_group();
       });
-#else
-      if (early) second_group();
-      hand_and_words(false, [] {});
-#endif
       if (!early) {
         first_group();
         second_group();

@@ -31,9 +31,6 @@ model checks the parity waits and catches a missing arrival at a row piece's las
 barrier it found warpgroup 0 two phases ahead of the wait when V^T half 0 had a ring of two slots (a schedule
 measured and dropped): a parity wait passing on the wrong phase; with today's one slot a single barrier holds
 (tests/test_device_checks.py plays it as a mutation).
-It also plays the candidate order of scores_to_wg1.cuh (FMLA_SPARSE_SCORES_TO_WG1: warpgroup 0 hands each block's
-scores to warpgroup 1, which runs the softmax and hands P back; `run(..., order="w1")`), without s_empty and p_empty
-waits, which that order implies.
 """
 from __future__ import annotations
 
@@ -76,8 +73,7 @@ def read_counts() -> dict[str, int]:
             "vt_full": ev(_constant(common, "kVtFullArrivals")), "vt_empty": ev(_constant(common, "kVtEmptyArrivals")),
             "lead_empty": ev(_constant(lead, "kLeadEmptyArrivals")),
             "p_slot": ev(_constant(lead, "kPSlotArrivals")), "qk_issued": ev(_constant(lead, "kQkIssuedArrivals")),
-            "stages": int(_constant(common, "kStages")), "p_slots": int(_constant(lead, "kPSlots")),
-            "s_slot": int(_constant((SPARSE / "scores_to_wg1.cuh").read_text(), "kSSlotArrivals"))}
+            "stages": int(_constant(common, "kStages")), "p_slots": int(_constant(lead, "kPSlots"))}
 
 
 # ---- producer agents ---------------------------------------------------------------------------------------------
@@ -234,116 +230,25 @@ def follow_consumer(rows: list[int], p_slots: int, mutation=None):
             g += 1
 
 
-# ---- the candidate of scores_to_wg1.cuh (FMLA_SPARSE_SCORES_TO_WG1): warpgroup 1 runs the softmax -------------------
-def w1_lead_consumer(rows: list[int], p_slots: int, mutation=None):
-    """w1_lead_loop: block g's scores masked, its stage given back, the scores to warpgroup 1 (one S slot; no s_empty
-    and no p_empty: scores_to_wg1.cuh says why, and the data checks here find no early rewrite without them), the
-    next block's Q K^T (or, at a row piece's last block, the next Q tile's copy), then P of block g from warpgroup 1
-    and the P V of group 0. The rows' scale ("rs", half) is written with the next Q tile's split, after the
-    epilogue."""
-    g = 0
-    yield ("write", ("q", 0), 0, "q")               # the first row piece's Q tile and rows' scale: heads 0..31,
-    yield ("write", ("rs", 0), 0, "q")
-    yield ("both_arrive", "first_q")                # then a wait for warpgroup 1's (kBarFirstQ)
-    yield ("both_wait", "first_q")
-    for row, n in enumerate(rows):
-        if n:
-            yield from lead_qk(g, row)
-        for blk in range(n):
-            s, c = g % STAGES, g % p_slots
-            yield ("read_end", ("stage", s), g)     # Q K^T, the scales and the mask read: the stage goes back
-            yield from warps_arrive("empty", s)
-            yield ("write", ("s32", 0), g, "one")    # free: P of block g - 1 was waited for (no s_empty)
-            yield from warps_arrive("s_full", 0)
-            if blk + 1 < n:
-                yield from lead_qk(g + 1, row)
-            elif row + 1 < len(rows):               # the row piece's last Q K^T done: the next Q tile's copy
-                yield ("write", ("q", 0), row + 1, "q")
-                yield ("write", ("q", 1), row + 1, "q")
-            yield ("wait", "p_full", c, g // p_slots)
-            yield ("read_begin", ("p16", c), g)     # P and the rows' factor, P by chunks until the words
-            if blk + 1 == n:
-                yield ("read_begin", ("rsum", c), g)
-                yield ("read_end", ("rsum", c), g)
-            yield from factors_and_vt(0, g, mutation)
-            yield ("read_end", ("p16", c), g)       # no p_empty: the next write of the slot follows S of a later block
-            yield ("read_begin", ("vt", 0), g)      # P V of group 0, waited for, then the half's release
-            yield ("read_end", ("vt", 0), g)
-            yield from warps_arrive("vt_empty", 0)
-            g += 1
-        if row + 1 < len(rows):
-            if n == 0:                              # no block: the next Q tile not copied yet
-                yield ("write", ("q", 0), row + 1, "q")
-                yield ("write", ("q", 1), row + 1, "q")
-            yield ("write", ("rs", 0), row + 1, "q")   # the split, after the epilogue: both halves' rows' scale
-            yield ("write", ("rs", 1), row + 1, "q")
-
-
-def w1_follow_consumer(rows: list[int], p_slots: int, mutation=None):
-    """w1_follow_loop: block g's scores from the S slot (the rows' scale read at a row piece's first block), P and
-    the rows' factor (and, at the last block, the sums) to a P slot, then groups 1..3 as in lead.cuh but without
-    qk_issued."""
-    g = 0
-    yield ("write", ("q", 1), 0, "q")               # heads 32..63 of the first Q tile and rows' scale, no wait
-    yield ("write", ("rs", 1), 0, "q")
-    yield ("both_arrive", "first_q")
-    for row, n in enumerate(rows):
-        for blk in range(n):
-            s, c = g % STAGES, g % p_slots
-            if blk == 0 and mutation == "rows' scale read before the scores":
-                for h in (0, 1):
-                    yield ("read_begin", ("rs", h), row)
-                    yield ("read_end", ("rs", h), row)
-            if mutation != "scores read before s_full":
-                yield ("wait", "s_full", 0, g)
-            if blk == 0 and mutation != "rows' scale read before the scores":
-                for h in (0, 1):
-                    yield ("read_begin", ("rs", h), row)
-                    yield ("read_end", ("rs", h), row)
-            yield ("read_begin", ("s32", 0), g)
-            yield ("read_end", ("s32", 0), g)
-            if mutation == "scores read before s_full":
-                yield ("wait", "s_full", 0, g)
-            yield ("write", ("p16", c), g, "one")
-            if blk + 1 == n:
-                yield ("write", ("rsum", c), g, "one")
-            yield from warps_arrive("p_full", c)
-            yield from factors_and_vt(1, g, mutation)
-            yield ("read_end", ("fac", s, 0), g)     # group 1's words
-            yield from pv_group(0, g)               # group 1
-            if mutation != "half 1 read before vt_full":
-                yield ("wait", "vt_full", 1, g)
-            yield from pv_group(1, g)               # group 2
-            yield ("read_end", ("fac", s, 1), g)     # group 3's words
-            yield from pv_group(1, g)               # group 3
-            g += 1
-
-
 def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mutation=None,
-        starve: str | None = None, order: str = "lead") -> None:
-    """One random interleaving of the CTA's agents over row pieces with these block counts; order "w1": the
-    consumers of scores_to_wg1.cuh."""
+        starve: str | None = None) -> None:
+    """One random interleaving of the CTA's agents over row pieces with these block counts."""
     counts = read_counts() if counts is None else counts
     sim = Sim(STAGES, {"kKvEmptyArrivals": 1, "kVtFullArrivals": 1, "kVtEmptyArrivals": 1})
     sim.count = {"full": counts["full"], "empty": counts["lead_empty"], "vt_full": counts["vt_full"],
                  "vt_empty": counts["vt_empty"], "p_full": counts["p_slot"], "p_empty": counts["p_slot"],
-                 "qk_issued": counts["qk_issued"], "s_full": counts["s_slot"]}
+                 "qk_issued": counts["qk_issued"]}
     blocks = sum(rows)
     agents = {f"gather{w}": gather_agent(w, blocks) for w in range(counts["gather_warps"])}
     for w in range(counts["warps"]):
         agents[f"transposer{w}"] = transposer_agent(w, blocks, mutation)
-    if order == "w1":
-        agents["wg0"] = w1_lead_consumer(rows, counts["p_slots"], mutation)
-        agents["wg1"] = w1_follow_consumer(rows, counts["p_slots"], mutation)
-    else:
-        agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, seed)
-        agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
+    agents["wg0"] = lead_consumer(rows, counts["p_slots"], mutation, seed)
+    agents["wg1"] = follow_consumer(rows, counts["p_slots"], mutation)
     # Readers a buffer's contents must have had before it is rewritten. The transposer warps and warpgroup 0 read a
     # stage (warpgroup 1 reads only what the transposer warps made of it); a V^T half has two group readers; transposer
     # warp 0's factors are read by both warpgroups, warp 1's by warpgroup 1.
     # The Q tile is rewritten by its one reader (warpgroup 0) in program order; a row piece without blocks never
-    # reads it, so its writes check only for reads in progress and the reads for the row they expect. The rows'
-    # scale of the w1 order ("rs") likewise: warpgroup 1 reads it at a row piece's first block only.
+    # reads it, so its writes check only for reads in progress and the reads for the row they expect.
     readers = {"stage": counts["warps"] + 1, "vt": 2, "fac0": 2, "fac1": 1, "one": 1, "q": 0}
     both = {"first_q"}   # named barriers of both warpgroups
     gen = {(b, w): 0 for b in both for w in ("wg0", "wg1")}
@@ -370,7 +275,7 @@ def run(rows: list[int], counts: dict[str, int] | None = None, seed: int = 0, mu
     _dense.interleave(agents, ready, execute, seed, starve, f"rows {rows}")
 
 
-def check_all(seeds: int = 20, order: str = "lead") -> int:
+def check_all(seeds: int = 20) -> int:
     """Row sequences of 0..9 blocks; returns the number of runs."""
     counts = read_counts()
     gen = random.Random(3)
@@ -381,16 +286,15 @@ def check_all(seeds: int = 20, order: str = "lead") -> int:
     runs = 0
     for rows in sequences:
         for seed in range(seeds):
-            run(rows, counts, seed=seed, starve=starved[seed % len(starved)], order=order)
+            run(rows, counts, seed=seed, starve=starved[seed % len(starved)])
             runs += 1
     return runs
 
 
 if __name__ == "__main__":
-    for order, name in (("lead", "sparse protocol model"), ("w1", "sparse protocol model, scores to warpgroup 1")):
-        try:
-            n = check_all(order=order)
-        except ProtocolError as e:
-            print(f"{name}: INCONSISTENT: {e}")
-            sys.exit(1)
-        print(f"{name}: consistent ({n} interleavings)")
+    try:
+        n = check_all()
+    except ProtocolError as e:
+        print(f"sparse protocol model: INCONSISTENT: {e}")
+        sys.exit(1)
+    print(f"sparse protocol model: consistent ({n} interleavings)")

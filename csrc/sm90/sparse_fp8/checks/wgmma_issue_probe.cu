@@ -17,6 +17,10 @@
 // batch issued, followed by a loop of 50 dependent FMA (about 1,300 cycles), then the wait: the loop overlaps the
 // products only where the issue returned before they ran. Every batch's products are added into the loop's value
 // after its wait, so that none is dead code. The operands are zeros (the time does not depend on values).
+// Measured (H200; docs/perf/journal.md, 2026-12-03): about eight products can be outstanding, and they are the SM's,
+// not a warpgroup's: one warpgroup's 16 m64n64k32 return after 335 of their 574 cycles; two warpgroups issuing 4
+// m64n64k32 each at once return after 62 and 100 cycles, 8 each after 306 and 380, 16 each after 819 and 889; 4
+// m64n128k32 each after 62 and 139, 8 each after 682 and 562.
 #include <cuda_runtime.h>
 
 #include <algorithm>
