@@ -117,6 +117,12 @@ constexpr uint32_t kQkIssuedArrivals = 4;
 // ------------------------------------------------------------------------------------------------
 // The 16-bit q of row piece req's Q tile into the tile by cp.async (warpgroup 0's slots t and t + 128), one commit
 // group; split in place (split_next_q_tile) after the row piece before it.
+// Every later tile made by both warpgroups as the first one is (each its half: warpgroup 0 at this point or after its
+// last P V's issue, warpgroup 1 after its stores; both waiting at kBarFirstQ) measured no faster: top-k 128 1.3%
+// faster, b64 and b32 1-2.5% slower, the rest level, the same bits (docs/perf/journal.md, 2026-12-03 12:05). Its
+// timeline: splitting one slot took warpgroup 0 3.9 µs, as long as two here, and with the copies moved after the last
+// P V its group 0 stores took 6.9 µs instead of 1.5: the row piece's boundary is bound by code that runs once a row
+// piece (instruction fetch, as the split's ncu samples said) and by the copies' traffic, not by a thread's share.
 __device__ __forceinline__ void copy_next_q_tile(const DecodeParams& p, LeadStorage& ss, int req, int m_block,
                                                  int tid_in_wg) {
   q_slot_copy(p, ss, req, m_block, tid_in_wg);
