@@ -98,13 +98,14 @@ static_assert(int(sizeof(LeadStorage)) + 1024 <= decode_fp8::kMaxSmemPerBlock, "
 constexpr uint32_t kLeadEmptyArrivals = 4 + kTransposeWarps;
 constexpr uint32_t kPSlotArrivals = 4;
 // Warpgroup 1 issues a block's P V only once warpgroup 0 has issued the next block's Q K^T (qk_issued). The tensor
-// cores take the two warpgroups' wgmma in the order they were issued, so warpgroup 1's three P V of a block (768 of
-// the block's 2,176 tensor-core cycles) issued as soon as their words were ready landed between warpgroup 0's Q K^T
+// cores take the two warpgroups' wgmma in the order they were issued, so warpgroup 1's three P V of a block (768 of the
+// block's 2,176 tensor-core cycles) issued as soon as their words were ready landed between warpgroup 0's Q K^T
 // products, on warpgroup 0's path (its chain is the kernel's); behind the whole Q K^T they run during its softmax:
-// 3.5-4% faster at top-k 2048 in a measurement build, under 1% in a default build (docs/perf/journal.md, 2026-12-01
-// and 2026-12-02). Warpgroup 0's own P V of group 0 is issued among that Q K^T's products (after the first two and the
-// rope, before the last two) and waited for before the last two folds; issued after all of them (and waited for in the
-// next softmax) it measured 3-6% slower.
+// 3.5-4% faster at top-k 2048 in a measurement build, under 1% in a default build (docs/perf/journal.md, 2026-12-01 and
+// 2026-12-02); in the present order the wait left out is 5% slower at b128 top-k 2048 (202.4 against 192.1 µs), 5-5.5%
+// at s_q 2 and b64, 2-3% at h_q 64, b32 and top-k 512, the same bits (2026-12-03 12:05). Warpgroup 0's own P V of group
+// 0 is issued among that Q K^T's products (after the first two and the rope, before the last two) and waited for before
+// the last two folds; issued after all of them (and waited for in the next softmax) it measured 3-6% slower.
 // Two barriers by turns, so that the parity wait holds however far warpgroup 0 can get ahead: it cannot get three
 // blocks ahead of warpgroup 1's wait, since its arrival for block g follows its P of block g, written once warpgroup 1
 // released the P slot of block g - 2 (p_empty), after its wait for block g - 2's phase. (With V^T half 0 in one slot it
