@@ -287,8 +287,8 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
     // The two groups are issued apart because about eight wgmma can be outstanding in an SM, whichever warpgroup
     // issued them, and issuing more blocks the issuing warpgroup until the oldest complete
     // (checks/wgmma_issue_probe.cu): both groups' 16 products before the softmax held warpgroup 0 0.39-0.48 µs, about
-    // their execution time; apart, each group's 8 return at once (0.3-0.8% faster at every shape, the same bits:
-    // docs/perf/journal.md, 2026-12-03 12:05). S, free once P is made of it, then takes
+    // their execution time; apart, each group's 8 return at once (0.3-1.3% faster at every shape, medians of three
+    // rounds, the same bits: docs/perf/journal.md, 2026-12-03 12:05). S, free once P is made of it, then takes
     // block g + 1's rope product, and the four folds follow in the order of sparse_qk_block, so the scores are its
     // bits. O_0 += P_0 V_0 of block g runs under the products of groups 2 and 3; block g's phase of qk_issued once
     // block g + 1's whole Q K^T is issued (warpgroup 1's P V of block g next).
