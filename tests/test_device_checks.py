@@ -479,26 +479,34 @@ def _run_sparse_probe(tmp_path: Path, source: Path, timeout: int) -> subprocess.
     return res
 
 
+def _ptxas_report(tmp_path: Path, source: Path, defines: tuple[str, ...] = ()) -> tuple[str, list[str], list[int]]:
+    """Compiles one translation unit for sm_90a with ptxas's report (skips without nvcc or CUTLASS; fails naming the
+    defines if it does not compile): (ptxas's stderr, its wgmma serialization notes C7510-C7515, the spill stores
+    in bytes of each entry function)."""
+    nvcc, cutlass = _nvcc(), _cutlass_include()
+    reason = _missing(nvcc, cutlass)
+    if reason:
+        pytest.skip(reason)
+    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", *(f"-D{d}" for d in defines),
+            "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{ROOT / 'csrc'}", f"-I{cutlass}", "-c",
+            str(source), "-o", str(tmp_path / "ptxas_report.o")]
+    res = subprocess.run(args, capture_output=True, text=True)
+    with_defines = "".join(f" -D{d}" for d in defines)
+    assert res.returncode == 0, f"{source.name}{with_defines} does not compile:\n{res.stderr[-4000:]}"
+    notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    return res.stderr, notes, spills
+
+
 def test_sparse_kernel_wgmma_is_not_serialized(tmp_path):
     """The sparse kernel's translation unit compiles for sm_90a without ptxas's wgmma serialization notes
     (C7510-C7515: ptxas 13 prints them as infos, which --warning-as-error does not catch) and with no more spills than
     the 8 bytes CMakeLists.txt accounts for (one register of warpgroup 0 stored and reloaded a block). A run-time branch
     around a wgmma (a measurement switch that skipped P V) once serialized every wgmma of the kernel."""
-    nvcc, cutlass = _nvcc(), _cutlass_include()
-    reason = _missing(nvcc, cutlass)
-    if reason:
-        pytest.skip(reason)
-    source = ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu"
-    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG",
-            "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{ROOT / 'csrc'}",
-            f"-I{cutlass}", "-c", str(source), "-o", str(tmp_path / "sparse.o")]
-    res = subprocess.run(args, capture_output=True, text=True)
-    assert res.returncode == 0, f"sparse.cu does not compile:\n{res.stderr[-4000:]}"
-    notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
+    stderr, notes, spills = _ptxas_report(tmp_path, ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu")
     assert not notes, "ptxas serializes wgmma in the sparse kernel:\n" + "\n".join(notes)
-    assert res.stderr.count("Compiling entry function") == 1, "one kernel is instantiated"
-    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    assert spills and all(int(n) <= 8 for n in spills), "the sparse kernel spills more:\n" + res.stderr[-2000:]
+    assert stderr.count("Compiling entry function") == 1, "one kernel is instantiated"
+    assert spills and all(n <= 8 for n in spills), "the sparse kernel spills more:\n" + stderr[-2000:]
 
 
 @pytest.mark.parametrize("define", ["FMLA_SPARSE_TIMELINE=1"])
@@ -506,17 +514,7 @@ def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     """The sparse kernel's build switches (docs/build.md) compile without ptxas's wgmma serialization notes, so that a
     build with one times the kernel as it runs: the timeline recorder (csrc/sm90/sparse_fp8/timeline.cuh; its first
     form printed with device printf, a call that serialized every wgmma, C7510)."""
-    nvcc, cutlass = _nvcc(), _cutlass_include()
-    reason = _missing(nvcc, cutlass)
-    if reason:
-        pytest.skip(reason)
-    source = ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu"
-    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", f"-D{define}",
-            "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v", f"-I{ROOT / 'csrc'}", f"-I{cutlass}", "-c",
-            str(source), "-o", str(tmp_path / "sparse_switch.o")]
-    res = subprocess.run(args, capture_output=True, text=True)
-    assert res.returncode == 0, f"sparse.cu with -D{define} does not compile:\n{res.stderr[-4000:]}"
-    notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
+    _, notes, _ = _ptxas_report(tmp_path, ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu", (define,))
     assert not notes, f"ptxas serializes wgmma with -D{define}:\n" + "\n".join(notes)
 
 
@@ -524,20 +522,11 @@ def test_fp8_qk_first_candidate_compiles_without_serialization_or_spills(tmp_pat
     """The dense fast mode's FMLA_FP8_QK_FIRST candidate (decode_fp8/mainloop.cuh: mainloop_wg0) compiles as the
     default does: no wgmma serialization note and no spills, so that a module built with it times the kernel as it
     would run."""
-    nvcc, cutlass = _nvcc(), _cutlass_include()
-    reason = _missing(nvcc, cutlass)
-    if reason:
-        pytest.skip(reason)
-    source = ROOT / "csrc" / "sm90" / "decode_fp8" / "instantiations" / "fast.cu"
-    args = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-DFMLA_FP8_QK_FIRST=1",
-            "-DFLASHMLA_BACKEND_WITH_SM90", "--generate-code=arch=compute_90a,code=sm_90a", "-Xptxas=-v",
-            f"-I{ROOT / 'csrc'}", f"-I{cutlass}", "-c", str(source), "-o", str(tmp_path / "fast_qk_first.o")]
-    res = subprocess.run(args, capture_output=True, text=True)
-    assert res.returncode == 0, f"fast.cu with -DFMLA_FP8_QK_FIRST=1 does not compile:\n{res.stderr[-4000:]}"
-    notes = [line for line in res.stderr.splitlines() if re.search(r"\(C751[0-5]\)", line)]
+    stderr, notes, spills = _ptxas_report(
+        tmp_path, ROOT / "csrc" / "sm90" / "decode_fp8" / "instantiations" / "fast.cu",
+        ("FMLA_FP8_QK_FIRST=1", "FLASHMLA_BACKEND_WITH_SM90"))
     assert not notes, "ptxas serializes wgmma with the candidate:\n" + "\n".join(notes)
-    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    assert spills and all(int(n) == 0 for n in spills), "the candidate spills:\n" + res.stderr[-2000:]
+    assert spills and all(n == 0 for n in spills), "the candidate spills:\n" + stderr[-2000:]
 
 
 def test_sparse_block_probe_compiles(tmp_path):
