@@ -202,26 +202,6 @@ def test_fp8_protocol_model_rejects_a_broken_schedule(fp8_model, mutation):
                 fp8_model.run([9, 4, 7], stages, rings, seed=seed, mutation=mutation)
 
 
-def test_fp8_protocol_model_accepts_the_qk_first_candidate(fp8_model):
-    """mainloop_wg0's FMLA_FP8_QK_FIRST candidate (the next block's Q K^T issued before the p0 arrival, its stage
-    released before P1 V1L's V^T half), played over every e4m3 P V variant of launch.cuh; and the mutations of the
-    schedule still caught under it."""
-    variants = [(stages, (left, right)) for _, stages, left, right, f16pv in fp8_model.read_variants().values()
-                if not f16pv]
-    assert variants
-    starved = [None, "copy", "wg0", "wg1", "transposer0"]
-    for stages, rings in variants:
-        for reqs in ([1], [2], [5], [9, 4, 7], [0, 6], [3, 0, 8]):
-            for seed in range(20):
-                fp8_model.run(reqs, stages, rings, seed=seed, qk_first=True, starve=starved[seed % len(starved)])
-    for mutation in ("copy ignores kv_empty", "transposer ignores vt_empty", "transposer does not release the stage",
-                     "early vt_empty"):
-        with pytest.raises(fp8_model.ProtocolError):
-            for seed in range(40):
-                for stages, rings in variants:
-                    fp8_model.run([9, 4, 7], stages, rings, seed=seed, mutation=mutation, qk_first=True)
-
-
 def test_fp8_protocol_model_rejects_p0_rewritten_before_it_was_read(fp8_model):
     with pytest.raises(fp8_model.ProtocolError, match="p"):
         for seed in range(200):
@@ -516,17 +496,6 @@ def test_sparse_build_switches_keep_wgmma_unserialized(tmp_path, define):
     form printed with device printf, a call that serialized every wgmma, C7510)."""
     _, notes, _ = _ptxas_report(tmp_path, ROOT / "csrc" / "sm90" / "sparse_fp8" / "sparse.cu", (define,))
     assert not notes, f"ptxas serializes wgmma with -D{define}:\n" + "\n".join(notes)
-
-
-def test_fp8_qk_first_candidate_compiles_without_serialization_or_spills(tmp_path):
-    """The dense fast mode's FMLA_FP8_QK_FIRST candidate (decode_fp8/mainloop.cuh: mainloop_wg0) compiles as the
-    default does: no wgmma serialization note and no spills, so that a module built with it times the kernel as it
-    would run."""
-    stderr, notes, spills = _ptxas_report(
-        tmp_path, ROOT / "csrc" / "sm90" / "decode_fp8" / "instantiations" / "fast.cu",
-        ("FMLA_FP8_QK_FIRST=1", "FLASHMLA_BACKEND_WITH_SM90"))
-    assert not notes, "ptxas serializes wgmma with the candidate:\n" + "\n".join(notes)
-    assert spills and all(n == 0 for n in spills), "the candidate spills:\n" + stderr[-2000:]
 
 
 def test_sparse_block_probe_compiles(tmp_path):

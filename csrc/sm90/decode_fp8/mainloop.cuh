@@ -27,10 +27,6 @@
 #include "sm90/decode_fp8/q_tile.cuh"
 #include "sm90/decode_fp8/traits.h"
 
-#if !defined(FMLA_FP8_QK_FIRST)
-#define FMLA_FP8_QK_FIRST 0  // a candidate's build switch, not yet timed: mainloop_wg0
-#endif
-
 namespace flashmla_backend::sm90::decode_fp8 {
 
 using namespace cute;
@@ -571,15 +567,6 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     float sc1[2];
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < 2; ++v) sc1[v] = ss.scale1[ri.row[v]];
-    // Candidate (FMLA_FP8_QK_FIRST, not yet timed): the next S = Q K0^T (block b0 + 2) issued here, once P0 sc1 is
-    // made of S and before kP0Ready, instead of after P1 V1L. About eight wgmma can be outstanding in an SM and the
-    // tensor cores take them in issue order (sparse_fp8/checks/wgmma_issue_probe.cu); warpgroup 1 issues its P0 V0R and
-    // its next Q K^T as soon as kP0Ready arrives, while this warpgroup first waits for its P0 V0L, so this Q K^T, which
-    // the step's chain waits for (its softmax decides m0 for both), queued behind those 20 products (about 830 tensor
-    // cycles). Issued before kP0Ready it goes ahead of them. Same products in the same accumulators: the same bits.
-    // The fast mode's tiles only, without the shared transposition (the stacked two-term-P tile spilled 16 bytes
-    // with it).
-    constexpr bool kQkFirst = FMLA_FP8_QK_FIRST && kNext && T::kQFp8 && !T::kPvF16 && !T::kShareVt;
     // P0 sc1: when no row of the warp changed its max (sc1 == 1, the common case) that is P0's own fragment.
     if constexpr (!T::kPvF16) {
       if (__any_sync(0xffffffffu, sc1[0] != 1.f || sc1[1] != 1.f)) {
@@ -587,11 +574,10 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
       } else {
         store_p(ss.p[0], tid, P.w);
       }
-      if constexpr (kQkFirst) qk_block<T>(tid, ss, g0 + 2, tSrS);
       NamedBarrier::arrive(kNumConsumerThreads, uint32_t(NamedBarriers::kP0Ready));
     }
 
-    warpgroup_wait<kQkFirst ? 1 : 0>();  // P0 V0L done (with kQkFirst the next Q K^T, issued after it, may not be)
+    warpgroup_wait<0>();  // P0 V0L done
     warpgroup_fence_operand(tOrO);
     release_vt<T, 0>(ss, g0, lane);
     rescale_o(tOrO, sc1);
@@ -606,23 +592,19 @@ __device__ __forceinline__ void mainloop_wg0(typename T::SharedStorage& ss, cons
     }
     wait_vt<T, 0>(ss, g0 + 1);
     pv_block<T, 0>(tid, ss, g0 + 1, P, tOrO);
-    if constexpr (kQkFirst) {  // in flight: the Q K^T, then P1 V1L (commit groups complete in order)
-      warpgroup_wait<1>();
+    // The next Q K^T issued earlier, before the kP0Ready arrival, so that it reaches the tensor cores ahead of
+    // warpgroup 1's P0 V0R and next Q K^T (about eight wgmma are outstanding in an SM, taken in issue order:
+    // sparse_fp8/checks/wgmma_issue_probe.cu), gave the same bits and measured level in the fast mode (H200, b128 h_q
+    // 128: 332-334 against 336-338 us in 25 ms windows, level in 100 ms windows and under the power cap, 0.6% slower
+    // there at s_q 2; docs/perf/journal.md, 2026-12-03 14:48): not kept.
+    if constexpr (kNext) qk_block<T>(tid, ss, g0 + 2, tSrS);
+    warpgroup_wait<kNext ? 1 : 0>();
+    warpgroup_fence_operand(tOrO);
+    release_vt<T, 0>(ss, g0 + 1, lane);
+    if constexpr (kNext) {
+      warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
       release_kv_stage<T>(ss, int(stage_of(g0 + 2, T::kStages)), lane);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tOrO);
-      release_vt<T, 0>(ss, g0 + 1, lane);
-    } else {
-      if constexpr (kNext) qk_block<T>(tid, ss, g0 + 2, tSrS);
-      warpgroup_wait<kNext ? 1 : 0>();
-      warpgroup_fence_operand(tOrO);
-      release_vt<T, 0>(ss, g0 + 1, lane);
-      if constexpr (kNext) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tSrS);
-        release_kv_stage<T>(ss, int(stage_of(g0 + 2, T::kStages)), lane);
-      }
     }
   };
   run_steps(nblk, step);

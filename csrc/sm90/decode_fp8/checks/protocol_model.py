@@ -394,9 +394,8 @@ def vregs_step(wg, g0, nxt, first, kS, mutation=None):
         yield from pv1_and_next_qk()
 
 
-def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, vregs=False, qk_first=False):
-    # Warpgroup wg reads V^T half wg of every block. qk_first: the candidate of mainloop_wg0 (FMLA_FP8_QK_FIRST), the
-    # next block's Q K^T issued before the p0 arrival and released before P1 V1L's V^T half.
+def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, vregs=False):
+    # Warpgroup wg reads V^T half wg of every block.
     g_base = 0
     for n in requests:
         yield ("named_sync", "consumers")      # Q tile ready
@@ -417,24 +416,17 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, v
                 elif f16pv:
                     yield from f16pv_step(wg, g0, nxt, b0 == 0, kS, kVt, mutation)
                 elif wg == 0:
-                    early = qk_first and nxt
                     yield ("named_arrive", "scale0")
                     yield from pv_issue(g0, wg, kVt)
                     yield ("named_sync", "scale1")
-                    if early:
-                        yield from qk(g0 + 2, kS)
                     yield ("named_arrive", "p0")
                     yield from pv_done(g0, wg, kVt)
                     yield from pv_issue(g0 + 1, wg, kVt)
-                    if early:
+                    if nxt:
+                        yield from qk(g0 + 2, kS)
+                    yield from pv_done(g0 + 1, wg, kVt)
+                    if nxt:
                         yield from qk_done(g0 + 2, kS)
-                        yield from pv_done(g0 + 1, wg, kVt)
-                    else:
-                        if nxt:
-                            yield from qk(g0 + 2, kS)
-                        yield from pv_done(g0 + 1, wg, kVt)
-                        if nxt:
-                            yield from qk_done(g0 + 2, kS)
                 else:
                     yield ("named_sync", "scale0")
                     yield ("named_arrive", "scale1")
@@ -460,11 +452,10 @@ def consumer_agent(wg, requests, kS, kVt: VtRings, mutation=None, f16pv=False, v
 
 def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
         arrivals: dict[str, int] | None = None, seed: int = 0, mutation: str | None = None,
-        f16pv: bool = False, starve: str | None = None, vregs: bool = False, qk_first: bool = False) -> None:
+        f16pv: bool = False, starve: str | None = None, vregs: bool = False) -> None:
     """One random interleaving of the CTA's agents over request pieces with these block counts. `starve` names an
     agent that moves only when no other can (the interleavings where one role lags far behind the others). vregs: the
-    V-in-registers tile (no transposer warps; vt_rings unused). qk_first: warpgroup 0 of the FMLA_FP8_QK_FIRST candidate
-    (consumer_agent)."""
+    V-in-registers tile (no transposer warps; vt_rings unused)."""
     arrivals = dict(read_arrivals() if arrivals is None else arrivals)
     if vregs:
         arrivals["kKvEmptyArrivals"] = read_vregs_kv_empty_arrivals()
@@ -477,7 +468,7 @@ def run(requests: list[int], stages: int, vt_rings: tuple[int, int],
             agents[f"transposer{w}"] = transposer_agent(w, blocks, stages, vt, arrivals["kNumTransposeWarps"],
                                                         arrivals["kNumVPairs"], mutation)
     for wg in (0, 1):
-        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, mutation, f16pv, vregs, qk_first)
+        agents[f"wg{wg}"] = consumer_agent(wg, requests, stages, vt, mutation, f16pv, vregs)
     # Named barriers: generation counters. scale0 / scale1 / p0 / p0free / p1free: one side arrives, the other syncs;
     # consumers: both warpgroups sync (a generation completes when both arrived).
     named = {"scale0": [0, 0], "scale1": [0, 0], "p0": [0, 0], "p0free": [0, 0], "p1free": [0, 0]}
