@@ -507,7 +507,7 @@ def _fill_sparse_schedule(meta: FlashMLASchedMeta, config, rows: int, topk: int,
     # Every row is scheduled at topk entries; the kernel reads topk_length itself (csrc/params.h), so the schedule
     # holds for any topk_length, also in the replays of a captured graph.
     lengths = torch.full((rows,), topk, dtype=torch.int32, device=dev)
-    parts = scheduler.num_sm_parts(device.sm_count(dev), 1, h_q)
+    parts = scheduler.sparse_num_sm_parts(device.sm_count(dev), rows, topk, h_q)
     tile_md, splits = _metadata_impl(lengths, parts, scheduler.SPARSE_MIN_PART_BLOCKS)
     meta.tile_scheduler_metadata, meta.num_splits, meta.sparse_lengths = tile_md, splits, lengths
     meta.sparse_split = _sparse_schedule_splits(rows, topk, parts)

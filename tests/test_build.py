@@ -304,9 +304,10 @@ def test_ops_sparse_path_sets_every_decode_field(monkeypatch):
     assert not (set(a.set_names) - expected), f"the sparse path sets unknown fields {sorted(set(a.set_names) - expected)}"
     assert (a.batch, a.seqlen_q, a.num_heads_q, a.num_heads_kv, a.sparse_seqlen_q) == (b * s_q, 1, h_q, 1, s_q)
     assert (a.indices, a.indices_stride, a.topk_length) == (indices.data_ptr(), topk, topk_length.data_ptr())
-    assert (a.num_kv_tokens, a.max_pages_per_seq, a.num_sm_parts) == (4 * geometry.PAGE_SIZE, 2, 66)
+    # 6 rows of 2 blocks: 12 parts (scheduler.sparse_num_sm_parts: no more parts than blocks), one block each
+    assert (a.num_kv_tokens, a.max_pages_per_seq, a.num_sm_parts) == (4 * geometry.PAGE_SIZE, 2, 12)
     assert meta.sparse_lengths.tolist() == [topk] * (b * s_q)  # the schedule does not depend on topk_length
-    assert a.skip_combine is False and meta.sparse_split is True  # 6 rows of 2 blocks on 66 parts: rows are cut
+    assert a.skip_combine is False and meta.sparse_split is True  # one-block pieces: rows are cut
     assert out.shape == (b, s_q, h_q, geometry.HEAD_DIM_V) and lse.shape == (b, h_q, s_q) and lse.is_contiguous()
 
     # s_q 1: the rows are the requests, a step of q's and indices' first strides (a size-1 dimension's stride can be

@@ -92,6 +92,26 @@ def test_sparse_schedules_take_one_block_pieces():
     assert (int(dense[1]), int(sparse[1])) == (4, 8)
 
 
+@pytest.mark.parametrize("rows,topk,h_q,want", [(1, 512, 128, 8), (1, 2048, 128, 32), (2, 512, 128, 16),
+                                                 (1, 100, 64, 2), (3, 2048, 64, 96), (64, 2048, 128, 66),
+                                                 (128, 128, 128, 66), (1, 64, 64, 1), (0, 2048, 128, 1)])
+def test_sparse_parts_are_no_more_than_the_blocks(rows, topk, h_q, want):
+    """The sparse schedule's part count (scheduler.sparse_num_sm_parts) is num_sm_parts capped at the rows' blocks, and
+    the cap changes no piece: the busy rows of the metadata and the split counts are those of the uncapped schedule,
+    only the parts that would have had no work are gone."""
+    parts = scheduler.sparse_num_sm_parts(132, rows, topk, h_q)
+    assert parts == want
+    full = scheduler.num_sm_parts(132, 1, h_q)
+    lengths = torch.full((rows,), topk, dtype=torch.int32)
+    meta, splits = scheduler.schedule(lengths, parts, scheduler.SPARSE_MIN_PART_BLOCKS)
+    meta_full, splits_full = scheduler.schedule(lengths, full, scheduler.SPARSE_MIN_PART_BLOCKS)
+    busy = [r.tolist() for r in meta if r[0] <= r[2]]
+    assert busy == [r.tolist() for r in meta_full if r[0] <= r[2]]
+    assert torch.equal(splits, splits_full)
+    if rows and parts < full:  # capped: every part has a block
+        assert len(busy) == parts == rows * -(-topk // PAGE)
+
+
 @pytest.mark.parametrize("length,parts,busy", [(8192, 66, 64), (8192, 132, 64), (8192 * 2, 66, 64),
                                                (PAGE * 66, 66, 33), (PAGE * 132, 66, 66), (1, 66, 1)])
 def test_a_single_request_is_spread_over_the_parts(length, parts, busy):

@@ -500,7 +500,7 @@ def test_the_combine_runs_only_where_the_sparse_schedule_cuts_a_row(rows, topk, 
     benchmark table's shapes at b >= 64 are scheduled whole (one row a part or rows whole on 66 parts at h_q 128, 132
     at h_q 64), b32 and b1 are cut; the sparse path then launches the decode without the combine (skip_combine)."""
     from flashmla_backend import ops, scheduler
-    parts = scheduler.num_sm_parts(132, 1, h_q)
+    parts = scheduler.sparse_num_sm_parts(132, rows, topk, h_q)
     assert ops._sparse_schedule_splits(rows, topk, parts) is cut
     if rows:
         _, splits = scheduler.schedule(torch.full((rows,), topk, dtype=torch.int32), parts,
