@@ -49,7 +49,7 @@ def sparse_num_sm_parts(sm_count: int, rows: int, topk: int, num_heads_q: int) -
     """Parts of the sparse kernel's schedule (rows of topk entries, one latent KV head): num_sm_parts, but no more than
     the rows' blocks. With one-block pieces (SPARSE_MIN_PART_BLOCKS) every block gets a part of its own once there are
     as many parts as blocks, so more parts schedule the same pieces and only add CTAs that return at once (H200, b = 1
-    top-k 512: 8 one-block pieces on 66 parts 21.7-21.8 us, on 8 parts 20.3-20.5; docs/perf/journal.md, 2026-12-03)."""
+    top-k 512: 8 one-block pieces on 66 parts 21.3-21.8 us, on 8 parts 20.3-20.6; docs/perf/journal.md, 2026-12-03)."""
     blocks = rows * -(-topk // PAGE_SIZE)
     return max(1, min(num_sm_parts(sm_count, 1, num_heads_q), blocks))
 
