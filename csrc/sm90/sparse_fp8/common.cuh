@@ -63,11 +63,7 @@ enum DebugFlags : int {
 
 // Arrivals of the V^T barriers: vt_full (the transposer warps), vt_empty (a warp of a consumer warpgroup once a
 // group's P V of the half completed: a half holds two groups, each read by its own P V, lead.cuh).
-#if defined(FMLA_SPARSE_PAIR_THALF)
-constexpr uint32_t kVtFullArrivals = 1;  // the half's own transposer warp
-#else
 constexpr uint32_t kVtFullArrivals = kTransposeWarps;
-#endif
 constexpr uint32_t kGroupsPerVtHalf = 2;
 constexpr uint32_t kVtEmptyArrivals = 4 * kGroupsPerVtHalf;
 
@@ -423,22 +419,6 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
       const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(ss.stage[s]);
       block_group_factors(ss, s, int((g + kStages - 1) % kStages), blk == 0, twarp, lane);
       FMLA_TL(ss, kTlTranspose, kTlFactors, twarp == 0 && lane == 0);
-#if defined(FMLA_SPARSE_PAIR_THALF)
-      // (the pair plan's candidate: warp t writes all of V^T half t, the half of its groups, so that the two halves,
-      // each read by one consumer warpgroup, are not taken in one order)
-      {
-        const int h = twarp;
-        if (g > 0) producer_wait(ss.vt_empty[h], (g - 1) & 1u, hint);
-        if (!(debug & kDebugNoTranspose)) {
-#pragma unroll 1
-          for (int part = 0; part < 2; ++part)
-            transpose_part(stage_addr, cute::cast_smem_ptr_to_uint(ss.vt[h]), h, part, lane);
-        }
-        cutlass::arch::fence_view_async_shared();  // stmatrix writes, read by wgmma
-        warp_arrive(ss.vt_full[h], lane);
-        FMLA_TL(ss, kTlTranspose, kTlHalf, twarp == 0 && lane == 0);
-      }
-#else
 #pragma unroll 1
       for (int h = 0; h < 2; ++h) {
         if (g > 0) producer_wait(ss.vt_empty[h], (g - 1) & 1u, hint);
@@ -448,7 +428,6 @@ __device__ __forceinline__ void transpose_warp(const DecodeParams& p, SS& ss, co
         warp_arrive(ss.vt_full[h], lane);
         FMLA_TL(ss, kTlTranspose, kTlHalf, twarp == 0 && lane == 0);
       }
-#endif
       warp_arrive(ss.empty[s], lane);
     }
   }

@@ -22,9 +22,6 @@
 #include "common/measure.h"
 #include "sm90/sparse_fp8/common.cuh"
 #include "sm90/sparse_fp8/lead.cuh"
-#if defined(FMLA_SPARSE_PAIR)
-#include "sm90/sparse_fp8/pair.cuh"
-#endif
 
 namespace flashmla_backend::sm90::sparse_fp8 {
 
@@ -69,10 +66,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     ss.qk_issued[0].init(kQkIssuedArrivals);
     ss.qk_issued[1].init(kQkIssuedArrivals);
-#if defined(FMLA_SPARSE_PAIR)
-    ss.m_full[0].init(kMFullArrivals);
-    ss.m_full[1].init(kMFullArrivals);
-#endif
 #if defined(FMLA_SPARSE_TIMELINE)
     tl_init(ss.tl, tl_start, tl_start_ns);
 #endif
@@ -91,12 +84,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     } else {
       transpose_warp(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, warp - kGatherWarps, lane, debug);
     }
-#if defined(FMLA_SPARSE_PAIR)
-  } else {
-    cutlass::arch::warpgroup_reg_alloc<kPairRegs>();
-    pair_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, wg, tid, debug);
-  }
-#else
   } else if (wg == 0) {
     cutlass::arch::warpgroup_reg_alloc<kLeadRegs>();
     lead_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
@@ -104,7 +91,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     cutlass::arch::warpgroup_reg_alloc<kFollowRegs>();
     follow_loop(p, ss, cta.meta, cta.begin_req, cta.end_req, m_block, tid, debug);
   }
-#endif
 #else
   if (threadIdx.x == 0) printf("flashmla_backend: sm90 sparse decode kernel was not compiled for sm_90a\n");
   __trap();

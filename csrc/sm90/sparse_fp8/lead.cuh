@@ -84,11 +84,6 @@ struct alignas(1024) LeadStorage {
   cutlass::arch::ClusterBarrier vt_full[kVtSlots];
   cutlass::arch::ClusterBarrier vt_empty[kVtSlots];
   cutlass::arch::ClusterBarrier qk_issued[2];
-#if defined(FMLA_SPARSE_PAIR)
-  // The pair plan (pair.cuh): block g's running max in mrun[g % 2], published by m_full[g % 2] (its owner's warps).
-  float mrun[2][kTileRows];
-  cutlass::arch::ClusterBarrier m_full[2];
-#endif
 #if defined(FMLA_SPARSE_TIMELINE)
   Timeline tl;  // timeline.cuh
 #endif

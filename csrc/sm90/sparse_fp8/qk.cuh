@@ -51,7 +51,7 @@ constexpr int kKStepsPerGroup = 128 / 32;
 // The steps of a block's Q K^T (sparse_qk_block below, and lead.cuh's overlapped order, which puts the block before's
 // softmax and P V between them): qk_issue_rope, then qk_issue_group for groups 0..3 and qk_fold_group for each once
 // its commit group was waited for. Each issue is one commit group.
-template <bool kAccumulate = false, class FragS>
+template <class FragS>
 __device__ __forceinline__ void qk_issue_rope(int tid, uint8_t* q_rope, uint8_t* stage, FragS& tSrS) {
   using BF = QkTypes::BF;
   typename QkTypes::TiledMmaRope mma_r;
@@ -60,7 +60,7 @@ __device__ __forceinline__ void qk_issue_rope(int tid, uint8_t* q_rope, uint8_t*
   Tensor sKr = make_tensor(make_smem_ptr(reinterpret_cast<BF*>(stage + kRopeAt)), typename QkTypes::RopeLayout{});
   Tensor tQr = thr_r.partition_fragment_A(sQr);
   Tensor tKr = thr_r.partition_fragment_B(sKr);
-  mma_r.accumulate_ = kAccumulate ? GMMA::ScaleOut::One : GMMA::ScaleOut::Zero;
+  mma_r.accumulate_ = GMMA::ScaleOut::Zero;
   warpgroup_fence_operand(tSrS);
   warpgroup_arrive();
   CUTLASS_PRAGMA_UNROLL
