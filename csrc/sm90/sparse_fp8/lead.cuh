@@ -280,10 +280,11 @@ __device__ __forceinline__ void lead_loop(const DecodeParams& p, LeadStorage& ss
       FMLA_TL(ss, kTlLead, kTlWords, tid_in_wg == 0);
       warp_arrive(ss.empty[s], lane);
     };
-    // Every block but the row piece's last: block g + 1's Q K^T overlaps block g's softmax where it can. If block g + 1's
-    // stage has landed, its group 0 product goes into t0 before block g's softmax and its group 1 product into t1 right
-    // after it, before the P hand-off (else both after the words, so that a late gather does not hold the softmax:
-    // waiting for the stage there, whether landed or not, measured 23% slower at b128 top-k 2048, docs/perf/journal.md).
+    // Every block but the row piece's last: block g + 1's Q K^T overlaps block g's softmax where it can. If block
+    // g + 1's stage has landed, its group 0 product goes into t0 before block g's softmax and its group 1 product into
+    // t1 right after it, before the P hand-off (else both after the words, so that a late gather does not hold the
+    // softmax: waiting for the stage there, whether landed or not, measured 23% slower at b128 top-k 2048,
+    // docs/perf/journal.md).
     // The two groups are issued apart because about eight wgmma can be outstanding in an SM, whichever warpgroup
     // issued them, and issuing more blocks the issuing warpgroup until the oldest complete
     // (checks/wgmma_issue_probe.cu): both groups' 16 products before the softmax held warpgroup 0 0.39-0.48 µs, about
