@@ -136,3 +136,59 @@ def test_markdown_anchors_resolve(md):
 def test_heading_anchors_follow_the_renderer():
     text = "# A title\n\n## FP8 KV cache: measured (H100, vLLM 0.26.0)\n\n## `--engines`: tests\n\n## A title\n"
     assert heading_anchors(text) == {"a-title", "fp8-kv-cache-measured-h100-vllm-0260", "--engines-tests", "a-title-1"}
+
+
+# Build switches, settings and environment variables of the project: the kernels' defines (FMLA_..., also as
+# -DFMLA_...) and the FLASHMLA_BACKEND_... settings of CMake, the launchers and the tests.
+SWITCH_NAME = re.compile(r"(?:(?<=-D)|(?<![A-Za-z0-9_]))((?:FMLA|FLASHMLA_BACKEND)_[A-Z0-9_]*[A-Z0-9])\b")
+# The one Markdown file that may name switches since removed: the measurement history.
+HISTORY = {"docs/perf/journal.md"}
+
+
+def tracked_files() -> list[Path]:
+    """The files git tracks; outside a git checkout, those under the root less build and env folders."""
+    try:
+        res = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        res = None
+    if res is not None and res.returncode == 0 and res.stdout:
+        return sorted(ROOT / n for n in res.stdout.decode().split("\0") if n and (ROOT / n).is_file())
+    return sorted(p for p in ROOT.rglob("*") if p.is_file()
+                  and not any(part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(ROOT).parts[:-1]))
+
+
+def unknown_switches(docs: dict[str, str], sources: str) -> dict[str, list[str]]:
+    """The switch names each document names that no source text contains: {name: [documents]}."""
+    known = set(SWITCH_NAME.findall(sources))
+    unknown: dict[str, list[str]] = {}
+    for doc, text in sorted(docs.items()):
+        for name in sorted(set(SWITCH_NAME.findall(text)) - known):
+            unknown.setdefault(name, []).append(doc)
+    return unknown
+
+
+def test_documented_switches_exist():
+    """Every build switch or setting a Markdown file names (a kernel define FMLA_..., a FLASHMLA_BACKEND_...
+    setting) exists in the sources, the journal excepted (it keeps the history of switches since removed): a reader
+    who sets a switch that a change removed gets the default build and no error, so a description of one must go
+    with it. docs/build.md once listed two sparse candidates for weeks after they had left the sources."""
+    docs, sources = {}, []
+    for path in tracked_files():
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix == ".md":
+            if rel not in HISTORY:
+                docs[rel] = text
+        else:
+            sources.append(text)
+    assert docs, "no Markdown files found"
+    unknown = unknown_switches(docs, "\n".join(sources))
+    assert not unknown, ("Markdown files name switches the sources do not have (removed or misspelled): "
+                         + "; ".join(f"{n} in {', '.join(d)}" for n, d in unknown.items()))
+
+
+def test_unknown_switch_check_detects_what_it_should():
+    docs = {"a.md": "Build with `-DFMLA_SPARSE_GONE=1` or FLASHMLA_BACKEND_MEASURE=1.", "b.md": "FMLA_TL only."}
+    sources = "#if defined(FMLA_TL)\n flashmla_setting(FLASHMLA_BACKEND_MEASURE ...)"
+    assert unknown_switches(docs, sources) == {"FMLA_SPARSE_GONE": ["a.md"]}
+    assert unknown_switches({"c.md": "FMLA_ alone, FLASHMLA_BACKEND_ alone"}, "") == {}
