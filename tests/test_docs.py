@@ -21,17 +21,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".test-envs", "build", "dist", "node_modules", ".venv", "venv"}
 
 
-def markdown_files() -> list[Path]:
-    """The Markdown files git tracks; outside a git checkout, those under the root less build and env folders."""
+def tracked_files() -> list[Path]:
+    """The files git tracks; outside a git checkout, those under the root less build and env folders."""
     try:
-        res = subprocess.run(["git", "ls-files", "-z", "--", "*.md"], cwd=ROOT, capture_output=True, timeout=60)
+        res = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         res = None
     if res is not None and res.returncode == 0 and res.stdout:
-        names = [n for n in res.stdout.decode().split("\0") if n]
-        return sorted(ROOT / n for n in names if (ROOT / n).is_file())
-    return sorted(p for p in ROOT.rglob("*.md")
-                  if not any(part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(ROOT).parts[:-1]))
+        return sorted(ROOT / n for n in res.stdout.decode().split("\0") if n and (ROOT / n).is_file())
+    return sorted(p for p in ROOT.rglob("*") if p.is_file()
+                  and not any(part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(ROOT).parts[:-1]))
+
+
+def markdown_files() -> list[Path]:
+    """The Markdown files among them."""
+    return [p for p in tracked_files() if p.suffix == ".md"]
 
 
 def closing_fence(line: str, marker: str) -> bool:
@@ -143,18 +147,6 @@ def test_heading_anchors_follow_the_renderer():
 SWITCH_NAME = re.compile(r"(?:(?<=-D)|(?<![A-Za-z0-9_]))((?:FMLA|FLASHMLA_BACKEND)_[A-Z0-9_]*[A-Z0-9])\b")
 # The one Markdown file that may name switches since removed: the measurement history.
 HISTORY = {"docs/perf/journal.md"}
-
-
-def tracked_files() -> list[Path]:
-    """The files git tracks; outside a git checkout, those under the root less build and env folders."""
-    try:
-        res = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        res = None
-    if res is not None and res.returncode == 0 and res.stdout:
-        return sorted(ROOT / n for n in res.stdout.decode().split("\0") if n and (ROOT / n).is_file())
-    return sorted(p for p in ROOT.rglob("*") if p.is_file()
-                  and not any(part in SKIP_DIRS or part.startswith(".") for part in p.relative_to(ROOT).parts[:-1]))
 
 
 def unknown_switches(docs: dict[str, str], sources: str) -> dict[str, list[str]]:
