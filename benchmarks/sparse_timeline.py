@@ -3,9 +3,11 @@
 
     FLASHMLA_BACKEND_NVCC_FLAGS=-DFMLA_SPARSE_TIMELINE=1 cmake -S . -B build -G Ninja && cmake --build build
     python benchmarks/sparse_timeline.py [--shapes b1-sq1-h128-topk64,b128-sq1-h128-topk128] [--ctas 0,1] [--events 40]
+        [--no-flush]
 
 For each shape (sparse_bench.py's syntax and inputs) one call of flashmla_backend's sparse decode runs after a warm-up
-call and a flush of the L2 cache, and the kernel's records (csrc/sm90/sparse_fp8/timeline.cuh) are read back. Printed:
+call and a flush of the L2 cache (with --no-flush: right after the warm-up call, as calls back to back run), and the
+kernel's records (csrc/sm90/sparse_fp8/timeline.cuh) are read back. Printed:
 the spread of the CTAs' start times and of the lead and follower warpgroups' end times (global timer), and for the CTAs
 of --ctas (index blockIdx.z * gridDim.x + blockIdx.x) every role's events in time order, in µs from the CTA's start
 (the SM clock, converted with the CTA's own cycles-to-ns ratio, lead start to end), the first and last --events of
@@ -34,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--ctas", default="0,1", help="comma-separated CTA indices whose events are printed")
     p.add_argument("--events", type=int, default=40, help="events printed from each end of a role's list")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-flush", action="store_true",
+                   help="leave the L2 cache and the code as the warm-up call left them (the state of calls back to "
+                        "back, as in CUDA-graph replays) instead of flushing the L2 cache before the recorded call")
     return p.parse_args(argv)
 
 
@@ -114,7 +119,8 @@ def main(argv=None) -> int:
         fn()
         torch.cuda.synchronize()
         C.sparse_timeline(idx)  # clears the warm-up's counts
-        flush.zero_()
+        if not args.no_flush:
+            flush.zero_()
         fn()
         torch.cuda.synchronize()
         print(f"{shape.name}:")
