@@ -163,7 +163,7 @@ def test_documented_switches_exist():
     """Every build switch or setting a Markdown file names (a kernel define FMLA_..., a FLASHMLA_BACKEND_...
     setting) exists in the sources, the journal excepted (it keeps the history of switches since removed): a reader
     who sets a switch that a change removed gets the default build and no error, so a description of one must go
-    with it. docs/build.md once listed two sparse candidates for weeks after they had left the sources."""
+    with it. docs/build.md once still listed two sparse candidates after they had left the sources."""
     docs, sources = {}, []
     for path in tracked_files():
         rel = path.relative_to(ROOT).as_posix()
