@@ -8,8 +8,12 @@
 // query row and column chunk, the splits in sequence. kChunks = 1: lane j owns the 16 output columns
 // {4j..4j+3} + 128 k, k = 0..3 (float4 loads, coalesced across the warp). kChunks = 4: CTA chunk c covers
 // columns 128c .. 128c + 127 and lane j owns 4 of them; picked when the grid would otherwise leave most SMs
-// idle. Each lane keeps 16 float4 loads in flight, one split at a time: for a request cut into tens of
-// splits this kernel takes a large share of the decode step (docs/perf/journal.md).
+// idle. Each lane keeps 16 float4 loads in flight (4 or 16 splits), the first group's issued before the passes
+// over the lse values so that both share a round trip; with kChunks = 4 and a grid of at most kWideMaxCtas CTAs
+// (b = 1 at h_q <= 128) 32 splits' loads, so that a row of up to 32 splits is read in one round trip. For a request
+// cut into tens of splits this kernel takes a large share of the decode step (docs/perf/journal.md; the sparse
+// kernel at b = 1 top-k 2048, 32 one-block splits a row: the combine's work after its wait was 4.7 of a 22.8 µs call,
+// and these two changes made the call 1.1-1.6 µs shorter).
 //
 // combine_splits_kernel (splits in parallel), for few requests cut into many splits (b = 1 at 8192 keys: 64 splits
 // of two blocks, on 66 parts at h_q = 128 or 132 at h_q = 16): grid (q_rows * 4, h_kv, batch), one CTA per row and
@@ -76,10 +80,13 @@ __device__ __forceinline__ CombineRow<T> combine_row(const DecodeParams& p, int 
   return r;
 }
 
-template <typename T, int kChunks>
+template <typename T, int kChunks, bool kWide>
 __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   constexpr int kVecs = kVecsPerLane / kChunks;  // float4 per lane per split: 4 or 1
-  constexpr int kUnroll = 16 / kVecs;            // splits whose loads are in flight together: 4 or 16
+  // Splits whose loads are in flight together: 16 float4 a lane (4 or 16 splits), or with kWide (a quarter row a
+  // warp, few CTAs) 32 splits, so that a request of up to 32 splits is read in one round trip (168 registers).
+  constexpr int kUnroll = kWide ? 32 : 16 / kVecs;
+  static_assert(!kWide || kVecs == 1, "the wide form is the quarter-row one");
   constexpr int kChunkCols = kHeadDimV / kChunks;
   static_assert(kVecsPerLane % kChunks == 0 && 32 % kUnroll == 0, "combine layout");
   const int req = blockIdx.z;
@@ -98,6 +105,22 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   const CombineRow<T> cr = combine_row<T>(p, req, hk, row, first_split);
   const long long row_stride = cr.split_stride;
   const float* lse_row = lse_accum_at(p, cr.first);
+  // Lane-local float4 index of vector k: (chunk * kVecs + k) * 32 + lane.
+  const float4* o_row = reinterpret_cast<const float4*>(o_accum_row(p, cr.first)) + chunk * kVecs * 32 + lane;
+  const long long split_stride4 = row_stride * (kHeadDimV / 4);  // float4 between one split's row and the next's
+
+  // The partials of splits j0 .. j0 + kUnroll - 1 (absent ones 0). The first group is loaded here, before the lse
+  // passes, so that its loads and theirs share one round trip (a row of at most kUnroll splits is read in one).
+  float4 v[kUnroll][kVecs];
+  const auto load_group = [&](int j0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const float4* src = o_row + (j0 + u) * split_stride4;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) v[u][k] = j0 + u < n_splits ? src[k * 32] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  load_group(0);
 
   // Pass 1: max and sum of exp over the splits' lse (each lane takes splits lane, lane+32, ...).
   float max_lse = -INFINITY;
@@ -120,24 +143,16 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(DecodeParams p) {
   for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
   const float final_lse = max_lse + logf(sum);
 
-  // Pass 2: weighted sum of the partial outputs. Lane-local float4 index of vector k: (chunk * kVecs + k) * 32 + lane.
+  // Pass 2: weighted sum of the partial outputs, kUnroll splits at a time in split order.
   float acc[4 * kVecs];
 #pragma unroll
   for (int k = 0; k < 4 * kVecs; ++k) acc[k] = 0.f;
-  const float4* o_row = reinterpret_cast<const float4*>(o_accum_row(p, cr.first)) + chunk * kVecs * 32 + lane;
-  const long long split_stride4 = row_stride * (kHeadDimV / 4);  // float4 between one split's row and the next's
   for (int base = 0; base < n_splits; base += 32) {
     const int i_mine = base + lane;
     const float w_mine = i_mine < n_splits ? expf(lse_row[i_mine * row_stride] - final_lse) : 0.f;
     const int count = min(32, n_splits - base);
     for (int j0 = 0; j0 < count; j0 += kUnroll) {
-      float4 v[kUnroll][kVecs];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const float4* src = o_row + (base + j0 + u) * split_stride4;
-#pragma unroll
-        for (int k = 0; k < kVecs; ++k) v[u][k] = j0 + u < count ? src[k * 32] : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+      if (base + j0 > 0) load_group(base + j0);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const float w = __shfl_sync(0xffffffffu, w_mine, j0 + u);
@@ -290,11 +305,18 @@ void launch_combine_kernel(const DecodeParams& p, void (*kernel)(DecodeParams), 
   FMLA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
 }
 
-template <typename T, int kChunks>
+template <typename T, int kChunks, bool kWide = false>
 void launch_combine(const DecodeParams& p, dim3 grid) {
   grid.x *= kChunks;
-  launch_combine_kernel(p, combine_kernel<T, kChunks>, grid, dim3(kThreads));
+  launch_combine_kernel(p, combine_kernel<T, kChunks, kWide>, grid, dim3(kThreads));
 }
+
+// The quarter-row grid at most this large takes the wide form (at 168 registers three of its CTAs fit an SM, so a
+// larger grid would need a second wave of them).
+#ifndef FMLA_COMBINE_WIDE_MAX_CTAS
+#define FMLA_COMBINE_WIDE_MAX_CTAS 128
+#endif
+constexpr long long kWideMaxCtas = FMLA_COMBINE_WIDE_MAX_CTAS;
 
 // Splits in parallel when a request can have at least this many splits on average (num_sm_parts / batch):
 // b = 1 at h_q = 128 (66 parts), b <= 2 at h_q = 16 (132 parts). Against combine_kernel it wins at b = 1 and
@@ -322,6 +344,8 @@ void launch_combine(const DecodeParams& p) {
     } else {
       launch_combine_kernel(p, combine_splits_kernel<T, 17>, split_grid, block);
     }
+  } else if (ctas < kFewCtas && ctas * 4 <= kWideMaxCtas) {
+    launch_combine<T, 4, true>(p, grid);
   } else if (ctas < kFewCtas) {
     launch_combine<T, 4>(p, grid);
   } else {
