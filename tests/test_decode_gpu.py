@@ -149,9 +149,9 @@ def test_strided_q_and_padded_pages(kernel, record_errors):
                                            (300, [20000, 700])], ids=str)
 def test_combine_with_many_splits(parts, lengths, kernel, record_errors):
     """Metadata with more parts than the device's SM count would give, so the combine launcher picks each of its
-    kernels: rows in parallel (40 parts: 40 splits), splits in parallel with 9 or 17 splits per warp (70 parts:
-    47 splits; 96 parts at b = 2: 24 and 47), and in several rounds of 136 (300 parts: 204 splits at b = 1, 157 and
-    6 at b = 2)."""
+    kernels: rows in parallel (40 parts: 40 splits, on the small grid's wide form: 32 splits' loads in the lse values'
+    round trip, then 8), splits in parallel with 9 or 17 splits per warp (70 parts: 47 splits; 96 parts at b = 2: 24
+    and 47), and in several rounds of 136 (300 parts: 204 splits at b = 1, 157 and 6 at b = 2)."""
     from flashmla_backend import ops
     case = Case(lengths=lengths, s_q=1, h_q=16, seed=parts)
     inp = make_inputs(case, "cuda")
