@@ -311,12 +311,10 @@ void launch_combine(const DecodeParams& p, dim3 grid) {
   launch_combine_kernel(p, combine_kernel<T, kChunks, kWide>, grid, dim3(kThreads));
 }
 
-// The quarter-row grid at most this large takes the wide form (at 168 registers three of its CTAs fit an SM, so a
-// larger grid would need a second wave of them).
-#ifndef FMLA_COMBINE_WIDE_MAX_CTAS
-#define FMLA_COMBINE_WIDE_MAX_CTAS 128
-#endif
-constexpr long long kWideMaxCtas = FMLA_COMBINE_WIDE_MAX_CTAS;
+// The quarter-row grid at most this large takes the wide form: 128 CTAs is b = 1 at h_q 128. With the wide form on
+// every quarter-row grid the bf16 calls of 256 CTAs (b = 2 at h_q 128) were 3% and of 512 CTAs (b = 4, where three of
+// its CTAs of 168 registers fit an SM, so two waves) 8% slower (H200; docs/perf/journal.md, 2026-12-03 19:58).
+constexpr long long kWideMaxCtas = 128;
 
 // Splits in parallel when a request can have at least this many splits on average (num_sm_parts / batch):
 // b = 1 at h_q = 128 (66 parts), b <= 2 at h_q = 16 (132 parts). Against combine_kernel it wins at b = 1 and
