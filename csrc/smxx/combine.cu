@@ -342,10 +342,12 @@ void launch_combine(const DecodeParams& p) {
     } else {
       launch_combine_kernel(p, combine_splits_kernel<T, 17>, split_grid, block);
     }
-  } else if (ctas < kFewCtas && ctas * 4 <= kWideMaxCtas) {
-    launch_combine<T, 4, true>(p, grid);
   } else if (ctas < kFewCtas) {
-    launch_combine<T, 4>(p, grid);
+    if (ctas * 4 <= kWideMaxCtas) {
+      launch_combine<T, 4, true>(p, grid);
+    } else {
+      launch_combine<T, 4>(p, grid);
+    }
   } else {
     launch_combine<T, 1>(p, grid);
   }
